@@ -1,0 +1,32 @@
+# Two commands from a clean clone: `make run` and `make test`.
+# Everything installs into .venv; the Horovod wheel is built once and cached
+# under ~/.cache/pipe_horovod/wheels (see scripts/install_horovod.sh).
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NP ?= 2
+
+.PHONY: install run test clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py scripts/install_horovod.sh scripts/cxx17
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip setuptools wheel
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[test]'
+	PYTHON=$(PY) bash scripts/install_horovod.sh
+	touch $@
+
+# The main job: the digits CNN on $(NP) horovodrun workers, synchronous then
+# pipelined, with the held-out accuracy of each.
+run: install
+	$(PY) examples/compare_digits.py --np $(NP)
+
+test: install
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,34 @@
+"""The `pipe-horovod` command: one subcommand per module in `commands/`."""
+import argparse
+import importlib
+import sys
+
+# Subcommand name -> module under pipe_horovod.commands exposing
+# add_arguments(parser) and run(args) -> exit code. Imported lazily so
+# `pipe-horovod check` works even when torch is missing.
+COMMANDS = {
+    "check": "Print which engines, controllers and frameworks are available.",
+    "model": "Predict sync vs pipelined step time from the timing model.",
+    "bench": "Measure pipelined vs sync vs Horovod vs DDP step time.",
+}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="pipe-horovod")
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, help_text in COMMANDS.items():
+        try:
+            module = importlib.import_module(f"pipe_horovod.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if not exc.name.startswith("pipe_horovod.commands"):
+                raise
+            continue
+        modules[name] = module
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    args = parser.parse_args(argv)
+    return modules[args.command].run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

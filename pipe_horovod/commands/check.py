@@ -1,0 +1,74 @@
+"""`pipe-horovod check`: what this installation can run, like `horovodrun --check-build`.
+
+Answers before a user spends cluster time: which engines import, which
+controllers and collectives Horovod was built with, which frameworks are
+present. Exits non-zero when something the user asked for is missing.
+"""
+import importlib
+
+from ..engine import ENGINES, missing_package
+
+
+def _version(module):
+    try:
+        return importlib.import_module(module).__version__
+    except Exception:  # noqa: BLE001 - any failure means "not usable here"
+        return None
+
+
+def _horovod_features():
+    try:
+        import horovod.torch as hvd
+    except Exception:  # noqa: BLE001
+        return {}
+    return {"gloo": hvd.gloo_built(), "mpi": hvd.mpi_built(), "nccl": bool(hvd.nccl_built())}
+
+
+def _torch_backends():
+    try:
+        import torch.distributed as dist
+    except Exception:  # noqa: BLE001
+        return {}
+    return {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(),
+            "mpi": dist.is_mpi_available()}
+
+
+def report():
+    """{section: {item: available?}} plus framework versions."""
+    return {
+        "engines": {name: missing_package(name) is None for name in ENGINES},
+        "horovod controllers/ops": _horovod_features(),
+        "torch.distributed backends": _torch_backends(),
+        "frameworks": {"torch": _version("torch"), "tensorflow": _version("tensorflow"),
+                       "keras": _version("keras"), "horovod": _version("horovod")},
+    }
+
+
+def add_arguments(parser):
+    parser.add_argument("--engine", choices=sorted(ENGINES), help="fail unless this engine is usable")
+    parser.add_argument("--controller", choices=["gloo", "mpi", "nccl"],
+                        help="fail unless Horovod was built with this controller/op")
+    parser.add_argument("--framework", choices=["torch", "keras"], help="fail unless installed")
+
+
+def run(args):
+    info = report()
+    mark = lambda ok: "[X]" if ok else "[ ]"  # noqa: E731
+    for section, items in info.items():
+        print(f"{section}:")
+        if not items:
+            print("    (not installed)")
+        for item, value in items.items():
+            version = "" if isinstance(value, bool) else f" {value or ''}"
+            print(f"    {mark(value)} {item}{version}")
+    problems = []
+    if args.engine and not info["engines"][args.engine]:
+        problems.append(missing_package(args.engine))
+    if args.controller and not info["horovod controllers/ops"].get(args.controller):
+        problems.append(f"Horovod with the {args.controller} controller is not available here")
+    if args.framework and not info["frameworks"][args.framework]:
+        problems.append(f"framework {args.framework!r} is not installed: "
+                        f"pip install 'pipe_horovod[{args.framework}]'")
+    for problem in problems:
+        print(f"error: {problem}")
+    return 1 if problems else 0

@@ -1,0 +1,61 @@
+"""Launch real workers the way users do (horovodrun, torchrun, python).
+
+Every launch has a timeout, kills the whole process group when it expires,
+and fails with every worker's output, so a broken collective shows up as a
+readable test failure instead of a hung suite.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+OK = "WORKER_OK"
+
+
+def command(launcher, np, argv):
+    if launcher == "horovod":
+        return [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
+                sys.executable, *argv]
+    if launcher == "torch":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", str(np), *argv]
+    if launcher == "local":
+        assert np == 1, "plain python runs one process"
+        return [sys.executable, *argv]
+    raise ValueError(f"unknown launcher {launcher!r}")
+
+
+def run(launcher, np, script, *args, timeout=120, env=None, expect_ok=True):
+    """Run `script` (a path, or a name under tests/workers) on `np` workers.
+
+    Returns the combined output. With expect_ok, asserts a zero exit and one
+    OK line per worker (workers print "WORKER_OK rank=N" after their own assertions pass).
+    """
+    path = Path(script)
+    if not path.is_absolute():
+        path = WORKERS / script
+    full_env = dict(os.environ)
+    full_env.pop("PIPE_HOROVOD_ENGINE", None)
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env or {})
+    cmd = command(launcher, np, [str(path), *map(str, args)])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=REPO, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s; output:\n{out}")
+    if expect_ok:
+        ranks = {int(r) for r in re.findall(rf"{OK} rank=(\d+)", out)}
+        assert proc.returncode == 0 and ranks == set(range(np)), (
+            f"{' '.join(cmd)} exited {proc.returncode}; {OK} from ranks {sorted(ranks)} of {np}; "
+            f"output:\n{out}")
+    return proc.returncode, out
