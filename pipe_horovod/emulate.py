@@ -1,0 +1,590 @@
+"""A small cluster on one machine: one network namespace per worker.
+
+Benchmarks of pipelined SGD mean little over loopback, where bandwidth is
+many GB/s and latency ~0. Here each worker gets its own namespace, all
+workers hang off a Linux bridge in a "switch" namespace, and every link is
+capped both ways with a token bucket (tbf; netem is not available on these
+machines). Horovod and torch.distributed then talk over real TCP through
+links that behave like a NIC of the chosen rate.
+
+Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN for ``ip netns``). Only
+addresses inside the namespaces created here are used. Stdlib only, so it
+imports without torch or horovod.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import NamedTuple
+
+__all__ = ["EmulatedCluster", "Job", "ClusterError", "leftovers", "cleanup",
+           "unavailable_reason", "cpu_times", "CpuTimes"]
+
+NETNS_ETC = "/etc/netns"
+_CMD_TIMEOUT = 30.0        # any single ip/tc call
+_KILL_GRACE = 3.0          # SIGTERM -> SIGKILL
+_POLL = 0.05
+
+# Inherited variables that would make a worker join the wrong job.
+_SCRUB = re.compile(r"^(HOROVOD_|OMPI_|PMI_|PMIX_|TORCHELASTIC_)"
+                    r"|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|"
+                    r"GROUP_WORLD_SIZE|ROLE_RANK|ROLE_NAME|ROLE_WORLD_SIZE|MASTER_ADDR|"
+                    r"MASTER_PORT|GLOO_SOCKET_IFNAME|NCCL_SOCKET_IFNAME|"
+                    r"PIPE_HOROVOD_ENGINE)$")
+
+
+class ClusterError(RuntimeError):
+    """A worker failed or timed out; the message carries every worker's log tail."""
+
+
+def _run(cmd, check=True):
+    """Runs ip/tc with a bound; a failure names the command, since that is what one debugs."""
+    try:
+        res = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                             timeout=_CMD_TIMEOUT)
+    except FileNotFoundError as e:
+        raise RuntimeError(f"{cmd[0]!r} not found: the emulated cluster needs iproute2") from e
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"command timed out after {_CMD_TIMEOUT:.0f} s: {' '.join(cmd)}") from e
+    if check and res.returncode != 0:
+        msg = (f"command failed (exit {res.returncode}): {' '.join(cmd)}\n"
+               f"{res.stderr.strip()}")
+        if "permitted" in res.stderr or "denied" in res.stderr:
+            raise PermissionError(msg + "\n(needs root: CAP_NET_ADMIN and CAP_SYS_ADMIN)")
+        raise RuntimeError(msg)
+    return res
+
+
+def _rate_bytes(rate):
+    """Bytes/s of a tc rate ("1gbit", "500mbit", "10mbps", 1e9): tbf's burst is sized from it."""
+    if isinstance(rate, (int, float)):
+        return float(rate) / 8
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(bit|bps)?\s*", str(rate).lower())
+    if not m:
+        raise ValueError(f"unrecognised rate {rate!r}; use e.g. '1gbit', '100mbit'")
+    value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+    return value if m.group(3) == "bps" else value / 8   # tc: bare number = bit/s
+
+
+def _tc_rate(rate):
+    return f"{int(rate)}bit" if isinstance(rate, (int, float)) else str(rate)
+
+
+def _netns_list():
+    res = _run(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in res.stdout.splitlines() if line.strip()]
+
+
+def leftovers(prefix):
+    """Everything with this prefix still on the machine (namespaces, /etc/netns dirs,
+    interfaces in the root namespace); empty after a clean teardown."""
+    found = [f"netns:{n}" for n in _netns_list() if n.startswith(prefix)]
+    if os.path.isdir(NETNS_ETC):
+        found += [f"etc:{NETNS_ETC}/{d}" for d in sorted(os.listdir(NETNS_ETC))
+                  if d.startswith(prefix)]
+    res = _run(["ip", "-o", "link", "show"], check=False)
+    for line in res.stdout.splitlines():
+        parts = line.split(":")
+        if len(parts) > 1 and parts[1].strip().split("@")[0].startswith(prefix):
+            found.append(f"link:{parts[1].strip()}")
+    return found
+
+
+def _kill_group(pid, sig):
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_netns(ns, deadline):
+    """Kills what still runs in a namespace: `ip netns del` only unmounts it, and a
+    live process would keep the namespace and its veths alive."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
+        if not pids:
+            return
+        for p in pids:
+            try:
+                os.kill(int(p), sig)
+            except (ProcessLookupError, ValueError):
+                pass
+        while time.monotonic() < deadline and _run(["ip", "netns", "pids", ns],
+                                                   check=False).stdout.split():
+            time.sleep(_POLL)
+        deadline = time.monotonic() + _KILL_GRACE
+
+
+def _remove_netns(ns):
+    if ns in _netns_list():
+        _kill_netns(ns, time.monotonic() + _KILL_GRACE)
+        _run(["ip", "netns", "del", ns], check=False)
+    shutil.rmtree(os.path.join(NETNS_ETC, ns), ignore_errors=True)
+
+
+def cleanup(prefix):
+    """Removes what a killed (SIGKILL) run left behind; no handler can run then."""
+    if len(prefix) < 3:
+        raise ValueError("prefix too short to clean up safely")
+    names = set(n for n in _netns_list() if n.startswith(prefix))
+    if os.path.isdir(NETNS_ETC):
+        names |= {d for d in os.listdir(NETNS_ETC) if d.startswith(prefix)}
+    for ns in sorted(names):
+        _remove_netns(ns)
+
+
+def unavailable_reason():
+    """None when namespaces can be made here, else why not (for test skips)."""
+    if os.geteuid() != 0:
+        return "the emulated cluster needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    probe = f"phprobe{os.getpid()}"
+    res = _run(["ip", "netns", "add", probe], check=False)
+    if res.returncode != 0:
+        return f"'ip netns add' is not permitted here: {res.stderr.strip()}"
+    _run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+class CpuTimes(NamedTuple):
+    user: float
+    system: float
+
+    @property
+    def total(self):
+        return self.user + self.system
+
+
+def cpu_times(proc):
+    """CPU seconds of a launched worker, waited-for children included.
+
+    Lets a benchmark say how much of the 2 shared cores each worker (and its
+    communication threads) used. Works while the worker runs and after
+    `EmulatedCluster.wait`, which keeps the rusage it reaped.
+    """
+    usage = getattr(proc, "pipe_horovod_rusage", None)
+    if usage is not None:
+        return CpuTimes(usage.ru_utime, usage.ru_stime)
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        raise ValueError(f"pid {proc.pid} is gone and was not reaped by EmulatedCluster.wait")
+    tick = os.sysconf("SC_CLK_TCK")
+    # fields[0] is the state (3rd field of stat): utime, stime, cutime, cstime are 14..17
+    ut, st, cut, cst = (int(x) / tick for x in fields[11:15])
+    return CpuTimes(ut + cut, st + cst)
+
+
+class Job:
+    """One launch: a process per worker, their logs, and (horovod) the rendezvous helper."""
+
+    def __init__(self, procs, logs, deadline, helper=None):
+        self.procs = procs
+        self.logs = logs
+        self.deadline = deadline
+        self.helper = helper
+
+    def __iter__(self):
+        return iter(self.procs)
+
+    def __len__(self):
+        return len(self.procs)
+
+    def log(self, rank):
+        with open(self.logs[rank], errors="replace") as f:
+            return f.read()
+
+    def tail(self, rank, lines=30):
+        return _tail(self.logs[rank], lines)
+
+
+def _tail(path, lines=30):
+    try:
+        with open(path, errors="replace") as f:
+            return "\n".join(f.read().splitlines()[-lines:])
+    except FileNotFoundError:
+        return "<no log>"
+
+
+_RENDEZVOUS = r"""
+import sys
+from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+from horovod.runner.http.http_server import RendezvousServer
+hosts = sys.argv[1].split(",")
+server = RendezvousServer()
+port = server.start()
+server.init(get_host_assignments(parse_hosts(",".join(h + ":1" for h in hosts)), len(hosts)))
+print(port, flush=True)
+sys.stdin.read()   # serve until the launcher closes the pipe or dies
+"""
+
+_FREE_PORT = ("import socket; s = socket.socket(); s.bind(('', 0)); "
+              "print(s.getsockname()[1])")
+
+
+class EmulatedCluster:
+    """``with EmulatedCluster(workers=2, rate="1gbit") as cluster: ...``
+
+    Namespaces: ``<prefix>-sw`` (bridge ``<prefix>br``, address ``.254``) and
+    ``<prefix>-w<i>`` (veth ``<prefix>w<i>``, address ``.<i+1>``); the switch
+    end of worker i's link is ``<prefix>s<i>``. The prefix is random per
+    instance so parallel runs never collide. ``rate=None`` leaves links
+    uncapped. Everything is torn down on exit, exceptions, SIGINT/SIGTERM,
+    and at interpreter exit; pass ``log_dir`` to keep worker logs afterwards
+    (a temporary one goes with the cluster). A SIGKILLed owner leaves its
+    namespaces behind: `cleanup(prefix)` removes them.
+    """
+
+    def __init__(self, workers=2, rate="1gbit", *, subnet="10.213.0.0/24",
+                 latency="25ms", prefix=None, log_dir=None, python=None):
+        if workers < 1:
+            raise ValueError("workers must be >= 1")
+        net = ipaddress.ip_network(subnet)
+        if not net.is_private or net.num_addresses < workers + 3:
+            raise ValueError(f"subnet {subnet} must be private and hold {workers} workers")
+        if rate is not None:
+            _rate_bytes(rate)
+        self.workers = workers
+        self.rate = rate
+        self.latency = latency
+        self.prefix = prefix or f"ph{os.urandom(3).hex()}"
+        if len(self.prefix) + 1 + len(str(workers - 1)) > 15:
+            raise ValueError("prefix too long for 15-character interface names")
+        self.python = python or sys.executable
+        hosts = list(net.hosts())
+        self.prefixlen = net.prefixlen
+        self.switch = f"{self.prefix}-sw"
+        self.bridge = f"{self.prefix}br"
+        self.bridge_address = str(hosts[-1])
+        self.namespaces = [f"{self.prefix}-w{i}" for i in range(workers)]
+        self.interfaces = [f"{self.prefix}w{i}" for i in range(workers)]
+        self.switch_ports = [f"{self.prefix}s{i}" for i in range(workers)]
+        self.addresses = [str(hosts[i]) for i in range(workers)]
+        self._own_log_dir = log_dir is None
+        self.log_dir = log_dir
+        self._jobs = []
+        self._created = []   # only these are ever deleted
+        self._active = False
+        self._closing = False
+        self._pending_signal = None
+        self._old_handlers = {}
+        self._lock = threading.RLock()
+
+    # -- setup -------------------------------------------------------------
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def start(self):
+        if os.geteuid() != 0:
+            raise PermissionError("EmulatedCluster needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN "
+                                  "for 'ip netns'); run as root or skip the emulated cluster")
+        with self._lock:
+            if self._active:
+                return self
+            self._active = True
+            atexit.register(self.close)
+            self._install_signal_handlers()
+            try:
+                self._build()
+            except BaseException:
+                self.close()
+                raise
+        return self
+
+    def _build(self):
+        if self.log_dir is None:
+            self.log_dir = tempfile.mkdtemp(prefix=f"{self.prefix}-logs-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        sw = self.switch
+        self._add_netns(sw)
+        _run(["ip", "-n", sw, "link", "set", "lo", "up"])
+        _run(["ip", "-n", sw, "link", "add", self.bridge, "type", "bridge"])
+        _run(["ip", "-n", sw, "addr", "add", f"{self.bridge_address}/{self.prefixlen}",
+              "dev", self.bridge])
+        _run(["ip", "-n", sw, "link", "set", self.bridge, "up"])
+        hostname = socket.gethostname()
+        for ns, wif, sif, addr in zip(self.namespaces, self.interfaces, self.switch_ports,
+                                      self.addresses):
+            self._add_netns(ns)
+            # Horovod 0.28.1's process-set Gloo context resolves the hostname and
+            # ignores HOROVOD_GLOO_IFACE; `ip netns exec` bind-mounts this over /etc/hosts.
+            etc = os.path.join(NETNS_ETC, ns)
+            os.makedirs(etc, exist_ok=True)
+            with open(os.path.join(etc, "hosts"), "w") as f:
+                f.write(f"127.0.0.1 localhost\n{addr} {hostname}\n")
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            # Created directly inside the namespaces: no name ever appears in the root ns.
+            _run(["ip", "-n", sw, "link", "add", sif, "type", "veth", "peer", "name", wif,
+                  "netns", ns])
+            _run(["ip", "-n", sw, "link", "set", sif, "master", self.bridge])
+            _run(["ip", "-n", ns, "addr", "add", f"{addr}/{self.prefixlen}", "dev", wif])
+            for n, dev in ((ns, wif), (sw, sif)):
+                if self.rate is not None:
+                    self._cap(n, dev)
+                _run(["ip", "-n", n, "link", "set", dev, "up"])
+
+    def _add_netns(self, ns):
+        _run(["ip", "netns", "add", ns])
+        self._created.append(ns)
+
+    def _cap(self, ns, dev):
+        """Egress tbf on both ends of a link caps it both ways. The burst holds ~2 ms of
+        traffic (at least 64 KiB, a GSO super-packet) so TCP can reach the rate."""
+        burst = max(int(_rate_bytes(self.rate) * 0.002), 64 * 1024)
+        _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
+              "rate", _tc_rate(self.rate), "burst", str(burst), "latency", self.latency])
+
+    def link_stats(self, rank):
+        """Bytes worker ``rank`` put on / took off its wire, and how often tbf held
+        packets back (both directions): evidence that the cap bit, and a way to see
+        what compression saves on the wire."""
+        ns, dev = self.namespaces[rank], self.interfaces[rank]
+        link = json.loads(_run(["ip", "-n", ns, "-s", "-j", "link", "show", "dev", dev]
+                               ).stdout)[0]["stats64"]
+        stats = {"tx_bytes": link["tx"]["bytes"], "rx_bytes": link["rx"]["bytes"],
+                 "overlimits": 0, "drops": 0}
+        if self.rate is not None:
+            for n, d in ((ns, dev), (self.switch, self.switch_ports[rank])):
+                qdisc = json.loads(_run(["tc", "-n", n, "-s", "-j", "qdisc", "show", "dev", d]
+                                        ).stdout)[0]
+                stats["overlimits"] += qdisc.get("overlimits", 0)
+                stats["drops"] += qdisc.get("drops", 0)
+        return stats
+
+    # -- launching ---------------------------------------------------------
+
+    def _exec(self, ns, argv):
+        return ["ip", "netns", "exec", ns, *argv]
+
+    def _helper_output(self, argv, timeout, keep=False):
+        """Runs a helper in a namespace and returns its first stdout line (bounded)."""
+        errpath = os.path.join(self.log_dir, f"helper{len(self._jobs)}.log")
+        with open(errpath, "wb") as err:
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=err, start_new_session=True, text=True)
+        deadline = time.monotonic() + timeout
+        line = ""
+        try:
+            while time.monotonic() < deadline and proc.poll() is None:
+                ready, _, _ = select.select([proc.stdout], [], [], _POLL * 4)
+                if ready:
+                    line = proc.stdout.readline().strip()
+                    break
+            if not line:
+                _kill_group(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=_KILL_GRACE)
+                raise RuntimeError(f"helper gave no answer within {timeout:.0f} s: "
+                                   f"{' '.join(argv[:6])}...\n{_tail(errpath)}")
+        except BaseException:
+            _kill_group(proc.pid, signal.SIGKILL)
+            raise
+        if not keep:
+            proc.stdin.close()
+            proc.wait(timeout=_KILL_GRACE)
+            proc.stdout.close()
+            return line, None
+        return line, proc
+
+    def free_port(self, rank=0):
+        """A port free inside worker ``rank``'s namespace (ports are per namespace)."""
+        line, _ = self._helper_output(self._exec(self.namespaces[rank],
+                                                 [self.python, "-c", _FREE_PORT]), 30.0)
+        return int(line)
+
+    def worker_env(self, rank, engine, **extra):
+        """The variables a launcher (torchrun / horovodrun) would give worker ``rank``."""
+        size, iface = self.workers, self.interfaces[rank]
+        if engine == "torch":
+            env = {"RANK": rank, "WORLD_SIZE": size, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1,
+                   "MASTER_ADDR": self.addresses[0], "MASTER_PORT": extra["master_port"],
+                   "GLOO_SOCKET_IFNAME": iface}
+        elif engine == "horovod":
+            env = {"HOROVOD_RANK": rank, "HOROVOD_SIZE": size, "HOROVOD_LOCAL_RANK": 0,
+                   "HOROVOD_LOCAL_SIZE": 1, "HOROVOD_CROSS_RANK": rank,
+                   "HOROVOD_CROSS_SIZE": size, "HOROVOD_HOSTNAME": self.namespaces[rank],
+                   "HOROVOD_GLOO_RENDEZVOUS_ADDR": self.bridge_address,
+                   "HOROVOD_GLOO_RENDEZVOUS_PORT": extra["rendezvous_port"],
+                   "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+                   "HOROVOD_GLOO_IFACE": iface}
+        else:
+            raise ValueError(f"engine must be 'torch' or 'horovod', not {engine!r}")
+        env["PIPE_HOROVOD_ENGINE"] = engine
+        env["PYTHONUNBUFFERED"] = "1"
+        return {k: str(v) for k, v in env.items()}
+
+    def launch(self, argv, engine="torch", env=None, timeout=600.0):
+        """Starts ``argv`` once per worker, inside its namespace, in its own process group.
+
+        ``env`` is added to (and overrides) the launcher variables. ``timeout`` is the
+        default bound for `wait`. Output (stdout and stderr) goes to ``job.logs[rank]``.
+        """
+        if not self._active:
+            raise RuntimeError("launch() outside the 'with EmulatedCluster(...)' block")
+        argv = [str(a) for a in argv]
+        base = {k: v for k, v in os.environ.items() if not _SCRUB.search(k)}
+        extra, helper = {}, None
+        if engine == "torch":
+            extra["master_port"] = self.free_port(0)
+        elif engine == "horovod":
+            line, helper = self._helper_output(
+                self._exec(self.switch, [self.python, "-c", _RENDEZVOUS,
+                                         ",".join(self.namespaces)]), 60.0, keep=True)
+            extra["rendezvous_port"] = int(line)
+        run_id = len(self._jobs)
+        procs, logs = [], []
+        job = Job(procs, logs, time.monotonic() + timeout, helper)
+        with self._lock:
+            self._jobs.append(job)
+            for rank, ns in enumerate(self.namespaces):
+                wenv = dict(base, **self.worker_env(rank, engine, **extra), **(env or {}))
+                path = os.path.join(self.log_dir, f"job{run_id}-worker{rank}.log")
+                logs.append(path)
+                with open(path, "wb") as log:
+                    procs.append(subprocess.Popen(self._exec(ns, argv), env=wenv,
+                                                  stdin=subprocess.DEVNULL, stdout=log,
+                                                  stderr=subprocess.STDOUT,
+                                                  start_new_session=True))
+        return job
+
+    def wait(self, job, timeout=None):
+        """Exit codes once every worker is done. Raises `ClusterError` with every worker's
+        log tail if one fails or the time runs out; the rest are then killed, so it never
+        hangs on a worker stuck in a collective whose peer died."""
+        procs = job.procs if isinstance(job, Job) else list(job)
+        deadline = (time.monotonic() + timeout if timeout is not None
+                    else getattr(job, "deadline", time.monotonic() + 600.0))
+        failed = None
+        while True:
+            for p in procs:
+                _reap(p)
+            codes = [p.returncode for p in procs]
+            failed = next((c for c in codes if c not in (None, 0)), None)
+            if failed is not None or None not in codes or time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL)
+        if failed is not None or None in codes:
+            self._stop(procs)
+        if isinstance(job, Job):
+            self._stop_helper(job)
+        if failed is None and None not in codes:
+            return codes
+        why = "timed out" if failed is None else "a worker failed"
+        lines = [f"emulated cluster {self.prefix}: {why}; exit codes {codes}"]
+        for rank, p in enumerate(procs):
+            tail = job.tail(rank) if isinstance(job, Job) else "<log in job.logs>"
+            lines.append(f"--- worker {rank} (exit {p.returncode}) ---\n{tail}")
+        raise ClusterError("\n".join(lines))
+
+    def _stop(self, procs):
+        for p in procs:
+            if p.returncode is None:
+                _kill_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + _KILL_GRACE
+        while time.monotonic() < deadline and any(_reap(p) is None for p in procs):
+            time.sleep(_POLL)
+        for p in procs:
+            if _reap(p) is None:
+                _kill_group(p.pid, signal.SIGKILL)
+                p.wait(timeout=_KILL_GRACE)
+
+    def _stop_helper(self, job):
+        if job.helper is not None:
+            try:
+                job.helper.stdin.close()
+            except OSError:
+                pass
+            self._stop([job.helper])
+            job.helper.stdout.close()
+            job.helper = None
+
+    # -- teardown ----------------------------------------------------------
+
+    def close(self):
+        """Idempotent teardown: processes first (they pin namespaces), then namespaces
+        (which takes their veths and bridge with them), then /etc/netns entries."""
+        with self._lock:
+            if not self._active or self._closing:
+                return
+            self._closing = True
+        try:
+            for job in self._jobs:
+                try:
+                    self._stop(job.procs)
+                finally:
+                    self._stop_helper(job)
+            while self._created:
+                _remove_netns(self._created.pop())
+            if self._own_log_dir and self.log_dir:
+                shutil.rmtree(self.log_dir, ignore_errors=True)
+        finally:
+            self._active = False
+            self._closing = False
+            atexit.unregister(self.close)
+            self._restore_signal_handlers()
+        if self._pending_signal is not None:
+            sig, self._pending_signal = self._pending_signal, None
+            self._chain(sig, None)
+
+    def _install_signal_handlers(self):
+        if threading.current_thread() is not threading.main_thread():
+            return   # only the main thread may set handlers; atexit still cleans up
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_signal_handlers(self):
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        self._old_handlers = {}
+
+    def _on_signal(self, sig, frame):
+        if self._closing:
+            self._pending_signal = sig   # finish tearing down, then deliver
+            return
+        old = self._old_handlers.get(sig)
+        self.close()
+        self._chain(sig, frame, old)
+
+    @staticmethod
+    def _chain(sig, frame, old=None):
+        """Hands the signal on as if we had never been there (KeyboardInterrupt, or death)."""
+        if old is None:
+            old = signal.getsignal(sig)
+        if callable(old):
+            old(sig, frame)
+        elif old == signal.SIG_DFL:
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+
+
+def _reap(proc):
+    """Reaps with wait4 so the worker's rusage (CPU time) survives its exit."""
+    if proc.returncode is None:
+        try:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        except ChildProcessError:
+            return proc.poll()
+        if pid == proc.pid:
+            proc.pipe_horovod_rusage = usage
+            proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode
