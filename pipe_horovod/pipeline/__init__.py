@@ -1,0 +1,10 @@
+"""Framework-neutral core of the pipeline: what is reduced, when, and in which order.
+
+Adapters (torch, keras) own tensors; this package owns the decisions, so
+both frameworks share one implementation of the Pipe-SGD math.
+"""
+from .buckets import Bucket, plan_buckets
+from .checks import check_options, compare_across_ranks
+from .fifo import GradientFifo
+
+__all__ = ["Bucket", "plan_buckets", "check_options", "compare_across_ranks", "GradientFifo"]

@@ -1,0 +1,43 @@
+"""Wrap-time checks shared by the adapters: bad options and ranks that disagree.
+
+A model that differs between ranks would otherwise surface as a hang or a
+C++ error deep inside a collective; gathering every rank's description and
+comparing it on every rank makes all of them raise the same readable error.
+"""
+import numbers
+
+
+def _int_at_least(name, value, low):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket_cap_mb):
+    _int_at_least("pipeline_depth", pipeline_depth, 1)
+    _int_at_least("warmup_steps", warmup_steps, 0)
+    _int_at_least("backward_passes_per_step", backward_passes_per_step, 1)
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real):
+        raise TypeError(f"bucket_cap_mb must be a number, got {type(bucket_cap_mb).__name__}")
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+
+
+def compare_across_ranks(allgather_object, description, what="model"):
+    """Raise on every rank if any rank's `description` differs from rank 0's.
+
+    `description` is a dict {key: value}; the error names the first key
+    that differs and both ranks' values.
+    """
+    everyone = allgather_object(description)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs == reference:
+            continue
+        for key in sorted(set(reference) | set(theirs), key=str):
+            mine, other = reference.get(key, "<missing>"), theirs.get(key, "<missing>")
+            if mine != other:
+                raise ValueError(f"the {what} differs between ranks: {key} is {other} on rank "
+                                 f"{rank} but {mine} on rank 0; every rank must build the same "
+                                 f"{what}")

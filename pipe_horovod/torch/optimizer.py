@@ -1,0 +1,404 @@
+"""The pipelined DistributedOptimizer for PyTorch.
+
+Like Horovod's, `DistributedOptimizer(opt, ...)` returns an instance of a
+subclass of the user's own optimizer class, so `step`, `zero_grad`,
+`param_groups` and LR schedulers behave as before. What changes is which
+averaged gradient `step` applies and when (DESIGN.md, "Semantics"):
+
+* every parameter's gradient is copied into a bucket by a
+  post-accumulate-grad hook, and a full bucket's allreduce starts during
+  backward, so the rest of backward hides it;
+* `step()` sends what backward has not, pushes this step's reduction into
+  the FIFO, and applies what the FIFO pops: g_t for `pipeline_depth=1`,
+  g_{t-K+1} for K >= 2, whose reduction ran during the last K-1 steps.
+
+Reductions land in buffers the optimizer owns, so `zero_grad()` and the
+next backward never touch a tensor that is still on the wire.
+"""
+import contextlib
+import itertools
+import time
+import warnings
+
+import torch
+
+from .. import engine
+from ..compression import Compression, check_compression
+from ..pipeline import GradientFifo, check_options, compare_across_ranks, plan_buckets
+
+_instances = itertools.count()
+
+
+class _Reduction:
+    """One bucket of one step: its flat tensor on the wire, or the landed result."""
+
+    __slots__ = ("bucket", "handle", "ctx", "compression", "result")
+
+    def __init__(self, bucket, handle, ctx, compression):
+        self.bucket, self.handle, self.ctx, self.compression = bucket, handle, ctx, compression
+        self.result = None
+
+    def wait(self):
+        if self.result is None:
+            self.result = self.compression.decompress(engine.wait(self.handle), self.ctx)
+            self.handle = None
+        return self.result
+
+
+class _Step:
+    """A step's gradient: its bucket reductions, or per-name tensors after a resume."""
+
+    __slots__ = ("reductions", "loaded", "scale")
+
+    def __init__(self, reductions=None, loaded=None, scale=None):
+        self.reductions = reductions or []
+        self.loaded = loaded            # {name: tensor}, only for entries read from a checkpoint
+        self.scale = scale              # GradScaler scale this gradient was computed with
+
+    def gradients(self):
+        """{name: flat averaged gradient}; waits for reductions still on the wire."""
+        if self.loaded is not None:
+            return self.loaded
+        grads = {}
+        for reduction in self.reductions:
+            flat = reduction.wait()
+            for name, start, numel in reduction.bucket.offsets():
+                grads[name] = flat[start:start + numel]
+        return grads
+
+
+class _PipelinedOptimizer:
+    """Mixin placed before the user's optimizer class in the MRO."""
+
+    def _setup_pipeline(self, named_parameters, compression, backward_passes_per_step, op,
+                        pipeline_depth, warmup_steps, bucket_cap_mb, grad_scaler):
+        self._engine = engine.current()
+        self._compression = compression
+        self._passes_per_step = backward_passes_per_step
+        self._op = op
+        self._bucket_cap = int(bucket_cap_mb * 2**20)
+        self._grad_scaler = grad_scaler
+        self._fifo = GradientFifo(pipeline_depth, warmup_steps)
+        self._prefix = f"pipe{next(_instances)}"
+        self._name_of = {p: n for n, p in named_parameters}
+        self._params = [p for group in self.param_groups for p in group["params"]
+                        if p.requires_grad]
+        self._param_of = {self._name_of[p]: p for p in self._params}
+        self._passes = {p: 0 for p in self._params}
+        self._observed = {}                      # ready order seen in this process's first step
+        self._order_agreed = False
+        self._plan([self._name_of[p] for p in reversed(self._params)])
+        self._slot_buffers = {}                  # (slot, bucket index) -> flat send/receive buffer
+        self._pending_apply = None               # the gradient synchronize() put into .grad
+        self._synchronized = False
+        self._should_synchronize = True
+        self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0}
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                              for p in self._params]
+
+    # --- buckets ----------------------------------------------------------
+    def _plan(self, order):
+        members = [(name, self._param_of[name].numel(), self._param_of[name].element_size(),
+                    (self._param_of[name].dtype, self._param_of[name].device)) for name in order]
+        self._buckets = plan_buckets(members, self._bucket_cap)
+        self._bucket_of = {name: b for b in self._buckets for name in b.names}
+        self._reset_step()
+
+    def _reset_step(self):
+        self._waiting = [len(b.names) for b in self._buckets]
+        self._launched = []                      # _Reduction per bucket, in bucket order
+        self._hooks_fired = False
+        for p in self._params:
+            self._passes[p] = 0
+
+    def _on_grad_ready(self, param):
+        if self._passes[param] >= self._passes_per_step:
+            raise RuntimeError(
+                f"the gradient of {self._name_of[param]!r} was computed more than "
+                f"backward_passes_per_step={self._passes_per_step} times before step(); "
+                "call step() after each backward, or raise backward_passes_per_step to "
+                "accumulate locally")
+        self._hooks_fired = True
+        self._passes[param] += 1
+        if not self._order_agreed:
+            self._observed.setdefault(param)
+        if self._passes[param] == self._passes_per_step:
+            bucket = self._bucket_of[self._name_of[param]]
+            self._waiting[bucket.index] -= 1
+            # torch.distributed matches collectives by order: start buckets in index order only.
+            while (len(self._launched) < len(self._buckets)
+                   and self._waiting[len(self._launched)] == 0):
+                self._launch(self._buckets[len(self._launched)])
+
+    def _launch(self, bucket):
+        slot = self._fifo.steps % self._fifo.pipeline_depth
+        flat = self._slot_buffers.get((slot, bucket.index))
+        if flat is None or flat.numel() != bucket.numel:
+            dtype, device = bucket.kind
+            flat = torch.empty(bucket.numel, dtype=dtype, device=device)
+            self._slot_buffers[(slot, bucket.index)] = flat
+        for name, start, numel in bucket.offsets():
+            grad = self._param_of[name].grad
+            if grad is None:                     # unused on this rank: contributes zero
+                flat[start:start + numel].zero_()
+            else:
+                flat[start:start + numel].copy_(grad.reshape(-1))
+        wire, ctx = self._compression.compress(flat)
+        handle = self._engine.allreduce_async(wire, f"{self._prefix}.{bucket.index}.{slot}",
+                                              self._op)
+        self._launched.append(_Reduction(bucket, handle, ctx, self._compression))
+
+    # --- the step ---------------------------------------------------------
+    def synchronize(self):
+        """Finish this step's communication and put the gradient to apply into `.grad`.
+
+        For pipeline_depth K >= 2 that gradient is the average from K-1 steps
+        ago; while the pipeline fills it is zero and `step()` applies nothing.
+        Call it before clipping or `GradScaler.unscale_`, then `step()` inside
+        `skip_synchronize()`, exactly as with Horovod.
+        """
+        if not self._hooks_fired:
+            raise RuntimeError("step() or synchronize() called without a backward pass since the "
+                               "last step(); compute gradients before every step")
+        while len(self._launched) < len(self._buckets):
+            self._launch(self._buckets[len(self._launched)])
+        scale = self._grad_scaler.get_scale() if self._grad_scaler is not None else None
+        ready = self._fifo.push(_Step(self._launched, scale=scale))
+        self._agree_on_order()
+        self._reset_step()
+        self.timings["steps"] += 1
+        for entry in ready[:-1]:                 # only if pipeline_depth shrank; keeps order
+            self._apply(entry)
+        self._pending_apply = ready[-1] if ready else None
+        self._fill_grads(self._pending_apply)
+        self._synchronized = True
+
+    def _agree_on_order(self):
+        """After the first backward, every rank adopts rank 0's gradient-ready order."""
+        if self._order_agreed:
+            return
+        seen = [self._name_of[p] for p in self._observed]
+        rest = [self._name_of[p] for p in reversed(self._params) if p not in self._observed]
+        order = self._engine.broadcast_object(seen + rest, 0)
+        self._order_agreed = True
+        self._observed = {}
+        self._plan(order)
+
+    def _fill_grads(self, entry):
+        start = time.perf_counter()
+        grads = entry.gradients() if entry is not None else {}
+        self.timings["wait_s"] += time.perf_counter() - start
+        factor = 1.0
+        if entry is not None and entry.scale is not None:
+            # A GradScaler may have changed its scale since this gradient was computed.
+            factor = self._grad_scaler.get_scale() / entry.scale
+        for name, p in self._param_of.items():
+            grad = grads.get(name)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if grad is None:
+                p.grad.zero_()
+            else:
+                p.grad.copy_(grad.view_as(p))
+                if factor != 1.0:
+                    p.grad.mul_(factor)
+
+    def _apply(self, entry):
+        """Apply a gradient taken from the FIFO outside the user's step() (drain)."""
+        self._fill_grads(entry)
+        if entry.scale is not None:
+            for p in self._params:
+                p.grad.div_(entry.scale)
+            if not all(torch.isfinite(p.grad).all() for p in self._params):
+                return                           # as GradScaler would: skip the overflowed step
+        super().step()
+        self.timings["applied"] += 1
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
+                              "optimizer.skip_synchronize(); the gradient was not reduced twice",
+                              stacklevel=2)
+            else:
+                self.synchronize()
+        elif not self._synchronized:
+            raise RuntimeError("step() inside skip_synchronize() needs a synchronize() first")
+        self._synchronized = False
+        entry, self._pending_apply = self._pending_apply, None
+        if entry is not None:
+            super().step()
+            self.timings["applied"] += 1
+        return loss
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Let step() apply what synchronize() already prepared (for clipping, AMP)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def flush(self):
+        """Apply every gradient still in flight, oldest first (one wrapped step each).
+
+        Call at the end of training and before evaluation or a checkpoint
+        that must hold weights with every computed gradient applied.
+        """
+        if self._hooks_fired or self._synchronized:
+            raise RuntimeError("flush() called between backward and step(); call step() first")
+        for entry in self._fifo.drain():
+            self._apply(entry)
+
+    def zero_grad(self, set_to_none=True):
+        if self._hooks_fired:
+            raise RuntimeError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(): this step's gradients are "
+                "already being reduced; call step() first")
+        return super().zero_grad(set_to_none=set_to_none)
+
+    # --- checkpoints --------------------------------------------------------
+    def state_dict(self):
+        """The wrapped optimizer's state plus the gradients still in flight.
+
+        Waiting for in-flight reductions is local (every rank started them),
+        so rank 0 alone may call this, as users write it.
+        """
+        state = super().state_dict()
+        state["pipe_horovod"] = {
+            "steps": self._fifo.steps,
+            "in_flight": [{name: g.detach().clone() for name, g in entry.gradients().items()}
+                          for entry in self._fifo],
+            "scales": [entry.scale for entry in self._fifo],
+            "bucket_order": [name for b in self._buckets for name in b.names],
+            "order_agreed": self._order_agreed,
+        }
+        return state
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        pipe = state_dict.pop("pipe_horovod", None)
+        super().load_state_dict(state_dict)
+        if pipe is None:
+            return
+        unknown = set(pipe["bucket_order"]) ^ set(self._param_of)
+        if unknown:
+            raise ValueError(f"checkpoint parameters do not match this model: {sorted(unknown)}")
+        device_of = {name: p.device for name, p in self._param_of.items()}
+        entries = [_Step(loaded={n: g.to(device_of[n]) for n, g in grads.items()}, scale=scale)
+                   for grads, scale in zip(pipe["in_flight"], pipe["scales"])]
+        self._fifo.replace(entries, pipe["steps"])
+        self._order_agreed = pipe["order_agreed"]
+        self._plan(pipe["bucket_order"])
+
+
+def _describe(named, param_names, options):
+    description = {f"parameter {name!r}": (tuple(p.shape), str(p.dtype), p.requires_grad)
+                   for name, p in named}
+    description["parameters in the optimizer"] = tuple(param_names)
+    description.update({f"option {k}": v for k, v in options.items()})
+    return description
+
+
+def _named(optimizer, named_parameters):
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return [(f"param.{i}", p) for i, p in enumerate(params)]
+    named = list(named_parameters)
+    for item in named:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise TypeError("named_parameters must yield (name, tensor) pairs as "
+                            f"model.named_parameters() does, got {item!r:.80}")
+    names = [n for n, _ in named]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"named_parameters has duplicate names: {dupes}")
+    by_param = {}
+    for name, p in named:
+        if p in by_param:
+            raise ValueError(f"one parameter appears twice in named_parameters: "
+                             f"{by_param[p]!r} and {name!r}")
+        by_param[p] = name
+    missing = [i for i, p in enumerate(params) if p not in by_param]
+    if missing:
+        raise ValueError(f"{len(missing)} parameter(s) of the optimizer (positions {missing[:10]}) "
+                         "are missing from named_parameters; pass model.named_parameters() for "
+                         "the model the optimizer trains")
+    return [(by_param[p], p) for p in params]
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, op=engine.Average, pipeline_depth=2,
+                         warmup_steps=0, bucket_cap_mb=25, grad_scaler=None):
+    """Wrap `optimizer` so its gradients are averaged across ranks, pipelined.
+
+    pipeline_depth: 1 applies g_t at step t (synchronous, like Horovod);
+        K >= 2 applies g_{t-K+1} and overlaps the reduction with K-1 steps.
+    warmup_steps: synchronous steps before the pipeline starts.
+    grad_scaler: the torch.amp.GradScaler in use, if any; a delayed gradient
+        is rescaled when the scaler's scale changed since it was computed.
+    Every rank must call this with the same model: differences are detected
+    here and raised as ValueError on every rank.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket_cap_mb)
+    check_compression(compression)
+    if op not in (engine.Average, engine.Sum):
+        raise ValueError(f"op must be pipe_horovod.Average or pipe_horovod.Sum, got {op!r}")
+    if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {grad_scaler!r}")
+    eng = engine.current()
+    named = _named(optimizer, named_parameters)
+    options = {"pipeline_depth": pipeline_depth, "warmup_steps": warmup_steps,
+               "backward_passes_per_step": backward_passes_per_step,
+               "compression": getattr(compression, "name", repr(compression)),
+               "op": op.value, "bucket_cap_mb": bucket_cap_mb}
+    compare_across_ranks(eng.allgather_object,
+                         _describe(named, [n for n, _ in named], options))
+
+    cls = type(type(optimizer).__name__, (_PipelinedOptimizer, type(optimizer)), {})
+    wrapped = cls.__new__(cls)
+    # Adopt the user's optimizer as unpickling would: hyperparameters, state and
+    # hooks carry over, whatever its constructor's signature.
+    torch.optim.Optimizer.__setstate__(wrapped, dict(optimizer.__dict__))
+    wrapped._setup_pipeline(named, compression, backward_passes_per_step, op, pipeline_depth,
+                            warmup_steps, bucket_cap_mb, grad_scaler)
+    return wrapped
+
+
+def broadcast_parameters(params, root_rank):
+    """Copy root's parameters (a state_dict or named_parameters) to every rank, in place."""
+    items = sorted(params.items()) if isinstance(params, dict) else list(params)
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, "
+                            "not a tensor")
+        with torch.no_grad():
+            if tensor.is_contiguous():
+                engine.broadcast(tensor, root_rank)
+            else:
+                tensor.copy_(engine.broadcast(tensor.contiguous(), root_rank))
+
+
+def broadcast_optimizer_state(optimizer, root_rank):
+    """Give every rank root's optimizer state (momentum, Adam moments, LR, step counts)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"broadcast_optimizer_state needs a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    base = torch.optim.Optimizer.state_dict
+    state = engine.broadcast_object(base(optimizer) if engine.rank() == root_rank else None,
+                                    root_rank)
+    if engine.rank() != root_rank:
+        torch.optim.Optimizer.load_state_dict(optimizer, state)
+
+
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]
