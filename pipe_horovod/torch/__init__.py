@@ -7,10 +7,13 @@
 from ..compression import Compression
 from ..engine import (Average, Sum, allgather_object, barrier, broadcast_object, init,
                       is_initialized, local_rank, local_size, rank, shutdown, size)
-from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from .functions import (allreduce, allreduce_, broadcast, broadcast_, broadcast_optimizer_state,
+                        broadcast_parameters)
+from .optimizer import DistributedOptimizer
 
 __all__ = [
-    "Average", "Sum", "Compression", "DistributedOptimizer", "allgather_object", "barrier",
+    "Average", "Sum", "Compression", "DistributedOptimizer", "allgather_object", "allreduce",
+    "allreduce_", "barrier", "broadcast", "broadcast_",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "init",
     "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size",
 ]

@@ -299,7 +299,8 @@ class _PipelinedOptimizer:
 
 
 def _describe(named, param_names, options):
-    description = {f"parameter {name!r}": (tuple(p.shape), str(p.dtype), p.requires_grad)
+    description = {f"parameter {name!r}": f"shape {tuple(p.shape)} {p.dtype}"
+                                          f"{'' if p.requires_grad else ' (frozen)'}"
                    for name, p in named}
     description["parameters in the optimizer"] = tuple(param_names)
     description.update({f"option {k}": v for k, v in options.items()})
@@ -375,30 +376,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     return wrapped
 
 
-def broadcast_parameters(params, root_rank):
-    """Copy root's parameters (a state_dict or named_parameters) to every rank, in place."""
-    items = sorted(params.items()) if isinstance(params, dict) else list(params)
-    for name, tensor in items:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, "
-                            "not a tensor")
-        with torch.no_grad():
-            if tensor.is_contiguous():
-                engine.broadcast(tensor, root_rank)
-            else:
-                tensor.copy_(engine.broadcast(tensor.contiguous(), root_rank))
-
-
-def broadcast_optimizer_state(optimizer, root_rank):
-    """Give every rank root's optimizer state (momentum, Adam moments, LR, step counts)."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"broadcast_optimizer_state needs a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
-    base = torch.optim.Optimizer.state_dict
-    state = engine.broadcast_object(base(optimizer) if engine.rank() == root_rank else None,
-                                    root_rank)
-    if engine.rank() != root_rank:
-        torch.optim.Optimizer.load_state_dict(optimizer, state)
-
-
-__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]
+__all__ = ["DistributedOptimizer"]

@@ -1,0 +1,60 @@
+"""Synchronous collectives with Horovod's names, for code around the training step.
+
+Metric averaging, parameter and optimizer-state broadcast at start-up: the
+calls a Horovod script makes besides the optimizer, so it runs unchanged.
+"""
+import itertools
+
+import torch
+
+from .. import engine
+
+_auto_names = itertools.count()
+
+
+def _name(name, kind):
+    return name if name is not None else f"{kind}.auto.{next(_auto_names)}"
+
+
+def allreduce_(tensor, name=None, op=engine.Average):
+    """Reduce `tensor` in place across ranks and return it."""
+    return engine.wait(engine.allreduce_async(tensor, _name(name, "allreduce"), op))
+
+
+def allreduce(tensor, name=None, op=engine.Average):
+    """The reduction of `tensor` across ranks, as a new tensor."""
+    return allreduce_(tensor.detach().clone().contiguous(), name, op)
+
+
+def broadcast_(tensor, root_rank, name=None):
+    return engine.broadcast(tensor, root_rank)
+
+
+def broadcast(tensor, root_rank, name=None):
+    return broadcast_(tensor.detach().clone().contiguous(), root_rank)
+
+
+def broadcast_parameters(params, root_rank):
+    """Copy root's parameters (a state_dict or named_parameters) to every rank, in place."""
+    items = sorted(params.items()) if isinstance(params, dict) else list(params)
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, "
+                            "not a tensor")
+        with torch.no_grad():
+            if tensor.is_contiguous():
+                engine.broadcast(tensor, root_rank)
+            else:
+                tensor.copy_(engine.broadcast(tensor.contiguous(), root_rank))
+
+
+def broadcast_optimizer_state(optimizer, root_rank):
+    """Give every rank root's optimizer state (momentum, Adam moments, LR, step counts)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"broadcast_optimizer_state needs a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    base = torch.optim.Optimizer.state_dict
+    state = engine.broadcast_object(base(optimizer) if engine.rank() == root_rank else None,
+                                    root_rank)
+    if engine.rank() != root_rank:
+        torch.optim.Optimizer.load_state_dict(optimizer, state)

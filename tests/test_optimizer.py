@@ -1,0 +1,185 @@
+"""The pipelined DistributedOptimizer: oracle math on real ranks, checkpoints, bad input."""
+import pytest
+import torch
+
+import launcher
+import pipe_horovod.torch as phvd
+
+pytestmark = pytest.mark.timeout(400)
+LAUNCHES = [("horovod", 2), ("horovod", 3), ("torch", 2), ("torch", 3)]
+
+
+def needs(engine_name):
+    if engine_name == "horovod":
+        pytest.importorskip("horovod.torch")
+
+
+@pytest.mark.parametrize("engine_name, np", LAUNCHES)
+@pytest.mark.parametrize("mode", ["oracle", "features"])
+def test_matches_single_process_oracle(engine_name, np, mode):
+    needs(engine_name)
+    launcher.run(engine_name, np, "optimizer_worker.py", mode, timeout=300)
+
+
+def test_oracle_single_process():
+    launcher.run("local", 1, "optimizer_worker.py", "oracle")
+
+
+def test_depth_one_matches_horovods_optimizer():
+    needs("horovod")
+    launcher.run("horovod", 2, "horovod_compare_worker.py")
+
+
+@pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("torch", 3)])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_checkpoint_resume_is_bit_identical(tmp_path, engine_name, np, kind):
+    needs(engine_name)
+    full, ckpt, resumed = tmp_path / "full.pt", tmp_path / "ckpt.pt", tmp_path / "resumed.pt"
+    launcher.run(engine_name, np, "checkpoint_worker.py", "full", kind, full)
+    launcher.run(engine_name, np, "checkpoint_worker.py", "save", kind, ckpt)
+    launcher.run(engine_name, np, "checkpoint_worker.py", "resume", kind, ckpt, resumed)
+    a, b = torch.load(full), torch.load(resumed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+
+
+@pytest.mark.parametrize("engine_name", ["horovod", "torch"])
+@pytest.mark.parametrize("what", ["shape", "dtype", "names", "options"])
+def test_models_that_differ_between_ranks_raise_everywhere(engine_name, what):
+    needs(engine_name)
+    launcher.run(engine_name, 2, "mismatch_worker.py", what, timeout=120)
+
+
+def test_horovod_script_runs_after_changing_only_its_import(tmp_path):
+    needs("horovod")
+    original = (launcher.WORKERS / "horovod_style_script.py").read_text()
+    switched = original.replace("import horovod.torch as hvd", "import pipe_horovod.torch as hvd")
+    changed = [(a, b) for a, b in zip(original.splitlines(), switched.splitlines()) if a != b]
+    assert len(changed) == 1, changed
+    script = tmp_path / "train.py"
+    script.write_text(switched)
+    _, out = launcher.run("horovod", 2, script, "--fp16-allreduce", timeout=200)
+    assert "test accuracy" in out
+
+
+# --- bad input, in one process ------------------------------------------------
+@pytest.fixture
+def local():
+    phvd.init("local")
+    yield
+    phvd.shutdown()
+
+
+def tiny():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+
+
+def wrap(model=None, **kw):
+    model = model or tiny()
+    kw.setdefault("named_parameters", model.named_parameters())
+    return model, phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+
+
+def backward(model):
+    model(torch.ones(2, 3)).sum().backward()
+
+
+@pytest.mark.parametrize("kw, error, text", [
+    ({"pipeline_depth": 0}, ValueError, "pipeline_depth must be >= 1"),
+    ({"pipeline_depth": 1.5}, TypeError, "pipeline_depth must be an int"),
+    ({"pipeline_depth": True}, TypeError, "pipeline_depth must be an int"),
+    ({"warmup_steps": -1}, ValueError, "warmup_steps must be >= 0"),
+    ({"backward_passes_per_step": 0}, ValueError, "backward_passes_per_step"),
+    ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb"),
+    ({"compression": "fp16"}, TypeError, "compression must provide"),
+    ({"op": "max"}, ValueError, "op must be"),
+    ({"grad_scaler": 3}, TypeError, "GradScaler"),
+])
+def test_bad_options_are_named(local, kw, error, text):
+    with pytest.raises(error, match=text):
+        wrap(**kw)
+
+
+def test_not_an_optimizer(local):
+    with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer"):
+        phvd.DistributedOptimizer(tiny())
+
+
+def test_duplicate_and_missing_names(local):
+    model = tiny()
+    named = list(model.named_parameters())
+    with pytest.raises(ValueError, match=r"duplicate names: \['0.weight'\]"):
+        wrap(model, named_parameters=[named[0], ("0.weight", named[1][1])] + named[2:])
+    with pytest.raises(ValueError, match="missing from named_parameters"):
+        wrap(model, named_parameters=named[:2])
+    with pytest.raises(TypeError, match=r"\(name, tensor\) pairs"):
+        wrap(model, named_parameters=[p for _, p in named])
+
+
+def test_wrapped_optimizer_is_the_users_class(local):
+    model = tiny()
+    base = torch.optim.Adam(model.parameters(), lr=0.123, betas=(0.8, 0.9))
+    opt = phvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    assert isinstance(opt, torch.optim.Adam)
+    assert opt.param_groups[0]["lr"] == 0.123 and opt.param_groups[0]["betas"] == (0.8, 0.9)
+
+
+def test_step_twice_without_backward(local):
+    model, opt = wrap()
+    backward(model)
+    opt.step()
+    with pytest.raises(RuntimeError, match="without a backward pass"):
+        opt.step()
+
+
+def test_too_many_backward_passes(local):
+    model, opt = wrap(backward_passes_per_step=2)
+    backward(model)
+    backward(model)
+    with pytest.raises(RuntimeError, match="more than backward_passes_per_step=2"):
+        backward(model)
+
+
+def test_zero_grad_while_this_steps_reduction_is_in_flight(local):
+    model, opt = wrap()
+    backward(model)
+    with pytest.raises(RuntimeError, match="zero_grad.*before.*step"):
+        opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_flush_between_backward_and_step(local):
+    model, opt = wrap()
+    backward(model)
+    with pytest.raises(RuntimeError, match="flush.*step"):
+        opt.flush()
+
+
+def test_first_pipelined_steps_apply_nothing_and_flush_applies_all(local):
+    model, opt = wrap(pipeline_depth=3)
+    before = [p.clone() for p in model.parameters()]
+    for _ in range(2):
+        opt.zero_grad()
+        backward(model)
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert opt.timings["applied"] == 0
+    opt.flush()
+    assert opt.timings["applied"] == 2
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_checkpoint_must_fit_the_pipeline(local):
+    model, opt = wrap(pipeline_depth=3)
+    for _ in range(3):
+        opt.zero_grad()
+        backward(model)
+        opt.step()
+    state = opt.state_dict()
+    assert len(state["pipe_horovod"]["in_flight"]) == 2
+    _, shallow = wrap(tiny(), pipeline_depth=2)
+    with pytest.raises(ValueError, match="cannot resume with pipeline_depth=2"):
+        shallow.load_state_dict(state)

@@ -1,0 +1,225 @@
+"""Launched on N ranks: the pipelined optimizer against the single-process oracle.
+
+`python optimizer_worker.py MODE`; every rank runs the same scenarios on
+its own data shard and checks its weights against the oracle, which every
+rank can compute alone because all data is derived from (rank, step).
+"""
+import copy
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import oracle  # noqa: E402
+import pipe_horovod.torch as phvd  # noqa: E402
+
+torch.set_num_threads(1)
+STEPS = 20
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x.flatten(1))))
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3)
+        self.fc = nn.Linear(3 * 6 * 6, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x.view(-1, 1, 8, 8))).flatten(1))
+
+
+class Branchy(MLP):
+    """`extra` runs only on rank 0: other ranks produce no gradient for it."""
+
+    def __init__(self, use_extra):
+        super().__init__()
+        self.extra = nn.Linear(8, 4)
+        self.use_extra = use_extra
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out + self.extra(x.flatten(1)) if self.use_extra else out
+
+
+def data_for(micro=1, poison=None):
+    """data(rank, step): deterministic per-rank batches; `poison`=(rank, step) injects inf."""
+    def data(rank, step):
+        batches = []
+        for m in range(micro):
+            g = torch.Generator().manual_seed(10007 * rank + 101 * step + m)
+            x = torch.randn(6, 8, generator=g)
+            if (rank, step) == poison:
+                x[0, 0] = float("inf")
+            batches.append((x, torch.randint(0, 4, (6,), generator=g)))
+        return batches
+    return data
+
+
+def conv_data(rank, step):
+    g = torch.Generator().manual_seed(7919 * rank + step)
+    return [(torch.randn(5, 64, generator=g), torch.randint(0, 4, (5,), generator=g))]
+
+
+def make_optimizer(kind, model):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def assert_close(model, ref, what, rtol=1e-6):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-12)
+        assert err <= rtol, f"{what}: {name} differs from the oracle by {err:.3g} (relative)"
+
+
+def train(model, opt, data, steps=STEPS, micro=1, scheduler=None, scaler=None, start=0):
+    rank = phvd.rank()
+    for t in range(start, steps):
+        opt.zero_grad()
+        for x, y in data(rank, t):
+            loss = F.cross_entropy(model(x), y)
+            if scaler is None:
+                loss.backward()
+            else:
+                scaler.scale(loss).backward()
+        if scaler is None:
+            opt.step()
+        else:
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def fresh(model_cls, seed=0, **kw):
+    torch.manual_seed(seed)
+    return model_cls(**kw)
+
+
+def check_oracle():
+    """MLP and CNN, SGD+momentum and Adam, K in 1..3, warm-up 0 and 3."""
+    size = phvd.size()
+    for model_cls, data in ((MLP, data_for()), (CNN, conv_data)):
+        for kind in ("sgd", "adam"):
+            for depth in (1, 2, 3):
+                for warmup in (0, 3):
+                    model = fresh(model_cls)
+                    ref = copy.deepcopy(model)
+                    opt = phvd.DistributedOptimizer(make_optimizer(kind, model),
+                                                    named_parameters=model.named_parameters(),
+                                                    pipeline_depth=depth, warmup_steps=warmup)
+                    train(model, opt, data)
+                    expected_applied = STEPS - (0 if depth == 1 else depth - 1)
+                    assert opt.timings["applied"] == expected_applied, opt.timings
+                    opt.flush()
+                    assert opt.timings["applied"] == STEPS, "flush must apply every gradient"
+                    oracle.reference(ref, make_optimizer(kind, ref), F.cross_entropy, data, size,
+                                     STEPS, depth, warmup)
+                    assert_close(model, ref, f"{model_cls.__name__}/{kind}/K={depth}/W={warmup}")
+
+
+def check_features():
+    size, rank = phvd.size(), phvd.rank()
+    # Unused branch on every rank but 0: no deadlock, zero contribution.
+    model = fresh(Branchy, use_extra=(rank == 0))
+    ref = fresh(Branchy, use_extra=True)
+    opt = phvd.DistributedOptimizer(make_optimizer("sgd", model),
+                                    named_parameters=model.named_parameters())
+    train(model, opt, data_for())
+    opt.flush()
+
+    def branchy_grads(r, t):
+        ref.use_extra = (r == 0)
+        return data_for()(r, t)
+    oracle.reference(ref, make_optimizer("sgd", ref), F.cross_entropy, branchy_grads, size,
+                     STEPS, 2, 0)
+    assert_close(model, ref, "unused parameter")
+
+    # Frozen first layer: never reduced, never changed.
+    model, ref = fresh(MLP), fresh(MLP)
+    for m in (model, ref):
+        m.fc1.requires_grad_(False)
+    before = model.fc1.weight.clone()
+    opt = phvd.DistributedOptimizer(
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9),
+        named_parameters=model.named_parameters())
+    train(model, opt, data_for())
+    opt.flush()
+    oracle.reference(ref, torch.optim.SGD([p for p in ref.parameters() if p.requires_grad],
+                                          lr=0.1, momentum=0.9),
+                     F.cross_entropy, data_for(), size, STEPS, 2, 0)
+    assert torch.equal(model.fc1.weight, before)
+    assert_close(model, ref, "frozen layer")
+
+    # Gradient accumulation: two micro-batches, one reduction per step.
+    model, ref = fresh(MLP), fresh(MLP)
+    opt = phvd.DistributedOptimizer(make_optimizer("adam", model),
+                                    named_parameters=model.named_parameters(),
+                                    backward_passes_per_step=2, pipeline_depth=2)
+    train(model, opt, data_for(micro=2))
+    opt.flush()
+    oracle.reference(ref, make_optimizer("adam", ref), F.cross_entropy, data_for(micro=2), size,
+                     STEPS, 2, 0)
+    assert_close(model, ref, "backward_passes_per_step=2")
+
+    # LR scheduler stepping every iteration, with the delayed gradient.
+    model, ref = fresh(MLP), fresh(MLP)
+    opt = phvd.DistributedOptimizer(make_optimizer("sgd", model),
+                                    named_parameters=model.named_parameters(), pipeline_depth=3,
+                                    warmup_steps=2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")           # no "scheduler before optimizer" warning
+        train(model, opt, data_for(), scheduler=sched)
+    opt.flush()
+    ref_opt = make_optimizer("sgd", ref)
+    oracle.reference(ref, ref_opt, F.cross_entropy, data_for(), size, STEPS, 3, 2,
+                     scheduler=torch.optim.lr_scheduler.StepLR(ref_opt, step_size=4, gamma=0.5))
+    assert_close(model, ref, "StepLR")
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+
+    # GradScaler: rank 1's step-5 batch overflows; every rank skips that gradient.
+    for depth in (1, 2):
+        model, ref = fresh(MLP), fresh(MLP)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=4)
+        opt = phvd.DistributedOptimizer(make_optimizer("sgd", model),
+                                        named_parameters=model.named_parameters(),
+                                        pipeline_depth=depth, grad_scaler=scaler)
+        poisoned = data_for(poison=(size - 1, 5))
+        train(model, opt, poisoned, scaler=scaler)
+        opt.flush()
+        assert scaler.get_scale() < 2.0**12 * 2**(STEPS // 4), "the overflow must lower the scale"
+        oracle.reference(ref, make_optimizer("sgd", ref), F.cross_entropy, poisoned, size, STEPS,
+                         depth, 0, skip={5})
+        assert_close(model, ref, f"GradScaler K={depth}")
+    # All ranks agree (the skipped step was skipped everywhere).
+    weights = [p.detach().clone() for p in model.parameters()]
+    gathered = phvd.allgather_object(weights)
+    assert all(torch.equal(a, b) for w in gathered for a, b in zip(w, weights))
+
+
+def main():
+    phvd.init()
+    mode = sys.argv[1]
+    {"oracle": check_oracle, "features": check_features}[mode]()
+    print(f"WORKER_OK rank={phvd.rank()}", flush=True)
+    phvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
