@@ -183,3 +183,30 @@ def test_checkpoint_must_fit_the_pipeline(local):
     _, shallow = wrap(tiny(), pipeline_depth=2)
     with pytest.raises(ValueError, match="cannot resume with pipeline_depth=2"):
         shallow.load_state_dict(state)
+
+
+def test_flush_unscales_with_the_scalers_current_scale(local):
+    # The delayed gradient was computed at scale 8; the scaler has since moved to 2.
+    model = tiny()
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    ref = tiny()
+    _, opt = wrap(model, pipeline_depth=2, grad_scaler=scaler)
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    opt.synchronize()
+    scaler.unscale_(opt)
+    with opt.skip_synchronize():
+        scaler.step(opt)                         # applies nothing: the pipeline is filling
+    scaler.update(2.0)
+    opt.flush()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref(torch.ones(2, 3)).sum().backward()
+    ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-7)
+
+
+def test_state_dict_between_backward_and_step(local):
+    model, opt = wrap()
+    backward(model)
+    with pytest.raises(RuntimeError, match="state_dict.*step"):
+        opt.state_dict()

@@ -205,10 +205,11 @@ class _PipelinedOptimizer:
 
     def _apply(self, entry):
         """Apply a gradient taken from the FIFO outside the user's step() (drain)."""
-        self._fill_grads(entry)
+        self._fill_grads(entry)                  # at the scaler's current scale
         if entry.scale is not None:
+            scale = self._grad_scaler.get_scale()
             for p in self._params:
-                p.grad.div_(entry.scale)
+                p.grad.div_(scale)
             if not all(torch.isfinite(p.grad).all() for p in self._params):
                 return                           # as GradScaler would: skip the overflowed step
         super().step()
@@ -270,6 +271,9 @@ class _PipelinedOptimizer:
         Waiting for in-flight reductions is local (every rank started them),
         so rank 0 alone may call this, as users write it.
         """
+        if self._hooks_fired:
+            raise RuntimeError("state_dict() called between backward and step(): this step's "
+                               "gradient is not in the checkpoint yet; call step() first")
         state = super().state_dict()
         state["pipe_horovod"] = {
             "steps": self._fifo.steps,
