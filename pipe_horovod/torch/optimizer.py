@@ -167,7 +167,7 @@ class _PipelinedOptimizer:
         self._agree_on_order()
         self._reset_step()
         self.timings["steps"] += 1
-        for entry in ready[:-1]:                 # only if pipeline_depth shrank; keeps order
+        for entry in ready[:-1]:                 # several only when a resume lands in warm-up
             self._apply(entry)
         self._pending_apply = ready[-1] if ready else None
         self._fill_grads(self._pending_apply)
