@@ -33,7 +33,6 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   ls "$tmp"/horovod-*.whl >/dev/null 2>&1 || { echo "horovod build failed" >&2; exit 1; }
   mv "$tmp"/horovod-*.whl "$wheel_dir/"
 fi
-"$PY" -m pip install --no-deps "$wheel_dir"/horovod-*.whl
-# horovod's own runtime dependencies (horovodrun needs them)
-"$PY" -m pip install cloudpickle psutil pyyaml packaging
+# With its runtime dependencies (cloudpickle, psutil, pyyaml, cffi, ...): horovodrun needs them.
+"$PY" -m pip install "$wheel_dir"/horovod-*.whl
 "$PY" -c "import horovod.torch as hvd; print('horovod', __import__('horovod').__version__, 'gloo built:', hvd.gloo_built())"
