@@ -210,3 +210,16 @@ def test_state_dict_between_backward_and_step(local):
     backward(model)
     with pytest.raises(RuntimeError, match="state_dict.*step"):
         opt.state_dict()
+
+
+@pytest.mark.parametrize("launch, np", [("local", 1), ("torch", 2)])
+def test_digits_example_runs_under_each_launcher(tmp_path, launch, np):
+    import json
+
+    out = tmp_path / "result.json"
+    script = launcher.REPO / "examples" / "pytorch_digits.py"
+    rc, output = launcher.run(launch, np, script, "--epochs", "2", "--no-progress", "--json", out,
+                              expect_ok=False, timeout=200)
+    assert rc == 0, output
+    result = json.loads(out.read_text())
+    assert result["size"] == np and result["ranks_agree"] and result["accuracy"] > 0.5
