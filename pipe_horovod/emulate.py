@@ -457,7 +457,7 @@ class EmulatedCluster:
         with self._lock:
             self._jobs.append(job)
             for rank, ns in enumerate(self.namespaces):
-                wenv = dict(base, **self.worker_env(rank, engine, **extra), **(env or {}))
+                wenv = {**base, **self.worker_env(rank, engine, **extra), **(env or {})}
                 path = os.path.join(self.log_dir, f"job{run_id}-worker{rank}.log")
                 logs.append(path)
                 with open(path, "wb") as log:
