@@ -1,0 +1,236 @@
+import math
+
+import numpy as np
+import pytest
+
+from pipe_horovod import timing
+from pipe_horovod.cli import main
+from pipe_horovod.timing import Network
+
+NET = Network(alpha=1e-5, beta=1e-9, gamma=1e-10)
+N = 1e8
+
+
+# ------------------------------------------------------------ cost formulas
+
+def test_hand_computed_values():
+    # p=4: (p-1)/p = 0.75, ceil(log2 4) = 2.
+    assert timing.ring_allreduce(NET, 4, N) == pytest.approx(6e-5 + 1.5 * 0.1 + 0.75 * 0.01)
+    assert timing.be_allreduce(NET, 4, N) == pytest.approx(4e-5 + 1.5 * 0.1 + 0.75 * 0.01)
+    assert timing.mst_broadcast(NET, 4, N) == pytest.approx(2 * (1e-5 + 0.1))
+    assert timing.mst_reduce(NET, 4, N) == pytest.approx(2 * (1e-5 + 0.11))
+    assert timing.mst_allreduce(NET, 4, N) == pytest.approx(2 * (1e-5 + 0.1) + 2 * (1e-5 + 0.11))
+    # LP with k chunks: (p + k - 2) steps of one chunk each, per phase.
+    k = 10
+    assert timing.lp_broadcast(NET, 4, N, chunks=k) == pytest.approx(12 * (1e-5 + 0.01))
+    assert timing.lp_reduce(NET, 4, N, chunks=k) == pytest.approx(12 * (1e-5 + 0.011))
+    assert timing.lp_allreduce(NET, 4, N, chunks=k) == pytest.approx(12 * (2e-5 + 0.021))
+    assert timing.ring_broadcast(NET, 4, N) == pytest.approx(5e-5 + 0.15)
+    assert timing.be_broadcast(NET, 4, N) == pytest.approx(4e-5 + 0.15)
+
+
+@pytest.mark.parametrize("table", [timing.ALLREDUCE, timing.BROADCAST, timing.REDUCE])
+def test_one_worker_costs_nothing(table):
+    assert set(table) == {"ring", "lp", "mst", "be"}
+    for cost in table.values():
+        assert cost(NET, 1, N) == 0.0
+        assert cost(NET, 8, N) > 0.0
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="workers"):
+        timing.ring_allreduce(NET, 0, N)
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        timing.allreduce_time(NET, 4, N, "tree")
+    with pytest.raises(ValueError, match="chunks"):
+        timing.lp_allreduce(NET, 4, N, chunks=0)
+    with pytest.raises(ValueError, match="alpha"):
+        Network(-1.0, 1e-9)
+
+
+def test_optimal_chunks_minimises_lp():
+    net = Network(2e-5, 8e-10)
+    k = timing.optimal_chunks(net, 16, N)
+    best = timing.lp_allreduce(net, 16, N, chunks=k)
+    assert all(best <= timing.lp_allreduce(net, 16, N, chunks=c) * (1 + 1e-12)
+               for c in (1, k // 2, k - 1, k + 1, 2 * k))
+    assert timing.optimal_chunks(net, 2, N) == 1  # a chain of two gains nothing from chunks
+    assert timing.lp_allreduce(net, 16, N) == best  # chunks=None means optimal
+
+
+def test_lp_nearly_independent_of_p_mst_grows_with_log_p():
+    net = Network(2e-5, 8e-10)
+    n = 1e9
+    lp4, lp64 = timing.lp_allreduce(net, 4, n), timing.lp_allreduce(net, 64, n)
+    assert lp64 / lp4 < 1.10
+    mst = {p: timing.mst_allreduce(net, p, n) for p in (4, 64)}
+    assert mst[64] / mst[4] == pytest.approx(math.log2(64) / math.log2(4), rel=1e-3)
+    assert lp64 < mst[64] / 5
+
+
+def test_ring_bandwidth_term_approaches_2n_beta():
+    net = Network(0.0, 1e-9)
+    assert timing.ring_allreduce(net, 1024, N) == pytest.approx(2 * N * 1e-9, rel=1e-3)
+    assert timing.be_allreduce(net, 1024, N) == pytest.approx(2 * N * 1e-9, rel=1e-3)
+
+
+# ---------------------------------------------------------------- step time
+
+@pytest.mark.parametrize("compute,update,comm", [(0.1, 0.0, 0.3), (0.3, 0.01, 0.1), (0.0, 0.0, 0.2), (0.2, 0.1, 0.0)])
+@pytest.mark.parametrize("overlap", [0.0, 0.5, 1.0])
+def test_pipelined_is_max_and_never_slower_than_sync(compute, update, comm, overlap):
+    sync = timing.step_time(compute, update, comm, 1, overlap)
+    for depth in (2, 3, 8):
+        piped = timing.step_time(compute, update, comm, depth)
+        assert piped == max(compute + update, comm)
+        assert piped <= sync + 1e-15
+    if overlap == 0.0:
+        assert sync == pytest.approx(compute + update + comm)
+
+
+def test_predict_rows_and_speedups():
+    net = Network(2e-5, 8e-10)
+    pred = timing.predict(0.12, 0.0, 233e6, 4, net, algorithm="ring",
+                          compressions={"fp16": (0.5, 0.0), "int8": (0.25, 1e-10)})
+    assert list(pred.rows) == ["sync", "pipelined", "sync+fp16", "pipelined+fp16", "sync+int8", "pipelined+int8"]
+    comm = timing.ring_allreduce(net, 4, 233e6)
+    assert pred.sync_s == pytest.approx(0.12 + comm)
+    assert pred.pipelined_s == pytest.approx(max(0.12, comm))
+    assert pred.rows["sync"].speedup == 1.0
+    assert pred.rows["pipelined"].speedup == pytest.approx(pred.sync_s / pred.pipelined_s)
+    assert pred.rows["pipelined+fp16"].comm_s == pytest.approx(timing.ring_allreduce(net, 4, 116.5e6))
+    assert pred.rows["pipelined+int8"].comm_s == pytest.approx(timing.ring_allreduce(net, 4, 58.25e6) + 233e6 * 1e-10)
+    for row in pred.rows.values():
+        if row.pipeline_depth > 1:
+            assert row.step_s <= pred.rows["sync" + row.name[len("pipelined"):]].step_s
+    single = timing.predict(0.12, 0.0, 233e6, 1, net)
+    assert all(r.step_s == pytest.approx(0.12) for r in single.rows.values())
+
+
+# ---------------------------------------------------------------------- fit
+
+SIZES = np.geomspace(1e3, 1e8, 12)
+
+
+@pytest.mark.parametrize("algorithm,p,kwargs", [("ring", 4, {}), ("be", 8, {}), ("mst", 8, {}), ("lp", 8, {"chunks": 16})])
+def test_fit_recovers_exact_parameters(algorithm, p, kwargs):
+    truth = Network(3e-5, 8e-10)
+    times = [timing.allreduce_time(truth, p, n, algorithm, **kwargs) for n in SIZES]
+    res = timing.fit(SIZES, times, p, algorithm, **kwargs)
+    assert res.alpha == pytest.approx(truth.alpha, rel=1e-6)
+    assert res.beta == pytest.approx(truth.beta, rel=1e-6)
+    assert res.r2 == pytest.approx(1.0)
+    assert res.max_rel_error < 1e-9
+
+
+def test_fit_with_one_percent_noise():
+    truth = Network(3e-5, 8e-10)
+    rng = np.random.default_rng(0)
+    times = np.array([timing.ring_allreduce(truth, 4, n) for n in SIZES]) * (1 + 0.01 * rng.standard_normal(SIZES.size))
+    res = timing.fit(SIZES, times, 4)
+    assert res.alpha == pytest.approx(truth.alpha, rel=0.05)
+    assert res.beta == pytest.approx(truth.beta, rel=0.05)
+    assert res.r2 > 0.999
+    assert res.max_rel_error < 0.05
+    assert res.network == Network(res.alpha, res.beta)
+
+
+@pytest.mark.parametrize("sizes,seconds,match", [
+    ([1e6], [1e-3], "at least 2"),
+    ([1e6, 2e6], [1e-3], "has 2 values"),
+    ([0, 2e6], [1e-3, 2e-3], "sizes_bytes must be positive"),
+    ([1e6, 2e6], [1e-3, -2e-3], "seconds must be positive"),
+    ([1e6, 1e6], [1e-3, 2e-3], "distinct sizes"),
+])
+def test_fit_rejects_bad_data(sizes, seconds, match):
+    with pytest.raises(ValueError, match=match):
+        timing.fit(sizes, seconds, 4)
+
+
+def test_fit_lp_needs_fixed_chunks():
+    with pytest.raises(ValueError, match="chunks"):
+        timing.fit([1e3, 1e6], [1e-4, 1e-3], 4, "lp")
+
+
+# -------------------------------------------------------------------- units
+
+@pytest.mark.parametrize("text,value", [
+    ("10gbit", 1.25e9), ("10Gbit/s", 1.25e9), ("100mbit", 12.5e6), ("1tbit", 125e9), ("8bit", 1.0),
+    ("1.25GB/s", 1.25e9), ("100MB/s", 1e8), ("1kib/s", 1024.0), ("2e3kbit", 2.5e5),
+])
+def test_parse_bandwidth(text, value):
+    assert timing.parse_bandwidth(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text", ["-1gbit", "0gbit", "10gbits", "10", "fast", "10 GB"])
+def test_parse_bandwidth_errors_name_value_and_units(text):
+    with pytest.raises(ValueError) as info:
+        timing.parse_bandwidth(text)
+    assert repr(text) in str(info.value)
+    if text in ("10gbits", "10", "fast", "10 GB"):
+        assert "gbit" in str(info.value) and "mb/s" in str(info.value)
+
+
+def test_parse_latency_and_size():
+    assert timing.parse_latency("20us") == pytest.approx(2e-5)
+    assert timing.parse_latency("5ns") == pytest.approx(5e-9)
+    assert timing.parse_latency("0.1ms") == pytest.approx(1e-4)
+    assert timing.parse_latency("1s") == 1.0
+    assert timing.parse_latency("0us") == 0.0
+    assert timing.parse_size("233MB") == 233e6
+    assert timing.parse_size("1MiB") == 2**20
+    assert timing.parse_size("4096") == 4096
+    for bad, parse in (("20", timing.parse_latency), ("20 minutes", timing.parse_latency),
+                       ("-1us", timing.parse_latency), ("0MB", timing.parse_size)):
+        with pytest.raises(ValueError, match=repr(bad)):
+            parse(bad)
+
+
+# ---------------------------------------------------------------------- CLI
+
+GOOD = ["model", "--workers", "4", "--bandwidth", "10gbit", "--latency", "20us", "--model-mb", "233", "--compute-ms", "120"]
+
+
+def test_cli_table(capsys):
+    assert main(GOOD) == 0
+    out = capsys.readouterr().out
+    assert "ring allreduce" in out
+    for row in ("sync", "pipelined", "pipelined+fp16", "pipelined+bf16", "pipelined+int8"):
+        assert f"| {row} |" in out
+    assert "| sync | 1 | none | 233.0 | 279.7 | 399.7 | 1.00x |" in out
+
+
+def test_cli_algorithm_and_codec_override(capsys):
+    assert main(GOOD + ["--algorithm", "lp", "--codec-ns-per-byte", "0", "--update-ms", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "lp allreduce" in out and "update 5 ms" in out
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--bandwidth", "-10gbit", "must not be negative"),
+    ("--bandwidth", "10gbits", "accepted units"),
+    ("--workers", "0", "workers must be >= 1"),
+    ("--compute-ms", "-1", "compute time must be >= 0"),
+    ("--latency", "20", "accepted units"),
+    ("--algorithm", "tree", "invalid choice"),
+])
+def test_cli_bad_arguments_exit_2_with_message(capsys, flag, value, message):
+    argv = list(GOOD)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = value
+    else:
+        argv += [flag, value]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and message in err
+    assert "Traceback" not in err
+
+
+def test_cli_plot_writes_png(tmp_path, capsys):
+    path = tmp_path / "model.png"
+    assert main(GOOD + ["--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 1000
+    assert str(path) in capsys.readouterr().out
