@@ -1,0 +1,556 @@
+"""Turn the benchmark's raw per-step times into medians, ratios, predictions and a plot.
+
+Shared machines are noisy, so every figure is a median (over all timed
+steps of all rounds, pooled), with the inter-quartile range and the spread
+of per-round medians beside it. For each run (one raw JSON from
+`pipe_horovod.bench.worker`) the report gives, per configuration:
+
+* step time, samples/s (all workers), forward+backward time;
+* communication (the allreduce of a model-sized buffer of the same wire
+  dtype, plus encode/decode for fp16/bf16), exposed communication (measured
+  wait: ours' `opt.timings["wait_s"]`, Horovod's `synchronize()`), step minus
+  compute (what communication costs the step, CPU contention included), and
+  fraction hidden = 1 - exposed / communication;
+* the timing model's prediction (`pipe_horovod.timing.predict`, alpha/beta
+  fitted from the allreduce sweep, or beta from the allreduce measurement);
+* CPU cores each worker used (every thread of the process), and how busy the
+  whole machine was meanwhile;
+
+then the ratios the issue sets targets for, each marked met / not met.
+Outputs: markdown (printed and saved), a JSON summary, a PNG of stacked
+bars (compute + exposed communication) with Pipe-SGD's ideal bound.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+from pipe_horovod import timing
+
+TRAIN_ORDER = ("horovod", "horovod-fp16", "ddp")
+TARGETS = {
+    # key: (description, comparison, threshold)
+    "k2_vs_ideal": ("ours-k2 step / max(compute, comm)", "<=", 1.10),
+    "k2_speedup_vs_horovod": ("Horovod step / ours-k2 step", ">=", 1.6),
+    "k1_vs_horovod": ("Horovod step / ours-k1 step", ">=", 0.97),
+    "k1_vs_ddp": ("DDP step / ours-k1 step", ">=", 0.97),
+    "bf16_speedup_vs_horovod": ("Horovod step / ours-k2-bf16 step", ">=", 2.5),
+    "fp16_speedup_vs_horovod": ("Horovod step / ours-k2-fp16 step", ">=", 2.5),
+    "max_prediction_error": ("largest prediction error of a training step, "
+                             "abs(predicted − measured) / measured", "<=", 0.20),
+    "wrapper_overhead": ("ours-k1 / plain optimizer - 1 (one process)", "<=", 0.03),
+}
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _quartiles(xs):
+    xs = sorted(x for x in xs if x is not None)
+    if len(xs) < 2:
+        return (xs[0], xs[0]) if xs else (None, None)
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def _pooled(rounds, key):
+    return [x for block in rounds for x in block.get(key) or []]
+
+
+def _cpu(rounds):
+    """Per rank: CPU seconds / wall seconds over the timed blocks (cores used)."""
+    if not rounds or not rounds[0].get("per_rank"):
+        return []
+    ranks = len(rounds[0]["per_rank"])
+    out = []
+    for r in range(ranks):
+        cpu = sum(b["per_rank"][r]["cpu_s"] for b in rounds)
+        wall = sum(b["per_rank"][r]["wall_s"] for b in rounds)
+        out.append(cpu / wall if wall > 0 else None)
+    return out
+
+
+def _config_stats(name, cfg):
+    rounds = cfg["rounds"]
+    steps = _pooled(rounds, "step_s")
+    q1, q3 = _quartiles(steps)
+    per_round = [_median(b["step_s"]) for b in rounds]
+    exposed = _pooled(rounds, "exposed_s")
+    cores = _cpu(rounds)
+    return {
+        "name": name, "kind": cfg["kind"], "compression": cfg.get("compression", "none"),
+        "pipeline_depth": cfg.get("pipeline_depth"),
+        "samples": len(steps), "step_s": _median(steps), "q1_s": q1, "q3_s": q3,
+        "round_medians_s": per_round,
+        "fwdbwd_s": _median(_pooled(rounds, "fwdbwd_s")),
+        "opt_s": _median(_pooled(rounds, "opt_s")),
+        "exposed_wait_s": _median(exposed) if any(x is not None for x in exposed) else None,
+        "cpu_cores_per_worker": cores,
+        "machine_busy_cores": _median([b.get("machine_busy_cores") for b in rounds]),
+    }
+
+
+def _cpu_per_step(s):
+    """CPU seconds a worker spends per step (mean over ranks), or None."""
+    cores = [c for c in s["cpu_cores_per_worker"] if c is not None]
+    if not cores or not s["step_s"]:
+        return None
+    return statistics.fmean(cores) * s["step_s"]
+
+
+def _network(raw, stats, p, model_bytes):
+    """(Network, description) from the sweep fit, else from the allreduce median."""
+    sweep = raw.get("sweep")
+    if p < 2:
+        return timing.Network(0.0, 0.0), {"source": "one process: no communication"}
+    if sweep and len(sweep["sizes"]) >= 2:
+        med = [statistics.median(t) for t in sweep["seconds"]]
+        fit = timing.fit(sweep["sizes"], med, p)
+        return fit.network, {"source": f"fit of a {len(med)}-size allreduce sweep "
+                                       f"({sweep['sizes'][0]} B .. {sweep['sizes'][-1]} B)",
+                             "alpha_s": fit.alpha, "beta_s_per_byte": fit.beta,
+                             "r2": fit.r2, "max_rel_error": fit.max_rel_error,
+                             "sweep_sizes": sweep["sizes"], "sweep_median_s": med}
+    ar = stats.get("allreduce")
+    if ar and ar["step_s"]:
+        unit = timing.allreduce_time(timing.Network(0.0, 1.0), p, model_bytes)
+        beta = ar["step_s"] / unit
+        return timing.Network(0.0, beta), {"source": "beta from the model-sized allreduce "
+                                                     "(alpha = 0; run with --fit for a sweep)",
+                                           "alpha_s": 0.0, "beta_s_per_byte": beta}
+    return None, {"source": "no allreduce measured: no prediction"}
+
+
+def _target(key, value):
+    desc, op, threshold = TARGETS[key]
+    if value is None:
+        return None
+    met = value <= threshold if op == "<=" else value >= threshold
+    return {"key": key, "what": desc, "value": value, "target": f"{op} {threshold:g}", "met": met}
+
+
+def summarize(raw):
+    """Everything the markdown, JSON summary and plot show, for one raw run."""
+    meta = raw["meta"]
+    p = meta["workers"]
+    model_bytes = meta["model_bytes"]
+    batch = meta["batch_size"]
+    stats = {name: _config_stats(name, cfg) for name, cfg in raw["configs"].items()}
+    codec = raw.get("codec_s") or {}
+
+    compute = stats.get("compute")
+    compute_s = compute["step_s"] if compute else None
+    comm = {}
+    for codec_name, ar_name in (("none", "allreduce"), ("fp16", "allreduce-fp16"),
+                                ("bf16", "allreduce-bf16")):
+        if ar_name in stats:
+            comm[codec_name] = stats[ar_name]["step_s"] + codec.get(codec_name, 0.0)
+    ideal = {c: max(compute_s, t) for c, t in comm.items()} if compute_s else {}
+    # With every worker on one machine, compute and communication threads (and, when
+    # emulated, the kernel's network path) share cpu_count cores: a step cannot take less
+    # than the CPU time both need, divided by the cores each worker has.
+    cores_per_worker = (meta.get("cpu_count") or 1) / p
+    cpu_per_step = {name: _cpu_per_step(s) for name, s in stats.items()}
+    cpu_bound = {}
+    if compute and cpu_per_step.get("compute") is not None:
+        for codec_name, ar_name in (("none", "allreduce"), ("fp16", "allreduce-fp16"),
+                                    ("bf16", "allreduce-bf16")):
+            if cpu_per_step.get(ar_name) is not None and codec_name in ideal:
+                need = (cpu_per_step["compute"] + cpu_per_step[ar_name]
+                        + codec.get(codec_name, 0.0))
+                cpu_bound[codec_name] = max(ideal[codec_name], need / cores_per_worker)
+
+    network, model_info = _network(raw, stats, p, model_bytes)
+    prediction = None
+    bf16_ratio = 1.0 if meta.get("horovod_bf16_as_float32") else 0.5
+    wire_ratio = {"none": 1.0, "fp16": 0.5, "bf16": bf16_ratio}
+    if network is not None and compute:
+        compressions = {"fp16": (0.5, codec.get("fp16", 0.0) / model_bytes),
+                        "bf16": (bf16_ratio, codec.get("bf16", 0.0) / model_bytes)}
+        depths = sorted({s["pipeline_depth"] for s in stats.values()
+                         if (s["pipeline_depth"] or 0) >= 2}) or [2]
+        prediction = {d: timing.predict(compute["fwdbwd_s"], compute["opt_s"], model_bytes, p,
+                                        network, compressions=compressions, pipeline_depth=d)
+                      for d in depths}
+        model_info["overlap"] = 0.0
+        model_info["compressions"] = {k: {"wire_ratio": v[0], "codec_s": v[1] * model_bytes}
+                                      for k, v in compressions.items()}
+
+    for name, s in stats.items():
+        s["samples_per_s"] = (batch * p / s["step_s"]
+                              if s["kind"] == "train" and s["step_s"] else None)
+        c = s["compression"]
+        s["comm_s"] = comm.get(c) if s["kind"] == "train" and name != "compute" else None
+        s["step_minus_compute_s"] = (s["step_s"] - compute_s
+                                     if s["kind"] == "train" and name != "compute" and compute_s
+                                     else None)
+        exposed = s["exposed_wait_s"] if s["kind"] == "train" else None
+        s["hidden_fraction"] = (1 - exposed / s["comm_s"]
+                                if exposed is not None and s["comm_s"] else None)
+        s["hidden_fraction_step"] = (1 - max(s["step_minus_compute_s"], 0) / s["comm_s"]
+                                     if s["step_minus_compute_s"] is not None and s["comm_s"]
+                                     else None)
+        s["ideal_s"] = ideal.get(c) if name.startswith("ours-k") and s["pipeline_depth"] >= 2 \
+            else None
+        s["predicted_s"] = _predicted(name, s, prediction, network, p, model_bytes, compute,
+                                      wire_ratio)
+        s["prediction_error"] = (abs(s["predicted_s"] - s["step_s"]) / s["step_s"]
+                                 if s["predicted_s"] is not None and s["step_s"] else None)
+        # The same step model fed the measured communication instead of the fitted network:
+        # separates the error of the step model from the error of the alpha-beta fit.
+        s["predicted_measured_comm_s"] = None
+        if s["kind"] == "train" and name != "compute" and compute and s["comm_s"] is not None:
+            s["predicted_measured_comm_s"] = timing.step_time(
+                compute["fwdbwd_s"], compute["opt_s"], s["comm_s"], s["pipeline_depth"] or 1)
+        s["prediction_error_measured_comm"] = (
+            abs(s["predicted_measured_comm_s"] - s["step_s"]) / s["step_s"]
+            if s["predicted_measured_comm_s"] is not None and s["step_s"] else None)
+        s["cpu_s_per_step"] = cpu_per_step[name]
+        s["cpu_bound_s"] = cpu_bound.get(c) if s["ideal_s"] is not None else None
+
+    def step(name):
+        return stats[name]["step_s"] if name in stats else None
+
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    ratios = {
+        "k2_vs_ideal": ratio(step("ours-k2"), ideal.get("none")),
+        "k2_speedup_vs_horovod": ratio(step("horovod"), step("ours-k2")),
+        "k1_vs_horovod": ratio(step("horovod"), step("ours-k1")),
+        "k1_vs_ddp": ratio(step("ddp"), step("ours-k1")),
+        "bf16_speedup_vs_horovod": ratio(step("horovod"), step("ours-k2-bf16")),
+        "fp16_speedup_vs_horovod": ratio(step("horovod"), step("ours-k2-fp16")),
+        "max_prediction_error": max((s["prediction_error"] for s in stats.values()
+                                     if s["prediction_error"] is not None
+                                     and s["kind"] == "train"), default=None),
+        "wrapper_overhead": (ratio(step("ours-k1"), step("compute")) - 1
+                             if p == 1 and step("ours-k1") and step("compute") else None),
+    }
+    extra = {
+        "k2_speedup_vs_ddp": ratio(step("ddp"), step("ours-k2")),
+        "k2_fraction_of_ideal": ratio(ideal.get("none"), step("ours-k2")),
+        "k2_vs_cpu_bound": ratio(step("ours-k2"), cpu_bound.get("none")),
+        "max_prediction_error_measured_comm": max(
+            (s["prediction_error_measured_comm"] for s in stats.values()
+             if s["prediction_error_measured_comm"] is not None), default=None),
+        "k2_speedup_vs_k1": ratio(step("ours-k1"), step("ours-k2")),
+        "fp16_k2_vs_ideal": ratio(step("ours-k2-fp16"), ideal.get("fp16")),
+        "bf16_k2_vs_ideal": ratio(step("ours-k2-bf16"), ideal.get("bf16")),
+        "horovod_fp16_speedup_vs_horovod": ratio(step("horovod"), step("horovod-fp16")),
+        "comm_over_compute": ratio(comm.get("none"), compute_s),
+        "max_allreduce_prediction_error": max(
+            (s["prediction_error"] for s in stats.values()
+             if s["prediction_error"] is not None and s["kind"] == "allreduce"), default=None),
+    }
+    targets = [t for k, v in ratios.items() if (t := _target(k, v)) is not None]
+    process = raw.get("process") or []
+    return {
+        "meta": meta, "launch": raw.get("launch", {}), "configs": stats,
+        "compute_s": compute_s, "comm_s": comm, "ideal_s": ideal, "codec_s": codec,
+        "cpu_bound_s": cpu_bound, "cores_per_worker": cores_per_worker,
+        "timing_model": model_info, "ratios": ratios, "extra_ratios": extra,
+        "targets": targets, "process": process,
+    }
+
+
+def _predicted(name, s, prediction, network, p, model_bytes, compute, wire_ratio):
+    if name == "compute":
+        return (compute["fwdbwd_s"] + compute["opt_s"]) if compute else None
+    if name.startswith("allreduce"):
+        if network is None:
+            return None
+        return timing.allreduce_time(network, p, model_bytes * wire_ratio[s["compression"]])
+    if prediction is None:
+        return None
+    depth = s["pipeline_depth"] or 1
+    pred = prediction.get(depth) or next(iter(prediction.values()))
+    row = "sync" if depth == 1 else "pipelined"
+    if s["compression"] != "none":
+        row += "+" + s["compression"]
+    return pred.rows[row].step_s if row in pred.rows else None
+
+
+# ------------------------------------------------------------------- markdown
+
+def _ms(x, digits=1):
+    return "–" if x is None else f"{x * 1e3:.{digits}f}"
+
+
+def _pct(x):
+    return "–" if x is None else f"{x * 100:.0f}%"
+
+
+def _num(x, fmt="{:.2f}"):
+    return "–" if x is None else fmt.format(x)
+
+
+def title(summary):
+    meta, launch = summary["meta"], summary["launch"]
+    link = launch.get("emulate")
+    where = (f"emulated {link} links" if link else
+             ("one process" if meta["workers"] == 1 else "local launch (loopback)"))
+    return (f"engine {meta['engine']}, {meta['workers']} worker(s), {where}, "
+            f"{meta['model'].upper()} {meta['model_bytes'] / 1e6:.1f} MB "
+            f"({meta['params'] / 1e6:.2f} M params), batch {meta['batch_size']}/worker")
+
+
+def markdown(summary, heading="##"):
+    meta = summary["meta"]
+    lines = [f"{heading} {title(summary)}", ""]
+    launch = summary["launch"]
+    if launch.get("command"):
+        lines += [f"Command: `{launch['command']}`", ""]
+    lines += [f"{meta['rounds']} interleaved rounds x {meta['steps']} timed steps "
+              f"(after {meta['warmup']} warm-up steps per block), medians over all "
+              f"{meta['rounds'] * meta['steps']} steps; torch threads per worker: "
+              f"{meta['threads']}; machine cores: {meta['cpu_count']}; "
+              f"versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items() if v)}.",
+              ""]
+    lines += ["| config | step ms | IQR ms | round medians ms | samples/s | fwd+bwd ms "
+              "| comm ms | exposed (wait) ms | step − compute ms | hidden | predicted ms "
+              "| pred. err | pred. w/ measured comm | CPU cores/worker | machine busy |",
+              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for name, s in summary["configs"].items():
+        hidden = _pct(s["hidden_fraction"])
+        if s["hidden_fraction_step"] is not None:
+            hidden += f" ({_pct(s['hidden_fraction_step'])})"
+        cores = ", ".join(_num(c) for c in s["cpu_cores_per_worker"]) or "–"
+        lines.append(
+            f"| {name} | **{_ms(s['step_s'])}** | {_ms(s['q1_s'])}–{_ms(s['q3_s'])} "
+            f"| {' / '.join(_ms(x, 0) for x in s['round_medians_s'])} "
+            f"| {_num(s['samples_per_s'], '{:.0f}')} | {_ms(s['fwdbwd_s'])} "
+            f"| {_ms(s['comm_s'])} | {_ms(s['exposed_wait_s'] if s['kind'] == 'train' else None)} "
+            f"| {_ms(s['step_minus_compute_s'])} | {hidden} | {_ms(s['predicted_s'])} "
+            f"| {_pct(s['prediction_error'])} "
+            f"| {_ms(s['predicted_measured_comm_s'])} ({_pct(s['prediction_error_measured_comm'])}) "
+            f"| {cores} | {_num(s['machine_busy_cores'])} |")
+    lines += ["", "comm = allreduce of a model-sized buffer in the configuration's wire dtype "
+              "(+ encode/decode for fp16/bf16); exposed (wait) = time blocked waiting for "
+              "reductions (ours: `opt.timings['wait_s']`, Horovod: `synchronize()`; DDP waits "
+              "inside backward, so none is shown); hidden = 1 − exposed/comm, in brackets "
+              "1 − (step − compute)/comm, which also charges the slowdown communication "
+              "threads cause to compute; CPU cores/worker = process CPU time / wall time "
+              "over the timed blocks (all threads); machine busy = cores busy on the whole "
+              "machine meanwhile (our workers and anything else).", ""]
+    skipped = meta.get("skipped") or {}
+    for name, why in skipped.items():
+        lines.append(f"- not measured: `{name}`: {why}")
+    if skipped:
+        lines.append("")
+    if meta.get("horovod_bf16_as_float32") and any(
+            s["compression"] == "bf16" for s in summary["configs"].values()):
+        lines += ["- engine horovod: Horovod 0.28.1 cannot reduce bfloat16, so bf16 "
+                  "gradients travel as float32 (no bytes saved); fp16 is the compression "
+                  "figure on this engine.", ""]
+
+    lines += [f"{heading}# Ratios against the issue's targets", "",
+              "| ratio | measured | target | met? |", "|---|---:|---:|---|"]
+    for t in summary["targets"]:
+        lines.append(f"| {t['what']} | {t['value']:.3f} | {t['target']} "
+                     f"| {'yes' if t['met'] else '**no**'} |")
+    extra_names = {
+        "k2_speedup_vs_ddp": "DDP step / ours-k2 step",
+        "k2_fraction_of_ideal": "fraction of Pipe-SGD's ideal reached by ours-k2",
+        "k2_vs_cpu_bound": "ours-k2 step / CPU-contention bound (see CPU)",
+        "max_prediction_error_measured_comm": "largest prediction error of a training step "
+                                              "with the measured comm instead of the fit",
+        "k2_speedup_vs_k1": "ours-k1 step / ours-k2 step",
+        "fp16_k2_vs_ideal": "ours-k2-fp16 step / max(compute, fp16 comm)",
+        "bf16_k2_vs_ideal": "ours-k2-bf16 step / max(compute, bf16 comm)",
+        "horovod_fp16_speedup_vs_horovod": "Horovod step / Horovod-fp16 step",
+        "comm_over_compute": "communication / compute",
+        "max_allreduce_prediction_error": "largest prediction error of an allreduce alone",
+    }
+    for key, value in summary["extra_ratios"].items():
+        if value is not None:
+            lines.append(f"| {extra_names[key]} | {value:.3f} | | |")
+    lines.append("")
+
+    model = summary["timing_model"]
+    lines += [f"{heading}# Timing model", "", f"- network: {model['source']}"]
+    if "alpha_s" in model:
+        bw = 1 / model["beta_s_per_byte"] / 1e6 if model["beta_s_per_byte"] else float("inf")
+        lines.append(f"- alpha = {model['alpha_s'] * 1e6:.1f} us, beta = "
+                     f"{model['beta_s_per_byte'] * 1e9:.3f} ns/byte (= {bw:.0f} MB/s per link, "
+                     "reduction arithmetic included)"
+                     + (f", r² = {model['r2']:.4f}, worst point off by "
+                        f"{model['max_rel_error'] * 100:.0f}%" if "r2" in model else ""))
+    if "overlap" in model:
+        codecs = ""
+        if summary["codec_s"]:
+            codecs = "; codec costs measured in the worker (encode+decode of the model): " + \
+                ", ".join(f"{k} {v['codec_s'] * 1e3:.1f} ms (wire x{v['wire_ratio']})"
+                          for k, v in model["compressions"].items())
+        lines.append("- step prediction: `timing.predict(compute_s=fwd+bwd, update_s=local "
+                     "step, ...)` of the `compute` configuration, ring allreduce, overlap = 0 "
+                     "for sync rows" + codecs)
+    if model.get("sweep_sizes"):
+        lines.append("- sweep (size: median allreduce ms): " + ", ".join(
+            f"{_size(n)}: {t * 1e3:.2f}" for n, t in zip(model["sweep_sizes"],
+                                                       model["sweep_median_s"])))
+    lines.append("")
+
+    lines += [f"{heading}# CPU", ""]
+    proc = summary["process"]
+    if proc:
+        lines.append("- whole-process CPU seconds per worker (startup included): "
+                     + ", ".join(f"rank {i}: {r['cpu_s']:.1f} s ({r.get('threads')} threads)"
+                                 for i, r in enumerate(proc)))
+    launch_cpu = launch.get("cpu_s")
+    if launch_cpu:
+        lines.append("- CPU seconds per worker process as reaped by the launcher: "
+                     + ", ".join(f"{x:.1f}" for x in launch_cpu))
+    cs = summary["configs"]
+    if summary["cpu_bound_s"] and "compute" in cs and "allreduce" in cs:
+        lines.append(
+            f"- CPU per step and worker: compute {_ms(cs['compute']['cpu_s_per_step'])} ms, "
+            f"allreduce alone {_ms(cs['allreduce']['cpu_s_per_step'])} ms; with "
+            f"{summary['cores_per_worker']:.2f} core(s) per worker, a step that overlaps both "
+            f"cannot take less than max(compute, comm, CPU needed / cores) = "
+            f"{_ms(summary['cpu_bound_s']['none'])} ms (ideal without contention: "
+            f"{_ms(summary['ideal_s']['none'])} ms). Process CPU only: the kernel's work for "
+            "the emulated links is partly charged elsewhere, so this bound is optimistic.")
+    cores = meta.get("cpu_count") or 0
+    busy = [s["machine_busy_cores"] for s in summary["configs"].values()
+            if s["machine_busy_cores"] is not None]
+    if busy and cores:
+        med = statistics.median(busy)
+        lines.append(f"- the machine has {cores} cores for {meta['workers']} worker(s); during "
+                     f"the timed blocks {med:.2f} cores were busy (median over blocks)"
+                     + (", i.e. saturated: compute and communication threads competed for "
+                        "the same cores" if med >= 0.9 * cores else "") + ".")
+    links = launch.get("link_stats")
+    if links:
+        lines.append("- emulated links, whole run: " + "; ".join(
+            f"worker {i} sent {l['tx_bytes'] / 1e9:.2f} GB, received {l['rx_bytes'] / 1e9:.2f} GB, "
+            f"tbf held packets back {l['overlimits']} times" for i, l in enumerate(links)))
+    background = meta.get("background_busy_cores") or []
+    if background:
+        lines.append("- load from everything else (all workers asleep, start of each round): "
+                     + ", ".join(f"{b:.2f}" for b in background) + " cores busy")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _size(n):
+    for unit, scale in (("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
+
+
+# ------------------------------------------------------------------------ plot
+
+def plot(summaries, path):
+    """Stacked bars per configuration: compute, then exposed communication; ideal as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(summaries)
+    fig, axes = plt.subplots(n, 1, figsize=(14, 4.4 * n), squeeze=False)
+    for ax, summary in zip(axes[:, 0], summaries):
+        compute = summary["compute_s"]
+        names, bottoms, tops, comm_only, waits = [], [], [], [], []
+        for name, s in summary["configs"].items():
+            if s["step_s"] is None:
+                continue
+            names.append(name)
+            if s["kind"] == "allreduce":
+                bottoms.append(0.0)
+                tops.append(0.0)
+                comm_only.append(s["step_s"] * 1e3)
+                waits.append(None)
+                continue
+            base = min(compute, s["step_s"]) if compute and name != "compute" else s["step_s"]
+            bottoms.append(base * 1e3)
+            tops.append(max(s["step_s"] - base, 0.0) * 1e3)
+            comm_only.append(0.0)
+            waits.append(s["exposed_wait_s"] * 1e3 if s["exposed_wait_s"] is not None else None)
+        x = range(len(names))
+        ax.bar(x, bottoms, color="#4c72b0", label="compute (fwd+bwd+update, no communication)")
+        ax.bar(x, tops, bottom=bottoms, color="#dd8452",
+               label="exposed communication (step − compute)")
+        ax.bar(x, comm_only, color="#8c8c8c", label="allreduce alone (communication)")
+        wx = [i for i, w in zip(x, waits) if w is not None]
+        wy = [bottoms[i] + w for i, w in zip(x, waits) if w is not None]
+        if wx:
+            ax.scatter(wx, wy, marker="_", s=400, color="black", zorder=3,
+                       label="compute + measured wait")
+        styles = {"none": "-", "fp16": "--", "bf16": ":"}
+        for codec, ideal in summary["ideal_s"].items():
+            label = "Pipe-SGD ideal max(compute, comm)" + ("" if codec == "none"
+                                                           else f" with {codec}")
+            ax.axhline(ideal * 1e3, color="#c44e52", linestyle=styles[codec], linewidth=1.4,
+                       label=label)
+        for i, name in enumerate(names):
+            s = summary["configs"][name]
+            ax.text(i, max(bottoms[i] + tops[i], comm_only[i]) * 1.01, f"{s['step_s'] * 1e3:.0f}",
+                    ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(names, rotation=20, ha="right")
+        ax.set_ylabel("median ms per step")
+        ax.set_title(title(summary), fontsize=9)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.set_ylim(0, max([b + t for b, t in zip(bottoms, tops)] + comm_only
+                           + [v * 1e3 for v in summary["ideal_s"].values()] + [1e-3]) * 1.25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------ files
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def write_report(raw_paths, out_dir, name="report"):
+    """Reads raw JSONs, writes <name>.md, <name>.json, <name>.png; returns (markdown, paths)."""
+    os.makedirs(out_dir, exist_ok=True)
+    summaries = []
+    for path in raw_paths:
+        with open(path) as f:
+            raw = json.load(f)
+        if raw.get("format") != "pipe_horovod.bench/1":
+            raise ValueError(f"{path} is not a pipe_horovod benchmark result")
+        summary = summarize(raw)
+        summary["raw_path"] = os.path.abspath(path)
+        summaries.append(summary)
+    heading = "##" if len(summaries) > 1 else "#"
+    text = "\n".join(markdown(s, heading) for s in summaries)
+    paths = {k: os.path.join(out_dir, f"{name}.{k}") for k in ("md", "json", "png")}
+    with open(paths["md"], "w") as f:
+        f.write(text)
+    with open(paths["json"], "w") as f:
+        json.dump(_jsonable(summaries if len(summaries) > 1 else summaries[0]), f, indent=1)
+    plot(summaries, paths["png"])
+    return text, paths
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Report pipe_horovod benchmark results.")
+    parser.add_argument("raw", nargs="+", help="raw JSON(s) written by the benchmark worker")
+    parser.add_argument("--out", default=".", help="directory for report.md/.json/.png")
+    parser.add_argument("--name", default="report", help="file name stem (default report)")
+    args = parser.parse_args(argv)
+    text, paths = write_report(args.raw, args.out, args.name)
+    print(text)
+    print("wrote " + ", ".join(paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,568 @@
+"""One benchmark worker: every configuration on the same synthetic model, interleaved.
+
+Shaped like Horovod's `pytorch_synthetic_benchmark.py` (synthetic inputs,
+SGD, zero_grad / forward / cross-entropy / backward / step), but it times
+several ways of averaging the gradient in one process, in rounds A B C A B
+C ..., so a slow minute on a shared machine hits every configuration alike:
+
+  horovod, horovod-fp16  Horovod's own hvd.DistributedOptimizer (engine horovod)
+  ddp                    torch.nn.parallel.DistributedDataParallel (engine torch)
+  ours-kK[-fp16|-bf16]   pipe_horovod's DistributedOptimizer, pipeline_depth=K
+  compute                forward + backward + local SGD step, no communication
+  allreduce              one allreduce of a model-sized flat float32 buffer
+                         (plus allreduce-fp16 / -bf16 when those codecs run)
+
+Each configuration has its own model copy (same seed, same weights), so
+their hooks never see each other's backward. Each block is `--warmup`
+untimed steps, `--steps` timed steps, then `flush()` for ours, so a block
+leaves no gradient in flight. Rank 0 writes the raw per-step times, per-rank
+CPU seconds and the machine's load during each block to `--out` (JSON), and
+its progress to `--progress` for the launcher's progress bar.
+
+Run it under any launcher: `horovodrun -np 2 -H localhost:2 --gloo python -m
+pipe_horovod.bench.worker --out raw.json`, `torchrun --nproc_per_node 2 -m
+pipe_horovod.bench.worker ...`, or `python -m pipe_horovod.bench.worker` (one
+process, local engine: the wrapper-overhead measurement).
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import socket
+import sys
+import time
+
+DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16",
+                   "compute", "allreduce"]
+_CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|allreduce(?:-fp16|-bf16)?"
+                     r"|ours-k([1-9][0-9]*)(?:-(?:fp16|bf16))?)$")
+MLP_IN, MLP_CLASSES = 1024, 1000
+CNN_CLASSES = 10
+
+
+# --------------------------------------------------------------------- configs
+
+def parse_configs(value):
+    """'a,b c' or a list -> validated, de-duplicated names in the given order."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    names = []
+    for item in items:
+        for name in re.split(r"[,\s]+", str(item).strip()):
+            if not name:
+                continue
+            m = _CONFIG.match(name)
+            if not m or (m.group(1) and int(m.group(1)) > 16):
+                raise ValueError(
+                    f"unknown configuration {name!r}; choose from horovod, horovod-fp16, ddp, "
+                    "ours-kK, ours-kK-fp16, ours-kK-bf16 (K = pipeline depth 1..16), compute, "
+                    "allreduce")
+            if name not in names:
+                names.append(name)
+    if not names:
+        raise ValueError("no configuration given")
+    return names
+
+
+def compression_of(name):
+    """'fp16' / 'bf16' / 'none' for a configuration name."""
+    for codec in ("fp16", "bf16"):
+        if name.endswith("-" + codec):
+            return codec
+    return "none"
+
+
+def pipeline_depth_of(name):
+    m = re.match(r"^ours-k(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def expand_configs(names):
+    """Add the allreduce of each compressed wire dtype in use, right after 'allreduce'."""
+    if "allreduce" not in names:
+        return list(names)
+    extra = [f"allreduce-{c}" for c in ("fp16", "bf16")
+             if any(compression_of(n) == c for n in names if not n.startswith("allreduce"))]
+    out = []
+    for name in names:
+        if name in extra:
+            continue
+        out.append(name)
+        if name == "allreduce":
+            out.extend(extra)
+    return out
+
+
+def skip_reason(name, engine_name, size):
+    """Why `name` cannot run under this engine, or None."""
+    if name.startswith("horovod") and engine_name != "horovod":
+        return ("Horovod's DistributedOptimizer needs the horovod engine "
+                "(launch with horovodrun, or pipe-horovod bench --engine horovod)")
+    if name == "ddp" and engine_name != "torch":
+        return ("DistributedDataParallel needs torch.distributed, i.e. the torch engine "
+                "(pipe-horovod bench --engine torch); not measured in this run")
+    if name.startswith("allreduce") and size < 2:
+        return "one process: there is nothing to communicate"
+    return None
+
+
+# ---------------------------------------------------------------------- models
+
+def mlp_width(model_bytes, layers, in_features=MLP_IN, classes=MLP_CLASSES):
+    """Hidden width H so an MLP of `layers` Linear layers holds ~model_bytes of float32."""
+    if layers < 2:
+        raise ValueError("an MLP needs at least 2 layers")
+    # params = in*H + H + (layers-2)*(H*H + H) + H*classes + classes
+    a = layers - 2
+    b = in_features + classes + (layers - 1)
+    c = classes - model_bytes / 4
+    width = -c / b if a == 0 else (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
+    return max(8, int(round(width)))
+
+
+def build_model(kind, model_mb, layers=5):
+    """The benchmark model and one synthetic batch shape: ('mlp'|'cnn', MB of float32)."""
+    import torch.nn as nn
+
+    model_bytes = model_mb * 1e6
+    if kind == "mlp":
+        width = mlp_width(model_bytes, layers)
+        mods = [nn.Linear(MLP_IN, width), nn.ReLU()]
+        for _ in range(layers - 2):
+            mods += [nn.Linear(width, width), nn.ReLU()]
+        mods.append(nn.Linear(width, MLP_CLASSES))
+        return nn.Sequential(*mods), (MLP_IN,), MLP_CLASSES
+    if kind == "cnn":
+        trunk = [nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                 nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                 nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()]
+        trunk_params = sum(p.numel() for m in trunk for p in m.parameters())
+        feat = 128 * 4 * 4
+        # The classifier head carries the rest of the requested size, like VGG's FC layers.
+        width = max(16, int((model_bytes / 4 - trunk_params - CNN_CLASSES)
+                            / (feat + 1 + CNN_CLASSES)))
+        head = [nn.Linear(feat, width), nn.ReLU(), nn.Linear(width, CNN_CLASSES)]
+        return nn.Sequential(*trunk, *head), (3, 32, 32), CNN_CLASSES
+    raise ValueError(f"unknown model {kind!r}; choose mlp or cnn")
+
+
+def model_numel(args):
+    """Parameter count of the benchmark model, without allocating it."""
+    import torch
+
+    with torch.device("meta"):
+        model = build_model(args.model, args.model_mb, args.layers)[0]
+    return int(sum(p.numel() for p in model.parameters()))
+
+
+def synthetic_batch(shape, classes, batch_size, seed):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randn(batch_size, *shape, generator=gen)
+    target = torch.randint(0, classes, (batch_size,), generator=gen)
+    return data, target
+
+
+# --------------------------------------------------------------------- runners
+
+class TrainRunner:
+    """zero_grad, forward, cross-entropy, backward, step: one training step."""
+
+    kind = "train"
+
+    def __init__(self, name, mode, model, optimizer, data, target):
+        self.name, self.mode = name, mode
+        self.model, self.opt = model, optimizer
+        self.data, self.target = data, target
+
+    def step(self):
+        import torch.nn.functional as F
+
+        perf = time.perf_counter
+        t0 = perf()
+        self.opt.zero_grad()
+        loss = F.cross_entropy(self.model(self.data), self.target)
+        loss.backward()
+        t1 = perf()
+        exposed = None
+        if self.mode == "horovod":
+            # Horovod's documented split: the wait for the reductions, then the local update.
+            self.opt.synchronize()
+            exposed = perf() - t1
+            with self.opt.skip_synchronize():
+                self.opt.step()
+        elif self.mode == "ours":
+            waited = self.opt.timings["wait_s"]
+            self.opt.step()
+            exposed = self.opt.timings["wait_s"] - waited
+        else:
+            self.opt.step()
+        t2 = perf()
+        return {"step_s": t2 - t0, "fwdbwd_s": t1 - t0, "opt_s": t2 - t1, "exposed_s": exposed}
+
+    def end_block(self):
+        if self.mode == "ours":
+            self.opt.flush()      # every gradient applied: the block leaves nothing in flight
+
+
+class AllreduceRunner:
+    """One allreduce of a flat buffer as large as the model (the communication alone)."""
+
+    kind = "allreduce"
+
+    def __init__(self, name, eng, numel, dtype):
+        import torch
+
+        self.name, self.eng = name, eng
+        self.buf = torch.randn(numel, generator=torch.Generator().manual_seed(eng.rank()))
+        self.buf = self.buf.to(dtype)
+        self.tag = f"bench.{name}"
+
+    def step(self):
+        from pipe_horovod import engine
+
+        t0 = time.perf_counter()
+        self.eng.wait(self.eng.allreduce_async(self.buf, self.tag, engine.Average))
+        dt = time.perf_counter() - t0
+        return {"step_s": dt, "fwdbwd_s": None, "opt_s": None, "exposed_s": dt}
+
+    def end_block(self):
+        pass
+
+
+def make_runner(name, args, eng):
+    import torch
+
+    if name.startswith("allreduce"):
+        numel = model_numel(args)
+        dtype = {"none": torch.float32, "fp16": torch.float16,
+                 "bf16": torch.bfloat16}[compression_of(name)]
+        return AllreduceRunner(name, eng, numel, dtype)
+
+    torch.manual_seed(args.seed)            # every configuration starts from the same weights
+    model, shape, classes = build_model(args.model, args.model_mb, args.layers)
+    data, target = synthetic_batch(shape, classes, args.batch_size, args.seed + 1 + eng.rank())
+    lr = 0.01
+    if name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+        return TrainRunner(name, "ddp", ddp, torch.optim.SGD(ddp.parameters(), lr=lr),
+                           data, target)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    if name == "compute":
+        return TrainRunner(name, "plain", model, opt, data, target)
+    if name.startswith("horovod"):
+        import horovod.torch as hvd
+
+        compression = hvd.Compression.fp16 if name.endswith("fp16") else hvd.Compression.none
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=compression)
+        return TrainRunner(name, "horovod", model, opt, data, target)
+    import pipe_horovod.torch as phvd
+
+    compression = phvd.Compression.by_name(compression_of(name))
+    opt = phvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                    pipeline_depth=pipeline_depth_of(name),
+                                    compression=compression, bucket_cap_mb=args.bucket_cap_mb)
+    return TrainRunner(name, "ours", model, opt, data, target)
+
+
+# ------------------------------------------------------------------ measuring
+
+def _cpu_s():
+    t = os.times()          # every thread of this process: compute and communication
+    return t.user + t.system
+
+
+def _machine_ticks():
+    """(busy, total) jiffies of the whole machine, from /proc/stat (None if unreadable)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields) - idle, sum(fields)
+
+
+def _threads():
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+def codec_seconds(numel, bucket_cap_mb, reps=5):
+    """Median compress+decompress time of the model's gradient, per codec.
+
+    Done bucket by bucket (bucket_cap_mb of float32 each), as the optimizer
+    does: whole-model-sized temporaries would be slower (fresh pages).
+    """
+    import torch
+
+    from pipe_horovod.compression import Compression
+
+    chunk = max(1, int(bucket_cap_mb * 2**20 // 4))
+    buckets = [torch.randn(min(chunk, numel - start)) for start in range(0, numel, chunk)]
+    out = {}
+    for codec in ("fp16", "bf16"):
+        comp = Compression.by_name(codec)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for flat in buckets:
+                wire, ctx = comp.compress(flat)
+                comp.decompress(wire, ctx)
+            times.append(time.perf_counter() - t0)
+        out[codec] = sorted(times)[len(times) // 2]
+    return out
+
+
+def sweep_sizes(max_bytes, min_bytes=1024):
+    """1 KB, 4 KB, 16 KB, ... (x4) up to max_bytes, which is always the last size."""
+    sizes, size = [], min_bytes
+    while size < max_bytes:
+        sizes.append(size)
+        size *= 4
+    sizes.append(int(max_bytes))
+    return sizes
+
+
+def allreduce_sweep(eng, max_bytes, progress):
+    """Per-size allreduce seconds (float32), 1 KB .. max_bytes: the input of timing.fit."""
+    import torch
+
+    from pipe_horovod import engine
+
+    result = {"sizes": [], "seconds": []}
+    for size in sweep_sizes(max_bytes):
+        buf = torch.ones(max(1, size // 4))
+        reps = 20 if size <= 2**20 else 5
+        times = []
+        for rep in range(reps + 2):
+            eng.barrier()
+            t0 = time.perf_counter()
+            eng.wait(eng.allreduce_async(buf, f"bench.sweep.{size}", engine.Average))
+            if rep >= 2:                              # two warm-ups per size
+                times.append(time.perf_counter() - t0)
+        result["sizes"].append(buf.numel() * 4)
+        result["seconds"].append(times)
+        progress(f"sweep {size} B")
+    return result
+
+
+class Progress:
+    """Rank 0 writes {"done", "total", "current"} atomically; the launcher polls it."""
+
+    def __init__(self, path, total, enabled):
+        self.path, self.total, self.done = path, total, 0
+        self.enabled = enabled and path
+        self.write("starting")
+
+    def write(self, current):
+        if not self.enabled:
+            return
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"done": self.done, "total": self.total, "current": current}, f)
+        os.replace(tmp, self.path)
+
+    def __call__(self, current):
+        self.done += 1
+        self.write(current)
+
+
+def _versions():
+    out = {"python": platform.python_version()}
+    for mod in ("torch", "horovod"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - absent is fine
+            out[mod] = None
+    return out
+
+
+def run_benchmark(args):
+    """Run every configuration in interleaved rounds; return the raw result (rank 0)."""
+    import torch
+
+    from pipe_horovod import engine
+
+    torch.set_num_threads(args.threads)
+    eng = engine.init()
+    rank, size = eng.rank(), eng.size()
+    requested = expand_configs(parse_configs(args.configs))
+    skipped = {n: r for n in requested if (r := skip_reason(n, eng.name, size))}
+    configs = [n for n in requested if n not in skipped]
+    log = (lambda *a: print("[bench]", *a, flush=True)) if rank == 0 else (lambda *a: None)
+    for name, why in skipped.items():
+        log(f"skipping {name}: {why}")
+
+    sweep_n = len(sweep_sizes(args.fit_max_mb * 1e6)) if args.fit and size > 1 else 0
+    progress = Progress(args.progress, args.rounds * len(configs) + sweep_n + len(configs),
+                        rank == 0)
+    runners = {}
+    threads_before = _threads()
+    for name in configs:                       # same order on every rank (collectives inside)
+        runners[name] = make_runner(name, args, eng)
+        progress(f"built {name}")
+    numel = model_numel(args)
+
+    results = {n: {"kind": runners[n].kind, "compression": compression_of(n),
+                   "pipeline_depth": pipeline_depth_of(n), "rounds": []} for n in configs}
+    background = []
+    for rnd in range(args.rounds):
+        # The machine's load while every worker sleeps: what others (and idle
+        # communication threads) take from the cores during this round.
+        eng.barrier()
+        ticks0 = _machine_ticks()
+        time.sleep(args.idle_probe_s)
+        ticks1 = _machine_ticks()
+        if ticks0 and ticks1 and ticks1[1] > ticks0[1]:
+            background.append((ticks1[0] - ticks0[0]) / (ticks1[1] - ticks0[1])
+                              * (os.cpu_count() or 1))
+        for name in configs:
+            runner = runners[name]
+            eng.barrier()
+            for _ in range(args.warmup):
+                runner.step()
+            ticks0, cpu0, wall0 = _machine_ticks(), _cpu_s(), time.perf_counter()
+            recs = [runner.step() for _ in range(args.steps)]
+            wall = time.perf_counter() - wall0
+            cpu = _cpu_s() - cpu0
+            ticks1 = _machine_ticks()
+            runner.end_block()
+            per_rank = eng.allgather_object({"cpu_s": cpu, "wall_s": wall,
+                                             "threads": _threads()})
+            busy = None
+            if ticks0 and ticks1 and ticks1[1] > ticks0[1]:
+                busy = (ticks1[0] - ticks0[0]) / (ticks1[1] - ticks0[1]) * (os.cpu_count() or 1)
+            block = {key: [r[key] for r in recs] for key in recs[0]}
+            block.update(round=rnd, wall_s=wall, per_rank=per_rank, machine_busy_cores=busy)
+            results[name]["rounds"].append(block)
+            med = sorted(block["step_s"])[len(recs) // 2]
+            log(f"round {rnd + 1}/{args.rounds} {name:>14}: median step {med * 1e3:8.1f} ms, "
+                f"cpu {cpu / wall:4.2f} cores (rank 0), machine busy "
+                f"{busy if busy is None else round(busy, 2)} cores")
+            progress(f"round {rnd + 1}/{args.rounds} {name}")
+
+    sweep = None
+    if args.fit and size > 1:
+        sweep = allreduce_sweep(eng, args.fit_max_mb * 1e6, progress)
+    codecs = None
+    if any(compression_of(n) != "none" for n in configs):
+        codecs = codec_seconds(numel, args.bucket_cap_mb)
+
+    raw = {
+        "format": "pipe_horovod.bench/1",
+        "meta": {
+            "engine": eng.name, "workers": size, "model": args.model,
+            "model_mb_requested": args.model_mb, "layers": args.layers,
+            "params": numel, "model_bytes": numel * 4, "batch_size": args.batch_size,
+            "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+            "bucket_cap_mb": args.bucket_cap_mb, "threads": args.threads,
+            "configs": configs, "requested": requested, "skipped": skipped,
+            "cpu_count": os.cpu_count(), "hostname": socket.gethostname(),
+            "threads_before_configs": threads_before, "versions": _versions(),
+            "horovod_bf16_as_float32": eng.name == "horovod",
+            "background_busy_cores": background,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+        "configs": results,
+        "sweep": sweep,
+        "codec_s": codecs,
+        "process": eng.allgather_object({"cpu_s": _cpu_s(), "threads": _threads()}),
+    }
+    for runner in runners.values():
+        if runner.kind == "train" and runner.mode == "ours":
+            runner.opt.flush()
+    eng.barrier()
+    if rank == 0 and args.out:
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(raw, f)
+        os.replace(tmp, args.out)
+        log(f"wrote {args.out}")
+    progress.write("done")
+    engine.shutdown()
+    return raw if rank == 0 else None
+
+
+# ------------------------------------------------------------------- command line
+
+def _positive(kind):
+    def convert(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return value
+    return convert
+
+
+def _configs(text):
+    try:
+        return parse_configs(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_model_arguments(parser):
+    """Arguments shared by the worker and `pipe-horovod bench` (which forwards them)."""
+    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
+                        help="synthetic model: an MLP, or a small CNN whose classifier head "
+                             "carries the size (default mlp)")
+    parser.add_argument("--model-mb", type=_positive(float), default=50.0,
+                        help="model size in MB of float32 parameters (default 50)")
+    parser.add_argument("--layers", type=int, default=5, choices=range(2, 33), metavar="N",
+                        help="Linear layers of the MLP (default 5)")
+    parser.add_argument("--batch-size", type=_positive(int), default=32,
+                        help="samples per worker per step (default 32)")
+    parser.add_argument("--steps", type=_positive(int), default=20,
+                        help="timed steps per configuration per round (default 20)")
+    parser.add_argument("--warmup", type=int, default=5, choices=range(0, 10001), metavar="N",
+                        help="untimed steps before each timed block (default 5)")
+    parser.add_argument("--rounds", type=_positive(int), default=3,
+                        help="rounds of all configurations, interleaved (default 3)")
+    parser.add_argument("--configs", type=_configs, nargs="+", default=None,
+                        help=f"configurations (default: {' '.join(DEFAULT_CONFIGS)}; the ones "
+                             "the engine cannot run are skipped and noted)")
+    parser.add_argument("--bucket-cap-mb", type=_positive(float), default=25.0,
+                        help="bucket size of ours and DDP (default 25)")
+    parser.add_argument("--fit", action="store_true",
+                        help="also sweep allreduce sizes 1 KB..--fit-max-mb for timing.fit")
+    parser.add_argument("--fit-max-mb", type=_positive(float), default=64.0,
+                        help="largest allreduce of the sweep, MB (default 64)")
+    parser.add_argument("--threads", type=_positive(int), default=1,
+                        help="torch compute threads per worker (default 1)")
+    parser.add_argument("--idle-probe-s", type=float, default=0.5,
+                        help="seconds all workers sleep at the start of each round while the "
+                             "machine's load from everything else is measured (default 0.5)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def flatten_configs(value):
+    """argparse gives a list of lists (nargs + type=list); None means the default."""
+    if value is None:
+        return list(DEFAULT_CONFIGS)
+    return parse_configs([n for group in value for n in group])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--out", help="raw JSON written by rank 0")
+    parser.add_argument("--progress", help="progress file rank 0 keeps up to date")
+    args = parser.parse_args(argv)
+    args.configs = flatten_configs(args.configs)
+    run_benchmark(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

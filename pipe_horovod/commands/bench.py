@@ -1,0 +1,359 @@
+"""`pipe-horovod bench`: measure pipelined vs sync vs Horovod vs DDP, then report.
+
+Launches `pipe_horovod.bench.worker` on every worker, the way users launch
+training: `horovodrun -np N -H localhost:N --gloo` (engine horovod),
+`python -m torch.distributed.run --standalone` (engine torch), plain python
+(engine local, one process: the wrapper-overhead measurement), or, with
+`--emulate RATE`, inside `pipe_horovod.emulate.EmulatedCluster` (one network
+namespace per worker, links capped at RATE; needs root). A progress bar
+follows the rank-0 worker's progress file; afterwards the report
+(`pipe_horovod.bench.report`) is printed and saved under --out as
+<name>.md, <name>.json and <name>.png, next to the raw <name>-raw.json.
+"""
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from pipe_horovod.bench import worker as bench_worker
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINES = ("horovod", "torch", "local")
+# Variables that would make a worker join some other job (as in pipe_horovod.emulate).
+_SCRUB = re.compile(r"^(HOROVOD_|OMPI_|PMI_|PMIX_|TORCHELASTIC_)"
+                    r"|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|"
+                    r"GROUP_WORLD_SIZE|ROLE_RANK|ROLE_NAME|ROLE_WORLD_SIZE|MASTER_ADDR|"
+                    r"MASTER_PORT|PIPE_HOROVOD_ENGINE)$")
+_POLL = 0.5
+
+
+class UsageError(Exception):
+    """Arguments that parse but cannot run together, or a missing prerequisite (exit 2)."""
+
+
+def _rate(text):
+    from pipe_horovod import emulate
+
+    if str(text).strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"link rate must not be negative, got {text!r}")
+    try:
+        value = emulate._rate_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"unrecognised link rate {text!r}: use a number and a tc unit, e.g. 1gbit, 4gbit, "
+            "500mbit, 100mbps (bit = bits/s, bps = bytes/s)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"link rate must be > 0, got {text!r}")
+    return str(text).strip().lower()
+
+
+def _workers(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"workers must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"workers must be >= 1, got {text!r}")
+    return value
+
+
+def _timeout(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"timeout must be a number of seconds, got {text!r}") \
+            from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"timeout must be > 0 seconds, got {text!r}")
+    return value
+
+
+def add_arguments(parser):
+    # "-1" and "-10gbit" reach the converters (which say "must be >= 1" / "must not be
+    # negative") instead of argparse's "expected one argument".
+    parser._negative_number_matcher = re.compile(r"^-\.?\d")
+    parser.add_argument("--emulate", metavar="RATE", type=_rate,
+                        help="run the workers in an emulated cluster whose links are capped at "
+                             "RATE (e.g. 1gbit, 4gbit); needs root")
+    parser.add_argument("--workers", type=_workers, default=2, help="worker processes (default 2)")
+    parser.add_argument("--engine", choices=ENGINES, default="horovod",
+                        help="communication engine and launcher: horovod (horovodrun / Horovod "
+                             "env), torch (torch.distributed.run), local (one plain process) "
+                             "(default horovod)")
+    bench_worker.add_model_arguments(parser)
+    parser.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    parser.add_argument("--name", default="bench",
+                        help="file name stem of the outputs (default bench)")
+    parser.add_argument("--timeout", type=_timeout, default=3600.0,
+                        help="give up (and kill the workers) after this many seconds "
+                             "(default 3600)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="do not run: rebuild the report from <out>/<name>-raw.json")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _error(message):
+    print(f"pipe-horovod bench: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _check(args):
+    """Raises UsageError for combinations argparse cannot express, and missing prerequisites."""
+    if args.engine == "local" and args.workers != 1:
+        raise UsageError(f"--engine local runs one process; use --workers 1 (got {args.workers}) "
+                         "or --engine horovod / torch")
+    if args.emulate:
+        if args.engine == "local":
+            raise UsageError("--emulate needs a distributed engine: --engine horovod or torch")
+        if os.geteuid() != 0:
+            raise UsageError("--emulate needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN for "
+                             "'ip netns' and 'tc'); run as root, or drop --emulate to launch "
+                             "the workers locally over loopback")
+        from pipe_horovod import emulate
+
+        reason = emulate.unavailable_reason()
+        if reason:
+            raise UsageError(f"--emulate is not possible here: {reason}")
+    from pipe_horovod.engine import missing_package
+
+    problem = missing_package(args.engine)
+    if problem:
+        raise UsageError(problem + ("; or use --engine torch" if args.engine == "horovod" else ""))
+    if args.engine == "horovod" and not args.emulate and _horovodrun() is None:
+        raise UsageError("horovodrun was not found next to this Python or on PATH")
+
+
+def _horovodrun():
+    local = Path(sys.executable).parent / "horovodrun"
+    return str(local) if local.exists() else shutil.which("horovodrun")
+
+
+def command_line(args):
+    """The canonical command that reproduces this run (recorded in the report)."""
+    parts = ["pipe-horovod", "bench"]
+    if args.emulate:
+        parts += ["--emulate", args.emulate]
+    parts += ["--workers", str(args.workers), "--engine", args.engine, "--model", args.model,
+              "--model-mb", f"{args.model_mb:g}", "--batch-size", str(args.batch_size)]
+    if args.model == "mlp" and args.layers != 5:
+        parts += ["--layers", str(args.layers)]
+    parts += ["--steps", str(args.steps), "--warmup", str(args.warmup),
+              "--rounds", str(args.rounds), "--configs", *args.configs]
+    if args.bucket_cap_mb != 25.0:
+        parts += ["--bucket-cap-mb", f"{args.bucket_cap_mb:g}"]
+    if args.fit:
+        parts += ["--fit"] + (["--fit-max-mb", f"{args.fit_max_mb:g}"]
+                              if args.fit_max_mb != 64.0 else [])
+    if args.threads != 1:
+        parts += ["--threads", str(args.threads)]
+    parts += ["--out", args.out]
+    if args.name != "bench":
+        parts += ["--name", args.name]
+    return shlex.join(parts)
+
+
+def _worker_argv(args, raw, progress):
+    argv = ["--model", args.model, "--model-mb", repr(args.model_mb), "--layers",
+            str(args.layers), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+            "--configs", ",".join(args.configs), "--bucket-cap-mb", repr(args.bucket_cap_mb),
+            "--threads", str(args.threads), "--seed", str(args.seed),
+            "--idle-probe-s", repr(args.idle_probe_s),
+            "--out", raw, "--progress", progress]
+    if args.fit:
+        argv += ["--fit", "--fit-max-mb", repr(args.fit_max_mb)]
+    return argv
+
+
+def _env(args, engine):
+    env = {k: v for k, v in os.environ.items() if not _SCRUB.search(k)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    if engine == "local":
+        env["PIPE_HOROVOD_ENGINE"] = "local"
+    return env
+
+
+def _local_command(args, worker):
+    py = sys.executable
+    module = ["-m", "pipe_horovod.bench.worker", *worker]
+    if args.engine == "horovod":
+        n = args.workers
+        return [_horovodrun(), "-np", str(n), "-H", f"localhost:{n}", "--gloo", py, *module]
+    if args.engine == "torch":
+        return [py, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", str(args.workers), *module]
+    return [py, *module]
+
+
+class _Bar:
+    """tqdm over the rank-0 progress file; silent when disabled."""
+
+    def __init__(self, path, enabled, desc):
+        self.path = path
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=1, desc=desc, unit="block", dynamic_ncols=True,
+                            file=sys.stderr)
+
+    def poll(self):
+        if self.bar is None:
+            return
+        try:
+            with open(self.path) as f:
+                state = json.load(f)
+        except (OSError, ValueError):
+            return
+        if self.bar.total != state["total"]:
+            self.bar.total = state["total"]
+        self.bar.n = min(state["done"], state["total"])
+        self.bar.set_postfix_str(state.get("current", ""), refresh=False)
+        self.bar.refresh()
+
+    def close(self):
+        if self.bar is not None:
+            self.poll()
+            self.bar.close()
+
+
+def _tail(path, lines=40):
+    try:
+        with open(path, errors="replace") as f:
+            return "\n".join(f.read().splitlines()[-lines:])
+    except OSError:
+        return "<no log>"
+
+
+def _run_local(args, worker, progress, log_path, bar):
+    cmd = _local_command(args, worker)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env=_env(args, args.engine),
+                                start_new_session=True)
+    deadline = time.monotonic() + args.timeout
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            bar.poll()
+            time.sleep(_POLL)
+    finally:
+        if proc.poll() is None:               # timed out, or interrupted: take the group down
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=5)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+    if proc.returncode is None or proc.returncode < 0 and time.monotonic() >= deadline:
+        raise RuntimeError(f"timed out after {args.timeout:.0f} s: {shlex.join(cmd)}\n"
+                           f"{_tail(log_path)}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"workers failed (exit {proc.returncode}): {shlex.join(cmd)}\n"
+                           f"{_tail(log_path)}")
+    return {"launcher": shlex.join(cmd), "log": log_path}
+
+
+def _run_emulated(args, worker, progress, log_dir, bar):
+    from pipe_horovod import emulate
+
+    argv = [sys.executable, "-m", "pipe_horovod.bench.worker", *worker]
+    env = {k: v for k, v in _env(args, args.engine).items()
+           if k in ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    with emulate.EmulatedCluster(workers=args.workers, rate=args.emulate,
+                                 log_dir=log_dir) as cluster:
+        job = cluster.launch(argv, engine=args.engine, env=env, timeout=args.timeout)
+        outcome = {}
+
+        def waiter():
+            try:
+                outcome["codes"] = cluster.wait(job)
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=waiter, daemon=True)
+        thread.start()
+        while thread.is_alive():
+            bar.poll()
+            thread.join(_POLL)
+        if "error" in outcome:
+            raise RuntimeError(str(outcome["error"]))
+        cpu = [emulate.cpu_times(p) for p in job.procs]
+        links = [cluster.link_stats(r) for r in range(args.workers)]
+        return {"launcher": f"EmulatedCluster(workers={args.workers}, rate={args.emulate!r})"
+                            f".launch({shlex.join(argv)}, engine={args.engine!r})",
+                "log": log_dir, "cpu_s": [c.total for c in cpu],
+                "cpu_user_s": [c.user for c in cpu], "cpu_system_s": [c.system for c in cpu],
+                "link_stats": links}
+
+
+def run(args):
+    from pipe_horovod.bench import report
+
+    args.configs = bench_worker.flatten_configs(args.configs)
+    if args.configs == bench_worker.DEFAULT_CONFIGS and args.engine == "local":
+        args.configs = ["compute", "ours-k1", "ours-k2"]
+    out = os.path.abspath(args.out)
+    raw = os.path.join(out, f"{args.name}-raw.json")
+    if args.report_only:
+        if not os.path.exists(raw):
+            return _error(f"--report-only: {raw} does not exist; run the benchmark first")
+        text, paths = report.write_report([raw], out, args.name)
+        print(text)
+        print("wrote " + ", ".join(paths.values()))
+        return 0
+    try:
+        _check(args)
+    except UsageError as exc:
+        return _error(str(exc))
+
+    os.makedirs(out, exist_ok=True)
+    progress = os.path.join(out, f"{args.name}-progress.json")
+    for stale in (raw, progress):
+        if os.path.exists(stale):
+            os.remove(stale)
+    worker = _worker_argv(args, raw, progress)
+    where = f"emulated {args.emulate}" if args.emulate else "local"
+    bar = _Bar(progress, not args.no_progress,
+               f"bench {args.engine} x{args.workers} ({where})")
+    started = time.time()
+    try:
+        if args.emulate:
+            launch = _run_emulated(args, worker, progress, os.path.join(out, f"{args.name}-logs"),
+                                   bar)
+        else:
+            launch = _run_local(args, worker, progress, os.path.join(out, f"{args.name}.log"),
+                                bar)
+    except RuntimeError as exc:
+        bar.close()
+        print(f"pipe-horovod bench: the benchmark failed:\n{exc}", file=sys.stderr)
+        return 1
+    bar.close()
+    if not os.path.exists(raw):
+        print(f"pipe-horovod bench: the workers exited without writing {raw}", file=sys.stderr)
+        return 1
+    with open(raw) as f:
+        data = json.load(f)
+    data["launch"] = dict(launch, command=command_line(args), emulate=args.emulate,
+                          wall_s=time.time() - started)
+    with open(raw, "w") as f:
+        json.dump(data, f)
+    if os.path.exists(progress):
+        os.remove(progress)
+    text, paths = report.write_report([raw], out, args.name)
+    print(text)
+    print("wrote " + ", ".join([raw, *paths.values()]))
+    return 0

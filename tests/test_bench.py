@@ -1,0 +1,219 @@
+"""`pipe-horovod bench`: real (tiny) runs produce the report; bad arguments exit 2.
+
+No speed assertions: the machines are shared and small. These check that
+every configuration is measured and reported, and that the outputs exist.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipe_horovod import cli, emulate
+from pipe_horovod.bench import report, worker
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--model-mb", "0.2", "--batch-size", "8", "--steps", "2", "--warmup", "1",
+        "--rounds", "2"]
+
+
+def _horovod_missing():
+    try:
+        res = subprocess.run([sys.executable, "-c", "import horovod.torch"],
+                             capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return "import horovod.torch timed out"
+    return None if res.returncode == 0 else "horovod.torch does not import"
+
+
+def _bench(out, *args, timeout):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    env.pop("PIPE_HOROVOD_ENGINE", None)
+    cmd = [sys.executable, "-m", "pipe_horovod.cli", "bench", "--no-progress",
+           "--out", str(out), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=timeout, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, f"{' '.join(cmd)} exited {res.returncode}\n{res.stdout}\n{res.stderr}"
+    return res.stdout
+
+
+def _check_outputs(out, stdout, measured, skipped=()):
+    for name in ("bench-raw.json", "bench.md", "bench.json", "bench.png"):
+        assert (out / name).is_file(), f"{name} missing in {sorted(os.listdir(out))}"
+    with open(out / "bench.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    table = (out / "bench.md").read_text()
+    assert table in stdout                                   # printed and saved
+    rows = {line.split("|")[1].strip() for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith("| config")}
+    for name in measured:
+        assert name in rows, f"no table row for {name}:\n{table}"
+    for name in skipped:
+        assert f"not measured: `{name}`" in table
+    summary = json.loads((out / "bench.json").read_text())
+    assert set(summary["configs"]) == set(measured)
+    for name, s in summary["configs"].items():
+        assert s["step_s"] > 0 and len(s["round_medians_s"]) == 2, (name, s)
+        assert s["cpu_cores_per_worker"], name
+    raw = json.loads((out / "bench-raw.json").read_text())
+    assert raw["launch"]["command"].startswith("pipe-horovod bench")
+    return summary, raw
+
+
+@pytest.mark.timeout(300)
+def test_local_torch_run_reports_every_configuration(tmp_path):
+    stdout = _bench(tmp_path, "--engine", "torch", "--workers", "2", *TINY,
+                    "--fit", "--fit-max-mb", "0.02", timeout=280)
+    measured = ["ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16", "compute",
+                "allreduce", "allreduce-fp16", "allreduce-bf16"]
+    summary, raw = _check_outputs(tmp_path, stdout, measured, skipped=["horovod"])
+    assert raw["meta"]["engine"] == "torch" and raw["meta"]["workers"] == 2
+    assert raw["sweep"]["sizes"] == [1024, 4096, 16384, 20000]
+    assert [len(t) for t in raw["sweep"]["seconds"]] == [20] * 4
+    assert "fit of a 4-size allreduce sweep" in summary["timing_model"]["source"]
+    for key in ("k2_vs_ideal", "k1_vs_ddp", "bf16_speedup_vs_horovod"):
+        assert key in summary["ratios"]
+    assert summary["ratios"]["k1_vs_ddp"] is not None
+    assert all(s["predicted_s"] is not None for s in summary["configs"].values())
+
+
+@pytest.mark.timeout(200)
+def test_one_process_measures_wrapper_overhead(tmp_path):
+    stdout = _bench(tmp_path, "--engine", "local", "--workers", "1", *TINY, timeout=180)
+    summary, _ = _check_outputs(tmp_path, stdout, ["compute", "ours-k1", "ours-k2"])
+    assert summary["ratios"]["wrapper_overhead"] is not None
+    assert "ours-k1 / plain optimizer - 1" in stdout
+
+
+_EMULATE = emulate.unavailable_reason()
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(_EMULATE is not None, reason=f"--emulate cannot run here: {_EMULATE}")
+def test_emulated_run(tmp_path):
+    engine = "horovod" if _horovod_missing() is None else "torch"
+    configs = ([engine if engine == "horovod" else "ddp"]
+               + ["ours-k1", "ours-k2", "ours-k2-fp16", "compute", "allreduce"])
+    stdout = _bench(tmp_path, "--emulate", "1gbit", "--engine", engine, "--workers", "2",
+                    *TINY, "--configs", *configs, timeout=380)
+    summary, raw = _check_outputs(tmp_path, stdout, configs + ["allreduce-fp16"])
+    assert raw["launch"]["emulate"] == "1gbit"
+    assert len(raw["launch"]["cpu_s"]) == 2 and all(c > 0 for c in raw["launch"]["cpu_s"])
+    assert all(s["tx_bytes"] > 0 for s in raw["launch"]["link_stats"])
+    assert "emulated 1gbit links" in stdout
+
+
+# ---------------------------------------------------------------- argument errors
+
+def _exit_code(argv, capsys):
+    try:
+        code = cli.main(["bench", *argv])
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, message", [
+    (["--emulate", "10gbits"], "unrecognised link rate '10gbits'"),
+    (["--emulate", "-1gbit"], "must not be negative"),
+    (["--workers", "-1"], "workers must be >= 1"),
+    (["--workers", "0"], "workers must be >= 1"),
+    (["--workers", "two"], "workers must be an integer"),
+    (["--steps", "0"], "must be > 0"),
+    (["--model-mb", "-5"], "must be > 0"),
+    (["--configs", "ours-kx"], "unknown configuration 'ours-kx'"),
+    (["--engine", "mpi"], "invalid choice"),
+    (["--timeout", "0"], "timeout must be > 0"),
+])
+def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
+    code, err = _exit_code(argv, capsys)
+    assert code == 2
+    assert message in err
+
+
+@pytest.mark.timeout(60)
+def test_local_engine_needs_one_worker(capsys, tmp_path):
+    code, err = _exit_code(["--engine", "local", "--workers", "2", "--out", str(tmp_path)],
+                           capsys)
+    assert code == 2 and "--engine local runs one process" in err
+
+
+@pytest.mark.timeout(60)
+def test_emulate_refused_without_root(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    code, err = _exit_code(["--emulate", "1gbit", "--engine", "torch", "--out", str(tmp_path)],
+                           capsys)
+    assert code == 2 and "--emulate needs root" in err
+    assert not (tmp_path / "bench-raw.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_report_only_without_results(capsys, tmp_path):
+    code, err = _exit_code(["--report-only", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "does not exist" in err
+
+
+# ---------------------------------------------------------------- report arithmetic
+
+def _block(step, exposed=None, fwdbwd=None, opt=None, n=4):
+    return {"step_s": [step] * n, "exposed_s": [exposed] * n, "fwdbwd_s": [fwdbwd] * n,
+            "opt_s": [opt] * n, "round": 0, "wall_s": step * n, "machine_busy_cores": 2.0,
+            "per_rank": [{"cpu_s": step * n, "wall_s": step * n, "threads": 3}] * 2}
+
+
+def _cfg(kind, blocks, compression="none", depth=None):
+    return {"kind": kind, "compression": compression, "pipeline_depth": depth,
+            "rounds": blocks}
+
+
+@pytest.mark.timeout(60)
+def test_report_ratios_from_known_times(tmp_path):
+    raw = {"format": "pipe_horovod.bench/1",
+           "meta": {"engine": "horovod", "workers": 2, "model": "mlp", "model_bytes": 50e6,
+                    "params": 12_500_000, "batch_size": 32, "steps": 4, "warmup": 1,
+                    "rounds": 1, "threads": 1, "cpu_count": 2, "versions": {"torch": "x"},
+                    "skipped": {"ddp": "needs torch"}, "horovod_bf16_as_float32": True},
+           "configs": {
+               "horovod": _cfg("train", [_block(0.200, 0.110, 0.08, 0.12)]),
+               "ours-k1": _cfg("train", [_block(0.190, 0.100, 0.08, 0.11)], depth=1),
+               "ours-k2": _cfg("train", [_block(0.125, 0.010, 0.08, 0.045)], depth=2),
+               "compute": _cfg("train", [_block(0.080, None, 0.07, 0.01)]),
+               "allreduce": _cfg("allreduce", [_block(0.115, 0.115)]),
+           },
+           "sweep": None, "codec_s": None, "process": []}
+    path = tmp_path / "raw.json"
+    path.write_text(json.dumps(raw))
+    text, paths = report.write_report([str(path)], str(tmp_path), "r")
+    summary = json.loads(open(paths["json"]).read())
+    ratios = summary["ratios"]
+    assert ratios["k2_vs_ideal"] == pytest.approx(0.125 / 0.115)
+    assert ratios["k2_speedup_vs_horovod"] == pytest.approx(0.200 / 0.125)
+    assert ratios["k1_vs_horovod"] == pytest.approx(0.200 / 0.190)
+    assert ratios["k1_vs_ddp"] is None and ratios["wrapper_overhead"] is None
+    k2 = summary["configs"]["ours-k2"]
+    assert k2["hidden_fraction"] == pytest.approx(1 - 0.010 / 0.115)
+    assert k2["samples_per_s"] == pytest.approx(64 / 0.125)
+    # beta from the allreduce alone, alpha 0: the model reproduces that allreduce
+    assert summary["configs"]["allreduce"]["predicted_s"] == pytest.approx(0.115)
+    assert k2["predicted_s"] == pytest.approx(max(0.08, 0.115))
+    assert summary["configs"]["ours-k1"]["predicted_s"] == pytest.approx(0.08 + 0.115)
+    met = {t["key"]: t["met"] for t in summary["targets"]}
+    assert met["k2_speedup_vs_horovod"] and met["k1_vs_horovod"] and met["k2_vs_ideal"]
+    assert "not measured: `ddp`" in text
+    assert open(paths["png"], "rb").read(4) == b"\x89PNG"
+
+
+@pytest.mark.timeout(60)
+def test_config_names():
+    assert worker.parse_configs("ours-k2,compute ours-k3-bf16") == [
+        "ours-k2", "compute", "ours-k3-bf16"]
+    assert worker.expand_configs(["ours-k2-fp16", "allreduce", "compute"]) == [
+        "ours-k2-fp16", "allreduce", "allreduce-fp16", "compute"]
+    with pytest.raises(ValueError, match="unknown configuration"):
+        worker.parse_configs(["ours-k0"])
+    width = worker.mlp_width(50e6, 5)
+    params = 1024 * width + width + 3 * (width * width + width) + width * 1000 + 1000
+    assert abs(params * 4 - 50e6) / 50e6 < 0.01
