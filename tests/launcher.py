@@ -59,3 +59,15 @@ def run(launcher, np, script, *args, timeout=120, env=None, expect_ok=True):
             f"{' '.join(cmd)} exited {proc.returncode}; {OK} from ranks {sorted(ranks)} of {np}; "
             f"output:\n{out}")
     return proc.returncode, out
+
+
+def horovod_missing():
+    """None when horovod.torch imports here, else why not (checked in a subprocess,
+    so a broken build cannot take the test process down)."""
+    try:
+        res = subprocess.run([sys.executable, "-c", "import horovod.torch"],
+                             capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return "import horovod.torch timed out"
+    return None if res.returncode == 0 else "horovod.torch does not import: " + (
+        res.stderr.strip().splitlines() or ["?"])[-1]

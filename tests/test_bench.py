@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+import launcher
+
 from pipe_horovod import cli, emulate
 from pipe_horovod.bench import report, worker
 
@@ -18,13 +20,6 @@ TINY = ["--model-mb", "0.2", "--batch-size", "8", "--steps", "2", "--warmup", "1
         "--rounds", "2"]
 
 
-def _horovod_missing():
-    try:
-        res = subprocess.run([sys.executable, "-c", "import horovod.torch"],
-                             capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        return "import horovod.torch timed out"
-    return None if res.returncode == 0 else "horovod.torch does not import"
 
 
 def _bench(out, *args, timeout):
@@ -93,7 +88,7 @@ _EMULATE = emulate.unavailable_reason()
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(_EMULATE is not None, reason=f"--emulate cannot run here: {_EMULATE}")
 def test_emulated_run(tmp_path):
-    engine = "horovod" if _horovod_missing() is None else "torch"
+    engine = "horovod" if launcher.horovod_missing() is None else "torch"
     configs = ([engine if engine == "horovod" else "ddp"]
                + ["ours-k1", "ours-k2", "ours-k2-fp16", "compute", "allreduce"])
     stdout = _bench(tmp_path, "--emulate", "1gbit", "--engine", engine, "--workers", "2",

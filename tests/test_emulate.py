@@ -10,6 +10,8 @@ import textwrap
 
 import pytest
 
+import launcher
+
 from pipe_horovod import emulate
 from pipe_horovod.emulate import EmulatedCluster, cleanup, leftovers
 
@@ -60,14 +62,6 @@ dist.destroy_process_group()
 """
 
 
-def _horovod_missing():
-    try:
-        res = subprocess.run([sys.executable, "-c", "import horovod.torch"],
-                             capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        return "import horovod.torch timed out"
-    return None if res.returncode == 0 else "horovod.torch does not import: " + (
-        res.stderr.strip().splitlines() or ["?"])[-1]
 
 
 def _dead(pid):
@@ -83,7 +77,7 @@ def _dead(pid):
 @pytest.mark.parametrize("engine", ["torch", "horovod"])
 def test_allreduce_across_namespaces(engine, tmp_path):
     if engine == "horovod":
-        missing = _horovod_missing()
+        missing = launcher.horovod_missing()
         if missing:
             pytest.skip(missing)
     script = tmp_path / "worker.py"
