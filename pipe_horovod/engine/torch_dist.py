@@ -73,4 +73,7 @@ class TorchDistEngine(Engine):
     def shutdown(self):
         super().shutdown()
         if self._owns_group and self.dist.is_initialized():
+            # Without a barrier a fast rank tears down gloo's connections while a
+            # slower one still uses them, and the slow one aborts (seen in CI).
+            self.dist.barrier()
             self.dist.destroy_process_group()
