@@ -4,6 +4,7 @@ Unlike Horovod, torch.distributed matches collectives by call order, not by
 name: callers (the pipeline core) must start reductions in the same order
 on every rank. Gloo has no AVG op, so Average is a Sum divided on `wait`.
 """
+import atexit
 import os
 
 from .base import Average, Engine, check_root
@@ -24,6 +25,9 @@ class TorchDistEngine(Engine):
             if backend is None:
                 backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend=backend)
+            # Scripts rarely call shutdown(); exiting with the group alive lets gloo
+            # abort the process ("terminate called without an active exception").
+            atexit.register(self.shutdown)
         self._local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self._local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
