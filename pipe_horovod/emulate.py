@@ -210,14 +210,15 @@ class Job:
             return f.read()
 
     def tail(self, rank, lines=30):
-        return _tail(self.logs[rank], lines)
+        return tail_file(self.logs[rank], lines)
 
 
-def _tail(path, lines=30):
+def tail_file(path, lines=30):
+    """The last `lines` lines of a worker's log, for error messages; never raises."""
     try:
         with open(path, errors="replace") as f:
             return "\n".join(f.read().splitlines()[-lines:])
-    except FileNotFoundError:
+    except OSError:
         return "<no log>"
 
 
@@ -395,7 +396,7 @@ class EmulatedCluster:
                 _kill_group(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=_KILL_GRACE)
                 raise RuntimeError(f"helper gave no answer within {timeout:.0f} s: "
-                                   f"{' '.join(argv[:6])}...\n{_tail(errpath)}")
+                                   f"{' '.join(argv[:6])}...\n{tail_file(errpath)}")
         except BaseException:
             _kill_group(proc.pid, signal.SIGKILL)
             raise

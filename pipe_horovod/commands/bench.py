@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from pipe_horovod.bench import worker as bench_worker
+from pipe_horovod.emulate import tail_file
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINES = ("horovod", "torch", "local")
@@ -227,14 +228,6 @@ class _Bar:
             self.bar.close()
 
 
-def _tail(path, lines=40):
-    try:
-        with open(path, errors="replace") as f:
-            return "\n".join(f.read().splitlines()[-lines:])
-    except OSError:
-        return "<no log>"
-
-
 def _run_local(args, worker, progress, log_path, bar):
     cmd = _local_command(args, worker)
     with open(log_path, "wb") as log:
@@ -260,10 +253,10 @@ def _run_local(args, worker, progress, log_path, bar):
                     continue
     if proc.returncode is None or proc.returncode < 0 and time.monotonic() >= deadline:
         raise RuntimeError(f"timed out after {args.timeout:.0f} s: {shlex.join(cmd)}\n"
-                           f"{_tail(log_path)}")
+                           f"{tail_file(log_path, 40)}")
     if proc.returncode != 0:
         raise RuntimeError(f"workers failed (exit {proc.returncode}): {shlex.join(cmd)}\n"
-                           f"{_tail(log_path)}")
+                           f"{tail_file(log_path, 40)}")
     return {"launcher": shlex.join(cmd), "log": log_path}
 
 
