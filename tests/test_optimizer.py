@@ -21,8 +21,10 @@ def test_matches_single_process_oracle(engine_name, np, mode):
     launcher.run(engine_name, np, "optimizer_worker.py", mode, timeout=300)
 
 
-def test_oracle_single_process():
-    launcher.run("local", 1, "optimizer_worker.py", "oracle")
+@pytest.mark.parametrize("mode", ["oracle", "features"])
+def test_single_process_matches_oracle(mode):
+    # One rank takes the no-copy path: a step's gradient is `.grad` itself.
+    launcher.run("local", 1, "optimizer_worker.py", mode)
 
 
 def test_depth_one_matches_horovods_optimizer():

@@ -13,7 +13,12 @@ averaged gradient `step` applies and when (DESIGN.md, "Semantics"):
   g_{t-K+1} for K >= 2, whose reduction ran during the last K-1 steps.
 
 Reductions land in buffers the optimizer owns, so `zero_grad()` and the
-next backward never touch a tensor that is still on the wire.
+next backward never touch a tensor that is still on the wire. `.grad` is
+then pointed at the landed result (a view, as DDP's gradient_as_bucket_view
+does), not copied into: a full-model copy per step is what made the wrapper
+cost 15% in one process. With one rank and no compression there is nothing
+to send, so a step's gradient is the `.grad` tensors themselves, kept by
+reference: the one-process wrapper copies nothing at all.
 """
 import contextlib
 import itertools
@@ -88,7 +93,8 @@ class _PipelinedOptimizer:
         self._observed = {}                      # ready order seen in this process's first step
         self._order_agreed = False
         self._plan([self._name_of[p] for p in reversed(self._params)])
-        self._slot_buffers = {}                  # (slot, bucket index) -> flat send/receive buffer
+        # One rank, no codec: averaging is the identity and nothing need be copied.
+        self._solo = self._engine.size() == 1 and compression is Compression.none
         self._pending_apply = None               # the gradient synchronize() put into .grad
         self._synchronized = False
         self._should_synchronize = True
@@ -102,6 +108,10 @@ class _PipelinedOptimizer:
                     (self._param_of[name].dtype, self._param_of[name].device)) for name in order]
         self._buckets = plan_buckets(members, self._bucket_cap)
         self._bucket_of = {name: b for b in self._buckets for name in b.names}
+        # (slot, bucket index) -> flat send/receive buffer. `.grad` may view an old
+        # buffer at an old offset: a new plan gets new buffers, so no parameter's
+        # gradient is copied over another's.
+        self._slot_buffers = {}
         self._reset_step()
 
     def _reset_step(self):
@@ -126,7 +136,7 @@ class _PipelinedOptimizer:
             bucket = self._bucket_of[self._name_of[param]]
             self._waiting[bucket.index] -= 1
             # torch.distributed matches collectives by order: start buckets in index order only.
-            while (len(self._launched) < len(self._buckets)
+            while (not self._solo and len(self._launched) < len(self._buckets)
                    and self._waiting[len(self._launched)] == 0):
                 self._launch(self._buckets[len(self._launched)])
 
@@ -139,10 +149,11 @@ class _PipelinedOptimizer:
             self._slot_buffers[(slot, bucket.index)] = flat
         for name, start, numel in bucket.offsets():
             grad = self._param_of[name].grad
+            part = flat[start:start + numel]
             if grad is None:                     # unused on this rank: contributes zero
-                flat[start:start + numel].zero_()
-            else:
-                flat[start:start + numel].copy_(grad.reshape(-1))
+                part.zero_()
+            elif grad.data_ptr() != part.data_ptr() or not grad.is_contiguous():
+                part.copy_(grad.reshape(-1))     # else: backward accumulated in place already
         wire, ctx = self._compression.compress(flat)
         handle = self._engine.allreduce_async(wire, f"{self._prefix}.{bucket.index}.{slot}",
                                               self._op)
@@ -160,10 +171,15 @@ class _PipelinedOptimizer:
         if not self._hooks_fired:
             raise RuntimeError("step() or synchronize() called without a backward pass since the "
                                "last step(); compute gradients before every step")
-        while len(self._launched) < len(self._buckets):
-            self._launch(self._buckets[len(self._launched)])
         scale = self._grad_scaler.get_scale() if self._grad_scaler is not None else None
-        ready = self._fifo.push(_Step(self._launched, scale=scale))
+        if self._solo:
+            entry = _Step(loaded={name: p.grad for name, p in self._param_of.items()
+                                  if p.grad is not None}, scale=scale)
+        else:
+            while len(self._launched) < len(self._buckets):
+                self._launch(self._buckets[len(self._launched)])
+            entry = _Step(self._launched, scale=scale)
+        ready = self._fifo.push(entry)
         self._agree_on_order()
         self._reset_step()
         self.timings["steps"] += 1
@@ -194,14 +210,16 @@ class _PipelinedOptimizer:
             factor = self._grad_scaler.get_scale() / entry.scale
         for name, p in self._param_of.items():
             grad = grads.get(name)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+            # Never write into the old `.grad`: it may view a buffer on the wire.
             if grad is None:
-                p.grad.zero_()
+                p.grad = torch.zeros_like(p)
+                continue
+            if p.is_contiguous():
+                p.grad = grad.view_as(p)         # the landed result itself: no copy
             else:
-                p.grad.copy_(grad.view_as(p))
-                if factor != 1.0:
-                    p.grad.mul_(factor)
+                p.grad = torch.empty_like(p).copy_(grad.view_as(p))
+            if factor != 1.0:
+                p.grad.mul_(factor)
 
     def _apply(self, entry):
         """Apply a gradient taken from the FIFO outside the user's step() (drain)."""

@@ -84,10 +84,11 @@ def assert_close(model, ref, what, rtol=1e-6):
         assert err <= rtol, f"{what}: {name} differs from the oracle by {err:.3g} (relative)"
 
 
-def train(model, opt, data, steps=STEPS, micro=1, scheduler=None, scaler=None, start=0):
+def train(model, opt, data, steps=STEPS, micro=1, scheduler=None, scaler=None, start=0,
+          set_to_none=True):
     rank = phvd.rank()
     for t in range(start, steps):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         for x, y in data(rank, t):
             loss = F.cross_entropy(model(x), y)
             if scaler is None:
@@ -176,6 +177,26 @@ def check_features():
     oracle.reference(ref, make_optimizer("adam", ref), F.cross_entropy, data_for(micro=2), size,
                      STEPS, 2, 0)
     assert_close(model, ref, "backward_passes_per_step=2")
+
+    # zero_grad(set_to_none=False): backward accumulates into `.grad`, which views
+    # the buffers the optimizer reduces in; a mid-run flush restarts the pipeline.
+    for depth, warmup in ((1, 0), (2, 0), (3, 2)):
+        model, ref = fresh(MLP), fresh(MLP)
+        opt = phvd.DistributedOptimizer(make_optimizer("sgd", model),
+                                        named_parameters=model.named_parameters(),
+                                        backward_passes_per_step=2, pipeline_depth=depth,
+                                        warmup_steps=warmup)
+        half = STEPS // 2
+        train(model, opt, data_for(micro=2), steps=half, set_to_none=False)
+        opt.flush()
+        train(model, opt, data_for(micro=2), start=half, set_to_none=False)
+        opt.flush()
+        ref_opt = make_optimizer("sgd", ref)
+        oracle.reference(ref, ref_opt, F.cross_entropy, data_for(micro=2), size, half, depth,
+                         warmup)
+        oracle.reference(ref, ref_opt, F.cross_entropy,
+                         lambda r, t: data_for(micro=2)(r, t + half), size, STEPS - half, depth, 0)
+        assert_close(model, ref, f"set_to_none=False K={depth} W={warmup}")
 
     # LR scheduler stepping every iteration, with the delayed gradient.
     model, ref = fresh(MLP), fresh(MLP)
