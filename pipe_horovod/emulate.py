@@ -427,7 +427,10 @@ class EmulatedCluster:
                    "HOROVOD_GLOO_RENDEZVOUS_ADDR": self.bridge_address,
                    "HOROVOD_GLOO_RENDEZVOUS_PORT": extra["rendezvous_port"],
                    "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
-                   "HOROVOD_GLOO_IFACE": iface}
+                   "HOROVOD_GLOO_IFACE": iface,
+                   # Horovod reads only HOROVOD_GLOO_IFACE; this is for a torch.distributed
+                   # gloo group the worker may start next to Horovod (the bench's ddp).
+                   "GLOO_SOCKET_IFNAME": iface}
         else:
             raise ValueError(f"engine must be 'torch' or 'horovod', not {engine!r}")
         env["PIPE_HOROVOD_ENGINE"] = engine

@@ -74,6 +74,47 @@ def test_local_torch_run_reports_every_configuration(tmp_path):
     assert all(s["predicted_s"] is not None for s in summary["configs"].values())
 
 
+_HOROVOD = launcher.horovod_missing()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(_HOROVOD is not None, reason=f"no horovod: {_HOROVOD}")
+def test_horovod_engine_measures_horovod_and_ddp_in_one_run(tmp_path):
+    # One horovodrun job: hvd.DistributedOptimizer and DDP (over a torch.distributed gloo
+    # group the workers start next to Horovod) in the same processes, interleaved.
+    stdout = _bench(tmp_path, "--engine", "horovod", "--workers", "2", "--model-mb", "0.1",
+                    "--batch-size", "8", "--steps", "2", "--warmup", "1", "--rounds", "2",
+                    "--idle-probe-s", "0.05", "--configs", "horovod", "ddp", "compute",
+                    timeout=110)
+    summary, raw = _check_outputs(tmp_path, stdout, ["horovod", "ddp", "compute"])
+    meta = raw["meta"]
+    assert meta["engine"] == "horovod" and meta["workers"] == 2 and not meta["skipped"]
+    for name in ("horovod", "ddp"):
+        steps = [t for block in raw["configs"][name]["rounds"] for t in block["step_s"]]
+        assert len(steps) == 4 and all(t > 0 for t in steps), (name, steps)
+    assert meta["ddp_backend"] == "torch.distributed gloo"
+    assert meta["config_backends"]["ddp"].startswith("torch.distributed gloo")
+    assert meta["config_backends"]["horovod"].startswith("horovod")
+    group = meta["ddp_process_group"]
+    assert group["address_from"] == "launcher" and group["init_method"].startswith(
+        "tcp://127.0.0.1:")
+    assert summary["ratios"]["k1_vs_ddp"] is None           # no ours-k1 here; ddp measured
+
+
+@pytest.mark.timeout(60)
+def test_which_engine_runs_which_configuration():
+    assert worker.skip_reason("ddp", "horovod", 2) is None
+    assert worker.skip_reason("ddp", "torch", 2) is None
+    assert worker.skip_reason("horovod", "horovod", 2) is None
+    why = worker.skip_reason("horovod", "torch", 2)
+    assert "Horovod's launcher" in why and "--engine horovod" in why
+    assert "--engine horovod" in worker.skip_reason("horovod-fp16", "local", 1)
+    assert "one-process" in worker.skip_reason("ddp", "local", 1)
+    assert worker.DEFAULT_CONFIGS == ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16",
+                                      "ours-k2-bf16", "compute", "allreduce"]
+    assert not [n for n in worker.DEFAULT_CONFIGS if worker.skip_reason(n, "horovod", 2)]
+
+
 @pytest.mark.timeout(200)
 def test_one_process_measures_wrapper_overhead(tmp_path):
     stdout = _bench(tmp_path, "--engine", "local", "--workers", "1", *TINY, timeout=180)
@@ -89,8 +130,8 @@ _EMULATE = emulate.unavailable_reason()
 @pytest.mark.skipif(_EMULATE is not None, reason=f"--emulate cannot run here: {_EMULATE}")
 def test_emulated_run(tmp_path):
     engine = "horovod" if launcher.horovod_missing() is None else "torch"
-    configs = ([engine if engine == "horovod" else "ddp"]
-               + ["ours-k1", "ours-k2", "ours-k2-fp16", "compute", "allreduce"])
+    configs = (["horovod", "ddp"] if engine == "horovod" else ["ddp"]) + [
+        "ours-k1", "ours-k2", "ours-k2-fp16", "compute", "allreduce"]
     stdout = _bench(tmp_path, "--emulate", "1gbit", "--engine", engine, "--workers", "2",
                     *TINY, "--configs", *configs, timeout=380)
     summary, raw = _check_outputs(tmp_path, stdout, configs + ["allreduce-fp16"])
@@ -98,6 +139,9 @@ def test_emulated_run(tmp_path):
     assert len(raw["launch"]["cpu_s"]) == 2 and all(c > 0 for c in raw["launch"]["cpu_s"])
     assert all(s["tx_bytes"] > 0 for s in raw["launch"]["link_stats"])
     assert "emulated 1gbit links" in stdout
+    if engine == "horovod":           # ddp's gloo group met at rank 0's namespace address
+        group = raw["meta"]["ddp_process_group"]
+        assert group["init_method"].startswith("tcp://10.") and group["gloo_interface"]
 
 
 # ---------------------------------------------------------------- argument errors

@@ -6,7 +6,11 @@ several ways of averaging the gradient in one process, in rounds A B C A B
 C ..., so a slow minute on a shared machine hits every configuration alike:
 
   horovod, horovod-fp16  Horovod's own hvd.DistributedOptimizer (engine horovod)
-  ddp                    torch.nn.parallel.DistributedDataParallel (engine torch)
+  ddp                    torch.nn.parallel.DistributedDataParallel over torch.distributed
+                         gloo: the engine's own group (engine torch), or, under engine
+                         horovod, a gloo group started next to Horovod in the same
+                         processes (rank = hvd.rank(), world = hvd.size()), so Horovod
+                         and DDP are measured side by side in one run
   ours-kK[-fp16|-bf16]   pipe_horovod's DistributedOptimizer, pipeline_depth=K
   compute                forward + backward + local SGD step, no communication
   allreduce              one allreduce of a model-sized flat float32 buffer
@@ -23,6 +27,14 @@ Run it under any launcher: `horovodrun -np 2 -H localhost:2 --gloo python -m
 pipe_horovod.bench.worker --out raw.json`, `torchrun --nproc_per_node 2 -m
 pipe_horovod.bench.worker ...`, or `python -m pipe_horovod.bench.worker` (one
 process, local engine: the wrapper-overhead measurement).
+
+Under engine horovod the DDP group meets at PIPE_HOROVOD_BENCH_DDP_ADDR /
+PIPE_HOROVOD_BENCH_DDP_PORT (set by `pipe-horovod bench`: 127.0.0.1 and a free
+port under horovodrun on one host, rank 0's namespace address under
+--emulate). Bench-specific names, not MASTER_ADDR / RANK / WORLD_SIZE, which
+would make `pipe_horovod.engine.detect()` pick the torch engine. Without
+them (plain horovodrun) rank 0 picks a free port and Horovod broadcasts it.
+Gloo binds to GLOO_SOCKET_IFNAME, else to Horovod's HOROVOD_GLOO_IFACE.
 """
 import argparse
 import json
@@ -40,6 +52,9 @@ _CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|allreduce(?:-fp16|-bf16
                      r"|ours-k([1-9][0-9]*)(?:-(?:fp16|bf16))?)$")
 MLP_IN, MLP_CLASSES = 1024, 1000
 CNN_CLASSES = 10
+DDP_ADDR_ENV = "PIPE_HOROVOD_BENCH_DDP_ADDR"
+DDP_PORT_ENV = "PIPE_HOROVOD_BENCH_DDP_PORT"
+DDP_BACKEND = "torch.distributed gloo"
 
 
 # --------------------------------------------------------------------- configs
@@ -95,16 +110,121 @@ def expand_configs(names):
 
 
 def skip_reason(name, engine_name, size):
-    """Why `name` cannot run under this engine, or None."""
+    """Why `name` cannot run under this engine, or None.
+
+    ddp runs under engine torch (its own group) and under engine horovod (a
+    torch.distributed gloo group next to Horovod, see `DdpGroup`); Horovod's
+    optimizer needs Horovod's own launcher, so it never runs under engine torch.
+    """
     if name.startswith("horovod") and engine_name != "horovod":
+        if engine_name == "torch":
+            return ("Horovod's DistributedOptimizer needs Horovod's launcher and engine; the "
+                    "torch engine (torch.distributed.run) cannot start Horovod. Use "
+                    "--engine horovod, which measures horovod and ddp side by side")
         return ("Horovod's DistributedOptimizer needs the horovod engine "
                 "(launch with horovodrun, or pipe-horovod bench --engine horovod)")
-    if name == "ddp" and engine_name != "torch":
-        return ("DistributedDataParallel needs torch.distributed, i.e. the torch engine "
-                "(pipe-horovod bench --engine torch); not measured in this run")
+    if name == "ddp":
+        if engine_name not in ("torch", "horovod"):
+            return ("DistributedDataParallel needs several workers in a process group "
+                    "(pipe-horovod bench --engine horovod or --engine torch); not measured "
+                    "in this one-process run")
+        problem = _torch_distributed_missing()
+        if problem:
+            return problem
     if name.startswith("allreduce") and size < 2:
         return "one process: there is nothing to communicate"
     return None
+
+
+def _torch_distributed_missing():
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:
+        return f"DistributedDataParallel needs torch.distributed, which does not import ({exc})"
+    if not dist.is_available() or not dist.is_gloo_available():
+        return "DistributedDataParallel needs torch.distributed with gloo, not built in this torch"
+    return None
+
+
+def config_backends(configs, engine_name):
+    """What carries each measured configuration's communication (recorded in the raw meta)."""
+    out = {}
+    for name in configs:
+        if name.startswith("horovod"):
+            out[name] = "horovod (hvd.DistributedOptimizer, Horovod's gloo controller)"
+        elif name == "ddp":
+            out[name] = (f"{DDP_BACKEND} (a process group next to Horovod)"
+                         if engine_name == "horovod" else f"{DDP_BACKEND} (engine torch's group)")
+        elif name == "compute":
+            out[name] = None
+        else:
+            out[name] = f"pipe_horovod engine {engine_name}"
+    return out
+
+
+# ------------------------------------------------------- DDP next to Horovod
+
+def free_port(host):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class DdpGroup:
+    """A torch.distributed gloo process group started next to Horovod, so DDP runs
+    in the same processes as hvd.DistributedOptimizer (rank = hvd rank, world =
+    hvd size). Horovod keeps its own gloo connections; this group has its own."""
+
+    def __init__(self, eng, environ=None):
+        import datetime
+
+        import torch.distributed as dist
+
+        env = os.environ if environ is None else environ
+        self.dist = dist
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialized in this process")
+        addr, port = env.get(DDP_ADDR_ENV), env.get(DDP_PORT_ENV)
+        if addr and port:
+            self.source = "launcher"
+            port = int(port)
+        else:
+            # Plain horovodrun: rank 0 picks the address and a free port, Horovod tells the rest.
+            self.source = "rank 0 via horovod broadcast"
+            choice = None
+            if eng.rank() == 0:
+                host = ("127.0.0.1" if eng.local_size() == eng.size()
+                        else socket.gethostbyname(socket.gethostname()))
+                choice = (host, free_port(host))
+            addr, port = eng.broadcast_object(choice, 0)
+        # Gloo connects over this interface: under the emulated cluster the worker's
+        # namespace NIC (GLOO_SOCKET_IFNAME from EmulatedCluster.worker_env); under
+        # horovodrun the NIC Horovod chose for its own gloo (HOROVOD_GLOO_IFACE).
+        iface = env.get("GLOO_SOCKET_IFNAME") or env.get("HOROVOD_GLOO_IFACE")
+        if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
+        self.addr, self.port, self.iface = addr, port, iface
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}",
+                                    rank=eng.rank(), world_size=eng.size(),
+                                    timeout=datetime.timedelta(seconds=600))
+        except Exception as exc:
+            raise RuntimeError(
+                f"rank {eng.rank()}: could not start the torch.distributed gloo group for ddp "
+                f"next to Horovod at tcp://{addr}:{port} (interface {iface or 'default'}): "
+                f"{exc}") from exc
+        if dist.get_rank() != eng.rank() or dist.get_world_size() != eng.size():
+            raise RuntimeError("the ddp process group does not match Horovod's ranks")
+
+    def describe(self):
+        return {"backend": DDP_BACKEND, "init_method": f"tcp://{self.addr}:{self.port}",
+                "address_from": self.source, "gloo_interface": self.iface}
+
+    def close(self):
+        """Barrier first: a fast rank must not tear down connections a slow one still uses."""
+        if self.dist.is_initialized():
+            self.dist.barrier()
+            self.dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------- models
@@ -400,6 +520,10 @@ def run_benchmark(args):
     log = (lambda *a: print("[bench]", *a, flush=True)) if rank == 0 else (lambda *a: None)
     for name, why in skipped.items():
         log(f"skipping {name}: {why}")
+    ddp_group = None
+    if "ddp" in configs and eng.name == "horovod":
+        ddp_group = DdpGroup(eng)
+        log(f"ddp: {DDP_BACKEND} group next to Horovod at {ddp_group.describe()['init_method']}")
 
     sweep_n = len(sweep_sizes(args.fit_max_mb * 1e6)) if args.fit and size > 1 else 0
     progress = Progress(args.progress, args.rounds * len(configs) + sweep_n + len(configs),
@@ -468,6 +592,10 @@ def run_benchmark(args):
             "cpu_count": os.cpu_count(), "hostname": socket.gethostname(),
             "threads_before_configs": threads_before, "versions": _versions(),
             "horovod_bf16_as_float32": eng.name == "horovod",
+            "config_backends": config_backends(configs, eng.name),
+            "ddp_backend": DDP_BACKEND if "ddp" in configs else None,
+            "ddp_process_group": (ddp_group.describe() if ddp_group is not None else
+                                  "engine torch's group" if "ddp" in configs else None),
             "background_busy_cores": background,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },
@@ -487,6 +615,9 @@ def run_benchmark(args):
         os.replace(tmp, args.out)
         log(f"wrote {args.out}")
     progress.write("done")
+    runners.clear()                 # DDP's reducer holds the group: drop it first
+    if ddp_group is not None:
+        ddp_group.close()
     engine.shutdown()
     return raw if rank == 0 else None
 

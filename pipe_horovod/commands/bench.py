@@ -5,8 +5,13 @@ training: `horovodrun -np N -H localhost:N --gloo` (engine horovod),
 `python -m torch.distributed.run --standalone` (engine torch), plain python
 (engine local, one process: the wrapper-overhead measurement), or, with
 `--emulate RATE`, inside `pipe_horovod.emulate.EmulatedCluster` (one network
-namespace per worker, links capped at RATE; needs root). A progress bar
-follows the rank-0 worker's progress file; afterwards the report
+namespace per worker, links capped at RATE; needs root). Under --engine
+horovod a `ddp` configuration runs in the same worker processes, over a
+torch.distributed gloo group the launcher gives a rendezvous
+(PIPE_HOROVOD_BENCH_DDP_ADDR / _PORT: 127.0.0.1 and a free port locally, rank
+0's namespace address and a port free there under --emulate), so Horovod and
+DDP are compared in one run. A progress bar follows the rank-0 worker's
+progress file; afterwards the report
 (`pipe_horovod.bench.report`) is printed and saved under --out as
 <name>.md, <name>.json and <name>.png, next to the raw <name>-raw.json.
 """
@@ -32,7 +37,8 @@ ENGINES = ("horovod", "torch", "local")
 _SCRUB = re.compile(r"^(HOROVOD_|OMPI_|PMI_|PMIX_|TORCHELASTIC_)"
                     r"|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|"
                     r"GROUP_WORLD_SIZE|ROLE_RANK|ROLE_NAME|ROLE_WORLD_SIZE|MASTER_ADDR|"
-                    r"MASTER_PORT|PIPE_HOROVOD_ENGINE)$")
+                    r"MASTER_PORT|PIPE_HOROVOD_ENGINE|PIPE_HOROVOD_BENCH_DDP_ADDR|"
+                    r"PIPE_HOROVOD_BENCH_DDP_PORT)$")
 _POLL = 0.5
 
 
@@ -184,6 +190,15 @@ def _env(args, engine):
     return env
 
 
+def _needs_ddp_group(args):
+    """Horovod workers run ddp over a torch.distributed group of their own."""
+    return args.engine == "horovod" and "ddp" in args.configs
+
+
+def _ddp_env(addr, port):
+    return {bench_worker.DDP_ADDR_ENV: str(addr), bench_worker.DDP_PORT_ENV: str(port)}
+
+
 def _local_command(args, worker):
     py = sys.executable
     module = ["-m", "pipe_horovod.bench.worker", *worker]
@@ -230,10 +245,12 @@ class _Bar:
 
 def _run_local(args, worker, progress, log_path, bar):
     cmd = _local_command(args, worker)
+    env = _env(args, args.engine)
+    if _needs_ddp_group(args):          # horovodrun on this host: every worker reaches loopback
+        env.update(_ddp_env("127.0.0.1", bench_worker.free_port("127.0.0.1")))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, env=_env(args, args.engine),
-                                start_new_session=True)
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
     deadline = time.monotonic() + args.timeout
     try:
         while proc.poll() is None and time.monotonic() < deadline:
@@ -268,6 +285,10 @@ def _run_emulated(args, worker, progress, log_dir, bar):
            if k in ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     with emulate.EmulatedCluster(workers=args.workers, rate=args.emulate,
                                  log_dir=log_dir) as cluster:
+        if _needs_ddp_group(args):
+            # Rank 0's namespace address, a port free inside that namespace; each worker's
+            # gloo binds its own namespace NIC (GLOO_SOCKET_IFNAME from worker_env).
+            env.update(_ddp_env(cluster.addresses[0], cluster.free_port(0)))
         job = cluster.launch(argv, engine=args.engine, env=env, timeout=args.timeout)
         outcome = {}
 
