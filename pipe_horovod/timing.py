@@ -186,7 +186,7 @@ def allreduce_time(net, p, nbytes, algorithm="ring", **kwargs):
 
 # ----------------------------------------------------------------- step time
 
-def step_time(compute_s, update_s, comm_s, pipeline_depth=1, overlap=0.0):
+def step_time(compute_s, update_s, comm_s, pipeline_depth=1, overlap=0.0, comm_cpu_s=0.0):
     """Predicted seconds per training step.
 
     Sync (pipeline_depth=1) pays compute + update + the communication not
@@ -198,22 +198,31 @@ def step_time(compute_s, update_s, comm_s, pipeline_depth=1, overlap=0.0):
     computes, so the slower of the two sets the pace: max(compute + update,
     comm). A deeper pipeline (K>2) only absorbs jitter; it cannot raise the
     steady-state throughput above this bound, so K does not appear here.
+
+    `comm_cpu_s` is the CPU time communication takes away from compute when
+    both run at once: on CPU workers whose compute already fills their cores,
+    the reduction, the copies and the kernel's network stack run on those
+    same cores, so overlapping stretches compute by that much. On a GPU, or
+    with idle cores, it is ~0. A sync step does not overlap, so it pays none.
     """
     if pipeline_depth < 1:
         raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be in [0, 1], got {overlap}")
+    if not comm_cpu_s >= 0:
+        raise ValueError(f"comm_cpu_s must be >= 0, got {comm_cpu_s}")
     if pipeline_depth == 1:
         return compute_s + update_s + comm_s - min(overlap * comm_s, compute_s)
-    return max(compute_s + update_s, comm_s)
+    return max(compute_s + update_s + comm_cpu_s, comm_s)
 
 
 # name -> (wire ratio, codec seconds per byte of the fp32 gradient, encode +
 # decode). The codec costs are torch CPU round trips (one thread, 10M floats)
 # measured on this project's 2-core machines: fp16 1.4, bf16 1.6, int8 5.5
 # ns/byte. On CPU they can outweigh the bytes saved; on a GPU they are
-# near zero, so pass your own figures there. The codec runs on the
-# communication path, so in a pipelined step it adds to comm, not compute.
+# near zero, so pass your own figures there. The codec runs where the
+# gradient is produced (the training thread or stream), so in a pipelined
+# step it adds to compute, not to the communication it overlaps.
 DEFAULT_COMPRESSIONS = {
     "fp16": (0.5, 1.5e-9),
     "bf16": (0.5, 1.5e-9),
@@ -252,7 +261,7 @@ class Prediction:
 
 
 def predict(compute_s, update_s, model_bytes, workers, network, algorithm="ring",
-            compressions=None, pipeline_depth=2, overlap=0.0):
+            compressions=None, pipeline_depth=2, overlap=0.0, comm_cpu_per_byte=0.0):
     """Predict every (sync | pipelined) x compression combination at once, so
     the CLI table and the benchmark's "predicted" column come from one place.
 
@@ -261,25 +270,33 @@ def predict(compute_s, update_s, model_bytes, workers, network, algorithm="ring"
     baseline). `compressions` maps a name to (wire ratio, codec seconds per
     byte of the uncompressed gradient); default DEFAULT_COMPRESSIONS.
     `overlap` applies to the sync rows only (see step_time).
+    `comm_cpu_per_byte`: CPU seconds per byte on the wire that communication
+    takes from compute when they overlap (step_time's comm_cpu_s); measure it
+    as the CPU time of an allreduce over its bytes. A dict gives it per
+    compression name ("none", "fp16", ...): a 16-bit sum can cost more CPU per
+    byte than a 32-bit one. Row.comm_s includes the codec.
     """
     if pipeline_depth < 2:
         raise ValueError(f"pipeline_depth must be >= 2 for the pipelined rows, got {pipeline_depth}")
     compressions = {"none": (1.0, 0.0), **(DEFAULT_COMPRESSIONS if compressions is None else compressions)}
-
-    def comm(ratio, codec_s_per_byte):
+    rows, base = {}, None
+    for comp, (ratio, codec_per_byte) in compressions.items():
+        wire = model_bytes * ratio
         if workers == 1:  # nothing to send, so nothing to compress
-            return 0.0
-        return allreduce_time(network, workers, model_bytes * ratio, algorithm) + codec_s_per_byte * model_bytes
-
-    base = step_time(compute_s, update_s, comm(1.0, 0.0), 1, overlap)
-    rows = {}
-    for comp, (ratio, codec) in compressions.items():
-        c = comm(ratio, codec)
+            allreduce_s = codec_s = cpu_s = 0.0
+        else:
+            allreduce_s = allreduce_time(network, workers, wire, algorithm)
+            codec_s = codec_per_byte * model_bytes
+            per_byte = (comm_cpu_per_byte.get(comp, comm_cpu_per_byte.get("none", 0.0))
+                        if isinstance(comm_cpu_per_byte, dict) else comm_cpu_per_byte)
+            cpu_s = per_byte * wire
         for mode, depth in (("sync", 1), ("pipelined", pipeline_depth)):
             name = mode if comp == "none" else f"{mode}+{comp}"
-            step = step_time(compute_s, update_s, c, depth, overlap if depth == 1 else 0.0)
+            step = step_time(compute_s + codec_s, update_s, allreduce_s, depth,
+                             overlap if depth == 1 else 0.0, cpu_s if depth > 1 else 0.0)
+            base = step if base is None else base
             speedup = base / step if step > 0 else 1.0
-            rows[name] = Row(name, depth, comp, model_bytes * ratio, c, step, speedup)
+            rows[name] = Row(name, depth, comp, wire, allreduce_s + codec_s, step, speedup)
     return Prediction(algorithm, workers, model_bytes, network, rows)
 
 
@@ -298,14 +315,18 @@ class FitResult:
         return Network(self.alpha, self.beta)
 
 
-def fit(sizes_bytes, seconds, p, algorithm="ring", **kwargs):
+def fit(sizes_bytes, seconds, p, algorithm="ring", relative=True, **kwargs):
     """Estimate alpha and beta from an allreduce sweep.
 
     For fixed p and algorithm each cost is a*alpha + b*beta, so the design
     matrix is read off the cost function itself (evaluated with unit alpha,
-    then unit beta) rather than restating every formula. Rows are weighted by
-    1/time: sweeps span orders of magnitude and unweighted least squares would
-    let the largest messages drown out the latency term. Negative estimates
+    then unit beta) rather than restating every formula. With `relative`
+    rows are weighted by 1/time: sweeps span orders of magnitude and
+    unweighted least squares would let the largest messages drown out the
+    latency term. Pass relative=False to predict bulk transfers (a model's
+    gradient): real links are faster per byte for small messages (a token
+    bucket's burst, TCP windows), and relative weighting then fits a beta
+    too optimistic for large ones. Negative estimates
     are unphysical, so if one appears the other parameter is refitted alone.
     gamma multiplies the same byte count as beta and cannot be separated;
     the returned beta includes it. For "lp" pass a fixed `chunks=`: with the
@@ -330,7 +351,7 @@ def fit(sizes_bytes, seconds, p, algorithm="ring", **kwargs):
 
     design = np.array([[allreduce_time(Network(1.0, 0.0), p, n, algorithm, **kwargs),
                         allreduce_time(Network(0.0, 1.0), p, n, algorithm, **kwargs)] for n in x])
-    w = 1.0 / y
+    w = 1.0 / y if relative else np.ones_like(y)
     coef = _weighted_lstsq(design, y, w)
     if np.any(coef < 0):
         singles = []

@@ -107,6 +107,27 @@ def test_predict_rows_and_speedups():
     assert all(r.step_s == pytest.approx(0.12) for r in single.rows.values())
 
 
+def test_comm_cpu_stretches_only_the_pipelined_step():
+    # compute 0.1 s fills the cores; communication needs 0.03 s of CPU on them.
+    assert timing.step_time(0.1, 0.0, 0.08, 2, comm_cpu_s=0.03) == pytest.approx(0.13)
+    assert timing.step_time(0.1, 0.0, 0.2, 2, comm_cpu_s=0.03) == pytest.approx(0.2)
+    assert timing.step_time(0.1, 0.0, 0.08, 1, comm_cpu_s=0.03) == pytest.approx(0.18)
+    with pytest.raises(ValueError, match="comm_cpu_s"):
+        timing.step_time(0.1, 0.0, 0.1, 2, comm_cpu_s=-1)
+
+
+def test_predict_charges_codec_and_comm_cpu_to_compute_when_pipelined():
+    net = Network(0.0, 1e-9)
+    pred = timing.predict(0.1, 0.0, 100e6, 2, net, compressions={"bf16": (0.5, 2e-10)},
+                          comm_cpu_per_byte=5e-10)
+    comm, comm16 = timing.ring_allreduce(net, 2, 100e6), timing.ring_allreduce(net, 2, 50e6)
+    assert pred.sync_s == pytest.approx(0.1 + comm)                  # no overlap, no contention
+    assert pred.pipelined_s == pytest.approx(max(0.1 + 100e6 * 5e-10, comm))
+    assert pred.rows["pipelined+bf16"].step_s == pytest.approx(
+        max(0.1 + 0.02 + 50e6 * 5e-10, comm16))
+    assert pred.rows["sync+bf16"].step_s == pytest.approx(0.1 + 0.02 + comm16)
+
+
 # ---------------------------------------------------------------------- fit
 
 SIZES = np.geomspace(1e3, 1e8, 12)
@@ -133,6 +154,15 @@ def test_fit_with_one_percent_noise():
     assert res.r2 > 0.999
     assert res.max_rel_error < 0.05
     assert res.network == Network(res.alpha, res.beta)
+
+
+def test_absolute_fit_follows_bulk_bandwidth_when_small_messages_burst():
+    # A token bucket lets messages up to 1 MB through at 4x the link rate.
+    times = [timing.ring_allreduce(Network(1e-4, 2e-9 / (4 if n <= 1e6 else 1)), 2, n)
+             for n in SIZES]
+    bulk = timing.fit(SIZES, times, 2, relative=False)
+    assert bulk.beta == pytest.approx(2e-9, rel=0.05)
+    assert timing.fit(SIZES, times, 2).beta < 0.9 * bulk.beta
 
 
 @pytest.mark.parametrize("sizes,seconds,match", [
