@@ -8,10 +8,22 @@ from pipe_horovod.engine import EngineError
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("np", [1, 2, 3])
 def test_horovod_engine(np):
+    # np=1: bfloat16 reductions take the no-communication path; np=3: shards of
+    # unequal size, and empty ones for tensors with fewer elements than ranks.
     pytest.importorskip("horovod.torch")
     launcher.run("horovod", np, "engine_worker.py", "horovod", np)
+
+
+@pytest.mark.parametrize("numel, size", [(0, 1), (0, 3), (1, 3), (2, 3), (3, 3), (10, 3), (7, 2),
+                                         (12_500_000, 2), (5, 8)])
+def test_horovod_bf16_shards_cover_the_tensor(numel, size):
+    from pipe_horovod.engine.horovod import shard_sizes
+
+    sizes = shard_sizes(numel, size)
+    assert len(sizes) == size and sum(sizes) == numel
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
 @pytest.mark.parametrize("np", [2, 3])

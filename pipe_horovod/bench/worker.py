@@ -591,7 +591,6 @@ def run_benchmark(args):
             "configs": configs, "requested": requested, "skipped": skipped,
             "cpu_count": os.cpu_count(), "hostname": socket.gethostname(),
             "threads_before_configs": threads_before, "versions": _versions(),
-            "horovod_bf16_as_float32": eng.name == "horovod",
             "config_backends": config_backends(configs, eng.name),
             "ddp_backend": DDP_BACKEND if "ddp" in configs else None,
             "ddp_process_group": (ddp_group.describe() if ddp_group is not None else

@@ -2,7 +2,8 @@
 
 Same shape as Horovod's `Compression`: `compress(tensor) -> (wire, ctx)`,
 `decompress(wire, ctx) -> tensor`. Truncation to 16 bits halves the bytes
-on the wire; the reduction itself then runs in 16 bits, as in Horovod.
+on the wire; the reduction itself then runs in 16 bits, as in Horovod
+(except bf16 on the horovod engine, which sums in float32: see BF16Compressor).
 """
 
 
@@ -45,8 +46,9 @@ class FP16Compressor(_Truncate):
 class BF16Compressor(_Truncate):
     """bfloat16 keeps float32's exponent range, so large gradients do not overflow.
 
-    Horovod 0.28.1 cannot reduce bfloat16; its engine sends these as float32
-    (no bandwidth saved there): prefer fp16 with the horovod engine.
+    Horovod 0.28.1 cannot reduce bfloat16; the horovod engine still sends
+    16 bits, by alltoall + allgather, and sums in float32 (see
+    pipe_horovod/engine/horovod.py).
     """
 
     name = "bf16"

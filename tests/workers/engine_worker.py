@@ -41,6 +41,81 @@ def expect_error(exc_type, text, fn, *args):
         raise AssertionError(f"expected {exc_type.__name__} containing {text!r}")
 
 
+def bf16_input(rank, shape, seed):
+    """Arbitrary bfloat16 values over a wide range of magnitudes and both signs:
+    sums of them are not exact, so only the exact algorithm matches the oracle."""
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    numel = torch.Size(shape).numel()
+    values = torch.randn(numel, generator=g) * torch.exp(torch.randn(numel, generator=g) * 4)
+    return values.reshape(shape).to(torch.bfloat16)
+
+
+def bf16_oracle(size, shape, seed, op):
+    """The float32 sum of every rank's bfloat16 input in rank order, divided by
+    size for Average, rounded to bfloat16 once."""
+    total = bf16_input(0, shape, seed).float()
+    for r in range(1, size):
+        total += bf16_input(r, shape, seed).float()
+    if op is engine.Average:
+        total /= size
+    return total.to(torch.bfloat16)
+
+
+def check_bits(got, want, what):
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        what, got.dtype, got.shape, want.shape)
+    check_equal(got.view(torch.int16), want.view(torch.int16), what)
+
+
+def check_horovod_bf16(eng, rank, size):
+    """Horovod's bfloat16 path (alltoall + float32 sum + allgather) against an exact oracle."""
+    seed = 100
+    # Sizes around the rank count (empty shards when numel < size), multi-dim, odd sizes.
+    shapes = [(0,), (1,), (2,), (size - 1,), (size,), (size + 1,), (3, 5), (7, 11, 13), (100003,)]
+    for shape in shapes:
+        for op in (engine.Average, engine.Sum):
+            seed += 1
+            t = bf16_input(rank, shape, seed)
+            out = engine.wait(engine.allreduce_async(t, f"bf16.exact.{seed}", op))
+            assert out is t, "bf16 allreduce must return the caller's tensor, reduced in place"
+            check_bits(out, bf16_oracle(size, shape, seed, op), f"bf16 {shape} {op}")
+
+    # Several in flight, ops mixed, waited for out of order.
+    jobs = {}
+    for i, numel in enumerate([1, 2, 5, 1000, 4097, 3, 65536, 10]):
+        seed += 1
+        op = engine.Sum if i % 2 else engine.Average
+        t = bf16_input(rank, (numel,), seed)
+        jobs[i] = (t, seed, op, engine.allreduce_async(t, f"bf16.many.{i}", op))
+    assert eng.in_flight() == len(jobs)
+    for i in sorted(jobs, key=lambda i: (i * 5 + 3) % len(jobs)):
+        t, s, op, h = jobs[i]
+        check_bits(engine.wait(h), bf16_oracle(size, t.shape, s, op), f"bf16.many.{i}")
+    assert eng.in_flight() == 0
+
+    # Ranks start them in different orders, and all but rank 0 wait for the
+    # last one before starting the rest: Horovod's allreduce allows this, so
+    # phase 2 of one reduction must never queue behind another's phase 1.
+    names = [f"bf16.order.{i}" for i in range(4)]
+    seeds = {n: seed + 1 + i for i, n in enumerate(names)}
+    inputs = {n: bf16_input(rank, (257,), seeds[n]) for n in names}
+    order = names if rank == 0 else names[::-1]
+    started = {}
+
+    def finish(n):
+        want = bf16_oracle(size, (257,), seeds[n], engine.Average)
+        check_bits(engine.wait(started.pop(n)), want, n)
+
+    for n in order:
+        started[n] = engine.allreduce_async(inputs[n], n)
+        if rank != 0 and n == names[-1]:
+            finish(n)
+    for n in names[::-1]:
+        if n in started:
+            finish(n)
+    assert eng.in_flight() == 0
+
+
 def main():
     want_engine, want_size = sys.argv[1], int(sys.argv[2])
     eng = engine.init()
@@ -52,7 +127,7 @@ def main():
     seed = 0
     for dtype in DTYPES:
         for op in (engine.Average, engine.Sum):
-            for numel in (1, BIG // torch.finfo(dtype).bits * 8):
+            for numel in (1, 2, BIG // torch.finfo(dtype).bits * 8):
                 seed += 1
                 t = contribution(rank, numel, dtype, seed)
                 h = engine.allreduce_async(t, f"t.{dtype}.{op.value}.{numel}", op)
@@ -60,14 +135,21 @@ def main():
                 assert out.data_ptr() == t.data_ptr(), "allreduce must be in place"
                 check_equal(out, expected(size, numel, dtype, seed, op), f"{dtype} {op} {numel}")
 
-    # Many handles in flight at once, waited for out of order.
-    tensors = {i: contribution(rank, 1000 + i, torch.float32, i) for i in range(24)}
+    # Many handles in flight at once, float32 and bfloat16 mixed, waited for out of order.
+    def many_dtype(i):
+        return torch.bfloat16 if i % 3 == 0 else torch.float32
+
+    tensors = {i: contribution(rank, 1000 + i, many_dtype(i), i) for i in range(24)}
     handles = {i: engine.allreduce_async(t, f"many.{i}") for i, t in tensors.items()}
     assert eng.in_flight() == 24
     for i in sorted(handles, key=lambda i: (i * 7) % 24):
-        check_equal(engine.wait(handles[i]), expected(size, 1000 + i, torch.float32, i, engine.Average),
-                    f"many.{i}")
+        out = engine.wait(handles[i])
+        assert out.data_ptr() == tensors[i].data_ptr(), f"many.{i} not in place"
+        check_equal(out, expected(size, 1000 + i, many_dtype(i), i, engine.Average), f"many.{i}")
     assert eng.in_flight() == 0
+
+    if eng.name == "horovod":
+        check_horovod_bf16(eng, rank, size)
 
     # poll turns true without wait (bounded).
     t = contribution(rank, 10, torch.float32, 3)
@@ -78,6 +160,14 @@ def main():
             raise AssertionError("poll never reported completion within 60 s")
         time.sleep(0.001)                        # spinning would starve gloo's thread on 2 cores
     check_equal(engine.wait(h), expected(size, 10, torch.float32, 3, engine.Sum), "polled")
+    t = contribution(rank, 10, torch.bfloat16, 3)
+    h = engine.allreduce_async(t, "polled.bf16", engine.Sum)
+    deadline = time.monotonic() + 60
+    while not engine.poll(h):
+        if time.monotonic() > deadline:
+            raise AssertionError("poll never reported a bfloat16 reduction done within 60 s")
+        time.sleep(0.001)
+    check_equal(engine.wait(h), expected(size, 10, torch.bfloat16, 3, engine.Sum), "polled.bf16")
 
     # Broadcast tensors from the last rank, objects from rank 0.
     root = size - 1

@@ -88,7 +88,10 @@ def train(model, opt, data, steps=STEPS, micro=1, scheduler=None, scaler=None, s
           set_to_none=True):
     rank = phvd.rank()
     for t in range(start, steps):
-        opt.zero_grad(set_to_none=set_to_none)
+        if set_to_none:
+            opt.zero_grad()                  # Horovod's optimizer takes no argument
+        else:
+            opt.zero_grad(set_to_none=False)
         for x, y in data(rank, t):
             loss = F.cross_entropy(model(x), y)
             if scaler is None:
