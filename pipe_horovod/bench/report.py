@@ -171,16 +171,14 @@ def summarize(raw):
     prediction = None
     bf16_ratio = 1.0 if meta.get("horovod_bf16_as_float32") else 0.5
     wire_ratio = {"none": 1.0, "fp16": 0.5, "bf16": bf16_ratio}
-    # When compute fills each worker's cores, the CPU an allreduce burns (gloo's sum and
-    # copies, the kernel's network path) is taken from compute while they overlap.
-    contended = cores_per_worker <= (meta.get("threads") or 1)
-    comm_cpu = {}
-    if contended:
-        for codec_name, ar_name in (("none", "allreduce"), ("fp16", "allreduce-fp16"),
-                                    ("bf16", "allreduce-bf16")):
-            if cpu_per_step.get(ar_name) is not None:
-                comm_cpu[codec_name] = cpu_per_step[ar_name]
-    cpu_per_byte = {c: t / (model_bytes * wire_ratio[c]) for c, t in comm_cpu.items()}
+    # What communication takes from compute on shared cores: the `contention`
+    # configuration's compute time (while a model-sized allreduce runs) minus the
+    # `compute` configuration's, per byte on the wire; scaled to each codec's bytes.
+    cont = stats.get("contention")
+    cpu_per_byte, comm_cpu = 0.0, {}
+    if cont and compute and cont["fwdbwd_s"] is not None:
+        cpu_per_byte = max(0.0, cont["fwdbwd_s"] - compute_s) / model_bytes
+        comm_cpu = {c: cpu_per_byte * model_bytes * wire_ratio[c] for c in wire_ratio}
     if network is not None and compute:
         compressions = {"fp16": (0.5, codec.get("fp16", 0.0) / model_bytes),
                         "bf16": (bf16_ratio, codec.get("bf16", 0.0) / model_bytes)}
@@ -192,7 +190,6 @@ def summarize(raw):
                       for d in depths}
         model_info["overlap"] = 0.0
         model_info["comm_cpu_s_per_byte"] = cpu_per_byte
-        model_info["contended"] = contended
         model_info["compressions"] = {k: {"wire_ratio": v[0], "codec_s": v[1] * model_bytes}
                                       for k, v in compressions.items()}
 
@@ -276,6 +273,8 @@ def summarize(raw):
 
 
 def _predicted(name, s, prediction, network, p, model_bytes, compute, wire_ratio):
+    if s["kind"] == "contention":
+        return None
     if name == "compute":
         return (compute["fwdbwd_s"] + compute["opt_s"]) if compute else None
     if name.startswith("allreduce"):
@@ -406,12 +405,12 @@ def markdown(summary, heading="##"):
         lines.append("- step prediction: `timing.predict(compute_s=fwd+bwd, update_s=local "
                      "step, ...)` of the `compute` configuration, ring allreduce, overlap = 0 "
                      "for sync rows" + codecs)
-        if model.get("contended"):
-            per_byte = ", ".join(f"{c} {v * 1e9:.2f}"
-                                 for c, v in model["comm_cpu_s_per_byte"].items())
-            lines.append("- CPU contention: compute fills each worker's cores, so pipelined rows "
-                         "add the allreduce's own CPU time to compute (`comm_cpu_per_byte`, ns "
-                         f"per wire byte, measured by the `allreduce*` configurations: {per_byte})")
+        if model.get("comm_cpu_s_per_byte"):
+            lines.append("- CPU contention: pipelined rows add to compute what a concurrent "
+                         "allreduce costs it (`comm_cpu_per_byte` = "
+                         f"{model['comm_cpu_s_per_byte'] * 1e9:.2f} ns per wire byte: the "
+                         "`contention` configuration's compute minus `compute`'s, over the "
+                         "model's bytes)")
     if model.get("sweep_sizes"):
         lines.append("- sweep (size: median allreduce ms): " + ", ".join(
             f"{_size(n)}: {t * 1e3:.2f}" for n, t in zip(model["sweep_sizes"],

@@ -13,6 +13,8 @@ C ..., so a slow minute on a shared machine hits every configuration alike:
                          and DDP are measured side by side in one run
   ours-kK[-fp16|-bf16]   pipe_horovod's DistributedOptimizer, pipeline_depth=K
   compute                forward + backward + local SGD step, no communication
+  contention             compute while a model-sized allreduce runs: how much the
+                         communication slows compute on shared cores (timing model input)
   allreduce              one allreduce of a model-sized flat float32 buffer
                          (plus allreduce-fp16 / -bf16 when those codecs run)
 
@@ -47,8 +49,8 @@ import sys
 import time
 
 DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16",
-                   "compute", "allreduce"]
-_CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|allreduce(?:-fp16|-bf16)?"
+                   "compute", "contention", "allreduce"]
+_CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|contention|allreduce(?:-fp16|-bf16)?"
                      r"|ours-k([1-9][0-9]*)(?:-(?:fp16|bf16))?)$")
 MLP_IN, MLP_CLASSES = 1024, 1000
 CNN_CLASSES = 10
@@ -72,7 +74,7 @@ def parse_configs(value):
                 raise ValueError(
                     f"unknown configuration {name!r}; choose from horovod, horovod-fp16, ddp, "
                     "ours-kK, ours-kK-fp16, ours-kK-bf16 (K = pipeline depth 1..16), compute, "
-                    "allreduce")
+                    "contention, allreduce")
             if name not in names:
                 names.append(name)
     if not names:
@@ -131,7 +133,7 @@ def skip_reason(name, engine_name, size):
         problem = _torch_distributed_missing()
         if problem:
             return problem
-    if name.startswith("allreduce") and size < 2:
+    if (name.startswith("allreduce") or name == "contention") and size < 2:
         return "one process: there is nothing to communicate"
     return None
 
@@ -352,6 +354,37 @@ class AllreduceRunner:
         pass
 
 
+class ContentionRunner:
+    """A plain training step while a model-sized allreduce is on the wire.
+
+    Its compute time minus the `compute` configuration's is what communication
+    costs compute on shared cores (reduction, copies, the kernel's network
+    stack, and any polling threads): the timing model's comm_cpu input. Process
+    CPU time cannot give it: Horovod's threads poll while they wait, which
+    shows as a busy core but yields to compute.
+    """
+
+    kind = "contention"
+
+    def __init__(self, name, train, allreduce):
+        self.name, self.train, self.allreduce = name, train, allreduce
+
+    def step(self):
+        from pipe_horovod import engine
+
+        eng = self.allreduce.eng
+        t0 = time.perf_counter()
+        handle = eng.allreduce_async(self.allreduce.buf, self.allreduce.tag, engine.Average)
+        compute_s = self.train.step()["step_s"]
+        t1 = time.perf_counter()
+        eng.wait(handle)
+        t2 = time.perf_counter()
+        return {"step_s": t2 - t0, "fwdbwd_s": compute_s, "opt_s": None, "exposed_s": t2 - t1}
+
+    def end_block(self):
+        pass
+
+
 def make_runner(name, args, eng):
     import torch
 
@@ -360,6 +393,9 @@ def make_runner(name, args, eng):
         dtype = {"none": torch.float32, "fp16": torch.float16,
                  "bf16": torch.bfloat16}[compression_of(name)]
         return AllreduceRunner(name, eng, numel, dtype)
+    if name == "contention":
+        return ContentionRunner(name, make_runner("compute", args, eng),
+                                AllreduceRunner(name, eng, model_numel(args), torch.float32))
 
     torch.manual_seed(args.seed)            # every configuration starts from the same weights
     model, shape, classes = build_model(args.model, args.model_mb, args.layers)
