@@ -62,7 +62,7 @@ def test_local_torch_run_reports_every_configuration(tmp_path):
     stdout = _bench(tmp_path, "--engine", "torch", "--workers", "2", *TINY,
                     "--fit", "--fit-max-mb", "0.02", timeout=280)
     measured = ["ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16", "compute",
-                "allreduce", "allreduce-fp16", "allreduce-bf16"]
+                "contention", "allreduce", "allreduce-fp16", "allreduce-bf16"]
     summary, raw = _check_outputs(tmp_path, stdout, measured, skipped=["horovod"])
     assert raw["meta"]["engine"] == "torch" and raw["meta"]["workers"] == 2
     assert raw["sweep"]["sizes"] == [1024, 4096, 16384, 20000]
@@ -71,7 +71,9 @@ def test_local_torch_run_reports_every_configuration(tmp_path):
     for key in ("k2_vs_ideal", "k1_vs_ddp", "bf16_speedup_vs_horovod"):
         assert key in summary["ratios"]
     assert summary["ratios"]["k1_vs_ddp"] is not None
-    assert all(s["predicted_s"] is not None for s in summary["configs"].values())
+    assert all(s["predicted_s"] is not None for name, s in summary["configs"].items()
+               if name != "contention")
+    assert summary["timing_model"]["comm_cpu_s_per_byte"] >= 0
 
 
 _HOROVOD = launcher.horovod_missing()
@@ -111,7 +113,7 @@ def test_which_engine_runs_which_configuration():
     assert "--engine horovod" in worker.skip_reason("horovod-fp16", "local", 1)
     assert "one-process" in worker.skip_reason("ddp", "local", 1)
     assert worker.DEFAULT_CONFIGS == ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16",
-                                      "ours-k2-bf16", "compute", "allreduce"]
+                                      "ours-k2-bf16", "compute", "contention", "allreduce"]
     assert not [n for n in worker.DEFAULT_CONFIGS if worker.skip_reason(n, "horovod", 2)]
 
 
