@@ -223,6 +223,8 @@ def test_report_ratios_from_known_times(tmp_path):
                "ours-k2": _cfg("train", [_block(0.125, 0.010, 0.08, 0.045)], depth=2),
                "compute": _cfg("train", [_block(0.080, None, 0.07, 0.01)]),
                "allreduce": _cfg("allreduce", [_block(0.115, 0.115, cores=0.5)]),
+               # a plain step takes 0.1375 s instead of 0.080 s while an allreduce runs
+               "contention": _cfg("contention", [_block(0.150, 0.0125, 0.1375)]),
            },
            "sweep": None, "codec_s": None, "process": []}
     path = tmp_path / "raw.json"
@@ -239,8 +241,9 @@ def test_report_ratios_from_known_times(tmp_path):
     assert k2["samples_per_s"] == pytest.approx(64 / 0.125)
     # beta from the allreduce alone, alpha 0: the model reproduces that allreduce
     assert summary["configs"]["allreduce"]["predicted_s"] == pytest.approx(0.115)
-    # 2 cores, 2 one-thread workers: the allreduce's CPU (0.5 x 115 ms) stretches compute
-    assert k2["predicted_s"] == pytest.approx(max(0.08 + 0.5 * 0.115, 0.115))
+    # communication stretches compute by the contention configuration's 57.5 ms
+    assert k2["predicted_s"] == pytest.approx(max(0.08 + 0.0575, 0.115))
+    assert summary["configs"]["contention"]["predicted_s"] is None
     assert summary["configs"]["ours-k1"]["predicted_s"] == pytest.approx(0.08 + 0.115)
     met = {t["key"]: t["met"] for t in summary["targets"]}
     assert met["k2_speedup_vs_horovod"] and met["k1_vs_horovod"] and met["k2_vs_ideal"]
