@@ -272,9 +272,8 @@ def predict(compute_s, update_s, model_bytes, workers, network, algorithm="ring"
     `overlap` applies to the sync rows only (see step_time).
     `comm_cpu_per_byte`: CPU seconds per byte on the wire that communication
     takes from compute when they overlap (step_time's comm_cpu_s); measure it
-    as the CPU time of an allreduce over its bytes. A dict gives it per
-    compression name ("none", "fp16", ...): a 16-bit sum can cost more CPU per
-    byte than a 32-bit one. Row.comm_s includes the codec.
+    as the slowdown of compute while an allreduce runs, over its bytes.
+    Row.comm_s includes the codec.
     """
     if pipeline_depth < 2:
         raise ValueError(f"pipeline_depth must be >= 2 for the pipelined rows, got {pipeline_depth}")
@@ -287,13 +286,11 @@ def predict(compute_s, update_s, model_bytes, workers, network, algorithm="ring"
         else:
             allreduce_s = allreduce_time(network, workers, wire, algorithm)
             codec_s = codec_per_byte * model_bytes
-            per_byte = (comm_cpu_per_byte.get(comp, comm_cpu_per_byte.get("none", 0.0))
-                        if isinstance(comm_cpu_per_byte, dict) else comm_cpu_per_byte)
-            cpu_s = per_byte * wire
+            cpu_s = comm_cpu_per_byte * wire
         for mode, depth in (("sync", 1), ("pipelined", pipeline_depth)):
             name = mode if comp == "none" else f"{mode}+{comp}"
             step = step_time(compute_s + codec_s, update_s, allreduce_s, depth,
-                             overlap if depth == 1 else 0.0, cpu_s if depth > 1 else 0.0)
+                             overlap if depth == 1 else 0.0, cpu_s)
             base = step if base is None else base
             speedup = base / step if step > 0 else 1.0
             rows[name] = Row(name, depth, comp, wire, allreduce_s + codec_s, step, speedup)

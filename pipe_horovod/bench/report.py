@@ -219,7 +219,7 @@ def summarize(raw):
         if s["kind"] == "train" and name != "compute" and compute and s["comm_s"] is not None:
             s["predicted_measured_comm_s"] = timing.step_time(
                 compute["fwdbwd_s"], compute["opt_s"], s["comm_s"], s["pipeline_depth"] or 1,
-                comm_cpu_s=comm_cpu.get(c, 0.0) if (s["pipeline_depth"] or 1) > 1 else 0.0)
+                comm_cpu_s=comm_cpu.get(c, 0.0))
         s["prediction_error_measured_comm"] = (
             abs(s["predicted_measured_comm_s"] - s["step_s"]) / s["step_s"]
             if s["predicted_measured_comm_s"] is not None and s["step_s"] else None)

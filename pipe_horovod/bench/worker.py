@@ -177,16 +177,15 @@ class DdpGroup:
     in the same processes as hvd.DistributedOptimizer (rank = hvd rank, world =
     hvd size). Horovod keeps its own gloo connections; this group has its own."""
 
-    def __init__(self, eng, environ=None):
+    def __init__(self, eng):
         import datetime
 
         import torch.distributed as dist
 
-        env = os.environ if environ is None else environ
         self.dist = dist
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process")
-        addr, port = env.get(DDP_ADDR_ENV), env.get(DDP_PORT_ENV)
+        addr, port = os.environ.get(DDP_ADDR_ENV), os.environ.get(DDP_PORT_ENV)
         if addr and port:
             self.source = "launcher"
             port = int(port)
@@ -202,7 +201,7 @@ class DdpGroup:
         # Gloo connects over this interface: under the emulated cluster the worker's
         # namespace NIC (GLOO_SOCKET_IFNAME from EmulatedCluster.worker_env); under
         # horovodrun the NIC Horovod chose for its own gloo (HOROVOD_GLOO_IFACE).
-        iface = env.get("GLOO_SOCKET_IFNAME") or env.get("HOROVOD_GLOO_IFACE")
+        iface = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("HOROVOD_GLOO_IFACE")
         if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = iface
         self.addr, self.port, self.iface = addr, port, iface
