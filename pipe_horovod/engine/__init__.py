@@ -4,6 +4,7 @@
 and plain `python` sets neither: the same script picks the matching engine
 with no flag. `init(engine=...)` or PIPE_HOROVOD_ENGINE overrides the guess.
 """
+import atexit
 import importlib
 import os
 
@@ -66,6 +67,9 @@ def init(engine=None):
                               f"call shutdown() before switching to {engine!r}")
         return _current
     _current = create(name)
+    # Registered after the library's own start-up (and so its own atexit
+    # shutdown), so at exit ours runs first and completes what is in flight.
+    atexit.register(shutdown)
     return _current
 
 

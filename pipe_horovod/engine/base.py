@@ -73,6 +73,8 @@ class Engine:
         self._in_flight = {}      # handle id -> Handle
         self._names = {}          # tensor name -> handle id
         self._ids = itertools.count()
+        self._before_shutdown = {}
+        self._closed = False
 
     # --- identity -------------------------------------------------------
     def rank(self):
@@ -141,9 +143,39 @@ class Engine:
     def barrier(self):
         raise NotImplementedError
 
+    def before_shutdown(self, key, callback):
+        """Have shutdown() call `callback()` first, once per `key`.
+
+        Adapters use it to report what they still hold (gradients never
+        applied) while the engine can still talk to the other ranks.
+        """
+        self._before_shutdown[key] = callback
+
     def shutdown(self):
-        self._in_flight.clear()
-        self._names.clear()
+        """Complete every reduction still in flight, then let go of the library.
+
+        Scripts exit without draining the pipeline. A rank that shut the
+        library down with reductions in flight would fail the ranks that have
+        not started them yet (Horovod: "Horovod has been shut down"), so
+        each is waited for here: it completes as soon as every rank started
+        it, which every rank does before it exits. Called at interpreter
+        exit too (engine.init registers it); a second call does nothing.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for callback in list(self._before_shutdown.values()):
+                callback()
+            for handle in list(self._in_flight.values()):
+                self.wait(handle)
+        finally:
+            self._in_flight.clear()
+            self._names.clear()
+            self._close()
+
+    def _close(self):
+        """Subclass hook: release the library (after in-flight work completed)."""
 
     # --- subclass hooks -------------------------------------------------
     def _start_allreduce(self, tensor, name, op):

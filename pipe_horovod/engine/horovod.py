@@ -185,8 +185,7 @@ class HorovodEngine(Engine):
     def barrier(self):
         self.hvd.barrier()
 
-    def shutdown(self):
-        super().shutdown()
+    def _close(self):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)

@@ -74,8 +74,7 @@ class TorchDistEngine(Engine):
     def barrier(self):
         self.dist.barrier()
 
-    def shutdown(self):
-        super().shutdown()
+    def _close(self):
         if self._owns_group and self.dist.is_initialized():
             # Without a barrier a fast rank tears down gloo's connections while a
             # slower one still uses them, and the slow one aborts (seen in CI).
