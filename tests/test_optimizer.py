@@ -21,10 +21,16 @@ def test_matches_single_process_oracle(engine_name, np, mode):
     launcher.run(engine_name, np, "optimizer_worker.py", mode, timeout=300)
 
 
-@pytest.mark.parametrize("mode", ["oracle", "features"])
+@pytest.mark.parametrize("mode", ["oracle", "features", "param-group"])
 def test_single_process_matches_oracle(mode):
     # One rank takes the no-copy path: a step's gradient is `.grad` itself.
     launcher.run("local", 1, "optimizer_worker.py", mode)
+
+
+@pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("torch", 3)])
+def test_param_group_added_after_wrapping_is_reduced(engine_name, np):
+    needs(engine_name)
+    launcher.run(engine_name, np, "optimizer_worker.py", "param-group")
 
 
 def test_depth_one_matches_horovods_optimizer():
@@ -32,18 +38,31 @@ def test_depth_one_matches_horovods_optimizer():
     launcher.run("horovod", 2, "horovod_compare_worker.py")
 
 
-@pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("torch", 3)])
-@pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_checkpoint_resume_is_bit_identical(tmp_path, engine_name, np, kind):
-    needs(engine_name)
+def _resume_matches_uninterrupted(tmp_path, engine_name, np, kind, depth, resume):
     full, ckpt, resumed = tmp_path / "full.pt", tmp_path / "ckpt.pt", tmp_path / "resumed.pt"
-    launcher.run(engine_name, np, "checkpoint_worker.py", "full", kind, full)
-    launcher.run(engine_name, np, "checkpoint_worker.py", "save", kind, ckpt)
-    launcher.run(engine_name, np, "checkpoint_worker.py", "resume", kind, ckpt, resumed)
+    launcher.run(engine_name, np, "checkpoint_worker.py", "full", kind, depth, full)
+    launcher.run(engine_name, np, "checkpoint_worker.py", "save", kind, depth, ckpt)
+    launcher.run(engine_name, np, "checkpoint_worker.py", resume, kind, depth, ckpt, resumed)
     a, b = torch.load(full), torch.load(resumed)
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+
+
+@pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("torch", 3)])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_checkpoint_resume_is_bit_identical(tmp_path, engine_name, np, kind):
+    needs(engine_name)
+    _resume_matches_uninterrupted(tmp_path, engine_name, np, kind, 3, "resume")
+
+
+@pytest.mark.parametrize("engine_name, np, depth", [("horovod", 2, 1), ("horovod", 2, 2),
+                                                    ("torch", 3, 2)])
+def test_rank0_loads_then_broadcasts_resumes_bit_identically(tmp_path, engine_name, np, depth):
+    # Horovod's resume pattern: only rank 0 loads; broadcast_optimizer_state must
+    # carry the pipeline's state (in-flight gradients, step, bucket order) too.
+    needs(engine_name)
+    _resume_matches_uninterrupted(tmp_path, engine_name, np, "sgd", depth, "resume-rank0")
 
 
 @pytest.mark.parametrize("engine_name", ["horovod", "torch"])
@@ -207,6 +226,24 @@ def test_flush_unscales_with_the_scalers_current_scale(local):
         assert torch.allclose(a, b, rtol=0, atol=1e-7)
 
 
+def test_add_param_group_with_gradients_in_flight(local):
+    model, opt = wrap(pipeline_depth=2)
+    backward(model)
+    with pytest.raises(RuntimeError, match="add_param_group.*step"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"1 gradient\(s\) in flight.*flush\(\)"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    opt.flush()
+    extra = torch.nn.Parameter(torch.ones(2))
+    opt.add_param_group({"params": [extra], "lr": 0.5})
+    opt.zero_grad()
+    (model(torch.ones(2, 3)).sum() + extra.sum()).backward()
+    opt.step()
+    opt.flush()
+    assert torch.equal(extra.detach(), torch.full((2,), 0.5))   # 1 - 0.5 * grad 1
+
+
 def test_state_dict_between_backward_and_step(local):
     model, opt = wrap()
     backward(model)
@@ -225,3 +262,14 @@ def test_digits_example_runs_under_each_launcher(tmp_path, launch, np):
     assert rc == 0, output
     result = json.loads(out.read_text())
     assert result["size"] == np and result["ranks_agree"] and result["accuracy"] > 0.5
+
+
+@pytest.mark.parametrize("engine_name, depth", [("horovod", 2), ("horovod", 3), ("torch", 2)])
+def test_exit_without_flush_completes_reductions_and_warns(engine_name, depth):
+    # Horovod scripts never call flush(): the faster rank must not leave (and
+    # shut the engine down) while the slower one still needs its reductions.
+    needs(engine_name)
+    _, out = launcher.run(engine_name, 2, "no_flush_worker.py", depth, timeout=120)
+    warned = [line for line in out.splitlines() if "not applied" in line]
+    assert len(warned) == 1, out
+    assert f"{depth - 1} computed gradient(s)" in warned[0] and "flush()" in warned[0], warned

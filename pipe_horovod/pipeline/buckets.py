@@ -27,18 +27,43 @@ class Bucket:
             start += numel
 
 
-def plan_buckets(members, cap_bytes):
+def plan_buckets(members, cap_bytes, groups=None):
     """Split `members` [(name, numel, element_size, kind)], in ready order, into buckets.
 
     A bucket closes when adding the next member would exceed `cap_bytes` or
     the next member is of another kind; a member larger than the cap gets a
-    bucket of its own.
+    bucket of its own. `groups` replaces the cap as Horovod's optimizer
+    defines it: an int n cuts the members into n buckets of near-equal
+    count; lists of names each make one bucket (members named in none get
+    a bucket each). Either way a bucket still never mixes kinds.
     """
+    if groups is None:
+        return _fill(members, lambda i, used, nbytes: used and used + nbytes > cap_bytes)
+    if isinstance(groups, int):
+        base, extra = divmod(len(members), groups)
+        cuts = {sum(base + (i < extra) for i in range(g)) for g in range(1, groups)}
+        return _fill(members, lambda i, used, nbytes: i in cuts)
+    group_of = {name: i for i, names in enumerate(groups) for name in names}
+    # Buckets launch in index order, so a group sits where its last member is ready.
+    order = list(dict.fromkeys(reversed([group_of.get(name, name) for name, *_ in members])))
+    order.reverse()
+    grouped = {key: [m for m in members if group_of.get(m[0], m[0]) == key] for key in order}
+    buckets = []
+    for key in order:
+        for bucket in _fill(grouped[key], lambda i, used, nbytes: False):
+            bucket.index = len(buckets)
+            buckets.append(bucket)
+    return buckets
+
+
+def _fill(members, cut):
+    """Buckets in member order; a new one starts on a new kind or where
+    `cut(index, bytes used so far, bytes of this member)` says."""
     buckets = []
     current, used = None, 0
-    for name, numel, element_size, kind in members:
+    for i, (name, numel, element_size, kind) in enumerate(members):
         nbytes = numel * element_size
-        if current is None or current.kind != kind or (used and used + nbytes > cap_bytes):
+        if current is None or current.kind != kind or cut(i, used, nbytes):
             current = Bucket(len(buckets), kind)
             buckets.append(current)
             used = 0

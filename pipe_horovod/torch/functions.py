@@ -48,13 +48,23 @@ def broadcast_parameters(params, root_rank):
                 tensor.copy_(engine.broadcast(tensor.contiguous(), root_rank))
 
 
-def broadcast_optimizer_state(optimizer, root_rank):
-    """Give every rank root's optimizer state (momentum, Adam moments, LR, step counts)."""
+def broadcast_optimizer_state(optimizer, root_rank, model=None):
+    """Give every rank root's optimizer state: momentum, Adam moments, LR, step counts,
+    and for a DistributedOptimizer the pipeline's own (gradients in flight, step,
+    bucket order).
+
+    Horovod's resume pattern loads a checkpoint on rank 0 only and then calls
+    this: the pipeline state must travel too, or rank 0 would wait for
+    reductions its peers never start. The whole state_dict is sent as one
+    object, so optimizers Horovod cannot broadcast (LBFGS) work as well, and
+    no zero-gradient step is needed to create missing state. `model` is
+    accepted for Horovod's signature (it finds sparse parameters there for
+    that step) and not needed here.
+    """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state needs a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    base = torch.optim.Optimizer.state_dict
-    state = engine.broadcast_object(base(optimizer) if engine.rank() == root_rank else None,
-                                    root_rank)
-    if engine.rank() != root_rank:
-        torch.optim.Optimizer.load_state_dict(optimizer, state)
+    root = engine.rank() == root_rank
+    state = engine.broadcast_object(optimizer.state_dict() if root else None, root_rank)
+    if not root:
+        optimizer.load_state_dict(state)

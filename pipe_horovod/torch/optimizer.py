@@ -22,8 +22,11 @@ reference: the one-process wrapper copies nothing at all.
 """
 import contextlib
 import itertools
+import logging
+import os
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -32,20 +35,26 @@ from ..compression import Compression, check_compression
 from ..pipeline import GradientFifo, check_options, compare_across_ranks, plan_buckets
 
 _instances = itertools.count()
+_live = weakref.WeakSet()          # wrapped optimizers, for the exit report
+_log = logging.getLogger("pipe_horovod")
+DEPTH_VARIABLE = "PIPE_HOROVOD_PIPELINE_DEPTH"
 
 
 class _Reduction:
     """One bucket of one step: its flat tensor on the wire, or the landed result."""
 
-    __slots__ = ("bucket", "handle", "ctx", "compression", "result")
+    __slots__ = ("bucket", "handle", "ctx", "compression", "postscale", "result")
 
-    def __init__(self, bucket, handle, ctx, compression):
+    def __init__(self, bucket, handle, ctx, compression, postscale=1.0):
         self.bucket, self.handle, self.ctx, self.compression = bucket, handle, ctx, compression
+        self.postscale = postscale
         self.result = None
 
     def wait(self):
         if self.result is None:
             self.result = self.compression.decompress(engine.wait(self.handle), self.ctx)
+            if self.postscale != 1.0:
+                self.result.mul_(self.postscale)
             self.handle = None
         return self.result
 
@@ -75,38 +84,49 @@ class _Step:
 class _PipelinedOptimizer:
     """Mixin placed before the user's optimizer class in the MRO."""
 
-    def _setup_pipeline(self, named_parameters, compression, backward_passes_per_step, op,
-                        pipeline_depth, warmup_steps, bucket_cap_mb, grad_scaler):
+    def _setup_pipeline(self, name_of, compression, backward_passes_per_step, op,
+                        pipeline_depth, warmup_steps, bucket_cap_mb, grad_scaler,
+                        predivide, groups):
         self._engine = engine.current()
         self._compression = compression
         self._passes_per_step = backward_passes_per_step
         self._op = op
+        self._predivide = predivide
         self._bucket_cap = int(bucket_cap_mb * 2**20)
+        self._groups = groups                    # None, a bucket count, or lists of names
         self._grad_scaler = grad_scaler
         self._fifo = GradientFifo(pipeline_depth, warmup_steps)
         self._prefix = f"pipe{next(_instances)}"
-        self._name_of = {p: n for n, p in named_parameters}
-        self._params = [p for group in self.param_groups for p in group["params"]
-                        if p.requires_grad]
-        self._param_of = {self._name_of[p]: p for p in self._params}
-        self._passes = {p: 0 for p in self._params}
+        self._name_of = dict(name_of)
+        self._params, self._param_of, self._passes, self._hook_handles = [], {}, {}, []
+        self._track([p for group in self.param_groups for p in group["params"]])
         self._observed = {}                      # ready order seen in this process's first step
         self._order_agreed = False
         self._plan([self._name_of[p] for p in reversed(self._params)])
-        # One rank, no codec: averaging is the identity and nothing need be copied.
-        self._solo = self._engine.size() == 1 and compression is Compression.none
+        # One rank, no codec, no scaling: averaging is the identity, nothing need be copied.
+        self._solo = (self._engine.size() == 1 and compression is Compression.none
+                      and predivide == 1.0)
         self._pending_apply = None               # the gradient synchronize() put into .grad
         self._synchronized = False
         self._should_synchronize = True
         self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0}
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                              for p in self._params]
+        _live.add(self)
+        self._engine.before_shutdown(__name__, _report_unapplied)
+
+    def _track(self, params):
+        """Reduce `params` (those that need a gradient) from the next step on."""
+        params = [p for p in params if p.requires_grad]
+        self._params += params
+        self._param_of.update((self._name_of[p], p) for p in params)
+        self._passes.update((p, 0) for p in params)
+        self._hook_handles += [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                               for p in params]
 
     # --- buckets ----------------------------------------------------------
     def _plan(self, order):
         members = [(name, self._param_of[name].numel(), self._param_of[name].element_size(),
                     (self._param_of[name].dtype, self._param_of[name].device)) for name in order]
-        self._buckets = plan_buckets(members, self._bucket_cap)
+        self._buckets = plan_buckets(members, self._bucket_cap, self._groups)
         self._bucket_of = {name: b for b in self._buckets for name in b.names}
         # (slot, bucket index) -> flat send/receive buffer. `.grad` may view an old
         # buffer at an old offset: a new plan gets new buffers, so no parameter's
@@ -154,10 +174,13 @@ class _PipelinedOptimizer:
                 part.zero_()
             elif grad.data_ptr() != part.data_ptr() or not grad.is_contiguous():
                 part.copy_(grad.reshape(-1))     # else: backward accumulated in place already
+        if self._predivide != 1.0:               # Horovod's split of the average around the sum
+            flat.div_(self._predivide)
         wire, ctx = self._compression.compress(flat)
         handle = self._engine.allreduce_async(wire, f"{self._prefix}.{bucket.index}.{slot}",
                                               self._op)
-        self._launched.append(_Reduction(bucket, handle, ctx, self._compression))
+        self._launched.append(_Reduction(bucket, handle, ctx, self._compression,
+                                         self._predivide))
 
     # --- the step ---------------------------------------------------------
     def synchronize(self):
@@ -282,6 +305,34 @@ class _PipelinedOptimizer:
                 "already being reduced; call step() first")
         return super().zero_grad(set_to_none=set_to_none)
 
+    def add_param_group(self, param_group):
+        """Add a group (unfreezing layers, say) whose gradients are reduced like the rest.
+
+        Every rank must add the same group: it is checked across ranks, and
+        the buckets are planned again (order agreed at the next step).
+        """
+        if not hasattr(self, "_fifo"):           # torch's own constructor, before wrapping
+            return super().add_param_group(param_group)
+        if self._hooks_fired or self._synchronized:
+            raise RuntimeError("add_param_group() called between backward and step(); "
+                               "call step() first")
+        if len(self._fifo):
+            raise RuntimeError(
+                f"add_param_group() with {len(self._fifo)} gradient(s) in flight: call flush() "
+                "first, so every gradient is applied to the parameters it was computed for")
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        added = self.param_groups[-1]["params"]
+        for i, p in enumerate(added):
+            self._name_of.setdefault(p, f"param_group{index}.{i}")
+        compare_across_ranks(self._engine.allgather_object,
+                             _describe([(self._name_of[p], p) for p in added],
+                                       [self._name_of[p] for p in added], {}),
+                             what=f"parameter group {index} added after wrapping")
+        self._track(added)
+        self._observed, self._order_agreed = {}, False
+        self._plan([self._name_of[p] for p in reversed(self._params)])
+
     # --- checkpoints --------------------------------------------------------
     def state_dict(self):
         """The wrapped optimizer's state plus the gradients still in flight.
@@ -304,11 +355,23 @@ class _PipelinedOptimizer:
         return state
 
     def load_state_dict(self, state_dict):
+        """Restore the wrapped optimizer and, if present, the pipeline's state.
+
+        Reductions this process still has on the wire are completed first
+        (the other ranks started them too) and then replaced by the
+        checkpoint's, so loading on some ranks only, as Horovod's resume
+        pattern does before broadcast_optimizer_state, never strands one.
+        """
+        if self._hooks_fired:
+            raise RuntimeError("load_state_dict() called between backward and step(); "
+                               "call step() first")
         state_dict = dict(state_dict)
         pipe = state_dict.pop("pipe_horovod", None)
         super().load_state_dict(state_dict)
         if pipe is None:
             return
+        for entry in self._fifo:
+            entry.gradients()
         unknown = set(pipe["bucket_order"]) ^ set(self._param_of)
         if unknown:
             raise ValueError(f"checkpoint parameters do not match this model: {sorted(unknown)}")
@@ -318,6 +381,48 @@ class _PipelinedOptimizer:
         self._fifo.replace(entries, pipe["steps"])
         self._order_agreed = pipe["order_agreed"]
         self._plan(pipe["bucket_order"])
+
+
+def _report_unapplied():
+    """At shutdown: say (rank 0, once) how many computed gradients were never applied."""
+    count = sum(len(opt._fifo) for opt in list(_live) if opt._engine is engine.current())
+    if count and engine.rank() == 0:
+        _log.warning("pipe_horovod: %d computed gradient(s) were not applied because flush() "
+                     "was not called after the last step(); call optimizer.flush() at the end "
+                     "of training (and before evaluating or saving) to apply them", count)
+
+
+def _resolve_depth(pipeline_depth):
+    """The depth in force: the argument, else $PIPE_HOROVOD_PIPELINE_DEPTH, else 2.
+
+    Rank 0 says which, once per wrap: a Horovod user who switched imports
+    must not be surprised by gradients applied one step late.
+    """
+    source = "pipeline_depth argument"
+    if pipeline_depth is None:
+        value = os.environ.get(DEPTH_VARIABLE)
+        if value is None:
+            pipeline_depth, source = 2, "default"
+        else:
+            try:
+                pipeline_depth = int(value)
+            except ValueError:
+                raise ValueError(f"{DEPTH_VARIABLE} must be an integer >= 1, got {value!r}") from None
+            source = DEPTH_VARIABLE
+    return pipeline_depth, source
+
+
+def _announce_depth(depth, warmup_steps, source):
+    if engine.rank() != 0:
+        return
+    if depth == 1:
+        meaning = "synchronous: each step applies its own averaged gradient, as Horovod does"
+    else:
+        meaning = (f"Pipe-SGD: each step applies the averaged gradient from {depth - 1} step(s) "
+                   f"earlier (after {warmup_steps} synchronous warm-up step(s)); call flush() "
+                   f"to apply the last ones; {DEPTH_VARIABLE}=1 or pipeline_depth=1 gives "
+                   "Horovod's synchronous updates")
+    _log.warning("pipe_horovod: pipeline_depth=%d (%s): %s", depth, source, meaning)
 
 
 def _describe(named, param_names, options):
@@ -330,9 +435,11 @@ def _describe(named, param_names, options):
 
 
 def _named(optimizer, named_parameters):
+    """{parameter: name} for every named parameter, and the optimizer's in its order."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
-        return [(f"param.{i}", p) for i, p in enumerate(params)]
+        name_of = {p: f"param.{i}" for i, p in enumerate(params)}
+        return name_of, [(name_of[p], p) for p in params]
     named = list(named_parameters)
     for item in named:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
@@ -354,16 +461,57 @@ def _named(optimizer, named_parameters):
         raise ValueError(f"{len(missing)} parameter(s) of the optimizer (positions {missing[:10]}) "
                          "are missing from named_parameters; pass model.named_parameters() for "
                          "the model the optimizer trains")
-    return [(by_param[p], p) for p in params]
+    return by_param, [(by_param[p], p) for p in params]
+
+
+def _group_names(groups, num_groups, name_of):
+    """Horovod's `groups`/`num_groups` as a bucket count or lists of parameter names."""
+    if num_groups:
+        warnings.warn("num_groups is deprecated (as in Horovod); use groups", DeprecationWarning,
+                      stacklevel=3)
+        groups = num_groups if groups is None else groups
+    if groups is None or isinstance(groups, bool):
+        if isinstance(groups, bool):
+            raise TypeError("groups must be an int or a list of lists of parameters, got a bool")
+        return None
+    if isinstance(groups, int):
+        if groups < 0:
+            raise ValueError(f"groups must be a non-negative integer or a list of lists of "
+                             f"parameters, got {groups}")
+        return groups or None
+    if not isinstance(groups, (list, tuple)):
+        raise TypeError(f"groups must be an int or a list of lists of parameters, got "
+                        f"{type(groups).__name__}")
+    seen, result = set(), []
+    for group in groups:
+        names = []
+        for p in group:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"groups must consist of torch.Tensor, got {type(p).__name__}")
+            if p in seen:
+                raise ValueError("a parameter can appear only once in groups")
+            if p not in name_of:
+                raise ValueError("groups holds a tensor that is not one of the optimizer's "
+                                 "named parameters")
+            seen.add(p)
+            names.append(name_of[p])
+        result.append(names)
+    return result
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
-                         backward_passes_per_step=1, op=engine.Average, pipeline_depth=2,
+                         backward_passes_per_step=1, op=engine.Average,
+                         gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                         sparse_as_dense=False, process_set=None, *, pipeline_depth=None,
                          warmup_steps=0, bucket_cap_mb=25, grad_scaler=None):
     """Wrap `optimizer` so its gradients are averaged across ranks, pipelined.
 
+    The arguments up to `process_set` are Horovod's, in Horovod's order and
+    with its meaning; `groups` (or the older `num_groups`) fixes which
+    gradients share a bucket instead of `bucket_cap_mb`.
     pipeline_depth: 1 applies g_t at step t (synchronous, like Horovod);
         K >= 2 applies g_{t-K+1} and overlaps the reduction with K-1 steps.
+        Default: $PIPE_HOROVOD_PIPELINE_DEPTH if set, else 2.
     warmup_steps: synchronous steps before the pipeline starts.
     grad_scaler: the torch.amp.GradScaler in use, if any; a delayed gradient
         is rescaled when the scaler's scale changed since it was computed.
@@ -373,28 +521,41 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    pipeline_depth, depth_source = _resolve_depth(pipeline_depth)
     check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket_cap_mb)
     check_compression(compression)
     if op not in (engine.Average, engine.Sum):
         raise ValueError(f"op must be pipe_horovod.Average or pipe_horovod.Sum, got {op!r}")
+    if isinstance(gradient_predivide_factor, bool) or not isinstance(
+            gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor must be a number > 0, got "
+                         f"{gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and op is not engine.Average:
+        raise ValueError("gradient_predivide_factor is supported only with op=Average "
+                         "(it splits the average around the sum), as in Horovod")
     if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {grad_scaler!r}")
     eng = engine.current()
-    named = _named(optimizer, named_parameters)
+    name_of, named = _named(optimizer, named_parameters)
+    bucket_groups = _group_names(groups, num_groups, name_of)
     options = {"pipeline_depth": pipeline_depth, "warmup_steps": warmup_steps,
                "backward_passes_per_step": backward_passes_per_step,
                "compression": getattr(compression, "name", repr(compression)),
-               "op": op.value, "bucket_cap_mb": bucket_cap_mb}
+               "op": op.value, "bucket_cap_mb": bucket_cap_mb,
+               "gradient_predivide_factor": float(gradient_predivide_factor),
+               "groups": bucket_groups}
     compare_across_ranks(eng.allgather_object,
                          _describe(named, [n for n, _ in named], options))
+    _announce_depth(pipeline_depth, warmup_steps, depth_source)
 
     cls = type(type(optimizer).__name__, (_PipelinedOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
     # Adopt the user's optimizer as unpickling would: hyperparameters, state and
     # hooks carry over, whatever its constructor's signature.
     torch.optim.Optimizer.__setstate__(wrapped, dict(optimizer.__dict__))
-    wrapped._setup_pipeline(named, compression, backward_passes_per_step, op, pipeline_depth,
-                            warmup_steps, bucket_cap_mb, grad_scaler)
+    wrapped._setup_pipeline(name_of, compression, backward_passes_per_step, op, pipeline_depth,
+                            warmup_steps, bucket_cap_mb, grad_scaler,
+                            float(gradient_predivide_factor), bucket_groups)
     return wrapped
 
 

@@ -1,14 +1,16 @@
 """Checkpoint with gradients in flight, resumed in new processes.
 
-`full OUT`: 20 steps uninterrupted, rank 0 saves the final weights.
-`save CKPT`: 7 steps, rank 0 alone saves model + optimizer state.
-`resume CKPT OUT`: new processes load it and train steps 7..19.
-The test compares the two OUT files bit for bit.
+`full DEPTH OUT`: 20 steps uninterrupted, rank 0 saves the final weights.
+`save DEPTH CKPT`: 7 steps, rank 0 alone saves model + optimizer state.
+`resume DEPTH CKPT OUT`: new processes, every rank loads it, trains steps 7..19.
+`resume-rank0 DEPTH CKPT OUT`: Horovod's own resume pattern
+(pytorch_imagenet_resnet50.py): rank 0 alone loads the checkpoint, then
+every rank calls broadcast_parameters and broadcast_optimizer_state.
+The test compares the OUT files bit for bit.
 """
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from optimizer_worker import MLP, data_for, fresh, train
 import pipe_horovod.torch as phvd
@@ -16,33 +18,37 @@ import pipe_horovod.torch as phvd
 STEPS, SAVE_AT = 20, 7
 
 
-def build(kind):
+def build(kind, depth):
     model = fresh(MLP)
     base = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if kind == "sgd"
             else torch.optim.Adam(model.parameters(), lr=0.01))
     opt = phvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                    pipeline_depth=3, warmup_steps=2)
+                                    pipeline_depth=depth, warmup_steps=2)
     return model, opt
 
 
 def main():
     phvd.init()
-    mode, kind, path = sys.argv[1], sys.argv[2], sys.argv[3]
-    model, opt = build(kind)
+    mode, kind, depth, path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    model, opt = build(kind, depth)
     if mode == "full":
         train(model, opt, data_for(), steps=STEPS)
     elif mode == "save":
         train(model, opt, data_for(), steps=SAVE_AT)
-        assert len(opt._fifo) == 2, "the checkpoint must be taken with gradients in flight"
+        assert len(opt._fifo) == depth - 1, "the checkpoint must hold the gradients in flight"
         if phvd.rank() == 0:                     # as users write it: rank 0 only
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
         phvd.barrier()
-    elif mode == "resume":
-        ckpt = torch.load(path, weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["opt"])
+    elif mode in ("resume", "resume-rank0"):
+        if mode == "resume" or phvd.rank() == 0:
+            ckpt = torch.load(path, weights_only=False)
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["opt"])
+        if mode == "resume-rank0":
+            phvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            phvd.broadcast_optimizer_state(opt, root_rank=0)
         train(model, opt, data_for(), steps=STEPS, start=SAVE_AT)
-        path = sys.argv[4]
+        path = sys.argv[5]
     if mode != "save":
         opt.flush()
         if phvd.rank() == 0:

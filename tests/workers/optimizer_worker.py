@@ -237,10 +237,39 @@ def check_features():
     assert all(torch.equal(a, b) for w in gathered for a, b in zip(w, weights))
 
 
+def check_param_group():
+    """Unfreezing a layer mid-run: the group added after wrapping is reduced too."""
+    size = phvd.size()
+    half = STEPS // 2
+    for depth in (1, 2):
+        model, ref = fresh(MLP), fresh(MLP)
+        for m in (model, ref):
+            m.fc1.requires_grad_(False)
+        opt = phvd.DistributedOptimizer(torch.optim.SGD(model.fc2.parameters(), lr=0.1,
+                                                        momentum=0.9),
+                                        named_parameters=model.named_parameters(),
+                                        pipeline_depth=depth)
+        ref_opt = torch.optim.SGD(ref.fc2.parameters(), lr=0.1, momentum=0.9)
+        train(model, opt, data_for(), steps=half)
+        opt.flush()
+        oracle.reference(ref, ref_opt, F.cross_entropy, data_for(), size, half, depth, 0)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m.fc1.requires_grad_(True)
+            o.add_param_group({"params": list(m.fc1.parameters()), "lr": 0.05})
+        train(model, opt, data_for(), start=half)
+        opt.flush()
+        oracle.reference(ref, ref_opt, F.cross_entropy, lambda r, t: data_for()(r, t + half),
+                         size, STEPS - half, depth, 0)
+        assert_close(model, ref, f"add_param_group K={depth}")
+        weights = [p.detach().clone() for p in model.parameters()]
+        for theirs in phvd.allgather_object(weights):
+            assert all(torch.equal(a, b) for a, b in zip(theirs, weights)), "replicas diverged"
+
+
 def main():
     phvd.init()
     mode = sys.argv[1]
-    {"oracle": check_oracle, "features": check_features}[mode]()
+    {"oracle": check_oracle, "features": check_features, "param-group": check_param_group}[mode]()
     print(f"WORKER_OK rank={phvd.rank()}", flush=True)
     phvd.shutdown()
 
