@@ -20,6 +20,13 @@ def rank_gradients(model, loss_fn, batches):
     return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
 
 
+def average(grads, size):
+    """The mean over ranks; sparse if any rank's gradient is (its rows: those not all zero)."""
+    sparse = [g for g in grads if g.is_sparse]
+    mean = sum(g.to_dense() for g in grads) / size
+    return mean.to_sparse(sparse[0].sparse_dim()) if sparse else mean
+
+
 def reference(model, optimizer, loss_fn, data, size, steps, pipeline_depth, warmup_steps,
               scheduler=None, skip=()):
     """Train `model` in place as the pipelined optimizer should, then flush.
@@ -39,7 +46,7 @@ def reference(model, optimizer, loss_fn, data, size, steps, pipeline_depth, warm
 
     for t in range(steps):
         per_rank = [rank_gradients(model, loss_fn, data(r, t)) for r in range(size)]
-        fifo.append((t, [sum(gs) / size for gs in zip(*per_rank)]))
+        fifo.append((t, [average(gs, size) for gs in zip(*per_rank)]))
         need = 1 if t < warmup_steps else pipeline_depth
         while len(fifo) >= need:
             apply(*fifo.pop(0))

@@ -33,6 +33,13 @@ def test_param_group_added_after_wrapping_is_reduced(engine_name, np):
     launcher.run(engine_name, np, "optimizer_worker.py", "param-group")
 
 
+@pytest.mark.parametrize("engine_name, np", [("local", 1), ("horovod", 2), ("torch", 3)])
+def test_sparse_gradients_match_the_oracle(engine_name, np):
+    # nn.Embedding(sparse=True): allgathered rows or sparse_as_dense, SGD and SparseAdam.
+    needs(engine_name)
+    launcher.run(engine_name, np, "sparse_worker.py", timeout=300)
+
+
 def test_depth_one_matches_horovods_optimizer():
     needs("horovod")
     launcher.run("horovod", 2, "horovod_compare_worker.py")

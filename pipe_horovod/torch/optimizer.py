@@ -38,6 +38,7 @@ _instances = itertools.count()
 _live = weakref.WeakSet()          # wrapped optimizers, for the exit report
 _log = logging.getLogger("pipe_horovod")
 DEPTH_VARIABLE = "PIPE_HOROVOD_PIPELINE_DEPTH"
+_announced = set()                 # depth settings rank 0 has explained already
 
 
 class _Reduction:
@@ -58,6 +59,38 @@ class _Reduction:
             self.handle = None
         return self.result
 
+    def results(self):
+        flat = self.wait()
+        for name, start, numel in self.bucket.offsets():
+            yield name, flat[start:start + numel]
+
+
+class _SparseReduction:
+    """One sparse gradient of one step: its indices and values allgathered, as Horovod does.
+
+    Each rank sends only the rows it touched; the sum over ranks is the
+    concatenation (duplicate indices add up when the optimizer coalesces).
+    """
+
+    __slots__ = ("name", "shape", "indices", "values", "scale", "result")
+
+    def __init__(self, name, shape, indices, values, scale):
+        self.name, self.shape, self.indices, self.values = name, shape, indices, values
+        self.scale = scale                       # applied to the gathered values
+        self.result = None
+
+    def results(self):
+        if self.result is None:
+            values = engine.wait(self.values)
+            indices = engine.wait(self.indices)
+            if self.scale != 1.0:
+                values = values * self.scale
+            # Indices come from every rank's coalesced gradient: valid, no check needed.
+            self.result = torch.sparse_coo_tensor(indices.t(), values, self.shape,
+                                                  check_invariants=False)
+            self.indices = self.values = None
+        yield self.name, self.result
+
 
 class _Step:
     """A step's gradient: its bucket reductions, or per-name tensors after a resume."""
@@ -75,9 +108,7 @@ class _Step:
             return self.loaded
         grads = {}
         for reduction in self.reductions:
-            flat = reduction.wait()
-            for name, start, numel in reduction.bucket.offsets():
-                grads[name] = flat[start:start + numel]
+            grads.update(reduction.results())
         return grads
 
 
@@ -86,7 +117,7 @@ class _PipelinedOptimizer:
 
     def _setup_pipeline(self, name_of, compression, backward_passes_per_step, op,
                         pipeline_depth, warmup_steps, bucket_cap_mb, grad_scaler,
-                        predivide, groups):
+                        predivide, groups, sparse_as_dense):
         self._engine = engine.current()
         self._compression = compression
         self._passes_per_step = backward_passes_per_step
@@ -94,6 +125,9 @@ class _PipelinedOptimizer:
         self._predivide = predivide
         self._bucket_cap = int(bucket_cap_mb * 2**20)
         self._groups = groups                    # None, a bucket count, or lists of names
+        self._sparse_as_dense = sparse_as_dense
+        self._sparse = {}                        # name -> sparse_dim, agreed by every rank
+        self._seen_sparse = {}                   # this process's, until the next agreement
         self._grad_scaler = grad_scaler
         self._fifo = GradientFifo(pipeline_depth, warmup_steps)
         self._prefix = f"pipe{next(_instances)}"
@@ -124,8 +158,10 @@ class _PipelinedOptimizer:
 
     # --- buckets ----------------------------------------------------------
     def _plan(self, order):
+        self._order = list(order)
         members = [(name, self._param_of[name].numel(), self._param_of[name].element_size(),
-                    (self._param_of[name].dtype, self._param_of[name].device)) for name in order]
+                    (self._param_of[name].dtype, self._param_of[name].device)) for name in order
+                   if self._sparse_as_dense or name not in self._sparse]
         self._buckets = plan_buckets(members, self._bucket_cap, self._groups)
         self._bucket_of = {name: b for b in self._buckets for name in b.names}
         # (slot, bucket index) -> flat send/receive buffer. `.grad` may view an old
@@ -152,8 +188,8 @@ class _PipelinedOptimizer:
         self._passes[param] += 1
         if not self._order_agreed:
             self._observed.setdefault(param)
-        if self._passes[param] == self._passes_per_step:
-            bucket = self._bucket_of[self._name_of[param]]
+        bucket = self._bucket_of.get(self._name_of[param])   # None: a sparse gradient
+        if self._passes[param] == self._passes_per_step and bucket is not None:
             self._waiting[bucket.index] -= 1
             # torch.distributed matches collectives by order: start buckets in index order only.
             while (not self._solo and len(self._launched) < len(self._buckets)
@@ -172,6 +208,12 @@ class _PipelinedOptimizer:
             part = flat[start:start + numel]
             if grad is None:                     # unused on this rank: contributes zero
                 part.zero_()
+            elif grad.is_sparse:
+                self._seen_sparse[name] = grad.sparse_dim()
+                if self._sparse_as_dense or self._order_agreed:
+                    part.copy_(grad.to_dense().reshape(-1))
+                else:                            # first step: reduced by _launch_sparse instead
+                    part.zero_()
             elif grad.data_ptr() != part.data_ptr() or not grad.is_contiguous():
                 part.copy_(grad.reshape(-1))     # else: backward accumulated in place already
         if self._predivide != 1.0:               # Horovod's split of the average around the sum
@@ -196,14 +238,17 @@ class _PipelinedOptimizer:
                                "last step(); compute gradients before every step")
         scale = self._grad_scaler.get_scale() if self._grad_scaler is not None else None
         if self._solo:
+            agreed = self._agree()
             entry = _Step(loaded={name: p.grad for name, p in self._param_of.items()
                                   if p.grad is not None}, scale=scale)
         else:
             while len(self._launched) < len(self._buckets):
                 self._launch(self._buckets[len(self._launched)])
-            entry = _Step(self._launched, scale=scale)
+            agreed = self._agree()
+            entry = _Step(self._launched + self._launch_sparse(), scale=scale)
         ready = self._fifo.push(entry)
-        self._agree_on_order()
+        if agreed is not None:
+            self._plan(agreed)
         self._reset_step()
         self.timings["steps"] += 1
         for entry in ready[:-1]:                 # several only when a resume lands in warm-up
@@ -212,16 +257,44 @@ class _PipelinedOptimizer:
         self._fill_grads(self._pending_apply)
         self._synchronized = True
 
-    def _agree_on_order(self):
-        """After the first backward, every rank adopts rank 0's gradient-ready order."""
+    def _agree(self):
+        """After the first backward: rank 0's gradient-ready order, every rank's sparse gradients.
+
+        Returns the order to plan buckets by after this step, or None once agreed.
+        """
         if self._order_agreed:
-            return
+            return None
         seen = [self._name_of[p] for p in self._observed]
         rest = [self._name_of[p] for p in reversed(self._params) if p not in self._observed]
-        order = self._engine.broadcast_object(seen + rest, 0)
+        everyone = self._engine.allgather_object((seen + rest, self._seen_sparse))
+        for _, sparse in everyone:
+            self._sparse.update(sparse)
         self._order_agreed = True
-        self._observed = {}
-        self._plan(order)
+        self._observed, self._seen_sparse = {}, {}
+        return everyone[0][0]
+
+    def _launch_sparse(self):
+        """Allgather this step's sparse gradients (not in buckets), in the agreed order."""
+        if self._sparse_as_dense:
+            return []
+        slot = self._fifo.steps % self._fifo.pipeline_depth
+        scale = 1.0 / self._engine.size() if self._op is engine.Average else 1.0
+        reductions = []
+        for name in (n for n in self._order if n in self._sparse):
+            p = self._param_of[name]
+            grad = p.grad
+            if grad is None:                     # unused on this rank: sends no rows
+                sparse_dim = self._sparse[name]
+                indices = torch.empty(0, sparse_dim, dtype=torch.int64, device=p.device)
+                values = p.new_empty((0, *p.shape[sparse_dim:]))
+            else:
+                grad = grad.coalesce()
+                indices, values = grad.indices().t().contiguous(), grad.values().contiguous()
+            tag = f"{self._prefix}.sparse.{name}.{slot}"
+            reductions.append(_SparseReduction(
+                name, p.shape, self._engine.allgather_async(indices, f"{tag}.i"),
+                self._engine.allgather_async(values, f"{tag}.v"), scale))
+        return reductions
 
     def _fill_grads(self, entry):
         start = time.perf_counter()
@@ -237,7 +310,11 @@ class _PipelinedOptimizer:
             if grad is None:
                 p.grad = torch.zeros_like(p)
                 continue
-            if p.is_contiguous():
+            if grad.is_sparse:
+                p.grad = grad
+            elif name in self._sparse:           # sparse_as_dense: sparse again, as Horovod does
+                p.grad = grad.view_as(p).to_sparse(self._sparse[name])
+            elif p.is_contiguous():
                 p.grad = grad.view_as(p)         # the landed result itself: no copy
             else:
                 p.grad = torch.empty_like(p).copy_(grad.view_as(p))
@@ -251,7 +328,7 @@ class _PipelinedOptimizer:
             scale = self._grad_scaler.get_scale()
             for p in self._params:
                 p.grad.div_(scale)
-            if not all(torch.isfinite(p.grad).all() for p in self._params):
+            if not all(torch.isfinite(_values(p.grad)).all() for p in self._params):
                 return                           # as GradScaler would: skip the overflowed step
         super().step()
         self.timings["applied"] += 1
@@ -349,8 +426,9 @@ class _PipelinedOptimizer:
             "in_flight": [{name: g.detach().clone() for name, g in entry.gradients().items()}
                           for entry in self._fifo],
             "scales": [entry.scale for entry in self._fifo],
-            "bucket_order": [name for b in self._buckets for name in b.names],
+            "bucket_order": self._order,
             "order_agreed": self._order_agreed,
+            "sparse": dict(self._sparse),
         }
         return state
 
@@ -380,7 +458,12 @@ class _PipelinedOptimizer:
                    for grads, scale in zip(pipe["in_flight"], pipe["scales"])]
         self._fifo.replace(entries, pipe["steps"])
         self._order_agreed = pipe["order_agreed"]
+        self._sparse = dict(pipe.get("sparse", {}))
         self._plan(pipe["bucket_order"])
+
+
+def _values(grad):
+    return grad.coalesce().values() if grad.is_sparse else grad
 
 
 def _report_unapplied():
@@ -413,8 +496,9 @@ def _resolve_depth(pipeline_depth):
 
 
 def _announce_depth(depth, warmup_steps, source):
-    if engine.rank() != 0:
+    if engine.rank() != 0 or (depth, warmup_steps, source) in _announced:
         return
+    _announced.add((depth, warmup_steps, source))
     if depth == 1:
         meaning = "synchronous: each step applies its own averaged gradient, as Horovod does"
     else:
@@ -555,7 +639,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     torch.optim.Optimizer.__setstate__(wrapped, dict(optimizer.__dict__))
     wrapped._setup_pipeline(name_of, compression, backward_passes_per_step, op, pipeline_depth,
                             warmup_steps, bucket_cap_mb, grad_scaler,
-                            float(gradient_predivide_factor), bucket_groups)
+                            float(gradient_predivide_factor), bucket_groups,
+                            bool(sparse_as_dense))
     return wrapped
 
 
