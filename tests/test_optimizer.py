@@ -130,6 +130,51 @@ def test_bad_options_are_named(local, kw, error, text):
         wrap(**kw)
 
 
+@pytest.mark.parametrize("kw, error, text", [
+    ({"gradient_predivide_factor": 2.0, "op": phvd.Sum}, ValueError, "only with op=Average"),
+    ({"gradient_predivide_factor": 0}, ValueError, "gradient_predivide_factor must be"),
+    ({"groups": -1}, ValueError, "non-negative integer"),
+    ({"groups": "all"}, TypeError, "groups must be an int or a list"),
+    ({"groups": [[1.0]]}, TypeError, "torch.Tensor"),
+    ({"groups": [[torch.ones(1)]]}, ValueError, "not one of the optimizer's"),
+])
+def test_bad_horovod_options_are_named(local, kw, error, text):
+    with pytest.raises(error, match=text):
+        wrap(**kw)
+
+
+def test_horovods_positional_order(local):
+    model = tiny()
+    opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    model.named_parameters(), phvd.Compression.none, 2,
+                                    phvd.Average, 1.0, 0, 2, True)
+    assert opt._passes_per_step == 2 and len(opt._buckets) == 2 and opt._sparse_as_dense
+
+
+def test_depth_comes_from_the_environment_and_is_announced(local, monkeypatch, caplog):
+    from pipe_horovod.torch import optimizer
+    monkeypatch.setattr(optimizer, "_announced", set())   # once per process: start afresh
+    monkeypatch.setenv("PIPE_HOROVOD_PIPELINE_DEPTH", "1")
+    with caplog.at_level("INFO", logger="pipe_horovod"):
+        _, opt = wrap()
+    assert opt._fifo.pipeline_depth == 1
+    assert "pipeline_depth=1 (PIPE_HOROVOD_PIPELINE_DEPTH): synchronous" in caplog.text
+    _, opt = wrap(pipeline_depth=3)                      # the argument wins
+    assert opt._fifo.pipeline_depth == 3
+    monkeypatch.delenv("PIPE_HOROVOD_PIPELINE_DEPTH")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pipe_horovod"):
+        _, opt = wrap()
+    assert opt._fifo.pipeline_depth == 2
+    assert "pipeline_depth=2 (default): Pipe-SGD" in caplog.text and "flush()" in caplog.text
+    monkeypatch.setenv("PIPE_HOROVOD_PIPELINE_DEPTH", "two")
+    with pytest.raises(ValueError, match="PIPE_HOROVOD_PIPELINE_DEPTH must be an integer"):
+        wrap()
+    monkeypatch.setenv("PIPE_HOROVOD_PIPELINE_DEPTH", "0")
+    with pytest.raises(ValueError, match="pipeline_depth must be >= 1"):
+        wrap()
+
+
 def test_not_an_optimizer(local):
     with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer"):
         phvd.DistributedOptimizer(tiny())

@@ -201,6 +201,23 @@ def check_features():
                          lambda r, t: data_for(micro=2)(r, t + half), size, STEPS - half, depth, 0)
         assert_close(model, ref, f"set_to_none=False K={depth} W={warmup}")
 
+    # Horovod's gradient_predivide_factor and explicit groups: the same average.
+    for kw in ({"gradient_predivide_factor": 4.0}, {"groups": 2},
+               {"groups": "fc2-with-fc1.bias"}):
+        model, ref = fresh(CNN), fresh(CNN)
+        if kw.get("groups") == "fc2-with-fc1.bias":
+            kw = {"groups": [[model.fc.weight, model.conv.bias]]}
+        opt = phvd.DistributedOptimizer(make_optimizer("sgd", model),
+                                        named_parameters=model.named_parameters(), **kw)
+        train(model, opt, conv_data)
+        opt.flush()
+        if "groups" in kw:
+            expected = (2 if kw["groups"] == 2 else 3)
+            assert len(opt._buckets) == expected, [b.names for b in opt._buckets]
+        oracle.reference(ref, make_optimizer("sgd", ref), F.cross_entropy, conv_data, size,
+                         STEPS, 2, 0)
+        assert_close(model, ref, f"options {sorted(kw)}", rtol=1e-5)
+
     # LR scheduler stepping every iteration, with the delayed gradient.
     model, ref = fresh(MLP), fresh(MLP)
     opt = phvd.DistributedOptimizer(make_optimizer("sgd", model),
