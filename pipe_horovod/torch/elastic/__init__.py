@@ -1,0 +1,133 @@
+"""Elastic training with Horovod's API: `run`, `TorchState`, `ElasticSampler`.
+
+    import pipe_horovod.torch as hvd
+    hvd.init()
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    sampler = hvd.elastic.ElasticSampler(dataset)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            for x, y in loader:              # loader draws from `sampler`
+                ...one step...
+                sampler.record_batch(i, batch_size)
+                if i % 10 == 0:
+                    state.commit()
+            sampler.set_epoch(state.epoch + 1)
+
+    train(state)
+
+The optimizer's gradients still in flight (pipeline_depth >= 2) belong to
+the state: a commit captures them, a restore puts them back, and the sync
+after a reset sends rank 0's to every rank, so training that failed and
+was restored continues bit for bit as if the lost steps never ran
+(state.py says how).
+
+What `run` does on each engine:
+
+* horovod (launched by `horovodrun --host-discovery-script ... ` or
+  `--min-np/--max-np`): Horovod's own elastic loop
+  (`horovod.common.elastic.run_fn`): its worker notification service
+  tells rank 0 about added or removed hosts, `HorovodInternalError`
+  (a collective failed: a peer died or reset) restores the last commit,
+  `HostsUpdatedInterrupt` (raised by `commit()`/`check_host_updates()`
+  on every rank) keeps the current state; both then reset, and the state
+  is synchronized from rank 0 (new workers receive it there). The reset is
+  pipe_horovod's, not `horovod.torch.elastic`'s: operations still in
+  flight are completed or, if they failed, forgotten, then the engine
+  shuts down and starts again in this process (Horovod's shutdown + init,
+  meeting the driver's new rendezvous: rank and size may change), and the
+  optimizers re-attach to the new engine. Horovod's reset alone would keep
+  the engine's per-process operation counters, which name object
+  collectives, out of step with workers that just joined.
+* torch (torchrun) and local (plain python): the same loop and the same
+  commit / restore / sync, without a notification service and without an
+  in-process engine restart. torchrun's own elastic mode handles
+  membership changes by stopping and restarting every worker process
+  (with the group's new size), so a worker never has to re-form the
+  process group in place; in-memory state does not survive that restart
+  (save `model.state_dict()` and the optimizer's `state_dict()`, which
+  holds the gradients in flight, to disk for it). Within a run, a
+  `HorovodInternalError` raised on every rank at the same point (by the
+  application, say after a recoverable error it detected on all ranks)
+  restores the last commit and continues; one raised on some ranks only
+  cannot be recovered there (the others never learn of it) and is only
+  recoverable under horovodrun, where the failing rank's engine shutdown
+  fails its peers' pending operations.
+
+As with Horovod, the function passed to `run` must not start with a
+collective (a joining worker would run it while the others synchronize),
+and a DistributedOptimizer over a process set cannot follow a reset.
+"""
+import functools
+
+from ... import engine
+from .sampler import ElasticSampler
+from .state import ObjectState, State, TorchState
+
+
+def run(func):
+    """Decorator: run `func(state, ...)` until it returns, surviving resets.
+
+    Before each attempt the state is synchronized from rank 0 (skipped
+    after a HostsUpdatedInterrupt that only removed hosts). On
+    HorovodInternalError the state is restored to its last commit; on
+    HostsUpdatedInterrupt it is kept; either way the engine is reset,
+    the state's reset callbacks run, and `func` is called again.
+    """
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        reset = functools.partial(_reset, state)
+        if engine.current().name == "horovod":
+            from horovod.common.elastic import run_fn
+
+            return run_fn(func, reset)(state, *args, **kwargs)
+        return _run_in_process(func, reset, state, args, kwargs)
+
+    return wrapper
+
+
+def _run_in_process(func, reset, state, args, kwargs):
+    """The elastic loop without a notification service (torch and local engines)."""
+    skip_sync = False
+    while True:
+        try:
+            if not skip_sync:
+                state.sync()
+            return func(state, *args, **kwargs)
+        except engine.HorovodInternalError:
+            state.restore()
+            skip_sync = False
+        except engine.HostsUpdatedInterrupt as interrupt:
+            skip_sync = interrupt.skip_sync
+        reset()
+        state.on_reset()
+
+
+def _reset(state):
+    """Settle what is in flight; under Horovod, restart the engine in this process."""
+    current = engine.current()
+    _settle(current)
+    if current.name != "horovod":
+        return
+    getattr(state, "_before_engine_reset", lambda: None)()
+    engine.shutdown()
+    engine.init(current.name)
+
+
+def _settle(eng):
+    """Wait for every operation `eng` still has in flight, forgetting failed ones.
+
+    On the rank that failed, its peers are still running and start (so
+    complete) these operations; on a rank whose peer reset, they fail at
+    once. Either way none is left for the engine's shutdown to wait for.
+    """
+    for handle in list(eng._in_flight.values()):
+        try:
+            eng.wait(handle)
+        except Exception:        # a failed collective: nothing left to complete
+            pass
+
+
+__all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]

@@ -1,0 +1,316 @@
+"""Training state that elastic `run` commits, restores and synchronizes.
+
+The names, arguments and life cycle are Horovod's (`horovod.common.elastic`
+State/ObjectState and `horovod.torch.elastic.TorchState`), implemented on
+pipe_horovod's engine so they behave the same under horovodrun, torchrun
+and plain python. What differs, and why:
+
+* A pipelined DistributedOptimizer holds gradients whose reduction is still
+  in flight. `commit()` captures them through the optimizer's own
+  `state_dict()` (which waits for them to land), and `restore()` first
+  drops whatever the optimizer has on the wire (after a failed collective
+  it will never complete) and then loads the committed state, so the
+  restored state is bit for bit the one committed: training continues as
+  if the steps since the commit never happened. A commit is therefore a
+  point where the pipeline drains its reductions (not its FIFO: nothing is
+  applied early); commit every few batches, as Horovod advises anyway.
+* A commit is all or nothing: every handler's snapshot is taken before any
+  is kept, so a collective failing half-way through a commit (a peer died
+  while this rank waited for a gradient) leaves the previous commit whole.
+* Committed values are deep copies, and `restore()` hands out copies again:
+  changing a list held in the state in place after a commit does not
+  change what was committed (Horovod keeps a reference).
+* `reset()` (after the engine was reset, before the sync) re-attaches
+  optimizers to the new engine (rank and size may have changed) and
+  re-partitions ElasticSamplers, even when the sync is skipped.
+"""
+import copy
+import queue
+
+import torch
+
+from ... import engine
+from .. import mpi_ops
+from ..functions import broadcast_optimizer_state, broadcast_parameters
+from .sampler import ElasticSampler
+
+_HOSTS_REMOVED = 1          # Horovod's HostUpdateResult.removed (a flag; added = 2)
+
+
+class State:
+    """Horovod's `State`: what a training function must be able to commit,
+    restore and synchronize, plus the host-update notifications.
+
+    `bcast_object(obj)` sends rank 0's object to all ranks; `get_rank()`
+    returns this rank (both default to pipe_horovod's own).
+    """
+
+    def __init__(self, bcast_object=None, get_rank=None):
+        self._bcast_object = bcast_object or _bcast_from_rank0
+        self._rank = get_rank or mpi_ops.rank
+        self._host_messages = queue.Queue()
+        self._last_updated_timestamp = 0
+        self._reset_callbacks = []
+
+    def register_reset_callbacks(self, callbacks):
+        """Call each of `callbacks` (no arguments) after every reset, before the sync:
+        e.g. to scale the learning rate to the new number of ranks."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self):
+        self._host_messages = queue.Queue()
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def on_hosts_updated(self, timestamp, update_res):
+        """Called by Horovod's worker notification service when hosts were added or removed."""
+        self._host_messages.put((timestamp, update_res))
+
+    def commit(self):
+        """Keep the current state in memory as the one to return to after a failure,
+        then check for host changes (which raises HostsUpdatedInterrupt on every rank).
+
+        Commits copy the whole state and, with a pipelined optimizer, wait for its
+        gradients in flight: commit every few batches rather than every batch.
+        """
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self):
+        """Raise HostsUpdatedInterrupt, on every rank at once, if rank 0 heard of new
+        or removed hosts since the last check. A collective: call it on every rank."""
+        previous = latest = self._last_updated_timestamp
+        update = 0
+        while not self._host_messages.empty():
+            timestamp, result = self._host_messages.get()
+            if timestamp > latest:
+                latest = timestamp
+                update |= int(result)
+        previous, self._last_updated_timestamp, update = self._bcast_object(
+            (previous, latest, update))
+        if self._last_updated_timestamp > previous:
+            # Only removed hosts: the survivors hold the same state, no sync needed.
+            raise engine.HostsUpdatedInterrupt(update == _HOSTS_REMOVED)
+
+    def save(self):
+        """Copy the state to host memory (what commit keeps)."""
+        raise NotImplementedError
+
+    def restore(self):
+        """Return to the last committed state, undoing every change since."""
+        raise NotImplementedError
+
+    def sync(self):
+        """Give every rank rank 0's state."""
+        raise NotImplementedError
+
+    def reset(self):
+        """Adjust to a reset (new ranks), after the engine restarted and before the sync."""
+
+    def _before_engine_reset(self):
+        """Called by elastic `run` just before the engine shuts down for a reset."""
+
+
+class ObjectState(State):
+    """Horovod's `ObjectState`: plain Python values given as keyword arguments and
+    exposed as attributes (`state.epoch`), committed and broadcast as one object."""
+
+    def __init__(self, bcast_object=None, get_rank=None, **kwargs):
+        self._saved_state = copy.deepcopy(kwargs)
+        self._set_attrs()
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    def _snapshot(self):
+        return {attr: copy.deepcopy(getattr(self, attr)) for attr in self._saved_state}
+
+    def save(self):
+        self._saved_state = self._snapshot()
+
+    def restore(self):
+        self._set_attrs()
+
+    def sync(self):
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _set_attrs(self):
+        for attr, value in self._saved_state.items():
+            setattr(self, attr, copy.deepcopy(value))
+
+
+class StateHandler:
+    """Commits, restores and syncs one kind of object held by a TorchState."""
+
+    def __init__(self, value):
+        self.value = value
+        self.saved = self.snapshot()
+
+    def snapshot(self):
+        """A copy of the value's state, independent of the live object."""
+        raise NotImplementedError
+
+    def save(self):
+        self.saved = self.snapshot()
+
+    def restore(self):
+        raise NotImplementedError
+
+    def sync(self):
+        raise NotImplementedError
+
+    def reset(self):
+        """After the engine was reset (rank and size may differ), before the sync."""
+
+    def set_value(self, value):
+        self.value = value
+        self.save()
+
+
+class ModelStateHandler(StateHandler):
+    def snapshot(self):
+        return copy.deepcopy(self.value.state_dict())
+
+    def restore(self):
+        self.value.load_state_dict(self.saved)
+
+    def sync(self):
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class OptimizerStateHandler(StateHandler):
+    """A torch optimizer; for a pipelined DistributedOptimizer its state_dict
+    carries the gradients in flight, so they are committed and restored too."""
+
+    def snapshot(self):
+        return copy.deepcopy(self.value.state_dict())
+
+    def restore(self):
+        drop = getattr(self.value, "_drop_in_flight", None)
+        if drop is not None:
+            drop()
+        # A copy: load_state_dict keeps tensors it is given (momentum buffers, the
+        # gradients in flight), and training would then change the commit in place.
+        self.value.load_state_dict(copy.deepcopy(self.saved))
+
+    def sync(self):
+        broadcast_optimizer_state(self.value, root_rank=0)
+
+    def detach(self):
+        # An engine about to be reset must not report the committed gradients in
+        # flight as "never applied" at its shutdown: they will be, after the reset.
+        if hasattr(self.value, "_rebind_engine"):
+            self.value._engine = None
+
+    def reset(self):
+        rebind = getattr(self.value, "_rebind_engine", None)
+        if rebind is not None:
+            rebind()
+
+
+class SamplerStateHandler(StateHandler):
+    def snapshot(self):
+        return copy.deepcopy(self.value.state_dict())
+
+    def restore(self):
+        self.value.load_state_dict(self.saved)
+
+    def sync(self):
+        self.value.load_state_dict(_bcast_from_rank0(self.value.state_dict()))
+
+    def reset(self):
+        self.value.reset()
+
+
+_handler_registry = [
+    (torch.nn.Module, ModelStateHandler),
+    (torch.optim.Optimizer, OptimizerStateHandler),
+    (ElasticSampler, SamplerStateHandler),
+]
+
+
+def get_handler_registry():
+    """[(type, handler class)]: how TorchState treats each kind of keyword argument."""
+    return _handler_registry
+
+
+def set_handler_registry(registry):
+    global _handler_registry
+    _handler_registry = registry
+
+
+def _handler_for(value):
+    for kind, handler_cls in _handler_registry:
+        if isinstance(value, kind):
+            return handler_cls(value)
+    return None
+
+
+class TorchState(ObjectState):
+    """Horovod's `TorchState`: models, optimizers, ElasticSamplers and plain values.
+
+    Args:
+        model: a torch.nn.Module (optional).
+        optimizer: a torch optimizer, typically pipe_horovod's DistributedOptimizer
+            (optional); its gradients in flight are part of the state.
+        kwargs: more state, exposed as attributes. Modules, optimizers and
+            ElasticSamplers get their own handler (state_dict based); anything
+            else is a plain value, broadcast from rank 0 as one object.
+    """
+
+    def __init__(self, model=None, optimizer=None, **kwargs):
+        kwargs.update(model=model, optimizer=optimizer)
+        self._handlers = {}
+        plain = {}
+        for name, value in kwargs.items():
+            handler = _handler_for(value)
+            if handler is None:
+                plain[name] = value
+            else:
+                self._handlers[name] = handler
+                setattr(self, name, value)
+        super().__init__(bcast_object=_bcast_from_rank0, get_rank=mpi_ops.rank, **plain)
+
+    def save(self):
+        # All snapshots first: if one fails (a gradient in flight whose reduction
+        # failed), the previous commit stays whole.
+        handlers = {name: h.snapshot() for name, h in self._handlers.items()}
+        plain = self._snapshot()
+        for name, saved in handlers.items():
+            self._handlers[name].saved = saved
+        self._saved_state = plain
+
+    def restore(self):
+        for handler in self._handlers.values():
+            handler.restore()
+        super().restore()
+
+    def sync(self):
+        for handler in self._handlers.values():
+            handler.sync()
+        super().sync()
+
+    def reset(self):
+        for handler in self._handlers.values():
+            handler.reset()
+
+    def _before_engine_reset(self):
+        for handler in self._handlers.values():
+            if isinstance(handler, OptimizerStateHandler):
+                handler.detach()
+
+    def __setattr__(self, name, value):
+        handlers = self.__dict__.get("_handlers", {})
+        if name in handlers and name in self.__dict__:
+            handlers[name].set_value(value)
+        super().__setattr__(name, value)
+
+
+def _bcast_from_rank0(obj):
+    return mpi_ops.broadcast_object(obj, root_rank=0)
+
+
+__all__ = ["State", "ObjectState", "TorchState", "StateHandler", "ModelStateHandler",
+           "OptimizerStateHandler", "SamplerStateHandler", "get_handler_registry",
+           "set_handler_registry"]

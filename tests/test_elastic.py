@@ -1,0 +1,320 @@
+"""hvd.elastic: run, TorchState, ElasticSampler, with the pipeline's gradients in flight.
+
+The multi-process tests train under `run` twice, once without and once with
+a failure after a commit, and require the same final weights bit for bit
+(the failure-free run is the oracle) and every sample processed exactly
+once per epoch (checked by the workers). Under horovodrun's elastic mode
+the failure is raised on one rank and recovered by Horovod's reset in the
+same processes; torchrun and plain python recover in-process from a
+failure every rank raises.
+"""
+import copy
+import os
+import re
+import signal
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import launcher
+import pipe_horovod.torch as phvd
+from pipe_horovod.engine import HorovodInternalError, HostsUpdatedInterrupt
+from pipe_horovod.torch.elastic import sampler as sampler_module
+
+pytestmark = pytest.mark.timeout(600)
+WORKER = launcher.WORKERS / "elastic_worker.py"
+
+
+def _run(cmd, np, timeout):
+    """Run `cmd` as launcher.run does (own process group, killed on timeout); require
+    a zero exit and WORKER_OK from ranks 0..np-1 (np: the size the job ends with)."""
+    env = dict(os.environ)
+    env.pop("PIPE_HOROVOD_ENGINE", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(launcher.REPO), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=launcher.REPO, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(map(str, cmd))} timed out after {timeout}s:\n{out}")
+    seen = {int(r) for r in re.findall(rf"{launcher.OK} rank=(\d+)", out)}
+    assert proc.returncode == 0 and seen == set(range(np)), (
+        f"{' '.join(map(str, cmd))} exited {proc.returncode}; {launcher.OK} from ranks "
+        f"{sorted(seen)} of {np}; output:\n{out}")
+    return out
+
+
+def _horovodrun_elastic(tmp_path, np, hosts, args, final_np=None, timeout=240):
+    """horovodrun's elastic mode on this machine, starting `np` workers: hosts from a
+    discovery script that prints the file `hosts` (so a worker can change it)."""
+    hosts_file = tmp_path / "hosts.txt"
+    hosts_file.write_text(hosts)
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
+    script.chmod(0o755)
+    # --network-interface lo: without it Horovod wants two hosts to find common interfaces.
+    cmd = [str(launcher.BIN / "horovodrun"), "-np", str(np), "--min-np", "1", "--max-np", "2",
+           "--host-discovery-script", str(script), "--network-interface", "lo", "--gloo",
+           sys.executable, str(WORKER), *map(str, args)]
+    return _run(cmd, final_np or np, timeout)
+
+
+def _same_run(clean, failed):
+    a, b = torch.load(clean), torch.load(failed)
+    assert a["seen"] == b["seen"], "the restored run processed other samples"
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs after restore"
+
+
+@pytest.mark.parametrize("depth", [2])
+def test_horovodrun_elastic_failure_on_one_rank_restores_bit_exactly(tmp_path, depth):
+    pytest.importorskip("horovod.torch")
+    clean, failed = tmp_path / "clean.pt", tmp_path / "failed.pt"
+    _horovodrun_elastic(tmp_path, 2, "localhost:2\n", ["clean", depth, clean])
+    out = _horovodrun_elastic(tmp_path, 2, "localhost:2\n", ["fail-one", depth, failed])
+    assert "INJECTED_FAILURE rank=1" in out
+    # Both ranks went through Horovod's reset (rank 0 by the failed collectives).
+    assert {int(r) for r in re.findall(r"ELASTIC_RESET rank=(\d+) size=2", out)} == {0, 1}, out
+    _same_run(clean, failed)
+
+
+def test_horovodrun_elastic_survives_a_worker_process_dying(tmp_path):
+    # Two "hosts" on this machine (127.0.0.1 is local to horovodrun, so no ssh): rank 1's
+    # process exits mid-step; Horovod blacklists its host, rank 0's collectives fail, and
+    # it restores the last commit and finishes alone, every sample processed once.
+    pytest.importorskip("horovod.torch")
+    out = _horovodrun_elastic(tmp_path, 2, "localhost:1\n127.0.0.1:1\n",
+                              ["crash", 2, tmp_path / "out.pt"], final_np=1)
+    assert "INJECTED_CRASH rank=1" in out and "ELASTIC_RESET rank=0 size=1" in out, out
+
+
+def test_horovodrun_elastic_worker_added_receives_the_state(tmp_path):
+    # One host at first; rank 0 lists a second after a commit, Horovod starts a
+    # worker there, the next commit raises HostsUpdatedInterrupt, and the new worker
+    # gets rank 0's state (gradients in flight included) by the sync.
+    pytest.importorskip("horovod.torch")
+    out = _horovodrun_elastic(tmp_path, 1, "localhost:1\n",
+                              ["scale", 2, tmp_path / "out.pt", tmp_path / "hosts.txt"], final_np=2)
+    assert "ELASTIC_RESET rank=0 size=2" in out, out
+    assert re.search(r"WORKER_OK rank=1 size=2", out), out
+
+
+@pytest.mark.parametrize("depth", [2])
+def test_torchrun_failure_on_every_rank_restores_bit_exactly(tmp_path, depth):
+    clean, failed = tmp_path / "clean.pt", tmp_path / "failed.pt"
+    launcher.run("torch", 2, WORKER, "clean", depth, clean, timeout=180)
+    _, out = launcher.run("torch", 2, WORKER, "fail-all", depth, failed, timeout=180)
+    assert out.count("ELASTIC_RESET") == 2, out
+    _same_run(clean, failed)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_local_failure_restores_bit_exactly(tmp_path, depth):
+    clean, failed = tmp_path / "clean.pt", tmp_path / "failed.pt"
+    launcher.run("local", 1, WORKER, "clean", depth, clean)
+    _, out = launcher.run("local", 1, WORKER, "fail-all", depth, failed)
+    assert "ELASTIC_RESET rank=0 size=1" in out
+    _same_run(clean, failed)
+
+
+# --- in one process, local engine ---------------------------------------------
+@pytest.fixture
+def local():
+    phvd.init("local")
+    yield
+    phvd.shutdown()
+
+
+def _setup(depth=2):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    named_parameters=model.named_parameters(),
+                                    pipeline_depth=depth)
+    return model, opt
+
+
+def _step(model, opt, seed, step=True):
+    g = torch.Generator().manual_seed(seed)
+    opt.zero_grad()
+    F.mse_loss(model(torch.randn(5, 3, generator=g)), torch.randn(5, 2, generator=g)).backward()
+    if step:
+        opt.step()
+
+
+def _equal_states(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal_states(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal_states(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_restore_returns_to_the_commit_with_its_gradients_in_flight(local):
+    model, opt = _setup(depth=3)
+    state = phvd.elastic.TorchState(model, opt, epoch=0, log=[])
+    for seed in range(4):
+        _step(model, opt, seed)
+    state.epoch, state.log = 1, ["a"]
+    state.commit()
+    weights, committed = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    assert len(committed["pipe_horovod"]["in_flight"]) == 2
+    for seed in range(4, 7):
+        _step(model, opt, seed)
+    state.epoch = 2
+    state.log.append("changed in place")
+    _step(model, opt, 7, step=False)            # fails between backward and step
+    state.restore()
+    assert state.epoch == 1 and state.log == ["a"]
+    assert _equal_states(model.state_dict(), weights)
+    assert _equal_states(opt.state_dict(), committed)
+    # ...and continues exactly as training on from the commit would.
+    twin_model, twin_opt = _setup(depth=3)
+    twin_model.load_state_dict(weights)
+    twin_opt.load_state_dict(copy.deepcopy(committed))
+    for seed in range(4, 8):
+        _step(model, opt, seed)
+        _step(twin_model, twin_opt, seed)
+    opt.flush()
+    twin_opt.flush()
+    assert _equal_states(model.state_dict(), twin_model.state_dict())
+
+
+def test_a_commit_that_fails_half_way_keeps_the_previous_one(local, monkeypatch):
+    model, opt = _setup()
+    state = phvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
+    _step(model, opt, 0)
+    state.batch = 1
+    state.commit()
+    weights = copy.deepcopy(model.state_dict())
+    _step(model, opt, 1)
+    state.batch = 2
+
+    def failing():
+        raise HorovodInternalError("a peer failed while the gradient was in flight")
+
+    monkeypatch.setattr(opt, "state_dict", failing)
+    with pytest.raises(HorovodInternalError):
+        state.commit()
+    monkeypatch.undo()
+    state.restore()
+    assert state.batch == 1 and _equal_states(model.state_dict(), weights)
+
+
+def test_assigning_a_tracked_object_commits_it(local):
+    model, opt = _setup()
+    state = phvd.elastic.TorchState(model=model, optimizer=opt)
+    other, _ = _setup()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1)
+    state.model = other
+    weights = copy.deepcopy(other.state_dict())
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    state.restore()
+    assert state.model is other and _equal_states(other.state_dict(), weights)
+
+
+def test_host_updates_interrupt_at_commit(local):
+    state = phvd.elastic.TorchState(epoch=0)
+    state.commit()                               # nothing heard: no interrupt
+    state.on_hosts_updated(10, 2)                # hosts added: the new ones need the state
+    with pytest.raises(HostsUpdatedInterrupt) as added:
+        state.commit()
+    assert added.value.skip_sync is False
+    state.on_hosts_updated(5, 1)                 # older than the last one seen: ignored
+    state.check_host_updates()
+    state.on_hosts_updated(11, 1)                # only removed: survivors need no sync
+    with pytest.raises(HostsUpdatedInterrupt) as removed:
+        state.check_host_updates()
+    assert removed.value.skip_sync is True
+
+
+def test_run_restores_on_internal_error_and_keeps_state_on_host_update(local):
+    state = phvd.elastic.TorchState(step=0)
+    events = []
+    state.register_reset_callbacks([lambda: events.append(("reset", state.step))])
+    plan = [HorovodInternalError("lost a peer"), HostsUpdatedInterrupt(True), None]
+
+    @phvd.elastic.run
+    def train(state, stop):
+        while state.step < stop:
+            state.step += 1
+            if state.step == 3:
+                state.commit()
+            if state.step == 4 and plan:
+                error = plan.pop(0)
+                if error is not None:
+                    raise error
+        return state.step
+
+    assert train(state, 6) == 6
+    # Internal error: back to the commit (3). Host update: state kept (4), no restore.
+    assert events == [("reset", 3), ("reset", 4)]
+
+
+# --- ElasticSampler -------------------------------------------------------------
+def _as_rank(monkeypatch, rank, size):
+    monkeypatch.setattr(sampler_module, "mpi_ops",
+                        types.SimpleNamespace(rank=lambda: rank, size=lambda: size))
+
+
+def test_sampler_repartitions_the_rest_of_an_epoch_after_a_resize(monkeypatch):
+    data = list(range(30))
+    processed = []
+    samplers = []
+    for r in range(2):
+        _as_rank(monkeypatch, r, 2)
+        samplers.append(phvd.elastic.ElasticSampler(data, seed=3))
+        samplers[-1].set_epoch(1)
+    for batch in range(2):                       # two batches of 3 on each of 2 ranks
+        for s in samplers:
+            got = s.get_indices(batch, 3)
+            assert got == list(iter(s))[batch * 3:batch * 3 + 3]
+            processed += got
+            s.record_batch(batch, 3)
+    state = samplers[0].state_dict()
+    assert state == {"epoch": 1, "processed_num": 12}
+    assert samplers[0].processed_indices == set(processed)
+    rest = []
+    for r in range(3):                           # a reset to 3 ranks
+        _as_rank(monkeypatch, r, 3)
+        s = phvd.elastic.ElasticSampler(data, seed=3)
+        s.load_state_dict(state)
+        assert len(s) == 6
+        rest += list(s)
+    assert sorted(processed + rest) == data      # nothing repeated, nothing skipped
+
+
+def test_sampler_pads_so_every_rank_gets_as_many(monkeypatch):
+    _as_rank(monkeypatch, 2, 4)
+    s = phvd.elastic.ElasticSampler(list(range(2)), shuffle=False)
+    assert len(s) == 1 and list(s) == [0]
+
+
+def test_sampler_order_is_horovods(monkeypatch):
+    horovod_sampler = pytest.importorskip("horovod.torch.elastic.sampler")
+    data = list(range(23))
+    for rank, size in [(0, 1), (1, 2), (2, 3)]:
+        monkeypatch.setattr(horovod_sampler, "rank", lambda: rank)
+        monkeypatch.setattr(horovod_sampler, "size", lambda: size)
+        _as_rank(monkeypatch, rank, size)
+        theirs = horovod_sampler.ElasticSampler(data, shuffle=True, seed=5)
+        ours = phvd.elastic.ElasticSampler(data, shuffle=True, seed=5)
+        for s in (theirs, ours):
+            s.set_epoch(2)
+            s.record_batch(0, 2)
+            s.load_state_dict(s.state_dict())
+        assert list(ours) == list(theirs) and len(ours) == len(theirs)
+        assert ours.state_dict() == theirs.state_dict()
