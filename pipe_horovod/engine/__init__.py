@@ -8,7 +8,9 @@ import atexit
 import importlib
 import os
 
-from .base import Average, Engine, EngineError, Handle, ReduceOp, Sum
+from .base import (Adasum, Average, Engine, EngineError, Handle, HorovodInternalError,
+                   HostsUpdatedInterrupt, Max, Min, Product, ReduceOp, Sum)
+from .process_sets import ProcessSet, global_process_set
 
 ENGINES = {
     # name -> (module, class, package it needs, how to get that package)
@@ -47,26 +49,42 @@ def missing_package(name):
     return None
 
 
-def create(name):
+def create(name, **options):
+    """A new engine `name`; `options` (comm, process_sets) go to its constructor."""
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(sorted(ENGINES))}")
     problem = missing_package(name)
     if problem:
         raise EngineError(problem)
     module, cls, _, _ = ENGINES[name]
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)()
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(**options)
 
 
-def init(engine=None):
-    """Start the engine (once per process) and return it."""
+def init(engine=None, *, comm=None, process_sets=None):
+    """Start the engine (once per process) and return it.
+
+    `comm` and `process_sets` mean what they mean to Horovod's init:
+    process_sets is a list of ProcessSet (or of rank lists) to register, or
+    "dynamic" to allow add_process_set later (the torch and local engines
+    always allow it). Sets passed after the engine started are added.
+    """
     global _current
     name = engine if engine is not None else detect()
+    if isinstance(process_sets, str):
+        if process_sets.lower() != "dynamic":
+            raise ValueError(f"process_sets must be a list of ProcessSet or 'dynamic', "
+                             f"got {process_sets!r}")
+        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"     # read by Horovod's init
+        process_sets = None
     if _current is not None:
         if engine is not None and _current.name != engine:
             raise EngineError(f"engine {_current.name!r} is already initialized; "
                               f"call shutdown() before switching to {engine!r}")
+        for ps in process_sets or ():
+            if getattr(ps, "process_set_id", None) is None:
+                _current.add_process_set(ps)
         return _current
-    _current = create(name)
+    _current = create(name, comm=comm, process_sets=process_sets)
     # Registered after the library's own start-up (and so its own atexit
     # shutdown), so at exit ours runs first and completes what is in flight.
     atexit.register(shutdown)
@@ -106,8 +124,9 @@ def local_size():
     return current().local_size()
 
 
-def allreduce_async(tensor, name, op=Average):
-    return current().allreduce_async(tensor, name, op)
+def allreduce_async(tensor, name, op=Average, **options):
+    """See Engine.allreduce_async (options: process_set, prescale_factor, postscale_factor)."""
+    return current().allreduce_async(tensor, name, op, **options)
 
 
 def poll(handle):
@@ -118,24 +137,25 @@ def wait(handle):
     return current().wait(handle)
 
 
-def broadcast(tensor, root):
-    return current().broadcast(tensor, root)
+def broadcast(tensor, root, **options):
+    return current().broadcast(tensor, root, **options)
 
 
-def broadcast_object(obj, root):
-    return current().broadcast_object(obj, root)
+def broadcast_object(obj, root, **options):
+    return current().broadcast_object(obj, root, **options)
 
 
-def allgather_object(obj):
-    return current().allgather_object(obj)
+def allgather_object(obj, **options):
+    return current().allgather_object(obj, **options)
 
 
-def barrier():
-    current().barrier()
+def barrier(**options):
+    current().barrier(**options)
 
 
 __all__ = [
-    "Average", "Sum", "ReduceOp", "Engine", "EngineError", "Handle", "ENGINES", "detect", "create",
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "ProcessSet",
+    "global_process_set", "HorovodInternalError", "HostsUpdatedInterrupt", "Engine", "EngineError", "Handle", "ENGINES", "detect", "create",
     "init", "current", "is_initialized", "shutdown", "rank", "size", "local_rank", "local_size",
     "allreduce_async", "poll", "wait", "broadcast", "broadcast_object", "allgather_object", "barrier",
 ]

@@ -3,65 +3,77 @@
 Adapters and the pipeline core see only this interface, so a script runs
 unchanged under horovodrun, torchrun or plain python. The checks that
 protect users from silent corruption (a name reused while in flight, a
-non-contiguous tensor that the C++ side would reduce in a copy) live here
-once, instead of in each engine.
+non-contiguous tensor that the C++ side would reduce in a copy, a bad
+argument the library would answer with an abort or a hang) run here once,
+instead of in each engine. Engines implement the `_start_*` hooks; process
+sets, automatic names, the timeline and the handles in flight are kept here.
 """
-import enum
+import collections
 import itertools
 
-
-class ReduceOp(enum.Enum):
-    AVERAGE = "average"
-    SUM = "sum"
-
-
-Average = ReduceOp.AVERAGE
-Sum = ReduceOp.SUM
+from .checks import (check_name, check_op, check_root, check_rows, check_scale, check_splits,
+                     check_tensor, check_tensors)
+from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
+from .process_sets import ProcessSet, check_new_sets, global_process_set
+from .timeline import Timeline
+from .work import Done, Then, Work, WorkList  # noqa: F401 -- engines import them from here
 
 
 class EngineError(RuntimeError):
     """A communication engine cannot be used as asked."""
 
 
+try:  # Horovod's own classes when it is installed, so `except hvd.HorovodInternalError`
+    # catches what horovod.torch raises under the horovod engine as well.
+    from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+except ImportError:
+    class HorovodInternalError(RuntimeError):
+        """A collective failed on some rank (elastic training resets on it)."""
+
+    class HostsUpdatedInterrupt(RuntimeError):
+        """The set of hosts changed (elastic training resets without restoring)."""
+
+        def __init__(self, skip_sync):
+            super().__init__(skip_sync)
+            self.skip_sync = skip_sync
+
+
 class Handle:
-    """One reduction in flight: what `allreduce_async` returns.
+    """One operation in flight: what `allreduce_async` and the other `*_async` return.
 
     The engine keeps the backend's own handle; users only pass this back to
     `poll` and `wait`.
     """
 
-    __slots__ = ("id", "name", "tensor", "op", "backend")
+    __slots__ = ("id", "name", "tensor", "op", "backend", "kind", "started")
 
-    def __init__(self, id_, name, tensor, op, backend):
+    def __init__(self, id_, name, tensor, op, backend, kind="allreduce", started=None):
         self.id = id_
         self.name = name
         self.tensor = tensor
-        self.op = op
+        self.op = op                # the ReduceOp of a reduction, else None
         self.backend = backend
+        self.kind = kind            # "allreduce", "allgather", "broadcast", ...
+        self.started = started      # timeline clock at start, when a timeline records
 
     def __repr__(self):
         return f"Handle(id={self.id}, name={self.name!r})"
 
 
-def _check_tensor(tensor):
-    import torch
-
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"allreduce_async expects a torch.Tensor, got {type(tensor).__name__}")
-    if not tensor.is_contiguous():
-        raise ValueError(
-            "allreduce_async needs a contiguous tensor (the result is written in place); "
-            "call .contiguous() and reduce that")
+def shard_sizes(numel, size):
+    """`size` near-equal contiguous shards of `numel` elements, larger ones first
+    (how Horovod's reducescatter splits rows)."""
+    base, extra = divmod(numel, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
 
 
-def _check_op(op):
-    if not isinstance(op, ReduceOp):
-        raise ValueError(f"unknown reduce op {op!r}: use pipe_horovod.Average or pipe_horovod.Sum")
-
-
-def check_root(root, size):
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < size:
-        raise ValueError(f"root rank {root!r} is out of range for {size} rank(s)")
+def scale_(tensor, factor):
+    """Multiply in place by `factor`; integer tensors truncate, as Horovod's scaling does."""
+    if factor == 1:
+        return tensor
+    if tensor.is_floating_point() or tensor.is_complex():
+        return tensor.mul_(factor)
+    return tensor.copy_((tensor.double() * factor).trunc())
 
 
 class Engine:
@@ -74,7 +86,11 @@ class Engine:
         self._names = {}          # tensor name -> handle id
         self._ids = itertools.count()
         self._before_shutdown = {}
+        self._around_join = {}    # key -> (before(), after(last_rank))
         self._closed = False
+        self._process_sets = {}   # process_set_id -> (ProcessSet, the library's object)
+        self._unnamed = collections.Counter()   # kind -> operations started without a name
+        self._timeline = None
 
     # --- identity -------------------------------------------------------
     def rank(self):
@@ -89,59 +105,312 @@ class Engine:
     def local_size(self):
         raise NotImplementedError
 
-    # --- reductions -----------------------------------------------------
-    def allreduce_async(self, tensor, name, op=Average):
-        """Start an in-place reduction of `tensor` across ranks."""
-        _check_tensor(tensor)
-        _check_op(op)
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"allreduce_async needs a non-empty string name, got {name!r}")
+    def cross_rank(self):
+        """Index of this process's node (Horovod: rank among processes with its local rank)."""
+        raise NotImplementedError
+
+    def cross_size(self):
+        raise NotImplementedError
+
+    def is_homogeneous(self):
+        """True when every node runs the same number of ranks."""
+        raise NotImplementedError
+
+    def capabilities(self):
+        """What the library was built with and runs on, under Horovod's query names:
+        mpi_built, mpi_enabled, mpi_threads_supported (None without MPI), gloo_built,
+        gloo_enabled, nccl_built (NCCL's version code, 0 without), ddl_built, ccl_built,
+        cuda_built, rocm_built."""
+        raise NotImplementedError
+
+    # --- process sets ---------------------------------------------------
+    def _register_process_sets(self, process_sets, global_library_set=None):
+        """Register the global set and those given to init; engines call this once
+        the library is up (Horovod's sets are made by hvd.init itself)."""
+        global_process_set.ranks = list(range(self.size()))
+        self._process_sets = {0: (global_process_set, global_library_set)}
+        for ps in check_new_sets(process_sets, self.size(), [global_process_set.ranks]):
+            self._adopt(ps)
+
+    def _adopt(self, ps):
+        set_id, library_set = self._add_library_set(ps)
+        ps.process_set_id = set_id
+        self._process_sets[set_id] = (ps, library_set)
+        return ps
+
+    def add_process_set(self, process_set):
+        """Register a ProcessSet (or a list of global ranks) on every rank; return it.
+
+        Collective: every rank calls it, in the same order."""
+        known = [ps.ranks for ps, _ in self._process_sets.values()]
+        (ps,) = check_new_sets([process_set], self.size(), known)
+        return self._adopt(ps)
+
+    def remove_process_set(self, process_set):
+        """Unregister a set (collective); False if it was not registered or is global."""
+        entry = self._process_sets.get(getattr(process_set, "process_set_id", None))
+        if entry is None or entry[0] is not process_set or process_set is global_process_set:
+            return False
+        self._remove_library_set(process_set, entry[1])
+        del self._process_sets[process_set.process_set_id]
+        process_set.process_set_id = None
+        return True
+
+    def _resolve(self, process_set):
+        """The registered ProcessSet an operation runs on (None: every rank)."""
+        ps = global_process_set if process_set is None else process_set
+        if not isinstance(ps, ProcessSet):
+            raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {ps!r}")
+        entry = self._process_sets.get(ps.process_set_id)
+        if entry is None or entry[0] is not ps:
+            raise ValueError(f"{ps} is not registered: pass it to init(process_sets=[...]) or "
+                             "add_process_set() first")
+        if self.rank() not in ps.ranks:
+            raise ValueError(f"rank {self.rank()} is not a member of {ps}")
+        return ps
+
+    def _library_set(self, ps):
+        """What the library calls process set `ps` (a Horovod ProcessSet, a torch group)."""
+        return self._process_sets[ps.process_set_id][1]
+
+    # --- bookkeeping of operations in flight ---------------------------
+    def _claim(self, kind, name):
+        """The name an operation runs under: `name`, or an automatic one for None.
+
+        Automatic names count per kind, so they agree across ranks that start
+        unnamed operations in the same order (Horovod's own rule)."""
+        check_name(name, kind)
+        if name is None:
+            self._unnamed[kind] += 1
+            name = f"{kind}.noname.{self._unnamed[kind]}"
         if name in self._names:
             raise ValueError(
                 f"tensor name {name!r} is already in flight; wait for it first or use a "
-                "distinct name per in-flight reduction")
-        backend = self._start_allreduce(tensor, name, op)
-        handle = Handle(next(self._ids), name, tensor, op, backend)
+                "distinct name per in-flight operation")
+        return name
+
+    def _track(self, kind, name, tensor, op, backend, started):
+        handle = Handle(next(self._ids), name, tensor, op, backend, kind, started)
         self._in_flight[handle.id] = handle
         self._names[name] = handle.id
         return handle
 
+    def _clock(self):
+        return None if self._timeline is None else self._timeline.now()
+
+    # --- reductions -----------------------------------------------------
+    def allreduce_async(self, tensor, name, op=Average, *, process_set=None,
+                        prescale_factor=1.0, postscale_factor=1.0):
+        """Start an in-place reduction of `tensor` across the ranks of `process_set`.
+
+        `name` None picks an automatic name. The result is
+        postscale * op(prescale * tensor); Average divides the sum by the set's size.
+        """
+        check_tensor(tensor)
+        check_op(op)
+        check_scale(prescale_factor, "prescale_factor")
+        check_scale(postscale_factor, "postscale_factor")
+        started = self._clock()
+        name = self._claim("allreduce", name)
+        ps = self._resolve(process_set)
+        self._check_adasum(op, ps, [tensor])
+        backend = self._start_allreduce(tensor, name, op, ps, prescale_factor, postscale_factor)
+        return self._track("allreduce", name, tensor, op, backend, started)
+
+    def grouped_allreduce_async(self, tensors, name, op=Average, *, process_set=None,
+                                prescale_factor=1.0, postscale_factor=1.0):
+        """Reduce a list of tensors in place as one operation; `wait` returns the list."""
+        tensors = check_tensors(tensors, "grouped_allreduce")
+        check_op(op)
+        check_scale(prescale_factor, "prescale_factor")
+        check_scale(postscale_factor, "postscale_factor")
+        started = self._clock()
+        name = self._claim("grouped_allreduce", name)
+        ps = self._resolve(process_set)
+        self._check_adasum(op, ps, tensors)
+        backend = self._start_grouped_allreduce(tensors, name, op, ps, prescale_factor,
+                                                postscale_factor)
+        return self._track("grouped_allreduce", name, tensors, op, backend, started)
+
+    def _check_adasum(self, op, ps, tensors):
+        if op is not Adasum:
+            return
+        if ps is not global_process_set:
+            raise NotImplementedError("Adasum does not support process sets other than the "
+                                      "global one (as in Horovod)")
+        size = len(ps.ranks)
+        if size & (size - 1):
+            raise NotImplementedError(f"Adasum needs a power-of-2 number of ranks (as in "
+                                      f"Horovod), got {size}")
+        if not all(t.is_floating_point() for t in tensors):
+            raise ValueError("Adasum needs floating-point tensors")
+
+    def reducescatter_async(self, tensor, name, op=Average, *, process_set=None,
+                            prescale_factor=1.0, postscale_factor=1.0):
+        """Reduce `tensor` and give rank i of the set the i-th block of rows.
+
+        Rows split as evenly as possible, the first ranks taking one more
+        (Horovod's split). `wait` returns this rank's block, a new tensor."""
+        check_tensor(tensor, "reducescatter")
+        check_op(op, (Average, Sum), "reducescatter")
+        check_rows(tensor, "reducescatter")
+        check_scale(prescale_factor, "prescale_factor")
+        check_scale(postscale_factor, "postscale_factor")
+        started = self._clock()
+        name = self._claim("reducescatter", name)
+        ps = self._resolve(process_set)
+        backend = self._start_reducescatter(tensor, name, op, ps, prescale_factor,
+                                            postscale_factor)
+        return self._track("reducescatter", name, tensor, op, backend, started)
+
+    def grouped_reducescatter_async(self, tensors, name, op=Average, *, process_set=None,
+                                    prescale_factor=1.0, postscale_factor=1.0):
+        tensors = check_tensors(tensors, "grouped_reducescatter")
+        check_op(op, (Average, Sum), "grouped_reducescatter")
+        for tensor in tensors:
+            check_rows(tensor, "grouped_reducescatter")
+        check_scale(prescale_factor, "prescale_factor")
+        check_scale(postscale_factor, "postscale_factor")
+        started = self._clock()
+        name = self._claim("grouped_reducescatter", name)
+        ps = self._resolve(process_set)
+        backend = self._start_grouped_reducescatter(tensors, name, op, ps, prescale_factor,
+                                                    postscale_factor)
+        return self._track("grouped_reducescatter", name, tensors, op, backend, started)
+
+    # --- data movement --------------------------------------------------
+    def allgather_async(self, tensor, name, *, process_set=None):
+        """Concatenate every rank's `tensor` along dim 0 (first dims may differ)."""
+        check_tensor(tensor, "allgather")
+        check_rows(tensor, "allgather")
+        started = self._clock()
+        name = self._claim("allgather", name)
+        ps = self._resolve(process_set)
+        return self._track("allgather", name, tensor, None,
+                           self._start_allgather(tensor, name, ps), started)
+
+    def grouped_allgather_async(self, tensors, name, *, process_set=None):
+        tensors = check_tensors(tensors, "grouped_allgather")
+        for tensor in tensors:
+            check_rows(tensor, "grouped_allgather")
+        started = self._clock()
+        name = self._claim("grouped_allgather", name)
+        ps = self._resolve(process_set)
+        return self._track("grouped_allgather", name, tensors, None,
+                           self._start_grouped_allgather(tensors, name, ps), started)
+
+    def broadcast_async(self, tensor, root, name, *, process_set=None):
+        """Overwrite `tensor` in place with global rank `root`'s value."""
+        check_tensor(tensor, "broadcast")
+        started = self._clock()
+        name = self._claim("broadcast", name)
+        ps = self._resolve(process_set)
+        self._check_root_in(root, ps)
+        return self._track("broadcast", name, tensor, None,
+                           self._start_broadcast(tensor, root, name, ps), started)
+
+    def alltoall_async(self, tensor, splits, name, *, process_set=None):
+        """Send rows splits[i] to the set's i-th rank; `wait` returns
+        (received rows concatenated in rank order, int32 tensor of rows received from each)."""
+        check_tensor(tensor, "alltoall")
+        check_rows(tensor, "alltoall")
+        started = self._clock()
+        name = self._claim("alltoall", name)
+        ps = self._resolve(process_set)
+        splits = check_splits(splits, tensor.shape[0], len(ps.ranks))
+        return self._track("alltoall", name, tensor, None,
+                           self._start_alltoall(tensor, splits, name, ps), started)
+
     def _known(self, handle):
         if not isinstance(handle, Handle) or self._in_flight.get(handle.id) is not handle:
             raise ValueError(
-                f"unknown handle {handle!r}: not returned by this engine's allreduce_async, "
+                f"unknown handle {handle!r}: not returned by this engine's *_async calls, "
                 "or already waited for")
         return handle
 
     def poll(self, handle):
         """True when `wait(handle)` would return without blocking."""
-        return self._poll(self._known(handle))
+        handle = self._known(handle)
+        if isinstance(handle.backend, Work):
+            return handle.backend.poll()
+        return self._poll(handle)
 
     def wait(self, handle):
-        """Block until the reduction lands; return the reduced tensor."""
+        """Block until the operation completes; return its result (for an
+        allreduce, the reduced tensor). A failed operation is forgotten too."""
         handle = self._known(handle)
-        result = self._wait(handle)
-        del self._in_flight[handle.id]
-        del self._names[handle.name]
+        try:
+            if isinstance(handle.backend, Work):
+                result = handle.backend.wait()
+            else:
+                result = self._wait(handle)
+        finally:
+            del self._in_flight[handle.id]
+            del self._names[handle.name]
+        if self._timeline is not None and handle.started is not None:
+            self._timeline.record(handle.kind, handle.name, handle.started, self._timeline.now())
         return result
 
     def in_flight(self):
         return len(self._in_flight)
 
-    # --- other collectives ----------------------------------------------
-    def broadcast(self, tensor, root):
+    # --- synchronous collectives ----------------------------------------
+    def broadcast(self, tensor, root, *, process_set=None):
         """Overwrite `tensor` in place with root's value; return it."""
-        raise NotImplementedError
+        return self.wait(self.broadcast_async(tensor, root, None, process_set=process_set))
 
-    def broadcast_object(self, obj, root):
-        raise NotImplementedError
+    def broadcast_object(self, obj, root, *, name=None, process_set=None):
+        """Root's picklable `obj`, on every rank of the set."""
+        check_name(name, "broadcast_object")
+        ps = self._resolve(process_set)
+        self._check_root_in(root, ps)
+        return self._broadcast_object(obj, root, name, ps)
 
-    def allgather_object(self, obj):
+    def allgather_object(self, obj, *, name=None, process_set=None):
         """Every rank's `obj`, in rank order (for cross-rank consistency checks)."""
-        raise NotImplementedError
+        check_name(name, "allgather_object")
+        return self._allgather_object(obj, name, self._resolve(process_set))
 
-    def barrier(self):
-        raise NotImplementedError
+    def barrier(self, *, process_set=None):
+        """Return once every rank of the set has called barrier."""
+        self._barrier(self._resolve(process_set))
+
+    def join(self, device=-1):
+        """Declare this rank done; return the rank that joined last.
+
+        Callbacks registered with around_join run before (this rank) and
+        after (every rank, once all joined), so adapters can drain state
+        that is tied to a step count and line it up again across ranks.
+        """
+        if isinstance(device, bool) or not isinstance(device, int):
+            raise TypeError(f"join's device must be an int (-1: CPU), got {device!r}")
+        for before, _ in list(self._around_join.values()):
+            before()
+        last = self._join(device)
+        for _, after in list(self._around_join.values()):
+            after(last)
+        return last
+
+    def around_join(self, key, before, after):
+        """Have join() call `before()` first and `after(last_rank)` last, once per `key`."""
+        self._around_join[key] = (before, after)
+
+    def _check_root_in(self, root, ps):
+        check_root(root, self.size())
+        if root not in ps.ranks:
+            raise ValueError(f"root rank {root} is not a member of {ps}")
+
+    # --- timeline -------------------------------------------------------
+    def start_timeline(self, file_path, mark_cycles=False):
+        """Record operations to a Chrome-trace file (rank 0 writes it, as in Horovod)."""
+        self.stop_timeline()
+        if self.rank() == 0:
+            self._timeline = Timeline(file_path, mark_cycles)
+
+    def stop_timeline(self):
+        timeline, self._timeline = self._timeline, None
+        if timeline is not None:
+            timeline.close()
 
     def before_shutdown(self, key, callback):
         """Have shutdown() call `callback()` first, once per `key`.
@@ -178,7 +447,58 @@ class Engine:
         """Subclass hook: release the library (after in-flight work completed)."""
 
     # --- subclass hooks -------------------------------------------------
-    def _start_allreduce(self, tensor, name, op):
+    # Each gets validated arguments and a registered ProcessSet the caller is
+    # in; each returns the backend state of the operation (a Work, or for
+    # _start_allreduce anything the engine's _poll/_wait understand).
+    def _start_allreduce(self, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        raise NotImplementedError
+
+    def _start_grouped_allreduce(self, tensors, name, op, process_set, prescale_factor,
+                                 postscale_factor):
+        return WorkList([self._start_allreduce(t, f"{name}.{i}", op, process_set,
+                                               prescale_factor, postscale_factor)
+                         for i, t in enumerate(tensors)])
+
+    def _start_reducescatter(self, tensor, name, op, process_set, prescale_factor,
+                             postscale_factor):
+        raise NotImplementedError
+
+    def _start_grouped_reducescatter(self, tensors, name, op, process_set, prescale_factor,
+                                     postscale_factor):
+        return WorkList([self._start_reducescatter(t, f"{name}.{i}", op, process_set,
+                                                   prescale_factor, postscale_factor)
+                         for i, t in enumerate(tensors)])
+
+    def _start_allgather(self, tensor, name, process_set):
+        raise NotImplementedError
+
+    def _start_grouped_allgather(self, tensors, name, process_set):
+        return WorkList([self._start_allgather(t, f"{name}.{i}", process_set)
+                         for i, t in enumerate(tensors)])
+
+    def _start_broadcast(self, tensor, root, name, process_set):
+        raise NotImplementedError
+
+    def _start_alltoall(self, tensor, splits, name, process_set):
+        raise NotImplementedError
+
+    def _broadcast_object(self, obj, root, name, process_set):
+        raise NotImplementedError
+
+    def _allgather_object(self, obj, name, process_set):
+        raise NotImplementedError
+
+    def _barrier(self, process_set):
+        raise NotImplementedError
+
+    def _join(self, device):
+        raise NotImplementedError
+
+    def _add_library_set(self, process_set):
+        """Create the library's side of a new set; return (process_set_id, library object)."""
+        raise NotImplementedError
+
+    def _remove_library_set(self, process_set, library_set):
         raise NotImplementedError
 
     def _poll(self, handle):

@@ -43,11 +43,27 @@ alltoall, which can wait on a rank that is itself waiting for that
 allgather). The names `<name>.a2a` and `<name>.ag` must not be in flight as
 other tensors' names. A tensor whose size differs across ranks is reported
 (EngineError on `wait`) by the ranks whose shard sizes then disagree.
-Other dtypes use `allreduce_async_` directly.
+Other dtypes use `allreduce_async_` directly. Min, Max and Product of
+bfloat16 take the same path, combining the shards in float32; so do
+process sets and Horovod's prescale/postscale factors.
+
+Collectives that only move bits (allgather, broadcast, alltoall) send
+bfloat16 as int16 and bool as uint8, which Horovod moves untouched.
+Everything else delegates to `horovod.torch`, except Adasum without MPI
+(Horovod runs Adasum only through MPI): that gathers every rank's tensor
+and combines them with engine/adasum.py.
 """
 import concurrent.futures
+import io
+import os
 
-from .base import Average, Engine, EngineError, check_root
+from .adasum import combine as adasum_combine
+from .base import (Adasum, Average, Engine, EngineError, Max, Min, Product, Sum, Work, scale_,
+                   shard_sizes)
+from .process_sets import check_new_sets
+
+_HOROVOD_OPS = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
+                Product: "Product"}
 
 # Pool threads are created only while that many bfloat16 reductions are
 # blocked at once in their alltoall; see the module docstring.
@@ -60,10 +76,27 @@ def _torch():
     return torch
 
 
-def shard_sizes(numel, size):
-    """`size` near-equal contiguous shards of `numel` elements, larger ones first."""
-    base, extra = divmod(numel, size)
-    return [base + (1 if r < extra else 0) for r in range(size)]
+def _wire(tensor):
+    """`tensor`'s bits as a dtype Horovod 0.28.1 moves (it refuses bfloat16 and bool)."""
+    torch = _torch()
+    wire_dtype = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}.get(tensor.dtype)
+    return tensor if wire_dtype is None else tensor.view(wire_dtype)
+
+
+class _HorovodWork(Work):
+    """A Horovod handle, and what to make of its output once it lands."""
+
+    def __init__(self, hvd, handle, finish=None):
+        self.hvd = hvd
+        self.handle = handle
+        self.finish = finish
+
+    def poll(self):
+        return self.hvd.poll(self.handle)
+
+    def wait(self):
+        out = self.hvd.synchronize(self.handle)
+        return out if self.finish is None else self.finish(out)
 
 
 class _Split16Reduction:
@@ -79,14 +112,19 @@ class _Split16Reduction:
 class HorovodEngine(Engine):
     name = "horovod"
 
-    def __init__(self):
+    def __init__(self, comm=None, process_sets=None):
         super().__init__()
         import horovod.torch as hvd
 
         self.hvd = hvd
         self._object_calls = 0
         self._pool = None
-        hvd.init()
+        # Checked before hvd.init, which answers a bad set with "initialization failed".
+        size = int(os.environ["HOROVOD_SIZE"]) if "HOROVOD_SIZE" in os.environ else None
+        sets = check_new_sets(process_sets, size, [list(range(size))] if size else [])
+        self._made_by_init = {tuple(ps.ranks): hvd.ProcessSet(ps.ranks) for ps in sets}
+        hvd.init(comm, process_sets=list(self._made_by_init.values()))
+        self._register_process_sets(sets, hvd.global_process_set)
 
     def rank(self):
         return self.hvd.rank()
@@ -100,32 +138,105 @@ class HorovodEngine(Engine):
     def local_size(self):
         return self.hvd.local_size()
 
-    def _start_allreduce(self, tensor, name, op):
-        torch = _torch()
-        if tensor.dtype == torch.bfloat16:
-            return self._start_split16(tensor, name, op)
-        hvd_op = self.hvd.Average if op is Average else self.hvd.Sum
-        return self.hvd.allreduce_async_(tensor, name=name, op=hvd_op)
+    def cross_rank(self):
+        return self.hvd.cross_rank()
 
-    def _start_split16(self, tensor, name, op):
+    def cross_size(self):
+        return self.hvd.cross_size()
+
+    def is_homogeneous(self):
+        return self.hvd.mpi_ops.is_homogeneous()
+
+    def capabilities(self):
+        hvd = self.hvd
+        info = {name: getattr(hvd, name)() for name in (
+            "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
+            "ccl_built", "cuda_built", "rocm_built")}
+        info["mpi_threads_supported"] = hvd.mpi_threads_supported() if info["mpi_enabled"] else None
+        return info
+
+    def start_timeline(self, file_path, mark_cycles=False):
+        self.hvd.start_timeline(file_path, mark_cycles)
+
+    def stop_timeline(self):
+        self.hvd.stop_timeline()
+
+    # --- reductions -----------------------------------------------------
+    def _start_allreduce(self, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        torch = _torch()
+        if op is Adasum and not self.hvd.mpi_enabled():
+            return self._start_gathered_adasum(tensor, name, prescale_factor, postscale_factor)
+        if tensor.dtype == torch.bfloat16:
+            return self._start_split16(tensor, name, op, process_set, prescale_factor,
+                                       postscale_factor)
+        return self.hvd.allreduce_async_(
+            tensor, name=name, op=getattr(self.hvd, _HOROVOD_OPS[op]),
+            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+            process_set=self._library_set(process_set))
+
+    def _start_gathered_adasum(self, tensor, name, prescale_factor, postscale_factor):
+        """Adasum without MPI: allgather every rank's tensor, combine them here."""
+        scale_(tensor, prescale_factor)
+        gathered = self.hvd.allgather_async(_wire(tensor).reshape(1, -1), name=name)
+
+        def finish(rows):
+            parts = list(rows.view(tensor.dtype).view(self.size(), *tensor.shape))
+            return scale_(tensor.copy_(adasum_combine(parts)), postscale_factor)
+
+        return _HorovodWork(self.hvd, gathered, finish)
+
+    def _start_grouped_allreduce(self, tensors, name, op, process_set, prescale_factor,
+                                 postscale_factor):
+        if op is Adasum and not self.hvd.mpi_enabled():
+            return super()._start_grouped_allreduce(tensors, name, op, process_set,
+                                                    prescale_factor, postscale_factor)
+        handle = self.hvd.grouped_allreduce_async_(
+            tensors, name=name, op=getattr(self.hvd, _HOROVOD_OPS[op]),
+            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+            process_set=self._library_set(process_set))
+        return _HorovodWork(self.hvd, handle, list)
+
+    def _start_reducescatter(self, tensor, name, op, process_set, prescale_factor,
+                             postscale_factor):
+        handle = self.hvd.reducescatter_async(
+            tensor, name=name, op=getattr(self.hvd, _HOROVOD_OPS[op]),
+            process_set=self._library_set(process_set), prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor)
+        return _HorovodWork(self.hvd, handle)
+
+    def _start_grouped_reducescatter(self, tensors, name, op, process_set, prescale_factor,
+                                     postscale_factor):
+        handle = self.hvd.grouped_reducescatter_async(
+            tensors, name=name, op=getattr(self.hvd, _HOROVOD_OPS[op]),
+            process_set=self._library_set(process_set), prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor)
+        return _HorovodWork(self.hvd, handle, list)
+
+    def _start_split16(self, tensor, name, op, process_set, prescale_factor, postscale_factor):
         """Start the alltoall of a 16-bit float tensor; a pool thread does the rest."""
         torch = _torch()
         wire = tensor.view(-1).view(torch.int16)
-        size = self.size()
-        if size == 1:                  # sum of one value, /1: the input, bit for bit
+        size = len(process_set.ranks)
+        if size == 1:                  # one value: the input, bit for bit unless scaled
+            if prescale_factor != 1 or postscale_factor != 1:
+                tensor.copy_(tensor.float().mul_(prescale_factor).mul_(postscale_factor))
             done = concurrent.futures.Future()
             done.set_result(None)
             return _Split16Reduction(wire, done)
+        library_set = self._library_set(process_set)
         splits = shard_sizes(wire.numel(), size)
-        a2a = self.hvd.alltoall_async(wire, splits=splits, name=f"{name}.a2a")
+        a2a = self.hvd.alltoall_async(wire, splits=splits, name=f"{name}.a2a",
+                                      process_set=library_set)
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=_BF16_THREADS, thread_name_prefix="pipe_horovod-bf16")
-        future = self._pool.submit(self._reduce_shard, a2a, splits[self.rank()], size,
-                                   tensor.dtype, op, name)
+        shard = splits[process_set.ranks.index(self.rank())]
+        future = self._pool.submit(self._reduce_shard, a2a, shard, size, tensor.dtype, op, name,
+                                   library_set, prescale_factor, postscale_factor)
         return _Split16Reduction(wire, future)
 
-    def _reduce_shard(self, a2a, shard, size, dtype, op, name):
+    def _reduce_shard(self, a2a, shard, size, dtype, op, name, library_set, prescale_factor,
+                      postscale_factor):
         """Pool thread: finish the alltoall, reduce this rank's shard, start the allgather."""
         torch = _torch()
         received, received_splits = self.hvd.synchronize(a2a)
@@ -134,14 +245,26 @@ class HorovodEngine(Engine):
             raise EngineError(
                 f"{dtype} reduction {name!r}: rank {self.rank()} expected {shard} element(s) "
                 f"from every rank, received {got}; the tensor's size differs across ranks")
-        parts = received.view(dtype).view(size, shard)
-        total = parts[0].float()
-        for part in parts[1:]:         # rank order: the same sum on every rank, every run
-            total.add_(part)
+        values = received.view(dtype).view(size, shard).float()
+        if prescale_factor != 1:
+            values.mul_(prescale_factor)
+        if op is Min:
+            total = values.amin(0)
+        elif op is Max:
+            total = values.amax(0)
+        else:                          # rank order: the same result on every rank, every run
+            total = values[0].clone()
+            for value in values[1:]:
+                if op is Product:
+                    total.mul_(value)
+                else:
+                    total.add_(value)
         if op is Average:
             total.div_(size)
+        if postscale_factor != 1:
+            total.mul_(postscale_factor)
         reduced = total.to(dtype).view(torch.int16)
-        return self.hvd.allgather_async(reduced, name=f"{name}.ag")
+        return self.hvd.allgather_async(reduced, name=f"{name}.ag", process_set=library_set)
 
     def _poll(self, handle):
         backend = handle.backend
@@ -164,26 +287,73 @@ class HorovodEngine(Engine):
             backend.wire.copy_(self.hvd.synchronize(ag))
         return handle.tensor
 
-    def broadcast(self, tensor, root):
-        check_root(root, self.size())
-        return self.hvd.broadcast_(tensor, root_rank=root)
+    # --- data movement --------------------------------------------------
+    def _start_allgather(self, tensor, name, process_set):
+        handle = self.hvd.allgather_async(_wire(tensor), name=name,
+                                          process_set=self._library_set(process_set))
+        return _HorovodWork(self.hvd, handle, lambda out: out.view(tensor.dtype))
 
+    def _start_grouped_allgather(self, tensors, name, process_set):
+        handle = self.hvd.grouped_allgather_async([_wire(t) for t in tensors], name=name,
+                                                  process_set=self._library_set(process_set))
+        return _HorovodWork(self.hvd, handle,
+                            lambda outs: [o.view(t.dtype) for o, t in zip(outs, tensors)])
+
+    def _start_broadcast(self, tensor, root, name, process_set):
+        handle = self.hvd.broadcast_async_(_wire(tensor), root_rank=root, name=name,
+                                           process_set=self._library_set(process_set))
+        return _HorovodWork(self.hvd, handle, lambda out: tensor)
+
+    def _start_alltoall(self, tensor, splits, name, process_set):
+        torch = _torch()
+        handle = self.hvd.alltoall_async(_wire(tensor), torch.tensor(splits, dtype=torch.int32),
+                                         name=name, process_set=self._library_set(process_set))
+        return _HorovodWork(self.hvd, handle,
+                            lambda out: (out[0].view(tensor.dtype), out[1]))
+
+    # --- synchronous collectives ----------------------------------------
     # Horovod names object collectives after type(obj) by default, which
     # deadlocks when the root sends a dict and the others pass None: name
     # them by call count instead, identical on every rank.
-    def broadcast_object(self, obj, root):
-        check_root(root, self.size())
-        return self.hvd.broadcast_object(obj, root_rank=root, name=self._object_name("bcast"))
+    def _broadcast_object(self, obj, root, name, process_set):
+        return self.hvd.broadcast_object(obj, root_rank=root,
+                                         name=name or self._object_name("bcast"),
+                                         process_set=self._library_set(process_set))
 
-    def allgather_object(self, obj):
-        return self.hvd.allgather_object(obj, name=self._object_name("gather"))
+    def _allgather_object(self, obj, name, process_set):
+        name = name or self._object_name("gather")
+        if process_set.process_set_id == 0:
+            return self.hvd.allgather_object(obj, name=name)
+        # Horovod 0.28.1's allgather_object has no process_set: the same steps on one.
+        import cloudpickle
+        torch = _torch()
+        library_set = self._library_set(process_set)
+        data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.hvd.allgather(torch.tensor([data.numel()]), name=f"{name}.sz",
+                                   process_set=library_set).tolist()
+        blob = self.hvd.allgather(data, name=f"{name}.t", process_set=library_set)
+        return [cloudpickle.load(io.BytesIO(part.numpy().tobytes()))
+                for part in blob.split(sizes)]
 
     def _object_name(self, kind):
         self._object_calls += 1
         return f"pipe_horovod.{kind}_object.{self._object_calls}"
 
-    def barrier(self):
-        self.hvd.barrier()
+    def _barrier(self, process_set):
+        self.hvd.barrier(process_set=self._library_set(process_set))
+
+    def _join(self, device):
+        return self.hvd.join(device)
+
+    # --- process sets ---------------------------------------------------
+    def _add_library_set(self, process_set):
+        library_set = self._made_by_init.pop(tuple(process_set.ranks), None)
+        if library_set is None:        # needs HOROVOD_DYNAMIC_PROCESS_SETS=1 (Horovod says so)
+            library_set = self.hvd.add_process_set(process_set.ranks)
+        return library_set.process_set_id, library_set
+
+    def _remove_library_set(self, process_set, library_set):
+        self.hvd.remove_process_set(library_set)
 
     def _close(self):
         pool, self._pool = self._pool, None
@@ -192,7 +362,3 @@ class HorovodEngine(Engine):
         self.hvd.shutdown()            # fails the alltoalls a pool thread may still block on
         if pool is not None:
             pool.shutdown(wait=True)
-
-    def controllers(self):
-        hvd = self.hvd
-        return {"gloo": hvd.gloo_enabled(), "mpi": hvd.mpi_enabled(), "nccl": hvd.nccl_built()}

@@ -1,13 +1,19 @@
 """One process, no communication: `python train.py` just works.
 
-Average and Sum over one rank are the identity, so a reduction is complete
-the moment it starts.
+Every collective over one rank is the identity (up to Horovod's scaling),
+so each operation is complete the moment it starts.
 """
-from .base import Engine, check_root
+from .base import Done, Engine, scale_
 
 
 class LocalEngine(Engine):
     name = "local"
+
+    def __init__(self, comm=None, process_sets=None):
+        super().__init__()
+        if comm not in (None, [], [0]):
+            raise ValueError(f"the local engine runs one rank; comm={comm!r} names others")
+        self._register_process_sets(process_sets)
 
     def rank(self):
         return 0
@@ -21,26 +27,57 @@ class LocalEngine(Engine):
     def local_size(self):
         return 1
 
-    def _start_allreduce(self, tensor, name, op):
-        return None
+    def cross_rank(self):
+        return 0
 
-    def _poll(self, handle):
+    def cross_size(self):
+        return 1
+
+    def is_homogeneous(self):
         return True
 
-    def _wait(self, handle):
-        return handle.tensor
+    def capabilities(self):
+        return {"mpi_built": False, "mpi_enabled": False, "mpi_threads_supported": None,
+                "gloo_built": False, "gloo_enabled": False, "nccl_built": 0,
+                "ddl_built": False, "ccl_built": False, "cuda_built": False,
+                "rocm_built": False}
 
-    def broadcast(self, tensor, root):
-        check_root(root, 1)
-        return tensor
+    def _start_allreduce(self, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        # Sum, Average, Min, Max, Product and Adasum of one value: that value.
+        scale_(tensor, prescale_factor)
+        return Done(scale_(tensor, postscale_factor))
 
-    def broadcast_object(self, obj, root):
-        check_root(root, 1)
+    def _start_reducescatter(self, tensor, name, op, process_set, prescale_factor,
+                             postscale_factor):
+        out = tensor.clone()
+        scale_(out, prescale_factor)
+        return Done(scale_(out, postscale_factor))
+
+    def _start_allgather(self, tensor, name, process_set):
+        return Done(tensor.clone())
+
+    def _start_broadcast(self, tensor, root, name, process_set):
+        return Done(tensor)
+
+    def _start_alltoall(self, tensor, splits, name, process_set):
+        import torch
+
+        return Done((tensor.clone(), torch.tensor(splits, dtype=torch.int32)))
+
+    def _broadcast_object(self, obj, root, name, process_set):
         return obj
 
-    def allgather_object(self, obj):
+    def _allgather_object(self, obj, name, process_set):
         return [obj]
 
-    def barrier(self):
+    def _barrier(self, process_set):
         pass
 
+    def _join(self, device):
+        return 0
+
+    def _add_library_set(self, process_set):
+        raise AssertionError("unreachable: one rank has no set besides the global one")
+
+    def _remove_library_set(self, process_set, library_set):
+        pass

@@ -1,19 +1,63 @@
 """torch.distributed: gloo on CPU, nccl on GPU, with async work handles.
 
 Unlike Horovod, torch.distributed matches collectives by call order, not by
-name: callers (the pipeline core) must start reductions in the same order
-on every rank. Gloo has no AVG op, so Average is a Sum divided on `wait`.
+name: callers (the pipeline core) must start operations in the same order
+on every rank. Average is a Sum divided on `wait` (gloo's AVG refuses
+integer tensors). Horovod's other collectives map onto torch's:
+
+- allgather with first dimensions that differ across ranks (gloo's
+  all_gather wants equal sizes): one small all_gather of every rank's shape,
+  which also turns a dtype or trailing-shape mismatch into a ValueError on
+  every rank instead of a hang, then an all_gather padded to the longest;
+- alltoall: the same shape exchange carries every rank's splits, then
+  all_to_all_single with uneven splits;
+- reducescatter: an allreduce of a copy, of which each rank keeps its rows
+  (Horovod's uneven split; twice the bytes of a true reduce-scatter, but
+  every backend and row count works);
+- Adasum: an all_gather and the combination rule of engine/adasum.py;
+- process sets: torch.distributed.new_group;
+- join: a collective every rank must reach after the same collectives; it
+  returns the rank that arrived last (by wall clock). Unlike Horovod, a
+  joined rank does not stand in for the others' later allreduces:
+  torch.distributed has no names to answer them by.
 """
 import atexit
+import math
 import os
+import time
 
-from .base import Average, Engine, check_root
+from .adasum import combine as adasum_combine
+from .base import Adasum, Average, Done, Engine, Max, Min, Product, Sum, Then, Work, scale_, \
+    shard_sizes
+
+# How Horovod's ops map onto torch.distributed's (Average: SUM, divided on wait).
+_OPS = {Average: "SUM", Sum: "SUM", Min: "MIN", Max: "MAX", Product: "PRODUCT"}
+# Small codes for dtypes in the shape exchange (any code works if it is the same everywhere).
+_DTYPES = ("float32", "float64", "float16", "bfloat16", "uint8", "int8", "int16", "int32",
+           "int64", "bool", "complex64", "complex128")
+_TRAILING = 8   # trailing dimensions compared one by one; further ones by their product
+
+
+class _Pending(Work):
+    """torch.distributed work handles, and what to return once they complete."""
+
+    def __init__(self, works, finish):
+        self.works = works
+        self.finish = finish
+
+    def poll(self):
+        return all(work.is_completed() for work in self.works)
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        return self.finish()
 
 
 class TorchDistEngine(Engine):
     name = "torch"
 
-    def __init__(self, backend=None):
+    def __init__(self, backend=None, comm=None, process_sets=None):
         super().__init__()
         import torch
         import torch.distributed as dist
@@ -30,6 +74,11 @@ class TorchDistEngine(Engine):
             atexit.register(self.shutdown)
         self._local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self._local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if comm not in (None, []) and list(comm) != list(range(self.size())):
+            raise ValueError(f"the torch engine spans every rank torchrun started; comm={comm!r} "
+                             "(a sub-communicator) is not supported: use process_sets")
+        self._set_ids = 0
+        self._register_process_sets(process_sets)
 
     def rank(self):
         return self.dist.get_rank()
@@ -43,36 +92,143 @@ class TorchDistEngine(Engine):
     def local_size(self):
         return self._local_size
 
-    def _start_allreduce(self, tensor, name, op):
-        return self.dist.all_reduce(tensor, op=self.dist.ReduceOp.SUM, async_op=True)
+    def cross_rank(self):
+        return int(os.environ.get("GROUP_RANK", self.rank() // self._local_size))
 
-    def _poll(self, handle):
-        return handle.backend.is_completed()
+    def cross_size(self):
+        return int(os.environ.get("GROUP_WORLD_SIZE", max(1, self.size() // self._local_size)))
 
-    def _wait(self, handle):
-        handle.backend.wait()
-        if handle.op is Average and self.size() > 1:
-            handle.tensor.div_(self.size())
-        return handle.tensor
+    def is_homogeneous(self):
+        return self.size() == self._local_size * self.cross_size()
 
-    def broadcast(self, tensor, root):
-        check_root(root, self.size())
-        self.dist.broadcast(tensor, src=root)
-        return tensor
+    def capabilities(self):
+        dist, torch = self.dist, self.torch
+        backend = str(dist.get_backend())
+        nccl = 0
+        if dist.is_nccl_available() and torch.cuda.is_available():
+            major, minor, patch = torch.cuda.nccl.version()
+            nccl = major * 10000 + minor * 100 + patch   # NCCL_VERSION_CODE
+        return {"mpi_built": dist.is_mpi_available(), "mpi_enabled": "mpi" in backend,
+                "mpi_threads_supported": False if "mpi" in backend else None,
+                "gloo_built": dist.is_gloo_available(), "gloo_enabled": "gloo" in backend,
+                "nccl_built": nccl, "ddl_built": False, "ccl_built": "ccl" in backend,
+                "cuda_built": torch.version.cuda is not None,
+                "rocm_built": torch.version.hip is not None}
 
-    def broadcast_object(self, obj, root):
-        check_root(root, self.size())
+    # --- reductions -----------------------------------------------------
+    def _start_allreduce(self, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        group, size = self._library_set(process_set), len(process_set.ranks)
+        scale_(tensor, prescale_factor)
+        if op is Adasum:
+            parts = [self.torch.empty_like(tensor) for _ in range(size)]
+            work = self.dist.all_gather(parts, tensor, group=group, async_op=True)
+            return _Pending([work], lambda: scale_(tensor.copy_(adasum_combine(parts)),
+                                                   postscale_factor))
+        work = self.dist.all_reduce(tensor, op=getattr(self.dist.ReduceOp, _OPS[op]),
+                                    group=group, async_op=True)
+
+        def finish():
+            if op is Average and not tensor.is_floating_point():
+                return scale_(tensor, postscale_factor / size)    # one truncation, as Horovod
+            if op is Average and size > 1:
+                tensor.div_(size)
+            return scale_(tensor, postscale_factor)
+
+        return _Pending([work], finish)
+
+    def _start_reducescatter(self, tensor, name, op, process_set, prescale_factor,
+                             postscale_factor):
+        rows = shard_sizes(tensor.shape[0], len(process_set.ranks))
+        me = process_set.ranks.index(self.rank())
+        first = sum(rows[:me])
+        full = self._start_allreduce(tensor.clone(), name, op, process_set, prescale_factor,
+                                     postscale_factor)
+        return Then(full, lambda out: out.narrow(0, first, rows[me]).clone())
+
+    # --- data movement --------------------------------------------------
+    def _shapes(self, tensor, process_set, what, extra=()):
+        """Every rank's row count (and `extra` ints), after checking that all ranks
+        agree on dtype and trailing shape. One small blocking all_gather."""
+        torch = self.torch
+        trailing = list(tensor.shape[1:])
+        dtype = str(tensor.dtype).replace("torch.", "")
+        code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+        head = [tensor.dim(), code, math.prod(trailing)]
+        mine = torch.tensor(head + (trailing + [-1] * _TRAILING)[:_TRAILING]
+                            + [tensor.shape[0], *extra], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in process_set.ranks]
+        self.dist.all_gather(everyone, mine, group=self._library_set(process_set))
+        table = torch.stack(everyone)
+        agree = len(head) + _TRAILING
+        if not bool((table[:, :agree] == table[0, :agree]).all()):
+            described = {r: f"{tuple(row[len(head):len(head) + row[0] - 1].tolist())} code {row[1]}"
+                         for r, row in zip(process_set.ranks, table.tolist())}
+            raise ValueError(f"{what}: ranks disagree on the tensor's dtype or its shape beyond "
+                             f"dimension 0 (rank: trailing shape, dtype code): {described}")
+        return table[:, agree:].tolist()
+
+    def _start_allgather(self, tensor, name, process_set):
+        torch = self.torch
+        rows = [row[0] for row in self._shapes(tensor, process_set, "allgather")]
+        longest = max(rows)
+        if longest == 0:
+            return Done(tensor.new_empty((0, *tensor.shape[1:])))
+        send = tensor
+        if tensor.shape[0] != longest:           # gloo's all_gather wants equal sizes
+            send = tensor.new_zeros((longest, *tensor.shape[1:]))
+            send[:tensor.shape[0]] = tensor
+        parts = [torch.empty_like(send) for _ in rows]
+        work = self.dist.all_gather(parts, send, group=self._library_set(process_set),
+                                    async_op=True)
+        return _Pending([work], lambda: torch.cat([p[:n] for p, n in zip(parts, rows)]))
+
+    def _start_broadcast(self, tensor, root, name, process_set):
+        work = self.dist.broadcast(tensor, src=root, group=self._library_set(process_set),
+                                   async_op=True)
+        return _Pending([work], lambda: tensor)
+
+    def _start_alltoall(self, tensor, splits, name, process_set):
+        torch = self.torch
+        table = self._shapes(tensor, process_set, "alltoall", extra=splits)
+        me = process_set.ranks.index(self.rank())
+        received = [row[1 + me] for row in table]
+        out = tensor.new_empty((sum(received), *tensor.shape[1:]))
+        counts = torch.tensor(received, dtype=torch.int32)
+        if all(row[0] == 0 for row in table):
+            return Done((out, counts))
+        work = self.dist.all_to_all_single(out, tensor, output_split_sizes=received,
+                                           input_split_sizes=splits,
+                                           group=self._library_set(process_set), async_op=True)
+        return _Pending([work], lambda: (out, counts))
+
+    # --- synchronous collectives ----------------------------------------
+    def _broadcast_object(self, obj, root, name, process_set):
         box = [obj]
-        self.dist.broadcast_object_list(box, src=root)
+        self.dist.broadcast_object_list(box, src=root, group=self._library_set(process_set))
         return box[0]
 
-    def allgather_object(self, obj):
-        out = [None] * self.size()
-        self.dist.all_gather_object(out, obj)
+    def _allgather_object(self, obj, name, process_set):
+        out = [None] * len(process_set.ranks)
+        self.dist.all_gather_object(out, obj, group=self._library_set(process_set))
         return out
 
-    def barrier(self):
-        self.dist.barrier()
+    def _barrier(self, process_set):
+        self.dist.barrier(group=self._library_set(process_set))
+
+    def _join(self, device):
+        stamp = self.torch.tensor([time.time()], dtype=self.torch.float64)
+        everyone = [self.torch.empty_like(stamp) for _ in range(self.size())]
+        self.dist.all_gather(everyone, stamp)
+        return int(self.torch.cat(everyone).argmax())
+
+    # --- process sets ---------------------------------------------------
+    def _add_library_set(self, process_set):
+        self._set_ids += 1          # the same on every rank: sets are added collectively
+        return self._set_ids, self.dist.new_group(process_set.ranks)
+
+    def _remove_library_set(self, process_set, library_set):
+        if self.rank() in process_set.ranks:
+            self.dist.destroy_process_group(library_set)
 
     def _close(self):
         if self._owns_group and self.dist.is_initialized():
