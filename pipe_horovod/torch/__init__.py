@@ -5,15 +5,12 @@
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
 """
 from ..compression import Compression
-from ..engine import (Average, Sum, allgather_object, barrier, broadcast_object, init,
-                      is_initialized, local_rank, local_size, rank, shutdown, size)
-from .functions import (allreduce, allreduce_, broadcast, broadcast_, broadcast_optimizer_state,
-                        broadcast_parameters)
+from .functions import broadcast_optimizer_state, broadcast_parameters
+from .mpi_ops import *  # noqa: F401,F403 -- Horovod's collective API, names as in horovod.torch
+from .mpi_ops import __all__ as _mpi_ops_names
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
+from . import elastic  # hvd.elastic: run, TorchState, ElasticSampler
 
-__all__ = [
-    "Average", "Sum", "Compression", "DistributedOptimizer", "allgather_object", "allreduce",
-    "allreduce_", "barrier", "broadcast", "broadcast_",
-    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "init",
-    "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size",
-]
+__all__ = sorted(["Compression", "DistributedOptimizer", "SyncBatchNorm",
+                  "broadcast_optimizer_state", "broadcast_parameters", *_mpi_ops_names])

@@ -16,24 +16,6 @@ def _name(name, kind):
     return name if name is not None else f"{kind}.auto.{next(_auto_names)}"
 
 
-def allreduce_(tensor, name=None, op=engine.Average):
-    """Reduce `tensor` in place across ranks and return it."""
-    return engine.wait(engine.allreduce_async(tensor, _name(name, "allreduce"), op))
-
-
-def allreduce(tensor, name=None, op=engine.Average):
-    """The reduction of `tensor` across ranks, as a new tensor."""
-    return allreduce_(tensor.detach().clone().contiguous(), name, op)
-
-
-def broadcast_(tensor, root_rank, name=None):
-    return engine.broadcast(tensor, root_rank)
-
-
-def broadcast(tensor, root_rank, name=None):
-    return broadcast_(tensor.detach().clone().contiguous(), root_rank)
-
-
 def broadcast_parameters(params, root_rank):
     """Copy root's parameters (a state_dict or named_parameters) to every rank, in place."""
     items = sorted(params.items()) if isinstance(params, dict) else list(params)

@@ -1,0 +1,579 @@
+"""Horovod's collective API (`horovod.torch.mpi_ops`) on whichever engine runs.
+
+Names, signatures, positional order, defaults and documented behaviour are
+Horovod 0.28.1's, so a script switches by changing its import. Each
+function checks its arguments, starts the engine's operation and, for the
+synchronous ones, waits for it; `*_async` functions return a handle for
+`poll` and `synchronize`. The autograd Functions give allreduce, allgather,
+broadcast, alltoall and reducescatter the backward passes Horovod defines,
+including its conventions (allgather's and broadcast's backward average
+the incoming gradients over ranks; reducescatter's multiplies a Sum's by
+the set's size).
+
+Unnamed operations get names the engine counts per kind, which agree
+across ranks that start them in the same order (Horovod's own rule).
+Under the horovod engine every call reaches `horovod.torch`; see
+pipe_horovod/engine/ for what the torch and local engines do instead.
+"""
+import warnings
+
+import torch
+
+from .. import engine as _engine
+from ..compression import Compression
+from ..engine import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet, Sum,
+                      global_process_set)
+from ..engine.base import Handle
+
+
+def _current():
+    return _engine.current()
+
+
+# --- life cycle, identity, build ---------------------------------------------
+def init(comm=None, process_sets=None):
+    """Start pipe_horovod: Horovod's `init(comm=None, process_sets=None)`.
+
+    The launcher's environment picks the engine (horovodrun: horovod,
+    torchrun: torch, plain python: local; PIPE_HOROVOD_ENGINE overrides). A
+    string `comm` names the engine instead, pipe_horovod's extension
+    (Horovod's comm is a list of ranks or an MPI communicator, never a string).
+    """
+    if isinstance(comm, str):
+        return _engine.init(comm, process_sets=process_sets)
+    return _engine.init(comm=comm, process_sets=process_sets)
+
+
+shutdown = _engine.shutdown
+is_initialized = _engine.is_initialized
+
+
+def size():
+    return _current().size()
+
+
+def local_size():
+    return _current().local_size()
+
+
+def cross_size():
+    return _current().cross_size()
+
+
+def rank():
+    return _current().rank()
+
+
+def local_rank():
+    return _current().local_rank()
+
+
+def cross_rank():
+    return _current().cross_rank()
+
+
+def is_homogeneous():
+    return _current().is_homogeneous()
+
+
+def _capability(name):
+    return _current().capabilities()[name]
+
+
+def mpi_threads_supported():
+    supported = _capability("mpi_threads_supported")
+    if supported is None:
+        raise ValueError(f"MPI is not enabled on the {_current().name} engine; "
+                         "mpi_threads_supported() is defined only with MPI (as in Horovod)")
+    return supported
+
+
+def mpi_enabled():
+    return _capability("mpi_enabled")
+
+
+def mpi_built():
+    return _capability("mpi_built")
+
+
+def gloo_enabled():
+    return _capability("gloo_enabled")
+
+
+def gloo_built():
+    return _capability("gloo_built")
+
+
+def nccl_built():
+    """NCCL's version code when built with NCCL, else 0 (as in Horovod)."""
+    return _capability("nccl_built")
+
+
+def ddl_built():
+    return _capability("ddl_built")
+
+
+def ccl_built():
+    return _capability("ccl_built")
+
+
+def cuda_built():
+    return _capability("cuda_built")
+
+
+def rocm_built():
+    return _capability("rocm_built")
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Record collectives to a Chrome-trace file (the horovod engine needs
+    HOROVOD_TIMELINE=DYNAMIC at start, as Horovod does)."""
+    _current().start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline():
+    _current().stop_timeline()
+
+
+def add_process_set(process_set):
+    """Register a ProcessSet (or list of ranks) on every rank and return it (collective).
+    The horovod engine needs init(process_sets="dynamic") first, as Horovod does."""
+    return _current().add_process_set(process_set)
+
+
+def remove_process_set(process_set):
+    """Unregister a process set (collective); False if it was not registered."""
+    return _current().remove_process_set(process_set)
+
+
+# --- arguments -----------------------------------------------------------------
+def _op(op, average):
+    """Horovod's rule for the legacy `average=` argument next to `op=`."""
+    if op is not None:
+        if average is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+        return op
+    if average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    return Average
+
+
+def _checked(tensor, what):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    return tensor
+
+
+def _tensor(tensor, what):
+    """`tensor` without autograd history: engines write into it in place."""
+    return _checked(tensor, what).detach()
+
+
+def _copy(tensor, what):
+    """A contiguous copy for an out-of-place operation (engines work in place)."""
+    tensor = _tensor(tensor, what)
+    if tensor.layout != torch.strided:
+        return tensor                       # the engine names the problem
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def _source(tensor, what):
+    """The input of an operation that does not write to it, made contiguous."""
+    tensor = _tensor(tensor, what)
+    return tensor.contiguous() if tensor.layout == torch.strided else tensor
+
+
+def _tensors(tensors, what):
+    if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__iter__"):
+        raise TypeError(f"{what} expects a list of tensors, got {type(tensors).__name__}")
+    return list(tensors)
+
+
+# --- completion ----------------------------------------------------------------
+def poll(handle):
+    """True when `synchronize(handle)` would return without blocking."""
+    return _current().poll(handle)
+
+
+def synchronize(handle):
+    """Wait for an `*_async` operation and return its result (a failed collective
+    raises HorovodInternalError, as in Horovod)."""
+    if callable(handle) and not isinstance(handle, Handle):
+        return handle()                     # sparse_allreduce_async's handle
+    try:
+        return _current().wait(handle)
+    except (HorovodInternalError, NotImplementedError):
+        raise
+    except RuntimeError as exc:
+        raise HorovodInternalError(exc) from exc
+
+
+# --- allreduce -----------------------------------------------------------------
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=global_process_set):
+    """Start reducing a copy of `tensor` (the input is not modified)."""
+    return _current().allreduce_async(
+        _copy(tensor, "allreduce_async"), name, _op(op, average), process_set=process_set,
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=global_process_set):
+    """Start reducing `tensor` in place."""
+    return _current().allreduce_async(
+        _tensor(tensor, "allreduce_async_"), name, _op(op, average), process_set=process_set,
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=global_process_set):
+    """Reduce `tensor` in place and return it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
+
+
+class _Allreduce(torch.autograd.Function):
+    """Backward: the same reduction of the incoming gradient (Horovod's definition)."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.options = dict(op=op, prescale_factor=prescale_factor,
+                           postscale_factor=postscale_factor, process_set=process_set)
+        return synchronize(allreduce_async(tensor, None, name, **ctx.options))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return (allreduce(grad_output, **ctx.options),) + (None,) * 5
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """The reduction of `tensor` across ranks, as a new tensor; differentiable."""
+    op = _op(op, average)
+    _checked(tensor, "allreduce")
+    wire, ctx = compression.compress(tensor)
+    reduced = _Allreduce.apply(wire, name, op, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set):
+    """Start reducing copies of a list of tensors as one operation."""
+    copies = [_copy(t, "grouped_allreduce_async") for t in _tensors(tensors, "grouped_allreduce")]
+    return _current().grouped_allreduce_async(
+        copies, name, _op(op, average), process_set=process_set,
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set):
+    """Start reducing a list of tensors in place as one operation."""
+    tensors = [_tensor(t, "grouped_allreduce_async_")
+               for t in _tensors(tensors, "grouped_allreduce_async_")]
+    return _current().grouped_allreduce_async(
+        tensors, name, _op(op, average), process_set=process_set,
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=global_process_set):
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.options = dict(op=op, prescale_factor=prescale_factor,
+                           postscale_factor=postscale_factor, process_set=process_set)
+        return tuple(synchronize(grouped_allreduce_async(list(tensors), None, name,
+                                                         **ctx.options)))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        return (None,) * 5 + tuple(grouped_allreduce(list(grad_outputs), **ctx.options))
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Reductions of a list of tensors, as new tensors; differentiable."""
+    op = _op(op, average)
+    pairs = [compression.compress(_checked(t, "grouped_allreduce"))
+             for t in _tensors(tensors, "grouped_allreduce")]
+    reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
+                                      *[wire for wire, _ in pairs])
+    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, pairs)]
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Reduce a sparse COO tensor by allgathering its indices and values;
+    returns a callable handle (pass it to synchronize, or call it)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        raise TypeError(f"sparse_allreduce_async expects a sparse COO tensor, got {tensor!r}")
+    indices_name, values_name = (None, None) if name is None else (f"{name}.indices",
+                                                                   f"{name}.values")
+    # allgather concatenates rows: indices go as (nnz, ndim) and come back transposed.
+    indices = allgather_async(tensor._indices().t().contiguous(), indices_name, process_set)
+    values = allgather_async(tensor._values(), values_name, process_set)
+
+    def handle():
+        all_values = synchronize(values)
+        all_indices = synchronize(indices)
+        if op is Average:
+            all_values = all_values / process_set.size()
+        return torch.sparse_coo_tensor(all_indices.t(), all_values, tensor.size())
+
+    return handle
+
+
+# --- allgather -----------------------------------------------------------------
+def allgather_async(tensor, name=None, process_set=global_process_set):
+    """Start concatenating every rank's `tensor` along dimension 0."""
+    return _current().allgather_async(_source(tensor, "allgather_async"), name,
+                                      process_set=process_set)
+
+
+class _Allgather(torch.autograd.Function):
+    """Backward: average the gradient over ranks, keep this rank's rows (Horovod's)."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        out = synchronize(allgather_async(tensor, name, process_set))
+        ctx.rows, ctx.process_set = tensor.shape[0], process_set
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = allreduce(grad_output, op=Average, process_set=ctx.process_set)
+        rows = allgather(torch.tensor([ctx.rows], dtype=torch.int32), process_set=ctx.process_set)
+        offset = int(rows[:ctx.process_set.rank()].sum())
+        return grad.narrow(0, offset, ctx.rows), None, None
+
+
+def allgather(tensor, name=None, process_set=global_process_set):
+    """Every rank's `tensor` concatenated along dimension 0 (first dimensions may
+    differ); differentiable."""
+    _checked(tensor, "allgather")
+    return _Allgather.apply(tensor, name, process_set)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    sources = [_source(t, "grouped_allgather_async")
+               for t in _tensors(tensors, "grouped_allgather_async")]
+    return _current().grouped_allgather_async(sources, name, process_set=process_set)
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        out = synchronize(grouped_allgather_async(list(tensors), name, process_set))
+        ctx.rows, ctx.process_set = [t.shape[0] for t in tensors], process_set
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        grads = grouped_allreduce(list(grad_outputs), op=Average, process_set=ctx.process_set)
+        counts = grouped_allgather([torch.tensor([n], dtype=torch.int32) for n in ctx.rows],
+                                   process_set=ctx.process_set)
+        me = ctx.process_set.rank()
+        return (None, None) + tuple(g.narrow(0, int(c[:me].sum()), n)
+                                    for g, c, n in zip(grads, counts, ctx.rows))
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    tensors = [_checked(t, "grouped_allgather")
+               for t in _tensors(tensors, "grouped_allgather")]
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
+
+
+# --- broadcast -----------------------------------------------------------------
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
+    """Start broadcasting global rank `root_rank`'s value into a copy of `tensor`."""
+    return _current().broadcast_async(_copy(tensor, "broadcast_async"), root_rank, name,
+                                      process_set=process_set)
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Start broadcasting root's value into `tensor` in place."""
+    return _current().broadcast_async(_tensor(tensor, "broadcast_async_"), root_rank, name,
+                                      process_set=process_set)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+class _Broadcast(torch.autograd.Function):
+    """Backward: the averaged gradient on the root, zero elsewhere (Horovod's)."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = allreduce(grad_output, op=Average, process_set=ctx.process_set)
+        if rank() != ctx.root_rank:
+            grad = grad * 0
+        return grad, None, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """Root's `tensor`, as a new tensor on every rank; differentiable."""
+    _checked(tensor, "broadcast")
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
+
+
+# --- alltoall ------------------------------------------------------------------
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
+    """Start an alltoall; synchronize returns (output, received_splits)."""
+    return _current().alltoall_async(_source(tensor, "alltoall_async"), splits, name,
+                                     process_set=process_set)
+
+
+class _Alltoall(torch.autograd.Function):
+    """Backward: the gradient goes back along the received splits (Horovod's)."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received, ctx.process_set = received, process_set
+        if splits is None:
+            return output
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad_output, *_):
+        grad, _ = alltoall(grad_output, splits=ctx.received, process_set=ctx.process_set)
+        return grad, None, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Send rows `splits[i]` to the set's i-th rank, receive theirs; differentiable.
+
+    Returns the received rows, and with `splits` also the int32 tensor of rows
+    received from each rank (without `splits`, rows divide equally)."""
+    _checked(tensor, "alltoall")
+    return _Alltoall.apply(tensor, splits, name, process_set)
+
+
+# --- reducescatter -------------------------------------------------------------
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0):
+    """Start a reducescatter (Average or Sum, as in Horovod); the input is not modified."""
+    return _current().reducescatter_async(
+        _source(tensor, "reducescatter_async"), name, op, process_set=process_set,
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+
+def _scatter_grad(grad, ctx):
+    """Horovod's reducescatter backward scaling, before the allgather."""
+    if ctx.op is Sum:
+        grad = grad * ctx.process_set.size()
+    return grad * (ctx.prescale_factor * ctx.postscale_factor)
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        ctx.op, ctx.process_set = op, process_set
+        ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
+                                               postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = allgather(_scatter_grad(grad_output, ctx), process_set=ctx.process_set)
+        return (grad,) + (None,) * 5
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
+                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce `tensor` across ranks and keep this rank's block of rows (the first
+    ranks take one more row when they do not divide evenly); differentiable."""
+    _checked(tensor, "reducescatter")
+    wire, ctx = compression.compress(tensor)
+    reduced = _Reducescatter.apply(wire, name, op, process_set, prescale_factor,
+                                   postscale_factor)
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0):
+    sources = [_source(t, "grouped_reducescatter_async")
+               for t in _tensors(tensors, "grouped_reducescatter_async")]
+    return _current().grouped_reducescatter_async(
+        sources, name, op, process_set=process_set, prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor)
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+        ctx.op, ctx.process_set = op, process_set
+        ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
+        return tuple(synchronize(grouped_reducescatter_async(
+            list(tensors), name, op, process_set, prescale_factor, postscale_factor)))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        grads = grouped_allgather([_scatter_grad(g, ctx) for g in grad_outputs],
+                                  process_set=ctx.process_set)
+        return (None,) * 5 + tuple(grads)
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    pairs = [compression.compress(_checked(t, "grouped_reducescatter"))
+             for t in _tensors(tensors, "grouped_reducescatter")]
+    reduced = _GroupedReducescatter.apply(name, op, process_set, prescale_factor,
+                                          postscale_factor, *[wire for wire, _ in pairs])
+    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, pairs)]
+
+
+# --- synchronization and objects -------------------------------------------------
+def join(device=-1):
+    """Declare this rank out of data; returns the rank that joined last.
+
+    Horovod (the horovod engine) lets joined ranks take part in the others'
+    later allreduces with zeros; the torch engine's join is a plain collective
+    that every rank must reach after the same collectives."""
+    return _current().join(device)
+
+
+def barrier(process_set=global_process_set):
+    """Return once every rank of `process_set` has called barrier."""
+    _current().barrier(process_set=process_set)
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """Root's picklable `obj` on every rank (others may pass anything, e.g. None)."""
+    return _current().broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+
+def allgather_object(obj, name=None, process_set=global_process_set):
+    """Every rank's picklable `obj`, in rank order. (`process_set` is pipe_horovod's
+    addition: Horovod 0.28.1's allgather_object has none.)"""
+    return _current().allgather_object(obj, name=name, process_set=process_set)
+
+
+__all__ = [
+    "Adasum", "Average", "HorovodInternalError", "Max", "Min", "Product", "ProcessSet", "Sum",
+    "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce",
+    "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
+    "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "broadcast_object", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+    "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",
+    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "remove_process_set",
+    "rocm_built", "shutdown", "size", "sparse_allreduce_async", "start_timeline",
+    "stop_timeline", "synchronize",
+]
