@@ -21,6 +21,7 @@ to send, so a step's gradient is the `.grad` tensors themselves, kept by
 reference: the one-process wrapper copies nothing at all.
 """
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -31,6 +32,7 @@ import weakref
 import torch
 
 from .. import engine
+from ..engine.process_sets import ProcessSet, global_process_set
 from ..compression import Compression, check_compression
 from ..pipeline import GradientFifo, check_options, compare_across_ranks, plan_buckets
 
@@ -117,8 +119,8 @@ class _PipelinedOptimizer:
 
     def _setup_pipeline(self, name_of, compression, backward_passes_per_step, op,
                         pipeline_depth, warmup_steps, bucket_cap_mb, grad_scaler,
-                        predivide, groups, sparse_as_dense):
-        self._engine = engine.current()
+                        predivide, groups, sparse_as_dense, process_set):
+        self._process_set = process_set          # None: every rank
         self._compression = compression
         self._passes_per_step = backward_passes_per_step
         self._op = op
@@ -130,22 +132,33 @@ class _PipelinedOptimizer:
         self._seen_sparse = {}                   # this process's, until the next agreement
         self._grad_scaler = grad_scaler
         self._fifo = GradientFifo(pipeline_depth, warmup_steps)
-        self._prefix = f"pipe{next(_instances)}"
         self._name_of = dict(name_of)
         self._params, self._param_of, self._passes, self._hook_handles = [], {}, {}, []
         self._track([p for group in self.param_groups for p in group["params"]])
         self._observed = {}                      # ready order seen in this process's first step
         self._order_agreed = False
         self._plan([self._name_of[p] for p in reversed(self._params)])
-        # One rank, no codec, no scaling: averaging is the identity, nothing need be copied.
-        self._solo = (self._engine.size() == 1 and compression is Compression.none
-                      and predivide == 1.0)
         self._pending_apply = None               # the gradient synchronize() put into .grad
         self._synchronized = False
         self._should_synchronize = True
         self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0}
+        self._number = next(_instances)          # creation order: the same on every rank
+        self._prefix = f"pipe{self._number}"
         _live.add(self)
+        self._attach_engine()
+
+    def _attach_engine(self):
+        """Use the engine running now (a new one after an elastic reset)."""
+        self._engine = engine.current()
+        ps = self._process_set
+        self._size = self._engine.size() if ps is None else ps.size()
+        # Object collectives among the ranks that reduce (checks, agreement).
+        self._gather = functools.partial(self._engine.allgather_object, process_set=ps)
+        # One rank, no codec, no scaling: averaging is the identity, nothing need be copied.
+        self._solo = (self._size == 1 and self._compression is Compression.none
+                      and self._predivide == 1.0)
         self._engine.before_shutdown(__name__, _report_unapplied)
+        self._engine.around_join(__name__, _flush_before_join, _align_after_join)
 
     def _track(self, params):
         """Reduce `params` (those that need a gradient) from the next step on."""
@@ -219,8 +232,11 @@ class _PipelinedOptimizer:
         if self._predivide != 1.0:               # Horovod's split of the average around the sum
             flat.div_(self._predivide)
         wire, ctx = self._compression.compress(flat)
-        handle = self._engine.allreduce_async(wire, f"{self._prefix}.{bucket.index}.{slot}",
-                                              self._op)
+        # A name stands for one size: Horovod caches responses by name, and a
+        # re-planned bucket reusing a name trips its cache on joined ranks.
+        name = f"{self._prefix}.{bucket.index}.{bucket.numel}.{slot}"
+        handle = self._engine.allreduce_async(wire, name, self._op,
+                                              process_set=self._process_set)
         self._launched.append(_Reduction(bucket, handle, ctx, self._compression,
                                          self._predivide))
 
@@ -266,7 +282,7 @@ class _PipelinedOptimizer:
             return None
         seen = [self._name_of[p] for p in self._observed]
         rest = [self._name_of[p] for p in reversed(self._params) if p not in self._observed]
-        everyone = self._engine.allgather_object((seen + rest, self._seen_sparse))
+        everyone = self._gather((seen + rest, self._seen_sparse))
         for _, sparse in everyone:
             self._sparse.update(sparse)
         self._order_agreed = True
@@ -278,7 +294,7 @@ class _PipelinedOptimizer:
         if self._sparse_as_dense:
             return []
         slot = self._fifo.steps % self._fifo.pipeline_depth
-        scale = 1.0 / self._engine.size() if self._op is engine.Average else 1.0
+        scale = 1.0 / self._size if self._op is engine.Average else 1.0
         reductions = []
         for name in (n for n in self._order if n in self._sparse):
             p = self._param_of[name]
@@ -291,9 +307,10 @@ class _PipelinedOptimizer:
                 grad = grad.coalesce()
                 indices, values = grad.indices().t().contiguous(), grad.values().contiguous()
             tag = f"{self._prefix}.sparse.{name}.{slot}"
-            reductions.append(_SparseReduction(
-                name, p.shape, self._engine.allgather_async(indices, f"{tag}.i"),
-                self._engine.allgather_async(values, f"{tag}.v"), scale))
+            gather = functools.partial(self._engine.allgather_async,
+                                       process_set=self._process_set)
+            reductions.append(_SparseReduction(name, p.shape, gather(indices, f"{tag}.i"),
+                                               gather(values, f"{tag}.v"), scale))
         return reductions
 
     def _fill_grads(self, entry):
@@ -402,7 +419,7 @@ class _PipelinedOptimizer:
         added = self.param_groups[-1]["params"]
         for i, p in enumerate(added):
             self._name_of.setdefault(p, f"param_group{index}.{i}")
-        compare_across_ranks(self._engine.allgather_object,
+        compare_across_ranks(self._gather,
                              _describe([(self._name_of[p], p) for p in added],
                                        [self._name_of[p] for p in added], {}),
                              what=f"parameter group {index} added after wrapping")
@@ -461,14 +478,66 @@ class _PipelinedOptimizer:
         self._sparse = dict(pipe.get("sparse", {}))
         self._plan(pipe["bucket_order"])
 
+    # --- elastic training (pipe_horovod.torch.elastic) ----------------------
+    def _drop_in_flight(self):
+        """Forget, without waiting, every gradient in flight and this step's progress.
+
+        For an elastic restore after a failed collective: those reductions will
+        never complete here (elastic's reset settles them in the engine). The
+        committed state_dict is loaded next. `.grad` is cleared as well, since a
+        failed backward may have left part of a gradient in it.
+        """
+        self._fifo.replace([], self._fifo.steps)
+        self._reset_step()
+        self._synchronized, self._pending_apply = False, None
+        self._observed, self._seen_sparse = {}, {}
+        for p in self._params:
+            p.grad = None
+
+    def _rebind_engine(self):
+        """Attach to the engine running now: after an elastic reset (shutdown and
+        init in this process) it is a new engine, and rank and size may differ."""
+        if self._process_set is not None:
+            raise RuntimeError("a DistributedOptimizer over a process set cannot follow an "
+                               "elastic reset: process sets do not survive it")
+        self._attach_engine()
+
 
 def _values(grad):
     return grad.coalesce().values() if grad.is_sparse else grad
 
 
+def _wrapped_here():
+    """This engine's live wrapped optimizers, in creation order."""
+    return sorted((opt for opt in list(_live) if opt._engine is engine.current()),
+                  key=lambda opt: opt._number)
+
+
+def _flush_before_join():
+    """A rank that joins computes no more gradients: apply what it has in flight.
+
+    Horovod's join also refuses to start while this rank's own reductions
+    are pending under its response cache ("Trying to overwrite cached
+    response").
+    """
+    for opt in _wrapped_here():
+        if opt._hooks_fired or opt._synchronized:
+            raise RuntimeError("join() called between backward and step(); call step() first")
+        opt.flush()
+
+
+def _align_after_join(last):
+    """Ranks that ran different numbers of steps continue from the last joiner's count,
+    so per-slot tensor names and warm-up agree again."""
+    opts = _wrapped_here()
+    steps = engine.broadcast_object([opt._fifo.steps for opt in opts], last)
+    for opt, count in zip(opts, steps):
+        opt._fifo.steps = count
+
+
 def _report_unapplied():
     """At shutdown: say (rank 0, once) how many computed gradients were never applied."""
-    count = sum(len(opt._fifo) for opt in list(_live) if opt._engine is engine.current())
+    count = sum(len(opt._fifo) for opt in _wrapped_here())
     if count and engine.rank() == 0:
         _log.warning("pipe_horovod: %d computed gradient(s) were not applied because flush() "
                      "was not called after the last step(); call optimizer.flush() at the end "
@@ -495,8 +564,9 @@ def _resolve_depth(pipeline_depth):
     return pipeline_depth, source
 
 
-def _announce_depth(depth, warmup_steps, source):
-    if engine.rank() != 0 or (depth, warmup_steps, source) in _announced:
+def _announce_depth(depth, warmup_steps, source, process_set):
+    first = 0 if process_set is None else process_set.ranks[0]
+    if engine.rank() != first or (depth, warmup_steps, source) in _announced:
         return
     _announced.add((depth, warmup_steps, source))
     if depth == 1:
@@ -628,9 +698,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                "op": op.value, "bucket_cap_mb": bucket_cap_mb,
                "gradient_predivide_factor": float(gradient_predivide_factor),
                "groups": bucket_groups}
-    compare_across_ranks(eng.allgather_object,
-                         _describe(named, [n for n, _ in named], options))
-    _announce_depth(pipeline_depth, warmup_steps, depth_source)
+    if process_set is not None and not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
+    if process_set is not None and not process_set.included():
+        raise ValueError(f"rank {eng.rank()} is not in {process_set}: only its ranks may wrap an "
+                         "optimizer that reduces over it")
+    if process_set is global_process_set:
+        process_set = None
+    if os.environ.get("HOROVOD_ELASTIC") != "1":
+        # Not under horovodrun's elastic mode: there a worker that joins wraps its
+        # optimizer while the others synchronize state, so a collective here would
+        # deadlock; elastic's sync gives it rank 0's state instead.
+        compare_across_ranks(functools.partial(eng.allgather_object, process_set=process_set),
+                             _describe(named, [n for n, _ in named], options))
+    _announce_depth(pipeline_depth, warmup_steps, depth_source, process_set)
 
     cls = type(type(optimizer).__name__, (_PipelinedOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
@@ -640,7 +721,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     wrapped._setup_pipeline(name_of, compression, backward_passes_per_step, op, pipeline_depth,
                             warmup_steps, bucket_cap_mb, grad_scaler,
                             float(gradient_predivide_factor), bucket_groups,
-                            bool(sparse_as_dense))
+                            bool(sparse_as_dense), process_set)
     return wrapped
 
 

@@ -283,10 +283,35 @@ def check_param_group():
             assert all(torch.equal(a, b) for a, b in zip(theirs, weights)), "replicas diverged"
 
 
+def check_process_set():
+    """Ranks 0 and 1 train over their own process set; rank 2 may not wrap over it."""
+    ps = phvd.add_process_set([0, 1])
+    if phvd.rank() > 1:
+        try:
+            phvd.DistributedOptimizer(make_optimizer("sgd", fresh(MLP)), process_set=ps)
+        except ValueError as exc:
+            assert "is not in ProcessSet" in str(exc), exc
+        else:
+            raise AssertionError("a rank outside the process set wrapped an optimizer over it")
+    else:
+        for depth in (1, 2):
+            model, ref = fresh(MLP), fresh(MLP)
+            opt = phvd.DistributedOptimizer(make_optimizer("sgd", model),
+                                            named_parameters=model.named_parameters(),
+                                            pipeline_depth=depth, process_set=ps)
+            train(model, opt, data_for())
+            opt.flush()
+            oracle.reference(ref, make_optimizer("sgd", ref), F.cross_entropy, data_for(), 2,
+                             STEPS, depth, 0)
+            assert_close(model, ref, f"process set K={depth}")
+    phvd.barrier()
+
+
 def main():
     phvd.init()
     mode = sys.argv[1]
-    {"oracle": check_oracle, "features": check_features, "param-group": check_param_group}[mode]()
+    {"oracle": check_oracle, "features": check_features, "param-group": check_param_group,
+     "process-set": check_process_set}[mode]()
     print(f"WORKER_OK rank={phvd.rank()}", flush=True)
     phvd.shutdown()
 
