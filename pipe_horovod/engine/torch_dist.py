@@ -154,8 +154,9 @@ class TorchDistEngine(Engine):
         dtype = str(tensor.dtype).replace("torch.", "")
         code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
         head = [tensor.dim(), code, math.prod(trailing)]
+        # On the data's device: a group with only NCCL cannot move CPU tensors.
         mine = torch.tensor(head + (trailing + [-1] * _TRAILING)[:_TRAILING]
-                            + [tensor.shape[0], *extra], dtype=torch.int64)
+                            + [tensor.shape[0], *extra], dtype=torch.int64, device=tensor.device)
         everyone = [torch.empty_like(mine) for _ in process_set.ranks]
         self.dist.all_gather(everyone, mine, group=self._library_set(process_set))
         table = torch.stack(everyone)
@@ -216,7 +217,8 @@ class TorchDistEngine(Engine):
         self.dist.barrier(group=self._library_set(process_set))
 
     def _join(self, device):
-        stamp = self.torch.tensor([time.time()], dtype=self.torch.float64)
+        where = "cpu" if device < 0 else f"cuda:{device}"     # Horovod's meaning of device
+        stamp = self.torch.tensor([time.time()], dtype=self.torch.float64, device=where)
         everyone = [self.torch.empty_like(stamp) for _ in range(self.size())]
         self.dist.all_gather(everyone, stamp)
         return int(self.torch.cat(everyone).argmax())
