@@ -20,6 +20,13 @@ integer tensors). Horovod's other collectives map onto torch's:
   returns the rank that arrived last (by wall clock). Unlike Horovod, a
   joined rank does not stand in for the others' later allreduces:
   torch.distributed has no names to answer them by.
+
+Unlike Horovod, torch.distributed does not compare tensors across ranks:
+an allreduce whose shape differs between ranks hangs under gloo, and a
+broadcast of different sizes goes through wrong. TORCH_DISTRIBUTED_DEBUG=
+DETAIL (set before the engine starts) makes torch check every collective
+and raise a readable mismatch error, at some cost per call; allgather and
+alltoall always check, as part of their shape exchange.
 """
 import atexit
 import math
@@ -162,7 +169,7 @@ class TorchDistEngine(Engine):
         table = torch.stack(everyone)
         agree = len(head) + _TRAILING
         if not bool((table[:, :agree] == table[0, :agree]).all()):
-            described = {r: f"{tuple(row[len(head):len(head) + row[0] - 1].tolist())} code {row[1]}"
+            described = {r: f"{tuple(row[len(head):len(head) + row[0] - 1])} code {row[1]}"
                          for r, row in zip(process_set.ranks, table.tolist())}
             raise ValueError(f"{what}: ranks disagree on the tensor's dtype or its shape beyond "
                              f"dimension 0 (rank: trailing shape, dtype code): {described}")
