@@ -214,6 +214,9 @@ class Checks:
         check(got, [torch.cat(a), torch.cat(b)], "grouped_allgather")
         got = hvd.synchronize(hvd.grouped_allgather_async([a[self.r], b[self.r]]))
         check(got, [torch.cat(a), torch.cat(b)], "grouped_allgather_async")
+        if self.engine_name == "torch" and self.n > 1:
+            # Ranks disagreeing beyond dimension 0: a ValueError on every rank, not a hang.
+            expect_error(ValueError, "disagree", hvd.allgather, torch.ones(2, self.r + 1))
 
     def broadcast(self):
         root = self.n - 1
