@@ -164,7 +164,7 @@ class HorovodEngine(Engine):
     # --- reductions -----------------------------------------------------
     def _start_allreduce(self, tensor, name, op, process_set, prescale_factor, postscale_factor):
         torch = _torch()
-        if op is Adasum and not self.hvd.mpi_enabled():
+        if op is Adasum and (tensor.dtype == torch.bfloat16 or not self.hvd.mpi_enabled()):
             return self._start_gathered_adasum(tensor, name, prescale_factor, postscale_factor)
         if tensor.dtype == torch.bfloat16:
             return self._start_split16(tensor, name, op, process_set, prescale_factor,
