@@ -61,6 +61,17 @@ class _Pending(Work):
         return self.finish()
 
 
+def _wait_for_everyone(store, key, size, timeout_s=60.0):
+    """Count this rank on `store` and wait, bounded, until `size` ranks have."""
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while store.add(key, 0) < size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except RuntimeError:
+        pass        # the store's host (rank 0 under plain env://) has left: everyone is done
+
+
 class TorchDistEngine(Engine):
     name = "torch"
 
@@ -240,8 +251,16 @@ class TorchDistEngine(Engine):
             self.dist.destroy_process_group(library_set)
 
     def _close(self):
-        if self._owns_group and self.dist.is_initialized():
-            # Without a barrier a fast rank tears down gloo's connections while a
-            # slower one still uses them, and the slow one aborts (seen in CI).
-            self.dist.barrier()
-            self.dist.destroy_process_group()
+        if not (self._owns_group and self.dist.is_initialized()):
+            return
+        # Gloo aborts a process ("terminate called without an active
+        # exception", about 1 run in 8 with 3 ranks here) when a peer closes
+        # its connections while this process is still inside its own teardown.
+        # So: a barrier (no collective is left running), the teardown, then no
+        # rank leaves before every rank has finished its teardown, counted on
+        # the rendezvous store, which does not go through gloo.
+        store = self.dist.distributed_c10d._get_default_store()
+        size = self.size()
+        self.dist.barrier()
+        self.dist.destroy_process_group()
+        _wait_for_everyone(store, "pipe_horovod.torn_down", size)
