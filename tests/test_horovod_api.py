@@ -187,3 +187,25 @@ def test_process_set_queries_before_registration():
     ps = hvd.ProcessSet([2, 0])
     assert ps.ranks == [0, 2] and ps.size() is None and ps.rank() is None
     assert ps.process_set_id is None
+
+
+def test_build_queries_answer_before_init(monkeypatch):
+    # Horovod answers *_built before hvd.init() (its own tests skip on them first);
+    # *_enabled describe a running library and need init, as in Horovod.
+    import torch.distributed as dist
+
+    assert not hvd.is_initialized()
+    monkeypatch.delenv("PIPE_HOROVOD_ENGINE", raising=False)
+    assert not hvd.gloo_built() and not hvd.mpi_built()          # plain python: local engine
+    with pytest.raises(ValueError, match="not been initialized"):
+        hvd.gloo_enabled()
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)                           # as under torchrun
+    assert hvd.gloo_built() == dist.is_gloo_available()
+    assert hvd.mpi_built() == dist.is_mpi_available()
+    if launcher.horovod_missing() is None:
+        monkeypatch.setenv("HOROVOD_RANK", "0")                   # as under horovodrun
+        import horovod.torch as horovod
+        assert hvd.gloo_built() == horovod.gloo_built()
+        assert hvd.mpi_built() == horovod.mpi_built()
+    assert not hvd.is_initialized()

@@ -49,15 +49,31 @@ def missing_package(name):
     return None
 
 
-def create(name, **options):
-    """A new engine `name`; `options` (comm, process_sets) go to its constructor."""
+def engine_class(name):
+    """The class of engine `name`, imported but not started."""
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(sorted(ENGINES))}")
     problem = missing_package(name)
     if problem:
         raise EngineError(problem)
     module, cls, _, _ = ENGINES[name]
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(**options)
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+
+
+def create(name, **options):
+    """A new engine `name`; `options` (comm, process_sets) go to its constructor."""
+    return engine_class(name)(**options)
+
+
+def build_info(name=None):
+    """What engine `name` (default: the launcher's) was built with, before init.
+
+    Horovod answers its *_built queries before hvd.init(); scripts ask them
+    first (e.g. to skip a test), so this needs no running engine.
+    """
+    if _current is not None and name in (None, _current.name):
+        return _current.build_info()
+    return engine_class(detect() if name is None else name).build_info()
 
 
 def init(engine=None, *, comm=None, process_sets=None):

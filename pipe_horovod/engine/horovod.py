@@ -147,11 +147,18 @@ class HorovodEngine(Engine):
     def is_homogeneous(self):
         return self.hvd.mpi_ops.is_homogeneous()
 
+    @classmethod
+    def build_info(cls):
+        import horovod.torch as hvd         # its *_built queries need no hvd.init()
+
+        return {name: getattr(hvd, name)() for name in (
+            "mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
+            "rocm_built")}
+
     def capabilities(self):
         hvd = self.hvd
-        info = {name: getattr(hvd, name)() for name in (
-            "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
-            "ccl_built", "cuda_built", "rocm_built")}
+        info = {**self.build_info(), "mpi_enabled": hvd.mpi_enabled(),
+                "gloo_enabled": hvd.gloo_enabled()}
         info["mpi_threads_supported"] = hvd.mpi_threads_supported() if info["mpi_enabled"] else None
         return info
 

@@ -36,11 +36,14 @@ class LocalEngine(Engine):
     def is_homogeneous(self):
         return True
 
+    @classmethod
+    def build_info(cls):
+        return {"mpi_built": False, "gloo_built": False, "nccl_built": 0, "ddl_built": False,
+                "ccl_built": False, "cuda_built": False, "rocm_built": False}
+
     def capabilities(self):
-        return {"mpi_built": False, "mpi_enabled": False, "mpi_threads_supported": None,
-                "gloo_built": False, "gloo_enabled": False, "nccl_built": 0,
-                "ddl_built": False, "ccl_built": False, "cuda_built": False,
-                "rocm_built": False}
+        return {**self.build_info(), "mpi_enabled": False, "mpi_threads_supported": None,
+                "gloo_enabled": False}
 
     def _start_allreduce(self, tensor, name, op, process_set, prescale_factor, postscale_factor):
         # Sum, Average, Min, Max, Product and Adasum of one value: that value.

@@ -119,19 +119,25 @@ class TorchDistEngine(Engine):
     def is_homogeneous(self):
         return self.size() == self._local_size * self.cross_size()
 
-    def capabilities(self):
-        dist, torch = self.dist, self.torch
-        backend = str(dist.get_backend())
+    @classmethod
+    def build_info(cls):
+        import torch
+        import torch.distributed as dist
+
         nccl = 0
         if dist.is_nccl_available() and torch.cuda.is_available():
             major, minor, patch = torch.cuda.nccl.version()
             nccl = major * 10000 + minor * 100 + patch   # NCCL_VERSION_CODE
-        return {"mpi_built": dist.is_mpi_available(), "mpi_enabled": "mpi" in backend,
-                "mpi_threads_supported": False if "mpi" in backend else None,
-                "gloo_built": dist.is_gloo_available(), "gloo_enabled": "gloo" in backend,
-                "nccl_built": nccl, "ddl_built": False, "ccl_built": "ccl" in backend,
+        return {"mpi_built": dist.is_mpi_available(), "gloo_built": dist.is_gloo_available(),
+                "nccl_built": nccl, "ddl_built": False, "ccl_built": False,
                 "cuda_built": torch.version.cuda is not None,
                 "rocm_built": torch.version.hip is not None}
+
+    def capabilities(self):
+        backend = str(self.dist.get_backend())
+        return {**self.build_info(), "mpi_enabled": "mpi" in backend,
+                "mpi_threads_supported": False if "mpi" in backend else None,
+                "gloo_enabled": "gloo" in backend}
 
     # --- reductions -----------------------------------------------------
     def _start_allreduce(self, tensor, name, op, process_set, prescale_factor, postscale_factor):

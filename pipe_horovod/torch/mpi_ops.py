@@ -77,6 +77,8 @@ def is_homogeneous():
 
 
 def _capability(name):
+    if name.endswith("_built") and not _engine.is_initialized():
+        return _engine.build_info()[name]       # as Horovod: answered before init()
     return _current().capabilities()[name]
 
 
