@@ -133,6 +133,7 @@ class _PipelinedOptimizer:
         self._grad_scaler = grad_scaler
         self._fifo = GradientFifo(pipeline_depth, warmup_steps)
         self._name_of = dict(name_of)
+        self._parameter_names = self._name_of    # Horovod's attribute, read by its tests
         self._params, self._param_of, self._passes, self._hook_handles = [], {}, {}, []
         self._track([p for group in self.param_groups for p in group["params"]])
         self._observed = {}                      # ready order seen in this process's first step
@@ -151,12 +152,16 @@ class _PipelinedOptimizer:
         """Use the engine running now (a new one after an elastic reset)."""
         self._engine = engine.current()
         ps = self._process_set
-        self._size = self._engine.size() if ps is None else ps.size()
+        # A rank outside the process set reduces nothing: as in Horovod, it
+        # applies its own gradient (through the same pipeline depth).
+        included = ps is None or ps.included()
+        self._size = self._engine.size() if ps is None else ps.size() if included else 1
         # Object collectives among the ranks that reduce (checks, agreement).
-        self._gather = functools.partial(self._engine.allgather_object, process_set=ps)
+        self._gather = (functools.partial(self._engine.allgather_object, process_set=ps)
+                        if included else _alone)
         # One rank, no codec, no scaling: averaging is the identity, nothing need be copied.
-        self._solo = (self._size == 1 and self._compression is Compression.none
-                      and self._predivide == 1.0)
+        self._solo = not included or (self._size == 1 and self._compression is Compression.none
+                                      and self._predivide == 1.0)
         self._engine.before_shutdown(__name__, _report_unapplied)
         self._engine.around_join(__name__, _flush_before_join, _align_after_join)
 
@@ -357,9 +362,10 @@ class _PipelinedOptimizer:
                 loss = closure()
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
-                              "optimizer.skip_synchronize(); the gradient was not reduced twice",
-                              stacklevel=2)
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(); the gradient was not "
+                              "reduced twice, but wrap step() in optimizer.skip_synchronize() "
+                              "when you call synchronize() yourself", stacklevel=2)
             else:
                 self.synchronize()
         elif not self._synchronized:
@@ -501,6 +507,11 @@ class _PipelinedOptimizer:
             raise RuntimeError("a DistributedOptimizer over a process set cannot follow an "
                                "elastic reset: process sets do not survive it")
         self._attach_engine()
+
+
+def _alone(obj):
+    """allgather_object for a rank that shares no collective with others."""
+    return [obj]
 
 
 def _values(grad):
@@ -700,12 +711,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                "groups": bucket_groups}
     if process_set is not None and not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
-    if process_set is not None and not process_set.included():
-        raise ValueError(f"rank {eng.rank()} is not in {process_set}: only its ranks may wrap an "
-                         "optimizer that reduces over it")
     if process_set is global_process_set:
         process_set = None
-    if os.environ.get("HOROVOD_ELASTIC") != "1":
+    if process_set is not None and process_set.process_set_id is None:
+        raise ValueError(f"{process_set} is not registered: pass it to init(process_sets=[...]) "
+                         "or add_process_set() first")
+    if os.environ.get("HOROVOD_ELASTIC") != "1" and (process_set is None
+                                                       or process_set.included()):
         # Not under horovodrun's elastic mode: there a worker that joins wraps its
         # optimizer while the others synchronize state, so a collective here would
         # deadlock; elastic's sync gives it rank 0's state instead.
