@@ -39,12 +39,22 @@ def run(launcher, np, script, *args, timeout=120, env=None, expect_ok=True):
     path = Path(script)
     if not path.is_absolute():
         path = WORKERS / script
+    return run_command(command(launcher, np, [str(path), *map(str, args)]), np,
+                       timeout=timeout, env=env, expect_ok=expect_ok)
+
+
+def run_command(cmd, np, timeout=120, env=None, expect_ok=True):
+    """Run a launch command line in its own process group, killed on timeout.
+
+    With expect_ok, asserts a zero exit and WORKER_OK from ranks 0..np-1
+    (np: the number of ranks the job ends with). Returns (exit code, output).
+    """
+    cmd = [str(part) for part in cmd]
     full_env = dict(os.environ)
     full_env.pop("PIPE_HOROVOD_ENGINE", None)
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.update(env or {})
-    cmd = command(launcher, np, [str(path), *map(str, args)])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, cwd=REPO, start_new_session=True)
     try:

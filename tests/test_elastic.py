@@ -9,10 +9,7 @@ same processes; torchrun and plain python recover in-process from a
 failure every rank raises.
 """
 import copy
-import os
 import re
-import signal
-import subprocess
 import sys
 import types
 
@@ -29,28 +26,6 @@ pytestmark = pytest.mark.timeout(600)
 WORKER = launcher.WORKERS / "elastic_worker.py"
 
 
-def _run(cmd, np, timeout):
-    """Run `cmd` as launcher.run does (own process group, killed on timeout); require
-    a zero exit and WORKER_OK from ranks 0..np-1 (np: the size the job ends with)."""
-    env = dict(os.environ)
-    env.pop("PIPE_HOROVOD_ENGINE", None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(launcher.REPO), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=launcher.REPO, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(map(str, cmd))} timed out after {timeout}s:\n{out}")
-    seen = {int(r) for r in re.findall(rf"{launcher.OK} rank=(\d+)", out)}
-    assert proc.returncode == 0 and seen == set(range(np)), (
-        f"{' '.join(map(str, cmd))} exited {proc.returncode}; {launcher.OK} from ranks "
-        f"{sorted(seen)} of {np}; output:\n{out}")
-    return out
-
-
 def _horovodrun_elastic(tmp_path, np, hosts, args, final_np=None, timeout=240):
     """horovodrun's elastic mode on this machine, starting `np` workers: hosts from a
     discovery script that prints the file `hosts` (so a worker can change it)."""
@@ -63,7 +38,7 @@ def _horovodrun_elastic(tmp_path, np, hosts, args, final_np=None, timeout=240):
     cmd = [str(launcher.BIN / "horovodrun"), "-np", str(np), "--min-np", "1", "--max-np", "2",
            "--host-discovery-script", str(script), "--network-interface", "lo", "--gloo",
            sys.executable, str(WORKER), *map(str, args)]
-    return _run(cmd, final_np or np, timeout)
+    return launcher.run_command(cmd, final_np or np, timeout=timeout)[1]
 
 
 def _same_run(clean, failed):
