@@ -7,6 +7,11 @@ silently wrong result; so every engine runs these same checks first.
 from .ops import ReduceOp
 
 
+class UnsupportedOperation(ValueError, RuntimeError):
+    """An op a collective does not support: a ValueError here, and the
+    RuntimeError Horovod raises for it, which Horovod's callers catch."""
+
+
 def check_tensor(tensor, what="allreduce_async"):
     import torch
 
@@ -37,8 +42,9 @@ def check_op(op, allowed=None, what="allreduce"):
         raise ValueError(f"unknown reduce op {op!r}: use one of pipe_horovod's Average, Sum, "
                          "Adasum, Min, Max, Product")
     if allowed is not None and op not in allowed:
-        raise ValueError(f"{what} supports only {', '.join(o.name.title() for o in allowed)} "
-                         f"(as in Horovod), got {op.name.title()}")
+        raise UnsupportedOperation(
+            f"{what} supports only {', '.join(o.name.title() for o in allowed)} "
+            f"(as in Horovod), got {op.name.title()}")
 
 
 def check_scale(factor, what):
