@@ -300,6 +300,7 @@ class _PipelinedOptimizer:
             return []
         slot = self._fifo.steps % self._fifo.pipeline_depth
         scale = 1.0 / self._size if self._op is engine.Average else 1.0
+        gather = functools.partial(self._engine.allgather_async, process_set=self._process_set)
         reductions = []
         for name in (n for n in self._order if n in self._sparse):
             p = self._param_of[name]
@@ -312,8 +313,6 @@ class _PipelinedOptimizer:
                 grad = grad.coalesce()
                 indices, values = grad.indices().t().contiguous(), grad.values().contiguous()
             tag = f"{self._prefix}.sparse.{name}.{slot}"
-            gather = functools.partial(self._engine.allgather_async,
-                                       process_set=self._process_set)
             reductions.append(_SparseReduction(name, p.shape, gather(indices, f"{tag}.i"),
                                                gather(values, f"{tag}.v"), scale))
         return reductions
