@@ -46,18 +46,15 @@ _announced = set()                 # depth settings rank 0 has explained already
 class _Reduction:
     """One bucket of one step: its flat tensor on the wire, or the landed result."""
 
-    __slots__ = ("bucket", "handle", "ctx", "compression", "postscale", "result")
+    __slots__ = ("bucket", "handle", "ctx", "compression", "result")
 
-    def __init__(self, bucket, handle, ctx, compression, postscale=1.0):
+    def __init__(self, bucket, handle, ctx, compression):
         self.bucket, self.handle, self.ctx, self.compression = bucket, handle, ctx, compression
-        self.postscale = postscale
         self.result = None
 
     def wait(self):
         if self.result is None:
             self.result = self.compression.decompress(engine.wait(self.handle), self.ctx)
-            if self.postscale != 1.0:
-                self.result.mul_(self.postscale)
             self.handle = None
         return self.result
 
@@ -234,16 +231,16 @@ class _PipelinedOptimizer:
                     part.zero_()
             elif grad.data_ptr() != part.data_ptr() or not grad.is_contiguous():
                 part.copy_(grad.reshape(-1))     # else: backward accumulated in place already
-        if self._predivide != 1.0:               # Horovod's split of the average around the sum
-            flat.div_(self._predivide)
         wire, ctx = self._compression.compress(flat)
         # A name stands for one size: Horovod caches responses by name, and a
         # re-planned bucket reusing a name trips its cache on joined ranks.
         name = f"{self._prefix}.{bucket.index}.{bucket.numel}.{slot}"
+        # gradient_predivide_factor splits the average around the sum, as Horovod's does.
         handle = self._engine.allreduce_async(wire, name, self._op,
-                                              process_set=self._process_set)
-        self._launched.append(_Reduction(bucket, handle, ctx, self._compression,
-                                         self._predivide))
+                                              process_set=self._process_set,
+                                              prescale_factor=1.0 / self._predivide,
+                                              postscale_factor=self._predivide)
+        self._launched.append(_Reduction(bucket, handle, ctx, self._compression))
 
     # --- the step ---------------------------------------------------------
     def synchronize(self):
@@ -557,8 +554,9 @@ def _report_unapplied():
 def _resolve_depth(pipeline_depth):
     """The depth in force: the argument, else $PIPE_HOROVOD_PIPELINE_DEPTH, else 2.
 
-    Rank 0 says which, once per wrap: a Horovod user who switched imports
-    must not be surprised by gradients applied one step late.
+    Rank 0 says which (_announce_depth, once per setting and process): a
+    Horovod user who switched imports must not be surprised by gradients
+    applied one step late.
     """
     source = "pipeline_depth argument"
     if pipeline_depth is None:
