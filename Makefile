@@ -11,12 +11,12 @@ NP ?= 2
 
 install: $(STAMP)
 
-$(STAMP): setup.py scripts/install_horovod.sh scripts/cxx17
+$(STAMP): Makefile setup.py scripts/install_horovod.sh scripts/cxx17
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip setuptools wheel
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -e '.[test,keras]'
 	PYTHON=$(PY) bash scripts/install_horovod.sh
 	touch $@
 
