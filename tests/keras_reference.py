@@ -1,0 +1,161 @@
+"""Single-process NumPy reference of the pipelined math for Keras 3 optimizers.
+
+The oracle for the Keras adapter (DESIGN.md, "Semantics"). It shares no code
+with the package, nor with Keras: the two optimizer rules are written out
+here in float32 NumPy, in the operation order of Keras 3.15's
+keras/src/optimizers/sgd.py and adam.py, and the pipeline is a plain FIFO.
+
+    each step t: push g_t = (sum over ranks of the rank gradients) / size
+                 pop and apply, oldest first, while the FIFO holds >= need
+                 entries, need = 1 during warm-up (t < W), else K
+    flush:       pop and apply the rest
+
+One pop is one optimizer update, and only an update advances the optimizer's
+iteration counter (Adam's bias correction counts updates, not steps).
+
+Gradients come either as a fixed sequence, gradients[step][rank] -> list of
+arrays (one per variable), or as a function grad_fn(step, rank, weights) ->
+list of arrays, evaluated at the weights the model holds when step `step`
+computes its gradient (w_t), which is what `model.fit` does.
+"""
+import numpy as np
+
+F32 = np.float32
+
+
+class SGD:
+    """keras.optimizers.SGD(learning_rate, momentum, nesterov=False)."""
+
+    def __init__(self, learning_rate=0.01, momentum=0.0):
+        self.learning_rate = F32(learning_rate)
+        self.momentum = momentum
+        self.iterations = 0
+        self.momentums = None
+
+    def build(self, weights):
+        if self.momentum != 0:
+            self.momentums = [np.zeros_like(w) for w in weights]
+
+    def update(self, weights, grads):
+        lr = self.learning_rate
+        for i, (w, g) in enumerate(zip(weights, grads)):
+            g = g.astype(F32)
+            if self.momentums is not None:
+                # m = m * momentum - g * lr;  w = w + m
+                m = self.momentums[i] * F32(self.momentum) - g * lr
+                self.momentums[i] = m
+                weights[i] = w + m
+            else:
+                weights[i] = w - g * lr
+        self.iterations += 1
+
+    def slots(self):
+        return {"momentum": self.momentums} if self.momentums is not None else {}
+
+
+class Adam:
+    """keras.optimizers.Adam(learning_rate, beta_1, beta_2, epsilon), amsgrad=False.
+
+    Keras's form: the bias corrections go into the step size, and epsilon is
+    added to sqrt(v) uncorrected ("epsilon hat" of Kingma & Ba, sec. 2):
+        t     = iterations + 1
+        alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)
+        m    += (g - m) * (1 - beta_1)
+        v    += (g*g - v) * (1 - beta_2)
+        w    -= m * alpha / (sqrt(v) + epsilon)
+    """
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+        self.learning_rate = F32(learning_rate)
+        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
+        self.iterations = 0
+        self.m = self.v = None
+
+    def build(self, weights):
+        self.m = [np.zeros_like(w) for w in weights]
+        self.v = [np.zeros_like(w) for w in weights]
+
+    def update(self, weights, grads):
+        lr = self.learning_rate
+        t = F32(self.iterations + 1)
+        b1_power = np.power(F32(self.beta_1), t)
+        b2_power = np.power(F32(self.beta_2), t)
+        alpha = lr * np.sqrt(F32(1) - b2_power) / (F32(1) - b1_power)
+        # Python floats meet float32 tensors in Keras: 1 - beta is computed
+        # in double, then rounded to float32.
+        one_minus_b1, one_minus_b2 = F32(1 - self.beta_1), F32(1 - self.beta_2)
+        for i, (w, g) in enumerate(zip(weights, grads)):
+            g = g.astype(F32)
+            self.m[i] = self.m[i] + (g - self.m[i]) * one_minus_b1
+            self.v[i] = self.v[i] + (np.square(g) - self.v[i]) * one_minus_b2
+            weights[i] = w - (self.m[i] * alpha) / (np.sqrt(self.v[i]) + F32(self.epsilon))
+        self.iterations += 1
+
+    def slots(self):
+        return {"momentum": self.m, "velocity": self.v}
+
+
+class Result:
+    """weights, optimizer (its iterations and slots), the FIFO left in flight
+    (steps and averaged gradients, oldest first), and which step's gradient
+    each update applied, in order."""
+
+    def __init__(self, weights, optimizer, fifo, applied):
+        self.weights, self.optimizer, self.fifo, self.applied = weights, optimizer, fifo, applied
+
+    @property
+    def iterations(self):
+        return self.optimizer.iterations
+
+
+def average(per_rank):
+    """The mean over ranks of one step's gradients: float32 sum in rank order, / size."""
+    size = len(per_rank)
+    out = []
+    for grads in zip(*per_rank):
+        total = np.zeros_like(np.asarray(grads[0], dtype=F32))
+        for g in grads:
+            total = total + np.asarray(g, dtype=F32)
+        out.append(total / F32(size))
+    return out
+
+
+def reference(initial_weights, gradients, optimizer, pipeline_depth=1, warmup_steps=0,
+              steps=None, size=None, flush=True):
+    """Run `steps` pipelined steps from `initial_weights` and return a Result.
+
+    gradients: gradients[step][rank] -> list of arrays, or a callable
+    grad_fn(step, rank, weights) -> list of arrays (then `steps` and `size`
+    are required). optimizer: an SGD or Adam above (fresh; built here).
+    flush: apply what is still in flight at the end.
+    """
+    if pipeline_depth < 1 or warmup_steps < 0:
+        raise ValueError("pipeline_depth >= 1 and warmup_steps >= 0")
+    weights = [np.array(w, dtype=F32, copy=True) for w in initial_weights]
+    if callable(gradients):
+        if steps is None or size is None:
+            raise ValueError("a gradient function needs steps= and size=")
+        grad_fn = gradients
+    else:
+        steps = len(gradients) if steps is None else steps
+        grad_fn = lambda t, r, w: gradients[t][r]  # noqa: E731
+        size = len(gradients[0]) if size is None else size
+    optimizer.build(weights)
+    fifo, applied = [], []
+
+    def apply(step, grads):
+        optimizer.update(weights, grads)
+        applied.append(step)
+
+    for t in range(steps):
+        snapshot = [w.copy() for w in weights]
+        per_rank = [[np.asarray(g, dtype=F32) for g in grad_fn(t, r, snapshot)]
+                    for r in range(size)]
+        fifo.append((t, average(per_rank)))
+        need = 1 if t < warmup_steps else pipeline_depth
+        while len(fifo) >= need:
+            apply(*fifo.pop(0))
+    if flush:
+        while fifo:
+            apply(*fifo.pop(0))
+    return Result(weights, optimizer, fifo, applied)

@@ -1,0 +1,140 @@
+"""The Keras oracle (tests/keras_reference.py) against the real Keras 3 optimizers.
+
+The reference is what the Keras adapter's multi-process tests compare with,
+so it must itself be right: here the real keras.optimizers.SGD / Adam
+(TensorFlow backend, eager) are fed the averaged gradients on an independent
+schedule (step t applies g_t during warm-up, then g_{t-K+1}; the end applies
+the rest) and must land on the reference's weights and optimizer slots.
+The gradients depend on the weights (a least-squares layer per rank), so a
+delay changes the trajectory.
+"""
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+keras = pytest.importorskip("keras")
+
+from keras_reference import SGD, Adam, average, reference  # noqa: E402
+
+pytestmark = pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                                reason="checks Keras's TensorFlow backend")
+
+SIZE, STEPS, N_IN, N_OUT, BATCH = 3, 9, 5, 3, 8
+RTOL = 1e-6
+
+
+def problem(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((SIZE, STEPS, BATCH, N_IN)).astype(np.float32)
+    y = rng.standard_normal((SIZE, STEPS, BATCH, N_OUT)).astype(np.float32)
+    w0 = [(0.5 * rng.standard_normal((N_IN, N_OUT))).astype(np.float32),
+          (0.1 * rng.standard_normal(N_OUT)).astype(np.float32)]
+
+    def grad_fn(step, rank, weights):
+        """d/dW, d/db of 0.5 * mean over the batch of |x W + b - y|^2 (rank's own data)."""
+        w, b = weights
+        xb, yb = x[rank, step], y[rank, step]
+        err = (xb @ w + b - yb) / np.float32(BATCH)
+        return [xb.T @ err, err.sum(axis=0)]
+
+    return w0, grad_fn
+
+
+def applied_at(step, depth, warmup):
+    """Which step's gradient the pipeline applies at `step` (closed form, no FIFO)."""
+    if step < warmup:
+        return [step]
+    src = step - depth + 1
+    return [src] if src >= warmup else []
+
+
+def keras_run(make_optimizer, w0, grad_fn, depth, warmup, flush):
+    """The real Keras optimizer on the delayed averaged gradients."""
+    variables = [keras.Variable(w, dtype="float32") for w in w0]
+    opt = make_optimizer()
+    computed, applied = {}, []
+    for t in range(STEPS):
+        current = [v.numpy() for v in variables]
+        computed[t] = average([grad_fn(t, r, current) for r in range(SIZE)])
+        for src in applied_at(t, depth, warmup):
+            opt.apply(computed.pop(src), variables)
+            applied.append(src)
+    if flush:
+        for src in sorted(computed):
+            opt.apply(computed.pop(src), variables)
+            applied.append(src)
+    return variables, opt, applied, sorted(computed)
+
+
+def assert_close(actual, expected, what):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    scale = np.max(np.abs(expected))
+    err = np.max(np.abs(actual - expected)) / scale if scale else np.max(np.abs(actual))
+    assert err <= RTOL, f"{what}: max |diff| / max |expected| = {err:.3g} > {RTOL}"
+
+
+OPTIMIZERS = {
+    "sgd-momentum": (lambda: keras.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+                     lambda: SGD(learning_rate=0.1, momentum=0.9),
+                     {"momentum": "momentum"}),
+    "adam": (lambda: keras.optimizers.Adam(learning_rate=0.01, beta_1=0.9, beta_2=0.999, epsilon=1e-7),
+             lambda: Adam(learning_rate=0.01, beta_1=0.9, beta_2=0.999, epsilon=1e-7),
+             {"momentum": "momentum", "velocity": "velocity"}),
+    # A large epsilon and short betas: where epsilon sits and how the bias
+    # correction counts updates move the weights well beyond the tolerance.
+    "adam-eps": (lambda: keras.optimizers.Adam(learning_rate=0.05, beta_1=0.8, beta_2=0.95, epsilon=0.05),
+                 lambda: Adam(learning_rate=0.05, beta_1=0.8, beta_2=0.95, epsilon=0.05),
+                 {"momentum": "momentum", "velocity": "velocity"}),
+}
+
+
+@pytest.mark.parametrize("depth,warmup", [(1, 0), (2, 0), (2, 2), (3, 1)])
+@pytest.mark.parametrize("flush", [True, False], ids=["flush", "noflush"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_reference_matches_keras(name, depth, warmup, flush):
+    make_keras, make_ref, slot_names = OPTIMIZERS[name]
+    w0, grad_fn = problem()
+    variables, opt, applied, in_flight = keras_run(make_keras, w0, grad_fn, depth, warmup, flush)
+    ref = reference(w0, grad_fn, make_ref(), pipeline_depth=depth, warmup_steps=warmup,
+                    steps=STEPS, size=SIZE, flush=flush)
+
+    assert ref.applied == applied
+    assert [s for s, _ in ref.fifo] == in_flight
+    if flush:
+        assert applied == list(range(STEPS))
+    assert ref.iterations == int(opt.iterations.numpy()) == len(applied)
+    for i, (v, w) in enumerate(zip(variables, ref.weights)):
+        assert w.dtype == np.float32
+        assert_close(v.numpy(), w, f"{name} K={depth} W={warmup} weight {i}")
+    for slot, keras_name in slot_names.items():
+        keras_slots = [v for v in opt.variables if keras_name in v.path]
+        assert len(keras_slots) == len(w0)
+        for i, (kv, rv) in enumerate(zip(keras_slots, ref.optimizer.slots()[slot])):
+            assert_close(kv.numpy(), rv, f"{name} K={depth} W={warmup} {slot} {i}")
+    # The delay matters here: a pipelined trajectory is not the sync one.
+    if depth > 1 and warmup < STEPS:
+        sync = reference(w0, grad_fn, make_ref(), steps=STEPS, size=SIZE, flush=flush)
+        assert not np.allclose(sync.weights[0], ref.weights[0], rtol=1e-4, atol=0)
+
+
+def test_fixed_gradient_sequences():
+    """gradients[step][rank] as data: K=1 is the real optimizer on their averages;
+    K=2 without flush leaves exactly the last step in flight."""
+    rng = np.random.default_rng(1)
+    shapes = [(4, 2), (2,)]
+    grads = [[[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(2)]
+             for _ in range(5)]
+    w0 = [np.ones(s, np.float32) for s in shapes]
+    variables = [keras.Variable(w, dtype="float32") for w in w0]
+    opt = keras.optimizers.Adam(learning_rate=0.05)
+    for step in grads:
+        opt.apply([(a + b) / np.float32(2) for a, b in zip(*step)], variables)
+    ref = reference(w0, grads, Adam(learning_rate=0.05), pipeline_depth=1)
+    for v, w in zip(variables, ref.weights):
+        assert_close(v.numpy(), w, "fixed sequence, Adam K=1")
+    ref2 = reference(w0, grads, Adam(learning_rate=0.05), pipeline_depth=2, flush=False)
+    assert ref2.applied == [0, 1, 2, 3] and [s for s, _ in ref2.fifo] == [4]
+    assert ref2.iterations == 4
