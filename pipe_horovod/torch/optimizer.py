@@ -25,11 +25,13 @@ import functools
 import itertools
 import logging
 import os
+import threading
 import time
 import warnings
 import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import engine
 from ..engine.process_sets import ProcessSet, global_process_set
@@ -41,6 +43,7 @@ _live = weakref.WeakSet()          # wrapped optimizers, for the exit report
 _log = logging.getLogger("pipe_horovod")
 DEPTH_VARIABLE = "PIPE_HOROVOD_PIPELINE_DEPTH"
 _announced = set()                 # depth settings rank 0 has explained already
+_owner_of = WeakIdKeyDictionary()  # parameter -> weakref to the wrapper reducing it
 
 
 class _Reduction:
@@ -132,6 +135,12 @@ class _PipelinedOptimizer:
         self._name_of = dict(name_of)
         self._parameter_names = self._name_of    # Horovod's attribute, read by its tests
         self._params, self._param_of, self._passes, self._hook_handles = [], {}, {}, []
+        # Autograd runs CPU and CUDA leaves (or several GPUs') on different
+        # threads: claiming and launching the next bucket must be atomic.
+        self._launch_lock = threading.Lock()
+        self._replaced_by = None                 # name of a parameter a newer wrapper took
+        # The hooks hold this optimizer weakly; once it is collected, this removes them.
+        weakref.finalize(self, _remove_hooks, self._hook_handles)
         self._track([p for group in self.param_groups for p in group["params"]])
         self._observed = {}                      # ready order seen in this process's first step
         self._order_agreed = False
@@ -165,11 +174,25 @@ class _PipelinedOptimizer:
     def _track(self, params):
         """Reduce `params` (those that need a gradient) from the next step on."""
         params = [p for p in params if p.requires_grad]
+        _take_over(params, self)
         self._params += params
         self._param_of.update((self._name_of[p], p) for p in params)
         self._passes.update((p, 0) for p in params)
-        self._hook_handles += [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                               for p in params]
+        hook = _weak_hook(self)
+        self._hook_handles += [p.register_post_accumulate_grad_hook(hook) for p in params]
+
+    def _refuse_if_replaced(self):
+        if self._replaced_by is not None:
+            raise RuntimeError(
+                f"this DistributedOptimizer was replaced: a newer DistributedOptimizer reduces "
+                f"its parameter {self._replaced_by!r}. Two live wrappers cannot share a parameter "
+                "(each would average its gradient again); step the newer one, or wrap disjoint "
+                "sets of parameters")
+
+    def _retire(self, name):
+        """A newer wrapper reduces `name` (and maybe more) now: stop reducing anything."""
+        _remove_hooks(self._hook_handles)
+        self._replaced_by = name
 
     # --- buckets ----------------------------------------------------------
     def _plan(self, order):
@@ -193,6 +216,10 @@ class _PipelinedOptimizer:
             self._passes[p] = 0
 
     def _on_grad_ready(self, param):
+        with self._launch_lock:
+            self._count_pass(param)
+
+    def _count_pass(self, param):
         if self._passes[param] >= self._passes_per_step:
             raise RuntimeError(
                 f"the gradient of {self._name_of[param]!r} was computed more than "
@@ -251,9 +278,11 @@ class _PipelinedOptimizer:
         Call it before clipping or `GradScaler.unscale_`, then `step()` inside
         `skip_synchronize()`, exactly as with Horovod.
         """
+        self._refuse_if_replaced()
         if not self._hooks_fired:
             raise RuntimeError("step() or synchronize() called without a backward pass since the "
                                "last step(); compute gradients before every step")
+        self._drop_unstepped()
         scale = self._grad_scaler.get_scale() if self._grad_scaler is not None else None
         if self._solo:
             agreed = self._agree()
@@ -356,15 +385,16 @@ class _PipelinedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_if_replaced()
         if self._should_synchronize:
-            if self._synchronized:
+            if self._synchronized and not self._hooks_fired:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                               "context after optimizer.synchronize(); the gradient was not "
                               "reduced twice, but wrap step() in optimizer.skip_synchronize() "
                               "when you call synchronize() yourself", stacklevel=2)
             else:
                 self.synchronize()
-        elif not self._synchronized:
+        elif not self._synchronized or self._hooks_fired:
             raise RuntimeError("step() inside skip_synchronize() needs a synchronize() first")
         self._synchronized = False
         entry, self._pending_apply = self._pending_apply, None
@@ -388,10 +418,27 @@ class _PipelinedOptimizer:
         Call at the end of training and before evaluation or a checkpoint
         that must hold weights with every computed gradient applied.
         """
-        if self._hooks_fired or self._synchronized:
+        if self._hooks_fired:
             raise RuntimeError("flush() called between backward and step(); call step() first")
+        self._drop_unstepped()
         for entry in self._fifo.drain():
             self._apply(entry)
+
+    def _drop_unstepped(self):
+        """Forget a gradient synchronize() prepared that no step() applied.
+
+        GradScaler.step does not call step() when that gradient overflowed:
+        it counts as skipped, as it would without the pipeline, and the next
+        synchronize() or flush() goes on from there.
+        """
+        if not self._synchronized:
+            return
+        self._synchronized = False
+        skipped, self._pending_apply = self._pending_apply, None
+        if skipped is not None and self._grad_scaler is None:
+            warnings.warn("synchronize() was not followed by step(): that gradient was not "
+                          "applied, as after a GradScaler overflow (pass grad_scaler= to the "
+                          "DistributedOptimizer when using one)", stacklevel=3)
 
     def zero_grad(self, set_to_none=True):
         if self._hooks_fired:
@@ -505,6 +552,52 @@ class _PipelinedOptimizer:
         self._attach_engine()
 
 
+def _weak_hook(opt):
+    """A post-accumulate-grad hook that does not keep `opt` alive."""
+    ref = weakref.ref(opt)
+
+    def hook(param):
+        owner = ref()
+        if owner is not None:
+            owner._on_grad_ready(param)
+    return hook
+
+
+def _remove_hooks(handles):
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+def _take_over(params, new):
+    """Make `new` the one wrapper reducing `params`, retiring older live ones.
+
+    A second training phase wraps the same parameters again, often without
+    flushing or deleting the first wrapper. Its gradients still in flight
+    are applied first (by it, as synchronous Horovod would have done), then
+    its hooks are removed and its step() raises.
+    """
+    older = {}
+    for p in params:
+        ref = _owner_of.get(p)
+        old = ref() if ref is not None else None
+        if old is not None and old is not new and old._replaced_by is None:
+            older.setdefault(id(old), (old, old._name_of[p]))
+    for old, name in older.values():
+        if old._hooks_fired:
+            raise RuntimeError(f"wrapping parameter {name!r} again while the DistributedOptimizer "
+                               "already wrapping it is between backward and step(); call its "
+                               "step() first")
+    for old, name in older.values():
+        if len(old._fifo):
+            _log.info("pipe_horovod: applying %d gradient(s) of the replaced "
+                      "DistributedOptimizer before the new one takes over", len(old._fifo))
+        old.flush()
+        old._retire(name)
+    for p in params:
+        _owner_of[p] = weakref.ref(new)
+
+
 def _alone(obj):
     """allgather_object for a rank that shares no collective with others."""
     return [obj]
@@ -528,7 +621,7 @@ def _flush_before_join():
     response").
     """
     for opt in _wrapped_here():
-        if opt._hooks_fired or opt._synchronized:
+        if opt._hooks_fired:
             raise RuntimeError("join() called between backward and step(); call step() first")
         opt.flush()
 
@@ -683,6 +776,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    if isinstance(optimizer, _PipelinedOptimizer):
+        raise ValueError("this optimizer is a DistributedOptimizer already; wrap the original "
+                         "torch.optim optimizer once")
     pipeline_depth, depth_source = _resolve_depth(pipeline_depth)
     check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket_cap_mb)
     check_compression(compression)

@@ -1,0 +1,32 @@
+"""Issue 14's optimizer defects, each reproduced on real workers and checked
+against the oracle: concurrent hooks, a GradScaler-skipped last step, a
+mid-run rollback, and wrapping the same parameters twice."""
+import pytest
+
+import launcher
+
+LAUNCHES = [("local", 1), ("horovod", 2), ("torch", 2)]
+
+
+@pytest.mark.parametrize("mode", ["threads", "skipped", "rollback", "rewrap"])
+@pytest.mark.parametrize("engine_name, np", LAUNCHES)
+def test_defect_is_fixed(engine_name, np, mode):
+    if engine_name == "horovod":
+        reason = launcher.horovod_missing()
+        if reason:
+            pytest.skip(reason)
+    launcher.run(engine_name, np, "hardening_worker.py", mode, timeout=240)
+
+
+def test_wrapping_a_wrapped_optimizer_is_refused():
+    import torch
+    import pipe_horovod.torch as phvd
+    phvd.init("local")
+    try:
+        model = torch.nn.Linear(2, 2)
+        opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+        with pytest.raises(ValueError, match="DistributedOptimizer already; wrap the original"):
+            phvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    finally:
+        phvd.shutdown()
