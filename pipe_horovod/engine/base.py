@@ -11,8 +11,8 @@ sets, automatic names, the timeline and the handles in flight are kept here.
 import collections
 import itertools
 
-from .checks import (check_name, check_op, check_root, check_rows, check_scale, check_splits,
-                     check_tensor, check_tensors)
+from .checks import (check_name, check_op, check_reducible, check_root, check_rows, check_scale,
+                     check_splits, check_tensor, check_tensors)
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from .process_sets import ProcessSet, check_new_sets, global_process_set
 from .timeline import Timeline
@@ -207,6 +207,7 @@ class Engine:
         postscale * op(prescale * tensor); Average divides the sum by the set's size.
         """
         check_tensor(tensor)
+        check_reducible(tensor, "allreduce")
         check_op(op)
         check_scale(prescale_factor, "prescale_factor")
         check_scale(postscale_factor, "postscale_factor")
@@ -221,6 +222,8 @@ class Engine:
                                 prescale_factor=1.0, postscale_factor=1.0):
         """Reduce a list of tensors in place as one operation; `wait` returns the list."""
         tensors = check_tensors(tensors, "grouped_allreduce")
+        for tensor in tensors:
+            check_reducible(tensor, "grouped_allreduce")
         check_op(op)
         check_scale(prescale_factor, "prescale_factor")
         check_scale(postscale_factor, "postscale_factor")
@@ -252,6 +255,7 @@ class Engine:
         Rows split as evenly as possible, the first ranks taking one more
         (Horovod's split). `wait` returns this rank's block, a new tensor."""
         check_tensor(tensor, "reducescatter")
+        check_reducible(tensor, "reducescatter")
         check_op(op, (Average, Sum), "reducescatter")
         check_rows(tensor, "reducescatter")
         check_scale(prescale_factor, "prescale_factor")
@@ -266,6 +270,8 @@ class Engine:
     def grouped_reducescatter_async(self, tensors, name, op=Average, *, process_set=None,
                                     prescale_factor=1.0, postscale_factor=1.0):
         tensors = check_tensors(tensors, "grouped_reducescatter")
+        for tensor in tensors:
+            check_reducible(tensor, "grouped_reducescatter")
         check_op(op, (Average, Sum), "grouped_reducescatter")
         for tensor in tensors:
             check_rows(tensor, "grouped_reducescatter")

@@ -26,6 +26,27 @@ def check_tensor(tensor, what="allreduce_async"):
             "call .contiguous() first")
 
 
+# What Horovod 0.28.1's reductions take (horovod_torch_allreduce_async_* and
+# reducescatter: Int, Long, Half, Float, Double tensors), plus bfloat16, which
+# every engine here reduces (the horovod engine by alltoall + allgather).
+_REDUCIBLE = ("int32", "int64", "float16", "bfloat16", "float32", "float64")
+
+
+def check_reducible(tensor, what):
+    """Refuse, on every engine, the dtypes Horovod cannot reduce.
+
+    Horovod answers uint8, int8, int16, bool and complex reductions with
+    "Tensor type ... is not supported"; torch.distributed would instead wrap
+    8-bit sums around, average bool to False and fail int16 inside gloo, so
+    a script would behave differently per launcher. One error everywhere."""
+    dtype = str(tensor.dtype).replace("torch.", "")
+    if dtype not in _REDUCIBLE:
+        raise ValueError(
+            f"{what} cannot reduce {tensor.dtype} tensors (Horovod's reductions take int32, "
+            f"int64, float16, float32, float64; pipe_horovod adds bfloat16): convert the "
+            f"tensor first, e.g. .to(torch.int32) or .double()")
+
+
 def check_tensors(tensors, what):
     if isinstance(tensors, (str, bytes)) or not hasattr(tensors, "__iter__"):
         raise TypeError(f"{what} expects a list of tensors, got {type(tensors).__name__}")
