@@ -62,6 +62,12 @@ def test_dtypes_horovod_cannot_reduce_are_refused(local, dtype):
     assert torch.equal(hvd.broadcast(torch.ones(2, dtype=dtype), 0), torch.ones(2, dtype=dtype))
 
 
+# --- the autograd note --------------------------------------------------------------
+@pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("local", 1)])
+def test_gradients_through_collectives_match_horovod(engine_name, np):
+    launch("autograd", engine_name, np)
+
+
 # --- defect 6 --------------------------------------------------------------------
 @pytest.mark.parametrize("engine_name, np", ENGINES)
 def test_broadcast_optimizer_state_after_rank0_rollback(engine_name, np):

@@ -8,6 +8,8 @@ argv: MODE ENGINE_NAME
              different times per rank, so any unnamed op reaching Horovod can hang.
   intavg     (defect 5) integer Average/Sum as Horovod 0.28.1 computes them (the
              result truncated toward zero), and the dtypes Horovod refuses.
+  autograd   (the note) gradients through allreduce, allgather and broadcast equal
+             Horovod's (compared live with horovod.torch under horovodrun).
   optstate   (defect 6) rank 0 alone rolls back to a checkpoint, then
              broadcast_optimizer_state: every rank's state_dict (with the pipeline's
              in-flight gradients) equals root's, and training continues exactly as
@@ -207,6 +209,34 @@ def expect_value_error(call, text, what):
         raise AssertionError(f"{what}: expected a ValueError containing {text!r}")
 
 
+# --- the autograd note ---------------------------------------------------------------
+def autograd(engine_name):
+    """A loss built from hvd.allreduce / allgather / broadcast gives x.grad as Horovod's
+    (Average backward: the average over ranks of each rank's coefficient)."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    libraries = {"pipe_horovod": hvd}
+    if engine_name == "horovod":
+        import horovod.torch as theirs
+        libraries["horovod"] = theirs
+    coef = torch.tensor([1.0, 2.0, 4.0]) * (r + 1)
+    mean = torch.tensor([1.0, 2.0, 4.0]) * (n + 1) / 2       # average of the coefficients
+    for lib_name, lib in libraries.items():
+        def grad(fn):
+            x = torch.arange(3.0, requires_grad=True)
+            (fn(x) * coef).sum().backward()
+            return x.grad
+
+        check_equal(grad(lambda x: lib.allreduce(x, name=f"{lib_name}.ar")), mean,
+                    f"{lib_name} allreduce Average backward")
+        check_equal(grad(lambda x: lib.allreduce(x, op=lib.Sum, name=f"{lib_name}.ars")),
+                    mean * n, f"{lib_name} allreduce Sum backward")
+        check_equal(grad(lambda x: lib.allgather(x, name=f"{lib_name}.ag")[3 * r:3 * r + 3]),
+                    coef / n, f"{lib_name} allgather backward (own rows, averaged)")
+        check_equal(grad(lambda x: lib.broadcast(x, 0, name=f"{lib_name}.bc")),
+                    mean if r == 0 else torch.zeros(3), f"{lib_name} broadcast backward")
+
+
 # --- defect 6: broadcast_optimizer_state ---------------------------------------------
 def build(kind="adam", device="cpu"):
     torch.manual_seed(0)
@@ -323,8 +353,8 @@ def cuda():
 
 def main():
     mode, engine_name = sys.argv[1], sys.argv[2]
-    {"names": names, "intavg": lambda: intavg(engine_name), "optstate": optstate,
-     "cuda": cuda}[mode]()
+    {"names": names, "intavg": lambda: intavg(engine_name),
+     "autograd": lambda: autograd(engine_name), "optstate": optstate, "cuda": cuda}[mode]()
     print(f"WORKER_OK rank={hvd.rank() if hvd.is_initialized() else os.environ.get('RANK')}",
           flush=True)
     if hvd.is_initialized():
