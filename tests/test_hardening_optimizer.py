@@ -30,3 +30,9 @@ def test_wrapping_a_wrapped_optimizer_is_refused():
             phvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     finally:
         phvd.shutdown()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("engine_name, np", [("local", 1), ("torch", 2)])
+def test_cpu_and_cuda_parameters_in_one_backward(engine_name, np):
+    launcher.run(engine_name, np, "hardening_worker.py", "mixed", timeout=240)
