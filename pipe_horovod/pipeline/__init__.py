@@ -6,5 +6,7 @@ both frameworks share one implementation of the Pipe-SGD math.
 from .buckets import Bucket, plan_buckets
 from .checks import check_options, compare_across_ranks
 from .fifo import GradientFifo
+from .step_machine import BucketReduction, StepGradient, StepMachine
 
-__all__ = ["Bucket", "plan_buckets", "check_options", "compare_across_ranks", "GradientFifo"]
+__all__ = ["Bucket", "plan_buckets", "check_options", "compare_across_ranks", "GradientFifo",
+           "BucketReduction", "StepGradient", "StepMachine"]

@@ -25,7 +25,6 @@ import functools
 import itertools
 import logging
 import os
-import threading
 import time
 import warnings
 import weakref
@@ -36,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import engine
 from ..engine.process_sets import ProcessSet, global_process_set
 from ..compression import Compression, check_compression
-from ..pipeline import GradientFifo, check_options, compare_across_ranks, plan_buckets
+from ..pipeline import StepGradient, StepMachine, check_options, compare_across_ranks
 
 _instances = itertools.count()
 _live = weakref.WeakSet()          # wrapped optimizers, for the exit report
@@ -44,27 +43,6 @@ _log = logging.getLogger("pipe_horovod")
 DEPTH_VARIABLE = "PIPE_HOROVOD_PIPELINE_DEPTH"
 _announced = set()                 # depth settings rank 0 has explained already
 _owner_of = WeakIdKeyDictionary()  # parameter -> weakref to the wrapper reducing it
-
-
-class _Reduction:
-    """One bucket of one step: its flat tensor on the wire, or the landed result."""
-
-    __slots__ = ("bucket", "handle", "ctx", "compression", "result")
-
-    def __init__(self, bucket, handle, ctx, compression):
-        self.bucket, self.handle, self.ctx, self.compression = bucket, handle, ctx, compression
-        self.result = None
-
-    def wait(self):
-        if self.result is None:
-            self.result = self.compression.decompress(engine.wait(self.handle), self.ctx)
-            self.handle = None
-        return self.result
-
-    def results(self):
-        flat = self.wait()
-        for name, start, numel in self.bucket.offsets():
-            yield name, flat[start:start + numel]
 
 
 class _SparseReduction:
@@ -94,50 +72,27 @@ class _SparseReduction:
         yield self.name, self.result
 
 
-class _Step:
-    """A step's gradient: its bucket reductions, or per-name tensors after a resume."""
-
-    __slots__ = ("reductions", "loaded", "scale")
-
-    def __init__(self, reductions=None, loaded=None, scale=None):
-        self.reductions = reductions or []
-        self.loaded = loaded            # {name: tensor}, only for entries read from a checkpoint
-        self.scale = scale              # GradScaler scale this gradient was computed with
-
-    def gradients(self):
-        """{name: flat averaged gradient}; waits for reductions still on the wire."""
-        if self.loaded is not None:
-            return self.loaded
-        grads = {}
-        for reduction in self.reductions:
-            grads.update(reduction.results())
-        return grads
-
-
 class _PipelinedOptimizer:
     """Mixin placed before the user's optimizer class in the MRO."""
 
     def _setup_pipeline(self, name_of, compression, backward_passes_per_step, op,
                         pipeline_depth, warmup_steps, bucket_cap_mb, grad_scaler,
                         predivide, groups, sparse_as_dense, process_set):
+        self._number = next(_instances)          # creation order: the same on every rank
+        self._machine = StepMachine(f"pipe{self._number}", pipeline_depth, warmup_steps,
+                                    compression=compression, op=op, predivide=predivide,
+                                    process_set=process_set, cap_bytes=int(bucket_cap_mb * 2**20),
+                                    groups=groups)
         self._process_set = process_set          # None: every rank
-        self._compression = compression
         self._passes_per_step = backward_passes_per_step
         self._op = op
-        self._predivide = predivide
-        self._bucket_cap = int(bucket_cap_mb * 2**20)
-        self._groups = groups                    # None, a bucket count, or lists of names
         self._sparse_as_dense = sparse_as_dense
         self._sparse = {}                        # name -> sparse_dim, agreed by every rank
         self._seen_sparse = {}                   # this process's, until the next agreement
         self._grad_scaler = grad_scaler
-        self._fifo = GradientFifo(pipeline_depth, warmup_steps)
         self._name_of = dict(name_of)
         self._parameter_names = self._name_of    # Horovod's attribute, read by its tests
         self._params, self._param_of, self._passes, self._hook_handles = [], {}, {}, []
-        # Autograd runs CPU and CUDA leaves (or several GPUs') on different
-        # threads: claiming and launching the next bucket must be atomic.
-        self._launch_lock = threading.Lock()
         self._replaced_by = None                 # name of a parameter a newer wrapper took
         # The hooks hold this optimizer weakly; once it is collected, this removes them.
         weakref.finalize(self, _remove_hooks, self._hook_handles)
@@ -149,25 +104,17 @@ class _PipelinedOptimizer:
         self._synchronized = False
         self._should_synchronize = True
         self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0}
-        self._number = next(_instances)          # creation order: the same on every rank
-        self._prefix = f"pipe{self._number}"
         _live.add(self)
         self._attach_engine()
 
+    # Read by tests and by join: the machine's FIFO and bucket plan.
+    _fifo = property(lambda self: self._machine.fifo)
+    _buckets = property(lambda self: self._machine.buckets)
+
     def _attach_engine(self):
         """Use the engine running now (a new one after an elastic reset)."""
-        self._engine = engine.current()
-        ps = self._process_set
-        # A rank outside the process set reduces nothing: as in Horovod, it
-        # applies its own gradient (through the same pipeline depth).
-        included = ps is None or ps.included()
-        self._size = self._engine.size() if ps is None else ps.size() if included else 1
-        # Object collectives among the ranks that reduce (checks, agreement).
-        self._gather = (functools.partial(self._engine.allgather_object, process_set=ps)
-                        if included else _alone)
-        # One rank, no codec, no scaling: averaging is the identity, nothing need be copied.
-        self._solo = not included or (self._size == 1 and self._compression is Compression.none
-                                      and self._predivide == 1.0)
+        self._machine.attach()
+        self._engine = self._machine.engine
         self._engine.before_shutdown(__name__, _report_unapplied)
         self._engine.around_join(__name__, _flush_before_join, _align_after_join)
 
@@ -200,26 +147,16 @@ class _PipelinedOptimizer:
         members = [(name, self._param_of[name].numel(), self._param_of[name].element_size(),
                     (self._param_of[name].dtype, self._param_of[name].device)) for name in order
                    if self._sparse_as_dense or name not in self._sparse]
-        self._buckets = plan_buckets(members, self._bucket_cap, self._groups)
-        self._bucket_of = {name: b for b in self._buckets for name in b.names}
-        # (slot, bucket index) -> flat send/receive buffer. `.grad` may view an old
-        # buffer at an old offset: a new plan gets new buffers, so no parameter's
-        # gradient is copied over another's.
-        self._slot_buffers = {}
+        self._machine.plan(members)
         self._reset_step()
 
     def _reset_step(self):
-        self._waiting = [len(b.names) for b in self._buckets]
-        self._launched = []                      # _Reduction per bucket, in bucket order
+        self._machine.begin_step()
         self._hooks_fired = False
         for p in self._params:
             self._passes[p] = 0
 
     def _on_grad_ready(self, param):
-        with self._launch_lock:
-            self._count_pass(param)
-
-    def _count_pass(self, param):
         if self._passes[param] >= self._passes_per_step:
             raise RuntimeError(
                 f"the gradient of {self._name_of[param]!r} was computed more than "
@@ -230,21 +167,11 @@ class _PipelinedOptimizer:
         self._passes[param] += 1
         if not self._order_agreed:
             self._observed.setdefault(param)
-        bucket = self._bucket_of.get(self._name_of[param])   # None: a sparse gradient
-        if self._passes[param] == self._passes_per_step and bucket is not None:
-            self._waiting[bucket.index] -= 1
-            # torch.distributed matches collectives by order: start buckets in index order only.
-            while (not self._solo and len(self._launched) < len(self._buckets)
-                   and self._waiting[len(self._launched)] == 0):
-                self._launch(self._buckets[len(self._launched)])
+        if self._passes[param] == self._passes_per_step:
+            self._machine.ready(self._name_of[param], self._fill_bucket)
 
-    def _launch(self, bucket):
-        slot = self._fifo.steps % self._fifo.pipeline_depth
-        flat = self._slot_buffers.get((slot, bucket.index))
-        if flat is None or flat.numel() != bucket.numel:
-            dtype, device = bucket.kind
-            flat = torch.empty(bucket.numel, dtype=dtype, device=device)
-            self._slot_buffers[(slot, bucket.index)] = flat
+    def _fill_bucket(self, bucket, flat):
+        """Copy the bucket's `.grad`s into its flat buffer, unless backward accumulated there."""
         for name, start, numel in bucket.offsets():
             grad = self._param_of[name].grad
             part = flat[start:start + numel]
@@ -258,16 +185,6 @@ class _PipelinedOptimizer:
                     part.zero_()
             elif grad.data_ptr() != part.data_ptr() or not grad.is_contiguous():
                 part.copy_(grad.reshape(-1))     # else: backward accumulated in place already
-        wire, ctx = self._compression.compress(flat)
-        # A name stands for one size: Horovod caches responses by name, and a
-        # re-planned bucket reusing a name trips its cache on joined ranks.
-        name = f"{self._prefix}.{bucket.index}.{bucket.numel}.{slot}"
-        # gradient_predivide_factor splits the average around the sum, as Horovod's does.
-        handle = self._engine.allreduce_async(wire, name, self._op,
-                                              process_set=self._process_set,
-                                              prescale_factor=1.0 / self._predivide,
-                                              postscale_factor=self._predivide)
-        self._launched.append(_Reduction(bucket, handle, ctx, self._compression))
 
     # --- the step ---------------------------------------------------------
     def synchronize(self):
@@ -284,16 +201,17 @@ class _PipelinedOptimizer:
                                "last step(); compute gradients before every step")
         self._drop_unstepped()
         scale = self._grad_scaler.get_scale() if self._grad_scaler is not None else None
-        if self._solo:
+        machine = self._machine
+        if machine.solo:
             agreed = self._agree()
-            entry = _Step(loaded={name: p.grad for name, p in self._param_of.items()
-                                  if p.grad is not None}, scale=scale)
+            # Nothing to send: the `.grad` tensors themselves, by reference.
+            entry = StepGradient(loaded={name: p.grad for name, p in self._param_of.items()
+                                         if p.grad is not None}, scale=scale)
         else:
-            while len(self._launched) < len(self._buckets):
-                self._launch(self._buckets[len(self._launched)])
+            machine.launch_rest(self._fill_bucket)
             agreed = self._agree()
-            entry = _Step(self._launched + self._launch_sparse(), scale=scale)
-        ready = self._fifo.push(entry)
+            entry = StepGradient(machine.launched + self._launch_sparse(), scale=scale)
+        ready = machine.finish_step(entry)
         if agreed is not None:
             self._plan(agreed)
         self._reset_step()
@@ -313,20 +231,20 @@ class _PipelinedOptimizer:
             return None
         seen = [self._name_of[p] for p in self._observed]
         rest = [self._name_of[p] for p in reversed(self._params) if p not in self._observed]
-        everyone = self._gather((seen + rest, self._seen_sparse))
-        for _, sparse in everyone:
-            self._sparse.update(sparse)
+        order, sparse = self._machine.agree(seen, rest, self._seen_sparse)
+        for theirs in sparse:
+            self._sparse.update(theirs)
         self._order_agreed = True
         self._observed, self._seen_sparse = {}, {}
-        return everyone[0][0]
+        return order
 
     def _launch_sparse(self):
         """Allgather this step's sparse gradients (not in buckets), in the agreed order."""
         if self._sparse_as_dense:
             return []
-        slot = self._fifo.steps % self._fifo.pipeline_depth
-        scale = 1.0 / self._size if self._op is engine.Average else 1.0
-        gather = functools.partial(self._engine.allgather_async, process_set=self._process_set)
+        machine = self._machine
+        scale = 1.0 / machine.size if self._op is engine.Average else 1.0
+        gather = functools.partial(machine.engine.allgather_async, process_set=self._process_set)
         reductions = []
         for name in (n for n in self._order if n in self._sparse):
             p = self._param_of[name]
@@ -338,7 +256,7 @@ class _PipelinedOptimizer:
             else:
                 grad = grad.coalesce()
                 indices, values = grad.indices().t().contiguous(), grad.values().contiguous()
-            tag = f"{self._prefix}.sparse.{name}.{slot}"
+            tag = f"{machine.prefix}.sparse.{name}.{machine.slot}"
             reductions.append(_SparseReduction(name, p.shape, gather(indices, f"{tag}.i"),
                                                gather(values, f"{tag}.v"), scale))
         return reductions
@@ -421,7 +339,7 @@ class _PipelinedOptimizer:
         if self._hooks_fired:
             raise RuntimeError("flush() called between backward and step(); call step() first")
         self._drop_unstepped()
-        for entry in self._fifo.drain():
+        for entry in self._machine.drain():
             self._apply(entry)
 
     def _drop_unstepped(self):
@@ -468,7 +386,7 @@ class _PipelinedOptimizer:
         added = self.param_groups[-1]["params"]
         for i, p in enumerate(added):
             self._name_of.setdefault(p, f"param_group{index}.{i}")
-        compare_across_ranks(self._gather,
+        compare_across_ranks(self._machine.gather,
                              _describe([(self._name_of[p], p) for p in added],
                                        [self._name_of[p] for p in added], {}),
                              what=f"parameter group {index} added after wrapping")
@@ -488,10 +406,7 @@ class _PipelinedOptimizer:
                                "gradient is not in the checkpoint yet; call step() first")
         state = super().state_dict()
         state["pipe_horovod"] = {
-            "steps": self._fifo.steps,
-            "in_flight": [{name: g.detach().clone() for name, g in entry.gradients().items()}
-                          for entry in self._fifo],
-            "scales": [entry.scale for entry in self._fifo],
+            **self._machine.state(),
             "bucket_order": self._order,
             "order_agreed": self._order_agreed,
             "sparse": dict(self._sparse),
@@ -514,15 +429,13 @@ class _PipelinedOptimizer:
         super().load_state_dict(state_dict)
         if pipe is None:
             return
-        for entry in self._fifo:
-            entry.gradients()
+        self._machine.settle()
         unknown = set(pipe["bucket_order"]) ^ set(self._param_of)
         if unknown:
             raise ValueError(f"checkpoint parameters do not match this model: {sorted(unknown)}")
         device_of = {name: p.device for name, p in self._param_of.items()}
-        entries = [_Step(loaded={n: g.to(device_of[n]) for n, g in grads.items()}, scale=scale)
-                   for grads, scale in zip(pipe["in_flight"], pipe["scales"])]
-        self._fifo.replace(entries, pipe["steps"])
+        self._machine.restore([{n: g.to(device_of[n]) for n, g in grads.items()}
+                               for grads in pipe["in_flight"]], pipe["scales"], pipe["steps"])
         self._order_agreed = pipe["order_agreed"]
         self._sparse = dict(pipe.get("sparse", {}))
         self._plan(pipe["bucket_order"])
@@ -536,7 +449,7 @@ class _PipelinedOptimizer:
         committed state_dict is loaded next. `.grad` is cleared as well, since a
         failed backward may have left part of a gradient in it.
         """
-        self._fifo.replace([], self._fifo.steps)
+        self._machine.forget()
         self._reset_step()
         self._synchronized, self._pending_apply = False, None
         self._observed, self._seen_sparse = {}, {}
@@ -596,11 +509,6 @@ def _take_over(params, new):
         old._retire(name)
     for p in params:
         _owner_of[p] = weakref.ref(new)
-
-
-def _alone(obj):
-    """allgather_object for a rank that shares no collective with others."""
-    return [obj]
 
 
 def _values(grad):

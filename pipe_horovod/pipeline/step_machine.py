@@ -1,0 +1,216 @@
+"""The pipelined data path between an adapter and the engine: one object per wrapped optimizer.
+
+Adapters (PyTorch hooks, Keras's `apply`) know where gradients live; the
+step machine knows what happens to them once they are flat engine tensors
+(torch tensors, whatever the framework, since the engines are torch's and
+Horovod's): which bucket they belong to, when a bucket goes on the wire and
+under which name, which K-slot buffer it is reduced in, when the FIFO hands
+a step's average back, and what a checkpoint must carry.
+
+Per step an adapter calls `ready(name, fill)` as each gradient is final
+(from any thread), `finish_step(scale)` at step(), and applies what that
+returns; `drain()` hands back the rest (flush). `fill(bucket, flat)`
+writes the bucket's gradients into the flat buffer the machine owns.
+"""
+import functools
+import threading
+
+from .. import engine
+from ..compression import Compression
+from .buckets import plan_buckets
+from .fifo import GradientFifo
+
+
+class BucketReduction:
+    """One bucket of one step: its flat tensor on the wire, or the landed result."""
+
+    __slots__ = ("bucket", "handle", "ctx", "compression", "result")
+
+    def __init__(self, bucket, handle, ctx, compression):
+        self.bucket, self.handle, self.ctx, self.compression = bucket, handle, ctx, compression
+        self.result = None
+
+    def wait(self):
+        if self.result is None:
+            self.result = self.compression.decompress(engine.wait(self.handle), self.ctx)
+            self.handle = None
+        return self.result
+
+    def results(self):
+        flat = self.wait()
+        for name, start, numel in self.bucket.offsets():
+            yield name, flat[start:start + numel]
+
+
+class StepGradient:
+    """A step's averaged gradient: its reductions, or per-name tensors.
+
+    `loaded` holds tensors that need no reduction: read from a checkpoint,
+    or a lone rank's own gradients. `scale` is what the adapter needs to
+    interpret them later (a GradScaler's scale at compute time).
+    """
+
+    __slots__ = ("reductions", "loaded", "scale")
+
+    def __init__(self, reductions=(), loaded=None, scale=None):
+        self.reductions = list(reductions)
+        self.loaded = loaded
+        self.scale = scale
+
+    def gradients(self):
+        """{name: flat averaged gradient}; waits for reductions still on the wire."""
+        if self.loaded is not None:
+            return self.loaded
+        grads = {}
+        for reduction in self.reductions:
+            grads.update(reduction.results())
+        return grads
+
+
+class StepMachine:
+    def __init__(self, prefix, pipeline_depth, warmup_steps, *, compression=Compression.none,
+                 op=engine.Average, predivide=1.0, process_set=None, cap_bytes=25 * 2**20,
+                 groups=None):
+        self.prefix = prefix                  # tensor names: the same on every rank
+        self.fifo = GradientFifo(pipeline_depth, warmup_steps)
+        self.compression = compression
+        self.op = op
+        self.predivide = predivide
+        self.process_set = process_set        # None: every rank
+        self.cap_bytes = cap_bytes
+        self.groups = groups                  # None, a bucket count, or lists of names
+        # Autograd runs CPU and CUDA leaves (or several GPUs') on different
+        # threads: claiming and launching the next bucket must be atomic.
+        self._lock = threading.Lock()
+        self.buckets, self.bucket_of = [], {}
+        self._buffers = {}
+        self.attach()
+        self.begin_step()
+
+    def attach(self):
+        """Use the engine running now (a new one after an elastic reset)."""
+        self.engine = engine.current()
+        ps = self.process_set
+        # A rank outside the process set reduces nothing: as in Horovod, it
+        # applies its own gradient (through the same pipeline depth).
+        included = ps is None or ps.included()
+        self.size = self.engine.size() if ps is None else ps.size() if included else 1
+        # Object collectives among the ranks that reduce (checks, agreement).
+        self.gather = (functools.partial(self.engine.allgather_object, process_set=ps)
+                       if included else _alone)
+        # One rank, no codec, no scaling: averaging is the identity, nothing to send.
+        self.solo = not included or (self.size == 1 and self.compression is Compression.none
+                                     and self.predivide == 1.0)
+
+    # --- buckets ----------------------------------------------------------
+    def plan(self, members):
+        """Fuse `members` [(name, numel, element_size, (dtype, device))], in ready order."""
+        self.buckets = plan_buckets(members, self.cap_bytes, self.groups)
+        self.bucket_of = {name: b for b in self.buckets for name in b.names}
+        # An adapter's gradients may view old buffers at old offsets: a new plan
+        # gets new buffers, so no gradient is written over another's.
+        self._buffers = {}
+        self.begin_step()
+
+    def agree(self, seen, rest, extra=None):
+        """Rank 0's gradient-ready order (`seen` first, then `rest`), and every rank's `extra`.
+
+        Collectives are matched by name (Horovod) or by order (torch.distributed):
+        every rank must launch the same buckets in the same order, so the
+        order one rank observed in its first backward becomes everyone's.
+        """
+        everyone = self.gather((list(seen) + list(rest), extra))
+        return everyone[0][0], [e for _, e in everyone]
+
+    def buffer(self, bucket):
+        """This step's persistent flat buffer for `bucket` (one per pipeline slot)."""
+        key = (self.slot, bucket.index)
+        flat = self._buffers.get(key)
+        if flat is None or flat.numel() != bucket.numel:
+            import torch
+            dtype, device = bucket.kind
+            flat = torch.empty(bucket.numel, dtype=dtype, device=device)
+            self._buffers[key] = flat
+        return flat
+
+    @property
+    def slot(self):
+        return self.fifo.steps % self.fifo.pipeline_depth
+
+    # --- a step -----------------------------------------------------------
+    def begin_step(self):
+        self._waiting = [len(b.names) for b in self.buckets]
+        self.launched = []                    # BucketReduction per bucket, in bucket order
+
+    def ready(self, name, fill):
+        """`name`'s gradient is final for this step: launch every bucket now complete.
+
+        Buckets start in index order only: torch.distributed matches
+        collectives by order, so a later bucket never overtakes an earlier one.
+        """
+        bucket = self.bucket_of.get(name)
+        if bucket is None:
+            return
+        with self._lock:
+            self._waiting[bucket.index] -= 1
+            while (not self.solo and len(self.launched) < len(self.buckets)
+                   and self._waiting[len(self.launched)] == 0):
+                self._launch(self.buckets[len(self.launched)], fill)
+
+    def launch_rest(self, fill):
+        """Send every bucket backward did not complete (unused parameters send zeros)."""
+        with self._lock:
+            while not self.solo and len(self.launched) < len(self.buckets):
+                self._launch(self.buckets[len(self.launched)], fill)
+
+    def _launch(self, bucket, fill):
+        flat = self.buffer(bucket)
+        fill(bucket, flat)
+        wire, ctx = self.compression.compress(flat)
+        # A name stands for one size: Horovod caches responses by name, and a
+        # re-planned bucket reusing a name trips its cache on joined ranks.
+        name = f"{self.prefix}.{bucket.index}.{bucket.numel}.{self.slot}"
+        # gradient_predivide_factor splits the average around the sum, as Horovod's does.
+        handle = self.engine.allreduce_async(wire, name, self.op, process_set=self.process_set,
+                                             prescale_factor=1.0 / self.predivide,
+                                             postscale_factor=self.predivide)
+        self.launched.append(BucketReduction(bucket, handle, ctx, self.compression))
+
+    def finish_step(self, entry):
+        """Push this step's `entry` (a StepGradient); return the entries to apply now,
+        oldest first."""
+        ready = self.fifo.push(entry)
+        self.begin_step()
+        return ready
+
+    def drain(self):
+        return self.fifo.drain()
+
+    # --- checkpoints --------------------------------------------------------
+    def state(self):
+        """What a checkpoint carries: waits for (local) reductions still in flight."""
+        return {"steps": self.fifo.steps,
+                "in_flight": [{n: g.detach().clone() for n, g in e.gradients().items()}
+                              for e in self.fifo],
+                "scales": [e.scale for e in self.fifo]}
+
+    def settle(self):
+        """Complete every reduction in flight: the other ranks started them too, and
+        their names must be free before the same names are used again."""
+        for entry in self.fifo:
+            entry.gradients()
+
+    def restore(self, in_flight, scales, steps):
+        """Replace what is in flight by a checkpoint's (call settle() first)."""
+        self.fifo.replace([StepGradient(loaded=grads, scale=scale)
+                           for grads, scale in zip(in_flight, scales)], steps)
+
+    def forget(self):
+        """Drop, without waiting, everything in flight (after a failed collective)."""
+        self.fifo.replace([], self.fifo.steps)
+        self.begin_step()
+
+
+def _alone(obj):
+    """allgather_object for a rank that shares no collective with others."""
+    return [obj]
