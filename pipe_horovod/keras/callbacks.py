@@ -1,0 +1,137 @@
+"""Callbacks for `model.fit`, named and behaving like Horovod's Keras callbacks.
+
+PipelineFlushCallback is ours: a pipelined optimizer holds the last K-1
+gradients in flight, and whatever reads the weights (validation,
+ModelCheckpoint, EarlyStopping, evaluate after fit) should see them applied.
+"""
+import keras
+import numpy as np
+import torch
+
+from .. import engine
+
+
+def broadcast_variables(variables, root_rank):
+    """Overwrite `variables` (Keras variables) with root's values, in place."""
+    for variable in variables:
+        value = torch.from_numpy(np.array(keras.ops.convert_to_numpy(variable.value), copy=True))
+        engine.broadcast(value, root_rank)
+        variable.assign(value.numpy())
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """At the start of training, give every rank root's weights and optimizer state.
+
+    Runs at on_train_begin, once the model and its optimizer are built, so
+    the first step already computes on the same weights everywhere. The
+    optimizer's state travels whole (iterations, slots and, for a
+    pipelined optimizer, the gradients in flight), so Horovod's resume
+    pattern (rank 0 alone loads a checkpoint) continues exactly.
+    """
+
+    def __init__(self, root_rank=0):
+        super().__init__()
+        self.root_rank = root_rank
+        self.broadcast_done = False
+
+    def on_train_begin(self, logs=None):
+        if self.broadcast_done:
+            return
+        model = self.model
+        broadcast_variables(model.variables, self.root_rank)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None:
+            if not optimizer.built:
+                optimizer.build(model.trainable_variables)
+            root = engine.rank() == self.root_rank
+            store = {}
+            if root:
+                optimizer.save_own_variables(store)
+            store = engine.broadcast_object(store if root else None, self.root_rank)
+            if not root:
+                optimizer.load_own_variables(store)
+        self.broadcast_done = True
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Replace each epoch's metrics (training and validation) by their average over ranks.
+
+    Put it before callbacks that read the metrics (ModelCheckpoint,
+    EarlyStopping, ReduceLROnPlateau), so every rank decides alike.
+    """
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not logs or engine.size() == 1:
+            return
+        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
+        values = torch.tensor([float(logs[k]) for k in keys], dtype=torch.float64)
+        engine.wait(engine.allreduce_async(values, f"pipe_horovod.metrics.{epoch}",
+                                           engine.Average))
+        logs.update(zip(keys, values.tolist()))
+
+
+class LearningRateWarmupCallback(keras.callbacks.Callback):
+    """Goyal et al.'s gradual warm-up: the learning rate ramps, batch by batch, from
+    initial_learning_rate / size() to initial_learning_rate over `warmup_epochs`.
+
+    As Horovod's, with one difference: Keras 3 reads an optimizer's momentum
+    when it traces the train step, so momentum is not rescaled with the rate.
+    """
+
+    def __init__(self, initial_learning_rate, warmup_epochs=5, steps_per_epoch=None, verbose=0):
+        super().__init__()
+        if not warmup_epochs > 0:
+            raise ValueError(f"warmup_epochs must be > 0, got {warmup_epochs}")
+        self.initial_learning_rate = float(initial_learning_rate)
+        self.warmup_epochs = warmup_epochs
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = verbose
+        self.current_epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.current_epoch >= self.warmup_epochs:
+            return
+        steps = self.steps_per_epoch or self.params.get("steps")
+        if not steps:
+            raise ValueError("LearningRateWarmupCallback needs steps_per_epoch when fit() "
+                             "cannot tell the number of steps per epoch")
+        epoch = self.current_epoch + batch / steps
+        size = engine.size()
+        rate = self.initial_learning_rate / size * (epoch * (size - 1) / self.warmup_epochs + 1)
+        self.model.optimizer.learning_rate = min(rate, self.initial_learning_rate)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.warmup_epochs - 1:
+            self.model.optimizer.learning_rate = self.initial_learning_rate
+            if self.verbose and engine.rank() == 0:
+                print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                      f"{self.initial_learning_rate:g}.")
+        if logs is not None:
+            logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+
+
+class PipelineFlushCallback(keras.callbacks.Callback):
+    """Apply every gradient in flight after each epoch's last batch and at the end of fit.
+
+    The flush comes after the last training batch, before fit() validates,
+    so validation, ModelCheckpoint and EarlyStopping see weights with every
+    computed gradient applied. The pipeline restarts with the next epoch.
+    """
+
+    def _flush(self):
+        flush = getattr(self.model.optimizer, "flush", None)
+        if flush is not None:
+            flush()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 == self.params.get("steps"):
+            self._flush()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._flush()
+
+    def on_train_end(self, logs=None):
+        self._flush()

@@ -1,0 +1,247 @@
+"""The pipelined DistributedOptimizer for Keras 3.
+
+Keras 3 sends every backend's update through `Optimizer.apply(grads,
+variables)`, so that is the one method wrapped. As for PyTorch, the result
+is an instance of a subclass of the user's own optimizer class; what
+changes is which averaged gradient `apply` hands to the real update, and
+when (DESIGN.md, "Semantics"): g_t for pipeline_depth=1, g_{t-K+1} for
+K >= 2, nothing (and no iteration counted) while the pipeline fills.
+
+The data path depends on the backend:
+- TensorFlow: a graph op cannot outlive its step, so each bucket's
+  gradients leave the graph through a stateful numpy_function that hands
+  them to the pipeline core (`tensorflow_path`);
+- torch: Keras's train step runs `loss.backward()`, so the PyTorch
+  adapter's hooks do it (`torch_path`), unchanged.
+Both paths share pipeline.StepMachine with the PyTorch adapter.
+"""
+import json
+import os
+
+import numpy as np
+
+from .. import engine
+from ..compression import Compression, check_compression
+from ..pipeline import check_options, compare_across_ranks
+
+DEPTH_VARIABLE = "PIPE_HOROVOD_PIPELINE_DEPTH"
+SUPPORTED_BACKENDS = ("tensorflow", "torch")
+
+
+class _PipelinedKeras:
+    """Mixin placed before the user's optimizer class in the MRO."""
+
+    def _setup_pipeline(self, options):
+        self._pipe_options = options
+        self._path = None                        # the backend's data path, made at build()
+
+    # --- building ----------------------------------------------------------
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        variables = list(variables)
+        options = self._pipe_options
+        description = {f"variable {i} ({v.name})": f"shape {tuple(v.shape)} {v.dtype}"
+                       for i, v in enumerate(variables)}
+        description.update({f"option {k}": repr(v) for k, v in options.items()
+                            if k != "process_set"})
+        ps = options["process_set"]
+        if ps is None or ps.included():
+            compare_across_ranks(lambda obj: engine.current().allgather_object(
+                obj, process_set=ps), description)
+        if _backend() == "torch":
+            from .torch_path import TorchPath
+            self._path = TorchPath(self, variables, options)
+        else:
+            from .tensorflow_path import TensorFlowPath
+            self._path = TensorFlowPath(self, variables, options)
+
+    def _base_apply(self, grads, variables):
+        """The user's optimizer's own update (one iteration)."""
+        return super().apply(grads, variables)
+
+    # --- the step ----------------------------------------------------------
+    def apply(self, grads, trainable_variables=None):
+        variables = (list(trainable_variables) if trainable_variables is not None
+                     else list(self._trainable_variables))
+        if not self.built:
+            from keras.src import backend as keras_backend
+            with keras_backend.name_scope(self.name, caller=self):
+                self.build(variables)
+            self.built = True
+        return self._path.apply(list(grads), variables)
+
+    def flush(self):
+        """Apply every gradient still in flight, oldest first (one update each).
+
+        Call it (or use callbacks.PipelineFlushCallback) at the end of
+        training, and before evaluating or saving weights that must hold
+        every computed gradient.
+        """
+        if self._path is not None:
+            self._path.flush()
+
+    @property
+    def in_flight(self):
+        """How many computed gradients are not applied yet."""
+        return 0 if self._path is None else self._path.in_flight()
+
+    # --- serialization -----------------------------------------------------
+    def get_config(self):
+        inner = _user_class(type(self))
+        builtin = inner.__module__.startswith("keras.")
+        return {"optimizer": {"module": "keras.optimizers" if builtin else inner.__module__,
+                              "class_name": inner.__name__,
+                              "config": inner.get_config(self),
+                              "registered_name": None if builtin else _registered_name(inner)},
+                **{k: (v.name if k == "compression" else v.value if k == "op" else v)
+                   for k, v in self._pipe_options.items() if k != "process_set"}}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        import keras
+
+        config = dict(config)
+        inner = keras.optimizers.deserialize(config.pop("optimizer"),
+                                             custom_objects=custom_objects)
+        config["compression"] = Compression.by_name(config["compression"])
+        config["op"] = engine.ReduceOp(config["op"])
+        return DistributedOptimizer(inner, **config)
+
+    # --- checkpoints: the gradients in flight travel with the optimizer's variables
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        if self._path is None:
+            return
+        state = self._path.state()
+        in_flight = state.pop("in_flight")
+        store["pipe_horovod"] = np.frombuffer(json.dumps(
+            {**state, "entries": len(in_flight)}).encode(), dtype=np.uint8)
+        for k, grads in enumerate(in_flight):
+            for i, (name, v) in enumerate(zip(self._path.names, self._path.variables)):
+                store[f"pipe_horovod.{k}.{i}"] = grads[name].cpu().numpy().reshape(v.shape)
+
+    def load_own_variables(self, store):
+        keys = list(store.keys())
+        own = {key: store[key] for key in keys if not key.startswith("pipe_horovod")}
+        super().load_own_variables(own)
+        if "pipe_horovod" not in keys or self._path is None:
+            return
+        state = json.loads(bytes(np.asarray(store["pipe_horovod"])).decode())
+        in_flight = [{name: np.asarray(store[f"pipe_horovod.{k}.{i}"])
+                      for i, name in enumerate(self._path.names)}
+                     for k in range(state.pop("entries"))]
+        self._path.restore(in_flight, state)
+
+
+def _register(cls):
+    """Saved models name every wrapped optimizer "pipe_horovod>DistributedOptimizer";
+    loading resolves that name to whichever class holds it, all alike."""
+    import keras
+    return keras.saving.register_keras_serializable("pipe_horovod", "DistributedOptimizer")(cls)
+
+
+def _user_class(cls):
+    return next(c for c in cls.__mro__[1:] if c is not _PipelinedKeras
+                and not issubclass(c, _PipelinedKeras))
+
+
+def _registered_name(cls):
+    import keras
+    return keras.saving.get_registered_name(cls)
+
+
+def _backend():
+    import keras
+    return keras.backend.backend()
+
+
+def _check_optimizer(optimizer):
+    if isinstance(optimizer, _PipelinedKeras):
+        raise ValueError("this optimizer is a DistributedOptimizer already; wrap the original "
+                         "Keras optimizer once")
+    module = type(optimizer).__module__
+    if module.startswith(("tf_keras", "tensorflow.python.keras", "keras.src.optimizers.legacy",
+                          "keras.optimizers.legacy")):
+        raise TypeError(f"{type(optimizer).__name__} is a Keras 2 (tf.keras / tf-keras) "
+                        "optimizer; pipe_horovod.keras wraps Keras 3 optimizers "
+                        "(keras.optimizers.SGD, Adam, ...)")
+    import keras
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    backend = _backend()
+    if backend not in SUPPORTED_BACKENDS:
+        raise ValueError(f"the Keras backend is {backend!r}; pipe_horovod.keras supports "
+                         f"{' and '.join(SUPPORTED_BACKENDS)} (set KERAS_BACKEND)")
+    if backend == "tensorflow":
+        import tensorflow as tf
+        if tf.distribute.has_strategy():
+            raise ValueError("a tf.distribute strategy is active: it would average the "
+                             "gradients a second time; use pipe_horovod alone (no strategy "
+                             "scope) for data parallelism")
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        raise ValueError("the optimizer accumulates gradients itself "
+                         "(gradient_accumulation_steps); pipe_horovod reduces every step's "
+                         "gradient, so wrap an optimizer without it")
+
+
+def DistributedOptimizer(optimizer, name=None, compression=Compression.none,
+                         gradient_predivide_factor=1.0, op=engine.Average, process_set=None, *,
+                         pipeline_depth=None, warmup_steps=0, bucket_cap_mb=25):
+    """Wrap a Keras 3 optimizer so its gradients are averaged across ranks, pipelined.
+
+    `compression`, `gradient_predivide_factor`, `op` and `process_set` mean
+    what they mean to Horovod. pipeline_depth: 1 applies g_t at step t
+    (synchronous); K >= 2 applies g_{t-K+1}, the reduction overlapping
+    K-1 steps. Default: $PIPE_HOROVOD_PIPELINE_DEPTH, else 2.
+    warmup_steps: synchronous steps before the pipeline starts.
+    Every rank must build the same model: differences are raised as
+    ValueError on every rank when the optimizer is built.
+    """
+    _check_optimizer(optimizer)
+    if pipeline_depth is None:
+        value = os.environ.get(DEPTH_VARIABLE, "2")
+        try:
+            pipeline_depth = int(value)
+        except ValueError:
+            raise ValueError(f"{DEPTH_VARIABLE} must be an integer >= 1, got {value!r}") from None
+    check_options(pipeline_depth, warmup_steps, 1, bucket_cap_mb)
+    check_compression(compression)
+    if op not in (engine.Average, engine.Sum):
+        raise ValueError(f"op must be pipe_horovod.Average or pipe_horovod.Sum, got {op!r}")
+    if isinstance(gradient_predivide_factor, bool) or not isinstance(
+            gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor must be a number > 0, got "
+                         f"{gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and op is not engine.Average:
+        raise ValueError("gradient_predivide_factor is supported only with op=Average, "
+                         "as in Horovod")
+    if process_set is engine.global_process_set:
+        process_set = None
+    if process_set is not None and not isinstance(process_set, engine.ProcessSet):
+        raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
+    engine.current()                             # a clear error before init()
+    if optimizer.built:
+        raise ValueError("wrap the optimizer before it is built (before compile/fit), so "
+                         "every rank builds the pipeline with it")
+    import keras
+
+    cls = type(optimizer)
+    wrapped_cls = type(cls.__name__, (_PipelinedKeras, cls), {"__module__": cls.__module__})
+    _register(wrapped_cls)
+    optimizer.__class__ = wrapped_cls
+    if name is not None:
+        optimizer.name = name
+    optimizer._setup_pipeline({
+        "pipeline_depth": pipeline_depth, "warmup_steps": warmup_steps,
+        "compression": compression, "op": op,
+        "gradient_predivide_factor": float(gradient_predivide_factor),
+        "bucket_cap_mb": bucket_cap_mb, "process_set": process_set})
+    return optimizer
+
+
+_register(_PipelinedKeras)   # so load_model in a fresh process finds from_config
+
+__all__ = ["DistributedOptimizer"]

@@ -1,0 +1,16 @@
+"""What the backends' data paths share."""
+import itertools
+
+_builds = itertools.count()
+
+
+def next_prefix():
+    """Tensor-name prefix of the next optimizer built: builds happen in the same
+    order on every rank, so the names agree."""
+    return f"keras{next(_builds)}"
+
+
+def variable_names(variables):
+    """Names that agree across ranks and survive save/load: a variable's path
+    carries per-process counters ("sequential_3/dense/kernel"), its index does not."""
+    return [f"{i}.{v.name}" for i, v in enumerate(variables)]

@@ -1,0 +1,65 @@
+"""The Keras 3 adapter on real workers: `model.fit` against the NumPy reference
+(tests/keras_reference.py), on the TensorFlow and torch backends, under plain
+python, torchrun and horovodrun."""
+import numpy as np
+import pytest
+
+import launcher
+
+pytest.importorskip("tensorflow")
+pytest.importorskip("keras")
+
+MODES = {"local": "oracle,errors,callbacks", "torch": "oracle,errors,callbacks,overlap",
+         "horovod": "oracle,callbacks"}
+
+
+def needs(engine_name):
+    if engine_name == "horovod":
+        reason = launcher.horovod_missing()
+        if reason:
+            pytest.skip(reason)
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "torch"])
+@pytest.mark.parametrize("engine_name, np_", [("local", 1), ("torch", 2), ("horovod", 2)])
+def test_fit_matches_the_reference(backend, engine_name, np_):
+    """Weights after fit and after flush, K = 1, 2, 3, warm-up 0 and 2, SGD and Adam;
+    the callbacks; bad input raising on every rank; K=2 hiding a slow reduction."""
+    needs(engine_name)
+    launcher.run(engine_name, np_, "keras_worker.py", MODES[engine_name], timeout=600,
+                 env={"KERAS_BACKEND": backend})
+
+
+@pytest.mark.parametrize("backend, engine_name", [("tensorflow", "torch"), ("torch", "horovod")])
+def test_save_load_continue_is_bit_identical(tmp_path, backend, engine_name):
+    """model.save with a gradient in flight, load_model in new processes, fit on."""
+    needs(engine_name)
+    env = {"KERAS_BACKEND": backend}
+    full, resumed, ckpt = tmp_path / "full.npz", tmp_path / "resumed.npz", tmp_path / "m.keras"
+    launcher.run(engine_name, 2, "keras_worker.py", "full", 2, full, env=env, timeout=300)
+    launcher.run(engine_name, 2, "keras_worker.py", "save", 2, ckpt, env=env, timeout=300)
+    launcher.run(engine_name, 2, "keras_worker.py", "resume", 2, ckpt, resumed, env=env,
+                 timeout=300)
+    want, got = np.load(full), np.load(resumed)
+    assert want.files == got.files
+    for key in want.files:
+        assert np.array_equal(want[key], got[key]), key
+
+
+def test_unsupported_backend_is_named(monkeypatch):
+    import keras
+    import pipe_horovod.keras as phvd
+    from pipe_horovod.keras import optimizer
+
+    monkeypatch.setattr(optimizer, "_backend", lambda: "jax")
+    with pytest.raises(ValueError, match="'jax'.*supports tensorflow and torch"):
+        phvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+
+
+def test_wrapping_before_init_is_a_clear_error():
+    import keras
+    import pipe_horovod.keras as phvd
+
+    assert not phvd.is_initialized()
+    with pytest.raises(ValueError, match="call pipe_horovod.init"):
+        phvd.DistributedOptimizer(keras.optimizers.SGD(0.1))

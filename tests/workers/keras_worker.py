@@ -1,0 +1,280 @@
+"""Launched on N ranks: Keras 3 `model.fit` with the pipelined optimizer, against the
+NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
+
+`python keras_worker.py MODE[,MODE...] [ARGS]`:
+  oracle                 SGD+momentum and Adam, K = 1, 2, 3, warm-up 0 and 2
+  full K OUT             all STEPS steps, then flush; weights to OUT (.npz)
+  save K CKPT            SAVE_AT steps, rank 0 saves the model (gradients in flight)
+  resume K CKPT OUT      new processes: every rank loads CKPT, fits the rest, flushes
+  callbacks              the four callbacks together, different initial weights per rank
+  errors                 bad input: a clear error on every rank, and no hang after it
+  overlap                with reductions slowed by a fixed delay, K=2 epochs beat K=1's
+"""
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np  # noqa: E402
+import keras  # noqa: E402
+
+import keras_reference as ref  # noqa: E402
+import pipe_horovod.keras as phvd  # noqa: E402
+
+STEPS, SAVE_AT, BATCH, IN, HIDDEN, OUT = 12, 5, 8, 4, 5, 3
+
+
+def rank_data(rank, step):
+    rng = np.random.default_rng(1000 * rank + step)
+    return (rng.standard_normal((BATCH, IN)).astype("float32"),
+            rng.standard_normal((BATCH, OUT)).astype("float32"))
+
+
+def fit_data(rank, start, stop):
+    xs, ys = zip(*[rank_data(rank, t) for t in range(start, stop)])
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def build(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((IN,)), keras.layers.Dense(HIDDEN, name="hidden"),
+                             keras.layers.Dense(OUT, name="out")])
+
+
+def gradients(step, rank, weights):
+    """d/dw of Keras's mean squared error for the two linear layers, by hand."""
+    w1, b1, w2, b2 = weights
+    x, y = rank_data(rank, step)
+    h = x @ w1 + b1
+    d_out = 2 * (h @ w2 + b2 - y) / np.float32(y.size)
+    d_h = d_out @ w2.T
+    return [x.T @ d_h, d_h.sum(0), h.T @ d_out, d_out.sum(0)]
+
+
+def make(kind):
+    if kind == "sgd":
+        return keras.optimizers.SGD(0.05, momentum=0.9), ref.SGD(0.05, momentum=0.9)
+    return keras.optimizers.Adam(0.01), ref.Adam(0.01)
+
+
+def fit(model, start, stop, callbacks=()):
+    x, y = fit_data(phvd.rank(), start, stop)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=list(callbacks))
+
+
+def weights_of(model):
+    return [np.asarray(keras.ops.convert_to_numpy(v)) for v in model.trainable_variables]
+
+
+def assert_close(got, want, what, rtol=1e-6):
+    for i, (a, b) in enumerate(zip(got, want)):
+        err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-12)
+        assert err <= rtol, f"{what}: variable {i} differs from the reference by {err:.3g}"
+
+
+def compiled(optimizer, model=None):
+    model = model or build()
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def check_oracle():
+    for kind in ("sgd", "adam"):
+        for depth in (1, 2, 3):
+            for warmup in (0, 2):
+                what = f"{keras.backend.backend()} {kind} K={depth} W={warmup}"
+                keras_opt, ref_opt = make(kind)
+                opt = phvd.DistributedOptimizer(keras_opt, pipeline_depth=depth,
+                                                warmup_steps=warmup, bucket_cap_mb=1e-5)
+                model = compiled(opt)
+                start = weights_of(model)
+                fit(model, 0, STEPS)
+                expected = ref.reference(start, gradients, ref_opt, depth, warmup, steps=STEPS,
+                                         size=phvd.size(), flush=False)
+                assert int(opt.iterations.numpy()) == expected.iterations, what
+                assert opt.in_flight == len(expected.fifo), what
+                assert_close(weights_of(model), expected.weights, what)
+                opt.flush()
+                expected = ref.reference(start, gradients, make(kind)[1], depth, warmup,
+                                         steps=STEPS, size=phvd.size())
+                assert int(opt.iterations.numpy()) == STEPS, what
+                assert_close(weights_of(model), expected.weights, what + " after flush")
+
+
+def check_checkpoint(mode, depth, path, out=None):
+    depth = int(depth)
+    if mode == "resume":
+        model = keras.models.load_model(path)
+        assert isinstance(model.optimizer, keras.optimizers.Adam)
+        assert model.optimizer.in_flight == depth - 1, "the gradients in flight must be restored"
+        fit(model, SAVE_AT, STEPS)
+    else:
+        opt = phvd.DistributedOptimizer(keras.optimizers.Adam(0.01), pipeline_depth=depth,
+                                        bucket_cap_mb=1e-5)
+        model = compiled(opt)
+        fit(model, 0, SAVE_AT if mode == "save" else STEPS)
+        if mode == "save":
+            assert opt.in_flight == depth - 1
+            if phvd.rank() == 0:
+                model.save(path)
+            phvd.allreduce(0, "saved")           # a barrier: the file exists for everyone
+            return
+        out = path
+    model.optimizer.flush()
+    if phvd.rank() == 0:
+        np.savez(out, *weights_of(model), iterations=int(model.optimizer.iterations.numpy()))
+
+
+def check_callbacks():
+    """Every rank starts from other weights; the callbacks make them one run."""
+    lr = 0.05 * phvd.size()
+    opt = phvd.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9), pipeline_depth=2,
+                                    bucket_cap_mb=1e-5)
+    model = compiled(opt, build(seed=phvd.rank()))
+    x, y = fit_data(phvd.rank(), 0, STEPS)
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                        validation_data=(x, y), callbacks=[
+                            phvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                            phvd.callbacks.MetricAverageCallback(),
+                            phvd.callbacks.LearningRateWarmupCallback(lr, warmup_epochs=1),
+                            phvd.callbacks.PipelineFlushCallback()])
+    assert opt.in_flight == 0, "PipelineFlushCallback must leave nothing in flight"
+    assert int(opt.iterations.numpy()) == 2 * STEPS
+    assert history.history["lr"][-1] == np.float32(lr)
+    # The same weights everywhere, and the averaged metrics agree across ranks.
+    mine = np.concatenate([w.ravel() for w in weights_of(model)])
+    total = phvd.allreduce(mine, "weights", phvd.Sum)
+    assert np.array_equal(total, mine * phvd.size()), "ranks ended with different weights"
+    for key in ("loss", "val_loss"):
+        values = np.array(history.history[key])
+        assert np.array_equal(phvd.allreduce(values, key, phvd.Sum), values * phvd.size()), key
+    # Validation ran on flushed weights: evaluating now gives the last val_loss (same data).
+    loss = phvd.allreduce(model.evaluate(x, y, batch_size=BATCH, verbose=0), "eval")
+    assert abs(loss - history.history["val_loss"][-1]) <= 1e-5 * abs(loss), (
+        loss, history.history["val_loss"])
+
+
+def expect_error(error, text, call):
+    try:
+        call()
+    except error as e:
+        assert text in str(e), f"{error.__name__} without {text!r}: {e}"
+    else:
+        raise AssertionError(f"no {error.__name__} ({text})")
+
+
+def check_errors():
+    import torch
+
+    backend = keras.backend.backend()
+    expect_error(TypeError, "wraps a keras.optimizers.Optimizer",
+                 lambda: phvd.DistributedOptimizer(torch.optim.SGD([torch.zeros(1)], lr=0.1)))
+    legacy = type("SGD", (), {"__module__": "tf_keras.src.optimizers.sgd"})
+    expect_error(TypeError, "Keras 2", lambda: phvd.DistributedOptimizer(legacy()))
+    once = phvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    expect_error(ValueError, "DistributedOptimizer already",
+                 lambda: phvd.DistributedOptimizer(once))
+    expect_error(ValueError, "pipeline_depth must be >= 1",
+                 lambda: phvd.DistributedOptimizer(keras.optimizers.SGD(0.1), pipeline_depth=0))
+    # A model that differs between ranks: every rank raises when fit builds the optimizer.
+    model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(HIDDEN + phvd.rank()),
+                              keras.layers.Dense(OUT)])
+    model.compile(optimizer=phvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    if phvd.size() > 1:
+        expect_error(ValueError, "differs between ranks", lambda: fit(model, 0, 2))
+    if backend == "tensorflow":
+        import tensorflow as tf
+        with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+            expect_error(ValueError, "tf.distribute strategy",
+                         lambda: phvd.DistributedOptimizer(keras.optimizers.SGD(0.1)))
+        model = build()
+        model.compile(optimizer=phvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                      loss="mse", jit_compile=True)
+        expect_error(ValueError, "jit_compile=False", lambda: fit(model, 0, 2))
+    # After all of that the ranks still agree: a normal run works.
+    model = compiled(phvd.DistributedOptimizer(keras.optimizers.SGD(0.1)))
+    fit(model, 0, 4)
+
+
+class Sleep(keras.layers.Layer):
+    """Stands for accelerator compute: it takes time but no CPU."""
+
+    def call(self, x):
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+            return tf.ensure_shape(tf.numpy_function(lambda a: (time.sleep(DELAY), a)[1], [x],
+                                                     x.dtype, stateful=True), x.shape)
+        time.sleep(DELAY)
+        return x
+
+    def compute_output_spec(self, x):
+        return keras.KerasTensor(x.shape, x.dtype)
+
+
+DELAY = 0.04
+
+
+def delay_reductions(eng, delay):
+    """Make every reduction of the real engine land `delay` seconds after it starts,
+    as over a slow network (the reduction itself still runs on the engine)."""
+    started = {}
+    launch, wait = eng.allreduce_async, eng.wait
+
+    def allreduce_async(*args, **kwargs):
+        handle = launch(*args, **kwargs)
+        started[handle.id] = time.perf_counter()
+        return handle
+
+    def delayed_wait(handle):
+        begun = started.pop(handle.id, None)
+        if begun is not None:
+            time.sleep(max(0.0, begun + delay - time.perf_counter()))
+        return wait(handle)
+
+    eng.allreduce_async, eng.wait = allreduce_async, delayed_wait
+
+
+def check_overlap():
+    from pipe_horovod import engine
+    delay_reductions(engine.current(), DELAY)
+    seconds = {}
+    for depth in (1, 2):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(HIDDEN), Sleep(),
+                                  keras.layers.Dense(OUT)])
+        # One process reduces nothing unless a codec makes it (fp16 here).
+        codec = phvd.Compression.fp16 if phvd.size() == 1 else phvd.Compression.none
+        model.compile(optimizer=phvd.DistributedOptimizer(
+            keras.optimizers.SGD(0.01), pipeline_depth=depth, bucket_cap_mb=1e-5,
+            compression=codec), loss="mse")
+        fit(model, 0, 3)                         # traced, built, pipeline started
+        times = []
+        for _ in range(3):
+            begin = time.perf_counter()
+            fit(model, 0, STEPS)
+            times.append(time.perf_counter() - begin)
+        seconds[depth] = sorted(times)[1]
+    ratio = seconds[2] / seconds[1]
+    print(f"epoch seconds K=1 {seconds[1]:.3f} K=2 {seconds[2]:.3f} ratio {ratio:.2f}", flush=True)
+    assert ratio <= 0.8, f"K=2 did not hide the reduction delay: {seconds}"
+
+
+def main():
+    phvd.init()
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode in ("full", "save", "resume"):
+        check_checkpoint(mode, *args)
+    else:
+        checks = {"oracle": check_oracle, "callbacks": check_callbacks, "errors": check_errors,
+                  "overlap": check_overlap}
+        for name in mode.split(","):             # several in one launch: TF starts slowly
+            checks[name]()
+    print(f"WORKER_OK rank={phvd.rank()}", flush=True)
+    phvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
