@@ -16,16 +16,15 @@ The data path depends on the backend:
 Both paths share pipeline.StepMachine with the PyTorch adapter.
 """
 import json
-import os
 
 import numpy as np
 
 from .. import engine
 from ..compression import Compression, check_compression
-from ..pipeline import check_options, compare_across_ranks
+from ..pipeline import announce_depth, check_options, compare_across_ranks, resolve_depth
 
-DEPTH_VARIABLE = "PIPE_HOROVOD_PIPELINE_DEPTH"
 SUPPORTED_BACKENDS = ("tensorflow", "torch")
+_announced = set()                 # depth settings rank 0 has explained already
 
 
 class _PipelinedKeras:
@@ -201,12 +200,7 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none,
     ValueError on every rank when the optimizer is built.
     """
     _check_optimizer(optimizer)
-    if pipeline_depth is None:
-        value = os.environ.get(DEPTH_VARIABLE, "2")
-        try:
-            pipeline_depth = int(value)
-        except ValueError:
-            raise ValueError(f"{DEPTH_VARIABLE} must be an integer >= 1, got {value!r}") from None
+    pipeline_depth, depth_source = resolve_depth(pipeline_depth)
     check_options(pipeline_depth, warmup_steps, 1, bucket_cap_mb)
     check_compression(compression)
     if op not in (engine.Average, engine.Sum):
@@ -223,11 +217,10 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none,
     if process_set is not None and not isinstance(process_set, engine.ProcessSet):
         raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
     engine.current()                             # a clear error before init()
+    announce_depth(pipeline_depth, warmup_steps, depth_source, process_set, _announced)
     if optimizer.built:
         raise ValueError("wrap the optimizer before it is built (before compile/fit), so "
                          "every rank builds the pipeline with it")
-    import keras
-
     cls = type(optimizer)
     wrapped_cls = type(cls.__name__, (_PipelinedKeras, cls), {"__module__": cls.__module__})
     _register(wrapped_cls)

@@ -9,7 +9,7 @@ the pipeline, flush and the checkpoint state with no second copy of any of it.
 import numpy as np
 import torch
 
-from ..torch.optimizer import DistributedOptimizer as TorchDistributedOptimizer
+from ..torch import optimizer as torch_optimizer
 from .paths import variable_names
 
 
@@ -36,7 +36,10 @@ class TorchPath:
                 optimizer._base_apply([p.grad for p in params], variables)
 
         self.params = params
-        self.torch_optimizer = TorchDistributedOptimizer(
+        # The Keras wrapper has told the user the depth already.
+        torch_optimizer._announced.add((options["pipeline_depth"], options["warmup_steps"],
+                                        "pipeline_depth argument"))
+        self.torch_optimizer = torch_optimizer.DistributedOptimizer(
             _KerasUpdate(params, update), named_parameters=list(zip(self.names, params)),
             compression=options["compression"], op=options["op"],
             gradient_predivide_factor=options["gradient_predivide_factor"],

@@ -35,12 +35,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import engine
 from ..engine.process_sets import ProcessSet, global_process_set
 from ..compression import Compression, check_compression
-from ..pipeline import StepGradient, StepMachine, check_options, compare_across_ranks
+from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
+                        compare_across_ranks, resolve_depth)
 
 _instances = itertools.count()
 _live = weakref.WeakSet()          # wrapped optimizers, for the exit report
 _log = logging.getLogger("pipe_horovod")
-DEPTH_VARIABLE = "PIPE_HOROVOD_PIPELINE_DEPTH"
 _announced = set()                 # depth settings rank 0 has explained already
 _owner_of = WeakIdKeyDictionary()  # parameter -> weakref to the wrapper reducing it
 
@@ -552,42 +552,6 @@ def _report_unapplied():
                      "of training (and before evaluating or saving) to apply them", count)
 
 
-def _resolve_depth(pipeline_depth):
-    """The depth in force: the argument, else $PIPE_HOROVOD_PIPELINE_DEPTH, else 2.
-
-    Rank 0 says which (_announce_depth, once per setting and process): a
-    Horovod user who switched imports must not be surprised by gradients
-    applied one step late.
-    """
-    source = "pipeline_depth argument"
-    if pipeline_depth is None:
-        value = os.environ.get(DEPTH_VARIABLE)
-        if value is None:
-            pipeline_depth, source = 2, "default"
-        else:
-            try:
-                pipeline_depth = int(value)
-            except ValueError:
-                raise ValueError(f"{DEPTH_VARIABLE} must be an integer >= 1, got {value!r}") from None
-            source = DEPTH_VARIABLE
-    return pipeline_depth, source
-
-
-def _announce_depth(depth, warmup_steps, source, process_set):
-    first = 0 if process_set is None else process_set.ranks[0]
-    if engine.rank() != first or (depth, warmup_steps, source) in _announced:
-        return
-    _announced.add((depth, warmup_steps, source))
-    if depth == 1:
-        meaning = "synchronous: each step applies its own averaged gradient, as Horovod does"
-    else:
-        meaning = (f"Pipe-SGD: each step applies the averaged gradient from {depth - 1} step(s) "
-                   f"earlier (after {warmup_steps} synchronous warm-up step(s)); call flush() "
-                   f"to apply the last ones; {DEPTH_VARIABLE}=1 or pipeline_depth=1 gives "
-                   "Horovod's synchronous updates")
-    _log.warning("pipe_horovod: pipeline_depth=%d (%s): %s", depth, source, meaning)
-
-
 def _describe(named, param_names, options):
     description = {f"parameter {name!r}": f"shape {tuple(p.shape)} {p.dtype}"
                                           f"{'' if p.requires_grad else ' (frozen)'}"
@@ -687,7 +651,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if isinstance(optimizer, _PipelinedOptimizer):
         raise ValueError("this optimizer is a DistributedOptimizer already; wrap the original "
                          "torch.optim optimizer once")
-    pipeline_depth, depth_source = _resolve_depth(pipeline_depth)
+    pipeline_depth, depth_source = resolve_depth(pipeline_depth)
     check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket_cap_mb)
     check_compression(compression)
     if op not in (engine.Average, engine.Sum):
@@ -724,7 +688,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         # deadlock; elastic's sync gives it rank 0's state instead.
         compare_across_ranks(functools.partial(eng.allgather_object, process_set=process_set),
                              _describe(named, [n for n, _ in named], options))
-    _announce_depth(pipeline_depth, warmup_steps, depth_source, process_set)
+    announce_depth(pipeline_depth, warmup_steps, depth_source, process_set, _announced)
 
     cls = type(type(optimizer).__name__, (_PipelinedOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
