@@ -21,7 +21,8 @@ import numpy as np
 
 from .. import engine
 from ..compression import Compression, check_compression
-from ..pipeline import announce_depth, check_options, compare_across_ranks, resolve_depth
+from ..pipeline import (announce_depth, check_options, check_reduction, compare_across_ranks,
+                        resolve_depth)
 
 SUPPORTED_BACKENDS = ("tensorflow", "torch")
 _announced = set()                 # depth settings rank 0 has explained already
@@ -203,15 +204,7 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none,
     pipeline_depth, depth_source = resolve_depth(pipeline_depth)
     check_options(pipeline_depth, warmup_steps, 1, bucket_cap_mb)
     check_compression(compression)
-    if op not in (engine.Average, engine.Sum):
-        raise ValueError(f"op must be pipe_horovod.Average or pipe_horovod.Sum, got {op!r}")
-    if isinstance(gradient_predivide_factor, bool) or not isinstance(
-            gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0:
-        raise ValueError(f"gradient_predivide_factor must be a number > 0, got "
-                         f"{gradient_predivide_factor!r}")
-    if gradient_predivide_factor != 1.0 and op is not engine.Average:
-        raise ValueError("gradient_predivide_factor is supported only with op=Average, "
-                         "as in Horovod")
+    check_reduction(op, gradient_predivide_factor)
     if process_set is engine.global_process_set:
         process_set = None
     if process_set is not None and not isinstance(process_set, engine.ProcessSet):

@@ -24,6 +24,21 @@ def check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket
         raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
 
 
+def check_reduction(op, gradient_predivide_factor):
+    """Horovod's op and gradient_predivide_factor, as an optimizer wrapper accepts them."""
+    from .. import engine
+
+    if op not in (engine.Average, engine.Sum):
+        raise ValueError(f"op must be pipe_horovod.Average or pipe_horovod.Sum, got {op!r}")
+    if isinstance(gradient_predivide_factor, bool) or not isinstance(
+            gradient_predivide_factor, numbers.Real) or not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor must be a number > 0, got "
+                         f"{gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and op is not engine.Average:
+        raise ValueError("gradient_predivide_factor is supported only with op=Average "
+                         "(it splits the average around the sum), as in Horovod")
+
+
 def compare_across_ranks(allgather_object, description, what="model"):
     """Raise on every rank if any rank's `description` differs from rank 0's.
 

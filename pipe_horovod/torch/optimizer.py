@@ -36,7 +36,7 @@ from .. import engine
 from ..engine.process_sets import ProcessSet, global_process_set
 from ..compression import Compression, check_compression
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
-                        compare_across_ranks, resolve_depth)
+                        check_reduction, compare_across_ranks, resolve_depth)
 
 _instances = itertools.count()
 _live = weakref.WeakSet()          # wrapped optimizers, for the exit report
@@ -654,15 +654,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     pipeline_depth, depth_source = resolve_depth(pipeline_depth)
     check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket_cap_mb)
     check_compression(compression)
-    if op not in (engine.Average, engine.Sum):
-        raise ValueError(f"op must be pipe_horovod.Average or pipe_horovod.Sum, got {op!r}")
-    if isinstance(gradient_predivide_factor, bool) or not isinstance(
-            gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0:
-        raise ValueError(f"gradient_predivide_factor must be a number > 0, got "
-                         f"{gradient_predivide_factor!r}")
-    if gradient_predivide_factor != 1.0 and op is not engine.Average:
-        raise ValueError("gradient_predivide_factor is supported only with op=Average "
-                         "(it splits the average around the sum), as in Horovod")
+    check_reduction(op, gradient_predivide_factor)
     if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {grad_scaler!r}")
     eng = engine.current()
