@@ -19,8 +19,10 @@ from .callbacks import broadcast_variables
 from .optimizer import DistributedOptimizer
 
 
-def allreduce(value, name, op=Average):
-    """The reduction of a number or NumPy array over every rank (for metrics, counts)."""
+def allreduce(value, name=None, op=Average):
+    """The reduction of a number or NumPy array over every rank (for metrics, counts).
+
+    Unnamed calls get names in call order, so every rank must make them in the same order."""
     import torch
 
     from .. import engine

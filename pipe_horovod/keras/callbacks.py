@@ -74,12 +74,19 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     """Goyal et al.'s gradual warm-up: the learning rate ramps, batch by batch, from
     initial_learning_rate / size() to initial_learning_rate over `warmup_epochs`.
 
-    As Horovod's, with one difference: Keras 3 reads an optimizer's momentum
-    when it traces the train step, so momentum is not rescaled with the rate.
+    As Horovod's (which calls the rate `initial_lr`), with one difference:
+    Keras 3 reads an optimizer's momentum when it traces the train step, so
+    `momentum_correction` is accepted but momentum is not rescaled.
     """
 
-    def __init__(self, initial_learning_rate, warmup_epochs=5, steps_per_epoch=None, verbose=0):
+    def __init__(self, initial_learning_rate=None, warmup_epochs=5, momentum_correction=True,
+                 steps_per_epoch=None, verbose=0, *, initial_lr=None):
         super().__init__()
+        if (initial_learning_rate is None) == (initial_lr is None):
+            raise TypeError("give the target rate once, as initial_learning_rate (or "
+                            "Horovod's initial_lr)")
+        initial_learning_rate = initial_lr if initial_learning_rate is None else \
+            initial_learning_rate
         if not warmup_epochs > 0:
             raise ValueError(f"warmup_epochs must be > 0, got {warmup_epochs}")
         self.initial_learning_rate = float(initial_learning_rate)

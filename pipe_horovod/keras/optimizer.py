@@ -16,16 +16,18 @@ The data path depends on the backend:
 Both paths share pipeline.StepMachine with the PyTorch adapter.
 """
 import json
+import weakref
 
 import numpy as np
 
 from .. import engine
 from ..compression import Compression, check_compression
 from ..pipeline import (announce_depth, check_options, check_reduction, compare_across_ranks,
-                        resolve_depth)
+                        report_unapplied, resolve_depth)
 
 SUPPORTED_BACKENDS = ("tensorflow", "torch")
 _announced = set()                 # depth settings rank 0 has explained already
+_built = weakref.WeakSet()         # wrapped optimizers with a data path, for the exit report
 
 
 class _PipelinedKeras:
@@ -56,6 +58,8 @@ class _PipelinedKeras:
         else:
             from .tensorflow_path import TensorFlowPath
             self._path = TensorFlowPath(self, variables, options)
+            _built.add(self)
+            engine.current().before_shutdown(__name__, _report_unapplied)
 
     def _base_apply(self, grads, variables):
         """The user's optimizer's own update (one iteration)."""
@@ -135,6 +139,13 @@ class _PipelinedKeras:
         self._path.restore(in_flight, state)
 
 
+def _report_unapplied():
+    # (On the torch backend the PyTorch adapter reports its own.)
+    report_unapplied(sum(opt.in_flight for opt in list(_built)),
+                     "add callbacks.PipelineFlushCallback() to fit, or call "
+                     "model.optimizer.flush(), to apply them")
+
+
 def _register(cls):
     """Saved models name every wrapped optimizer "pipe_horovod>DistributedOptimizer";
     loading resolves that name to whichever class holds it, all alike."""
@@ -187,10 +198,21 @@ def _check_optimizer(optimizer):
                          "gradient, so wrap an optimizer without it")
 
 
-def DistributedOptimizer(optimizer, name=None, compression=Compression.none,
-                         gradient_predivide_factor=1.0, op=engine.Average, process_set=None, *,
-                         pipeline_depth=None, warmup_steps=0, bucket_cap_mb=25):
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                         compression=Compression.none, sparse_as_dense=False,
+                         gradient_predivide_factor=1.0, op=engine.Average,
+                         backward_passes_per_step=1, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, process_set=None,
+                         scale_local_gradients=True, *, pipeline_depth=None, warmup_steps=0,
+                         bucket_cap_mb=25):
     """Wrap a Keras 3 optimizer so its gradients are averaged across ranks, pipelined.
+
+    The arguments up to `scale_local_gradients` are horovod.tensorflow.keras's,
+    in its order, so a Horovod script's call works unchanged. device_dense
+    and device_sparse are accepted and unused (the engine places
+    reductions); gradients reach the engine dense, so sparse_as_dense
+    changes nothing; backward_passes_per_step must be 1 (accumulate with a
+    larger batch instead); groups is a bucket count, like num_groups.
 
     `compression`, `gradient_predivide_factor`, `op` and `process_set` mean
     what they mean to Horovod. pipeline_depth: 1 applies g_t at step t
@@ -201,6 +223,17 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none,
     ValueError on every rank when the optimizer is built.
     """
     _check_optimizer(optimizer)
+    if backward_passes_per_step != 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step}: the Keras "
+                         "adapter reduces every step's gradient; use a larger batch instead")
+    if num_groups:
+        groups = num_groups if groups is None else groups
+    if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int)
+                               or groups < 0):
+        raise ValueError(f"groups must be a bucket count (an int >= 0) in the Keras adapter, "
+                         f"got {groups!r}")
+    if scale_local_gradients is not True:
+        raise ValueError("scale_local_gradients=False is not supported")
     pipeline_depth, depth_source = resolve_depth(pipeline_depth)
     check_options(pipeline_depth, warmup_steps, 1, bucket_cap_mb)
     check_compression(compression)
@@ -224,7 +257,7 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none,
         "pipeline_depth": pipeline_depth, "warmup_steps": warmup_steps,
         "compression": compression, "op": op,
         "gradient_predivide_factor": float(gradient_predivide_factor),
-        "bucket_cap_mb": bucket_cap_mb, "process_set": process_set})
+        "bucket_cap_mb": bucket_cap_mb, "groups": groups or None, "process_set": process_set})
     return optimizer
 
 

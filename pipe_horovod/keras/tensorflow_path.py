@@ -33,7 +33,7 @@ class TensorFlowPath:
             next_prefix(), options["pipeline_depth"], options["warmup_steps"],
             compression=options["compression"], op=options["op"],
             predivide=options["gradient_predivide_factor"], process_set=options["process_set"],
-            cap_bytes=int(options["bucket_cap_mb"] * 2**20))
+            cap_bytes=int(options["bucket_cap_mb"] * 2**20), groups=options["groups"])
         # Ready order: backward produces the last layer's gradients first.
         self.machine.plan([(name, int(np.prod(v.shape)), np.dtype(v.dtype).itemsize,
                             (getattr(torch, np.dtype(v.dtype).name), torch.device("cpu")))

@@ -44,7 +44,8 @@ class TorchPath:
             compression=options["compression"], op=options["op"],
             gradient_predivide_factor=options["gradient_predivide_factor"],
             process_set=options["process_set"], pipeline_depth=options["pipeline_depth"],
-            warmup_steps=options["warmup_steps"], bucket_cap_mb=options["bucket_cap_mb"])
+            warmup_steps=options["warmup_steps"], bucket_cap_mb=options["bucket_cap_mb"],
+            groups=options["groups"])
 
     def apply(self, grads, variables):
         opt = self.torch_optimizer

@@ -6,10 +6,10 @@ share one implementation of the Pipe-SGD math.
 """
 from .buckets import Bucket, plan_buckets
 from .checks import check_options, check_reduction, compare_across_ranks
-from .depth import DEPTH_VARIABLE, announce_depth, resolve_depth
+from .depth import DEPTH_VARIABLE, announce_depth, report_unapplied, resolve_depth
 from .fifo import GradientFifo
 from .step_machine import BucketReduction, StepGradient, StepMachine
 
 __all__ = ["Bucket", "plan_buckets", "check_options", "check_reduction", "compare_across_ranks",
-           "DEPTH_VARIABLE", "announce_depth", "resolve_depth", "GradientFifo",
+           "DEPTH_VARIABLE", "announce_depth", "report_unapplied", "resolve_depth", "GradientFifo",
            "BucketReduction", "StepGradient", "StepMachine"]

@@ -49,3 +49,11 @@ def announce_depth(depth, warmup_steps, source, process_set, announced):
                    f"to apply the last ones; {DEPTH_VARIABLE}=1 or pipeline_depth=1 gives "
                    "Horovod's synchronous updates")
     _log.warning("pipe_horovod: pipeline_depth=%d (%s): %s", depth, source, meaning)
+
+
+def report_unapplied(count, how="call optimizer.flush() at the end of training (and before "
+                                   "evaluating or saving) to apply them"):
+    """At shutdown: say (rank 0) how many computed gradients were never applied."""
+    if count and engine.rank() == 0:
+        _log.warning("pipe_horovod: %d computed gradient(s) were not applied because flush() "
+                     "was not called after the last step(); %s", count, how)

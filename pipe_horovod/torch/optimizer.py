@@ -36,7 +36,8 @@ from .. import engine
 from ..engine.process_sets import ProcessSet, global_process_set
 from ..compression import Compression, check_compression
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
-                        check_reduction, compare_across_ranks, resolve_depth)
+                        check_reduction, compare_across_ranks, report_unapplied,
+                        resolve_depth)
 
 _instances = itertools.count()
 _live = weakref.WeakSet()          # wrapped optimizers, for the exit report
@@ -545,11 +546,7 @@ def _align_after_join(last):
 
 def _report_unapplied():
     """At shutdown: say (rank 0, once) how many computed gradients were never applied."""
-    count = sum(len(opt._fifo) for opt in _wrapped_here())
-    if count and engine.rank() == 0:
-        _log.warning("pipe_horovod: %d computed gradient(s) were not applied because flush() "
-                     "was not called after the last step(); call optimizer.flush() at the end "
-                     "of training (and before evaluating or saving) to apply them", count)
+    report_unapplied(sum(len(opt._fifo) for opt in _wrapped_here()))
 
 
 def _describe(named, param_names, options):
