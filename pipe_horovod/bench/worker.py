@@ -51,6 +51,7 @@ import time
 DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16",
                    "compute", "contention", "allreduce"]
 _CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|contention|allreduce(?:-fp16|-bf16)?"
+                     r"|tf-keras-mwms"
                      r"|ours-k([1-9][0-9]*)(?:-(?:fp16|bf16))?)$")
 MLP_IN, MLP_CLASSES = 1024, 1000
 CNN_CLASSES = 10
@@ -74,7 +75,7 @@ def parse_configs(value):
                 raise ValueError(
                     f"unknown configuration {name!r}; choose from horovod, horovod-fp16, ddp, "
                     "ours-kK, ours-kK-fp16, ours-kK-bf16 (K = pipeline depth 1..16), compute, "
-                    "contention, allreduce")
+                    "contention, allreduce, tf-keras-mwms (--framework keras)")
             if name not in names:
                 names.append(name)
     if not names:
@@ -118,6 +119,8 @@ def skip_reason(name, engine_name, size):
     torch.distributed gloo group next to Horovod, see `DdpGroup`); Horovod's
     optimizer needs Horovod's own launcher, so it never runs under engine torch.
     """
+    if name == "tf-keras-mwms":
+        return "the Keras benchmark's baseline (pipe-horovod bench --framework keras)"
     if name.startswith("horovod") and engine_name != "horovod":
         if engine_name == "torch":
             return ("Horovod's DistributedOptimizer needs Horovod's launcher and engine; the "

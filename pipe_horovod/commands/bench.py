@@ -28,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+from pipe_horovod.bench import keras_launch
 from pipe_horovod.bench import worker as bench_worker
 from pipe_horovod.emulate import tail_file
 
@@ -91,11 +92,16 @@ def add_arguments(parser):
                         help="run the workers in an emulated cluster whose links are capped at "
                              "RATE (e.g. 1gbit, 4gbit); needs root")
     parser.add_argument("--workers", type=_workers, default=2, help="worker processes (default 2)")
+    parser.add_argument("--framework", choices=("torch", "keras"), default="torch",
+                        help="torch: PyTorch, ours vs Horovod vs DDP; keras: Keras 3, ours vs "
+                             "tf-keras + MultiWorkerMirroredStrategy "
+                             "(pipe_horovod.bench.keras_launch) (default torch)")
     parser.add_argument("--engine", choices=ENGINES, default="horovod",
                         help="communication engine and launcher: horovod (horovodrun / Horovod "
                              "env), torch (torch.distributed.run), local (one plain process) "
                              "(default horovod)")
     bench_worker.add_model_arguments(parser)
+    keras_launch.add_arguments(parser)
     parser.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     parser.add_argument("--name", default="bench",
                         help="file name stem of the outputs (default bench)")
@@ -317,6 +323,8 @@ def _run_emulated(args, worker, progress, log_dir, bar):
 def run(args):
     from pipe_horovod.bench import report
 
+    if args.framework == "keras":
+        return keras_launch.run(args)
     args.configs = bench_worker.flatten_configs(args.configs)
     if args.configs == bench_worker.DEFAULT_CONFIGS and args.engine == "local":
         args.configs = ["compute", "ours-k1", "ours-k2"]
