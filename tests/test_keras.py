@@ -30,6 +30,12 @@ def test_fit_matches_the_reference(backend, engine_name, np_):
                  env={"KERAS_BACKEND": backend})
 
 
+def test_dlpack_transfer_matches_the_reference():
+    """The path GPU tensors take (tf.py_function + DLPack), forced on CPU."""
+    launcher.run("torch", 2, "keras_worker.py", "oracle", timeout=600,
+                 env={"KERAS_BACKEND": "tensorflow", "PIPE_HOROVOD_KERAS_TRANSFER": "dlpack"})
+
+
 @pytest.mark.parametrize("backend, engine_name", [("tensorflow", "torch"), ("torch", "horovod")])
 def test_save_load_continue_is_bit_identical(tmp_path, backend, engine_name):
     """model.save with a gradient in flight, load_model in new processes, fit on."""

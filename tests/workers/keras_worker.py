@@ -214,7 +214,7 @@ class Sleep(keras.layers.Layer):
         return keras.KerasTensor(x.shape, x.dtype)
 
 
-DELAY = 0.04
+DELAY = 0.1                # per step, of the Sleep layer and of each reduction
 
 
 def delay_reductions(eng, delay):
