@@ -47,7 +47,9 @@ def breakdown(raw):
         if not (name.startswith("ours-k") or name.startswith("torch-ours-k")):
             continue
         row = {k: _med(_pooled(raw, name, k)) for k in TIMERS + ("handoffs", "step_s")}
-        if row["handoff_s"] is not None and row["finish_s"] is not None:
+        if name.startswith("torch-"):        # no numpy_function hand-offs on the torch backend
+            row.update(fill_s=None, handoff_s=None, finish_s=None, handoffs=None)
+        elif row["handoff_s"] is not None and row["finish_s"] is not None:
             # Python time in the hand-offs other than blocking on the network.
             row["handoff_python_s"] = row["handoff_s"] + row["finish_s"] - (row["wait_s"] or 0)
         out[name] = row
