@@ -59,7 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none")
     p.add_argument("--seed", type=int, default=42, help="model init and data order")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bar, even on rank 0")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no tqdm bar, even on rank 0 at a terminal (never one elsewhere: "
+                        "carriage returns garble logs and horovodrun's prefixed lines)")
     return p.parse_args(argv)
 
 
@@ -156,7 +158,8 @@ def main(argv=None):
         perm = torch.randperm(len(x_train), generator=order)   # the same on every rank
         shard = perm[rank::size][:per_rank]
         bar = tqdm(range(steps_per_epoch), desc=f"epoch {epoch}/{args.epochs}", unit="step",
-                   disable=rank != 0 or args.no_progress, leave=False, file=sys.stdout)
+                   disable=rank != 0 or args.no_progress or not sys.stdout.isatty(),
+                   leave=False, file=sys.stdout)
         running = 0.0
         for step in bar:
             idx = shard[step * args.batch_size:(step + 1) * args.batch_size]
@@ -176,7 +179,7 @@ def main(argv=None):
                         "test_loss": test_loss, "accuracy": accuracy,
                         "elapsed_s": time.perf_counter() - start})
         if rank == 0:
-            print(f"epoch {epoch:3d}  train loss {running / steps_per_epoch:.4f}  "
+            print(f"epoch {epoch:3d}/{args.epochs}  train loss {running / steps_per_epoch:.4f}  "
                   f"test loss {test_loss:.4f}  held-out accuracy {100 * accuracy:.2f}%", flush=True)
     train_time = time.perf_counter() - start
 
