@@ -21,9 +21,13 @@ $(STAMP): Makefile setup.py scripts/install_horovod.sh scripts/cxx17
 	touch $@
 
 # The main job: the digits CNN on $(NP) horovodrun workers, synchronous then
-# pipelined, with the held-out accuracy of each.
+# pipelined, with the held-out accuracy of each: PyTorch, then Keras 3 (its
+# TensorFlow backend). Both comparisons run; make fails if either does.
 run: install
-	$(PY) examples/compare_digits.py --np $(NP)
+	@status=0; \
+	$(PY) examples/compare_digits.py --np $(NP) || status=1; \
+	$(PY) examples/compare_digits.py --np $(NP) --framework keras || status=1; \
+	exit $$status
 
 test: install
 	$(PY) -m pytest
