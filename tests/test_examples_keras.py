@@ -1,0 +1,104 @@
+"""examples/keras_digits.py under the launchers users run it with, and the clean
+output of `examples/compare_digits.py --framework keras` (the second half of `make run`).
+
+Short runs (1-2 epochs): these check that the example runs and reports, not
+its accuracy (`make run` checks that, pipelined within 1 point of sync).
+"""
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+import launcher
+
+EXAMPLES = launcher.REPO / "examples"
+KERAS_EXAMPLE = EXAMPLES / "keras_digits.py"
+
+
+def _missing_tensorflow():
+    if importlib.util.find_spec("tensorflow") is None:
+        return "tensorflow is not installed (pip install -e '.[keras]')"
+    if importlib.util.find_spec("keras") is None:
+        return "keras is not installed (pip install -e '.[keras]')"
+    return None
+
+
+def _missing_horovodrun():
+    if not (launcher.BIN / "horovodrun").exists():
+        return f"horovodrun is not installed next to {sys.executable} (make install)"
+    return launcher.horovod_missing()
+
+
+needs_tensorflow = pytest.mark.skipif(_missing_tensorflow() is not None,
+                                      reason=str(_missing_tensorflow()))
+
+
+def _run_example(launch, np, backend, json_path, epochs, timeout):
+    cmd = launcher.command(launch, np, [KERAS_EXAMPLE, "--epochs", epochs, "--json", json_path])
+    rc, out = launcher.run_command(cmd, np, timeout=timeout, expect_ok=False,
+                                   env={"KERAS_BACKEND": backend})
+    assert rc == 0, out
+    return json.loads(json_path.read_text()), out
+
+
+@needs_tensorflow
+@pytest.mark.parametrize("launch, np, backend", [("local", 1, "tensorflow"),
+                                                 ("torch", 2, "torch")])
+def test_keras_digits_runs_and_reports(tmp_path, launch, np, backend):
+    epochs = 2
+    result, out = _run_example(launch, np, backend, tmp_path / "result.json", epochs,
+                               timeout=150)
+    assert result["framework"] == "keras" and result["backend"] == backend
+    assert result["size"] == np and result["epochs"] == epochs
+    assert result["ranks_agree"] is True
+    assert isinstance(result["accuracy"], float) and 0.3 < result["accuracy"] <= 1.0, result
+    assert result["train_time_s"] > 0
+    assert [h["epoch"] for h in result["history"]] == list(range(1, epochs + 1))
+    assert result["history"][-1]["accuracy"] == pytest.approx(result["accuracy"], abs=1e-6)
+    assert result["timings"]["in_flight"] == 0, "PipelineFlushCallback must leave none in flight"
+    # Rank 0 alone prints one parseable line per epoch (stdout is a pipe: no progress bar).
+    lines = re.findall(r"^epoch\s+(\d+)/(\d+)\s+train loss.*held-out accuracy [\d.]+%$",
+                       out, re.M)
+    assert lines == [(str(e), str(epochs)) for e in range(1, epochs + 1)], out
+    assert "\r" not in out
+
+
+@needs_tensorflow
+def test_compare_digits_keras_output_is_clean(tmp_path):
+    missing = _missing_horovodrun()
+    if missing:
+        pytest.skip(missing)
+    summary = tmp_path / "comparison.json"
+    cmd = [sys.executable, EXAMPLES / "compare_digits.py", "--framework", "keras", "--np", "2",
+           "--epochs", "1", "--tolerance", "100", "--timeout", "150", "--out-dir", tmp_path,
+           "--json", summary]
+    rc, out = launcher.run_command(cmd, 1, timeout=360, expect_ok=False)
+    assert rc == 0, out
+    # Everything compare_digits prints is ours: the workers' output went to the logs.
+    assert "\r" not in out, out
+    assert not re.search(r"\[\d+\]<std(out|err)>", out), out
+    assert re.search(r"^\s*sync: epoch\s+1/1\s+held-out accuracy\s+[\d.]+%$", out, re.M), out
+    assert re.search(r"^\s*pipelined: epoch\s+1/1\s+held-out accuracy\s+[\d.]+%$", out, re.M), out
+    assert re.search(r"^## Digits CNN, Keras 3\.\S+ \(tensorflow backend\), 2 horovodrun workers",
+                     out, re.M), out
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert len(table) == 5 and "difference (pipelined - sync)" in table[-1], out
+    assert "PASS" in out
+    comparison = json.loads(summary.read_text())
+    assert comparison["framework"] == "keras"
+    for run in comparison["runs"]:
+        assert run["rc"] == 0 and 0.0 < run["accuracy"] <= 1.0, run
+        log = (tmp_path / f"keras_digits_depth{run['pipeline_depth']}.log").read_text()
+        assert run["log"].endswith(f"keras_digits_depth{run['pipeline_depth']}.log")
+        assert "[0]<stdout>:epoch   1/1" in log, "the full raw log is kept"
+
+
+def test_compare_digits_torch_stays_the_default():
+    out = subprocess.run([sys.executable, EXAMPLES / "compare_digits.py", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"--framework \{keras,torch\}.*\(default: torch\)", " ".join(out.stdout.split())), (
+        out.stdout)
