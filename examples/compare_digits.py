@@ -95,8 +95,10 @@ class Progress:
         self.bar = None
         if sys.stdout.isatty():
             from tqdm import tqdm
+            # A fixed size: ptys without one report 0 x 0, for which tqdm draws nothing.
+            columns, rows = shutil.get_terminal_size((100, 24))
             self.bar = tqdm(total=epochs, desc=f"{label:>9}", unit="epoch", file=sys.stdout,
-                            dynamic_ncols=True, leave=True,
+                            ncols=min(columns, 140), nrows=max(rows, 24), leave=True,
                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
                                        "epochs [{elapsed}<{remaining}{postfix}]")
             self.bar.set_postfix_str("starting workers")
