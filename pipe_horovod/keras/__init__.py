@@ -12,8 +12,9 @@ Backends: TensorFlow (graph mode or eager; not XLA) and torch.
 import numpy as np
 
 from ..compression import Compression
-from ..engine import (Average, Sum, global_process_set, init, is_initialized, local_rank,
-                      local_size, rank, shutdown, size)
+from ..engine import (Average, Sum, allgather_object, barrier, broadcast_object,
+                      global_process_set, init, is_initialized, local_rank, local_size, rank,
+                      shutdown, size)
 from . import callbacks
 from .callbacks import broadcast_variables
 from .optimizer import DistributedOptimizer
@@ -31,6 +32,7 @@ def allreduce(value, name=None, op=Average):
     return engine.wait(engine.allreduce_async(tensor, name, op)).numpy()
 
 
-__all__ = ["Average", "Sum", "Compression", "DistributedOptimizer", "allreduce",
+__all__ = ["Average", "Sum", "Compression", "DistributedOptimizer", "allgather_object",
+           "allreduce", "barrier", "broadcast_object",
            "broadcast_variables", "callbacks", "global_process_set", "init", "is_initialized",
            "local_rank", "local_size", "rank", "shutdown", "size"]

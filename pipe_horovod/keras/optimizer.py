@@ -87,6 +87,13 @@ class _PipelinedKeras:
             self._path.flush()
 
     @property
+    def timings(self):
+        """Steps taken, updates applied, and seconds spent waiting for reductions."""
+        if self._path is None:
+            return {"steps": 0, "wait_s": 0.0, "applied": 0}
+        return self._path.timings
+
+    @property
     def in_flight(self):
         """How many computed gradients are not applied yet."""
         return 0 if self._path is None else self._path.in_flight()

@@ -21,6 +21,7 @@ PIPE_HOROVOD_KERAS_TRANSFER=numpy|dlpack overrides the choice, so the
 DLPack path is tested on CPU too.
 """
 import os
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -54,6 +55,7 @@ class TensorFlowPath:
                                                                     devices)))])
         self._arrays = {}                        # this step's gradients (torch views), by name
         self._zeros = None
+        self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0}
 
     # --- graph side (runs once per trace) -------------------------------------
     def apply(self, grads, variables):
@@ -102,6 +104,7 @@ class TensorFlowPath:
             entry = StepGradient(machine.launched)
         self._arrays = {}
         ready = machine.finish_step(entry)
+        self.timings["steps"] += 1
         if not ready:
             if self._zeros is None:
                 self._zeros = [self.transfer.to_tf(torch.zeros(self.shapes[n], dtype=b.kind[0],
@@ -109,7 +112,10 @@ class TensorFlowPath:
                                for n, b in ((n, self.machine.bucket_of[n]) for n in self.names)]
             return (*self._zeros, self.transfer.flag(False))
         (oldest,) = ready                        # restore() refuses what would pop several
+        start = time.perf_counter()
         grads = oldest.gradients()
+        self.timings["wait_s"] += time.perf_counter() - start
+        self.timings["applied"] += 1
         return (*[self.transfer.to_tf(grads[n].reshape(self.shapes[n])) for n in self.names],
                 self.transfer.flag(True))
 
@@ -120,6 +126,7 @@ class TensorFlowPath:
             self.optimizer._base_apply(
                 [tf.convert_to_tensor(self.transfer.to_tf(grads[n].reshape(self.shapes[n])))
                  for n in self.names], self.variables)
+            self.timings["applied"] += 1
 
     def in_flight(self):
         return len(self.machine.fifo)

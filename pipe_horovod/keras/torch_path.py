@@ -56,6 +56,10 @@ class TorchPath:
                     opt._on_grad_ready(p)
         opt.step()
 
+    @property
+    def timings(self):
+        return self.torch_optimizer.timings
+
     def flush(self):
         self.torch_optimizer.flush()
 

@@ -101,6 +101,7 @@ def check_oracle():
                 expected = ref.reference(start, gradients, make(kind)[1], depth, warmup,
                                          steps=STEPS, size=phvd.size())
                 assert int(opt.iterations.numpy()) == STEPS, what
+                assert opt.timings["applied"] == STEPS and opt.timings["steps"] == STEPS, what
                 assert_close(weights_of(model), expected.weights, what + " after flush")
 
 
