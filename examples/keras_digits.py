@@ -218,7 +218,7 @@ def main(argv=None):
     # Every rank must hold the same weights; a mismatch means the ranks diverged.
     checksum = float(sum(np.asarray(keras.ops.convert_to_numpy(v), np.float64).sum()
                          for v in model.trainable_variables))
-    checksums = phvd_engine.current().allgather_object(checksum)
+    checksums = hvd.allgather_object(checksum)
     ranks_agree = all(c == checksums[0] for c in checksums)
     if rank == 0:
         print(f"final held-out accuracy {100 * final:.2f}% after {args.epochs} epochs "
@@ -233,8 +233,8 @@ def main(argv=None):
                 "steps_per_epoch": steps_per_epoch, "n_train": len(x_train),
                 "n_test": len(x_test), "train_time_s": train_time, "ranks_agree": ranks_agree,
                 "history": history,
-                "timings": {"iterations": int(keras.ops.convert_to_numpy(optimizer.iterations)),
-                            "in_flight": optimizer.in_flight},
+                "timings": {**optimizer.timings, "in_flight": optimizer.in_flight,
+                            "iterations": int(keras.ops.convert_to_numpy(optimizer.iterations))},
                 "framework": "keras", "backend": args.backend, "keras_version": keras.__version__,
                 "peak_lr": peak_lr,
             }
