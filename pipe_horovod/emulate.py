@@ -169,6 +169,27 @@ class CpuTimes(NamedTuple):
         return self.user + self.system
 
 
+def wait_polling(cluster, job, poll, interval=0.5):
+    """`cluster.wait(job)`, calling `poll()` every `interval` seconds meanwhile
+    (a progress bar that follows the workers' output). Returns the exit codes."""
+    outcome = {}
+
+    def waiter():
+        try:
+            outcome["codes"] = cluster.wait(job)
+        except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        poll()
+        thread.join(interval)
+    if "error" in outcome:
+        raise RuntimeError(str(outcome["error"]))
+    return outcome["codes"]
+
+
 def cpu_times(proc):
     """CPU seconds of a launched worker, waited-for children included.
 

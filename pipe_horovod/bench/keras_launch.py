@@ -16,7 +16,6 @@ import os
 import shlex
 import subprocess
 import sys
-import threading
 import time
 
 from . import keras_report, mwms_worker
@@ -236,22 +235,8 @@ def _run_emulated(args, cluster, job, argv, env, bar, deadline):
             f"{addr}:{cluster.free_port(r)}" for r, addr in enumerate(cluster.addresses))
     launched = cluster.launch(argv, engine=engine, env=env,
                               timeout=max(1.0, deadline - time.monotonic()))
-    outcome = {}
-
-    def waiter():
-        try:
-            outcome["codes"] = cluster.wait(launched)
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=waiter, daemon=True)
-    thread.start()
-    while thread.is_alive():
-        bar.poll()
-        thread.join(_POLL)
-    if "error" in outcome:
-        raise RuntimeError(str(outcome["error"]))
     from pipe_horovod import emulate
+    emulate.wait_polling(cluster, launched, bar.poll, _POLL)
     return {"launcher": f"EmulatedCluster.launch({shlex.join(argv)}, engine={engine!r})",
             "log": launched.logs, "cpu_s": [emulate.cpu_times(p).total for p in launched.procs]}
 

@@ -24,7 +24,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -296,21 +295,7 @@ def _run_emulated(args, worker, progress, log_dir, bar):
             # gloo binds its own namespace NIC (GLOO_SOCKET_IFNAME from worker_env).
             env.update(_ddp_env(cluster.addresses[0], cluster.free_port(0)))
         job = cluster.launch(argv, engine=args.engine, env=env, timeout=args.timeout)
-        outcome = {}
-
-        def waiter():
-            try:
-                outcome["codes"] = cluster.wait(job)
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                outcome["error"] = exc
-
-        thread = threading.Thread(target=waiter, daemon=True)
-        thread.start()
-        while thread.is_alive():
-            bar.poll()
-            thread.join(_POLL)
-        if "error" in outcome:
-            raise RuntimeError(str(outcome["error"]))
+        emulate.wait_polling(cluster, job, bar.poll, _POLL)
         cpu = [emulate.cpu_times(p) for p in job.procs]
         links = [cluster.link_stats(r) for r in range(args.workers)]
         return {"launcher": f"EmulatedCluster(workers={args.workers}, rate={args.emulate!r})"
