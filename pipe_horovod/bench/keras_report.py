@@ -14,7 +14,6 @@ gains over a sync step that overlaps nothing.
 """
 import json
 import os
-import statistics
 
 from . import report
 from .keras_worker import TIMERS
@@ -31,13 +30,7 @@ KERAS_TARGETS = {
 
 def _pooled(raw, name, key):
     cfg = raw["configs"].get(name)
-    if not cfg:
-        return []
-    return [x for b in cfg["rounds"] for x in (b.get(key) or []) if x is not None]
-
-
-def _med(xs):
-    return statistics.median(xs) if xs else None
+    return report._pooled(cfg["rounds"], key) if cfg else []
 
 
 def breakdown(raw):
@@ -46,7 +39,7 @@ def breakdown(raw):
     for name in raw["configs"]:
         if not (name.startswith("ours-k") or name.startswith("torch-ours-k")):
             continue
-        row = {k: _med(_pooled(raw, name, k)) for k in TIMERS + ("handoffs", "step_s")}
+        row = {k: report._median(_pooled(raw, name, k)) for k in TIMERS + ("handoffs", "step_s")}
         if name.startswith("torch-"):        # no numpy_function hand-offs on the torch backend
             row.update(fill_s=None, handoff_s=None, finish_s=None, handoffs=None)
         elif row["handoff_s"] is not None and row["finish_s"] is not None:
@@ -101,7 +94,7 @@ def keras_summary(raw, summary):
 
 
 def markdown(summary, keras, heading="#"):
-    ms, pct, num = report._ms, report._pct, report._num
+    ms, num = report._ms, report._num
     lines = [f"{heading} Keras: ours vs tf-keras + MultiWorkerMirroredStrategy", "",
              f"compute {ms(keras['compute_s'])} ms, comm {ms(keras['comm_s'])} ms "
              f"(comm/compute {num(keras['comm_over_compute'])}), ideal pipelined step "
@@ -111,9 +104,7 @@ def markdown(summary, keras, heading="#"):
              "| exposed wait ms | hidden | step − compute ms | communication by |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in keras["rows"].items():
-        hidden = pct(r["hidden_fraction"])
-        if r["hidden_fraction_step"] is not None:
-            hidden += f" ({pct(r['hidden_fraction_step'])})"
+        hidden = report.hidden_cell(r)
         lines.append(f"| {name} | **{ms(r['step_s'])}** | {ms(r['q1_s'])}–{ms(r['q3_s'])} "
                      f"| {num(r['speedup_vs_mwms'])} | {num(r['speedup_vs_k1'])} "
                      f"| {ms(r['exposed_wait_s'])} | {hidden} | {ms(r['step_minus_compute_s'])} "

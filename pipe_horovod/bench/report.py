@@ -305,6 +305,14 @@ def _num(x, fmt="{:.2f}"):
     return "–" if x is None else fmt.format(x)
 
 
+def hidden_cell(row):
+    """The 'hidden' column: by exposed wait, and (in brackets) by step − compute."""
+    cell = _pct(row["hidden_fraction"])
+    if row["hidden_fraction_step"] is not None:
+        cell += f" ({_pct(row['hidden_fraction_step'])})"
+    return cell
+
+
 def title(summary):
     meta, launch = summary["meta"], summary["launch"]
     link = launch.get("emulate")
@@ -332,9 +340,7 @@ def markdown(summary, heading="##"):
               "| pred. err | pred. w/ measured comm | CPU cores/worker | machine busy |",
               "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for name, s in summary["configs"].items():
-        hidden = _pct(s["hidden_fraction"])
-        if s["hidden_fraction_step"] is not None:
-            hidden += f" ({_pct(s['hidden_fraction_step'])})"
+        hidden = hidden_cell(s)
         cores = ", ".join(_num(c) for c in s["cpu_cores_per_worker"]) or "–"
         lines.append(
             f"| {name} | **{_ms(s['step_s'])}** | {_ms(s['q1_s'])}–{_ms(s['q3_s'])} "
