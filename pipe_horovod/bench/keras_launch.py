@@ -50,7 +50,8 @@ def check(args, configs):
     for name in configs:
         if name == mwms_worker.NAME or name in _OURS:
             continue
-        if name.startswith("ours-k") and bench_worker.compression_of(name) == "none":
+        if (name.startswith("ours-k") and bench_worker.compression_of(name) == "none"
+                and not bench_worker.staleness_of(name)[0]):
             continue
         raise UsageError(f"configuration {name!r} is not part of the Keras benchmark; choose "
                          f"from ours-kK, compute, allreduce, {mwms_worker.NAME}")

@@ -48,11 +48,14 @@ import socket
 import sys
 import time
 
+from pipe_horovod.bench import convergence_tasks
+
 DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16",
                    "compute", "contention", "allreduce"]
 _CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|contention|allreduce(?:-fp16|-bf16)?"
                      r"|tf-keras-mwms"
-                     r"|ours-k([1-9][0-9]*)(?:-(?:fp16|bf16))?)$")
+                     r"|ours-k([1-9][0-9]*)(?:-(?:fp16|bf16))?"
+                     r"(?:-(none|momentum|dc|predict|lookahead))?)$")
 MLP_IN, MLP_CLASSES = 1024, 1000
 CNN_CLASSES = 10
 DDP_ADDR_ENV = "PIPE_HOROVOD_BENCH_DDP_ADDR"
@@ -74,8 +77,10 @@ def parse_configs(value):
             if not m or (m.group(1) and int(m.group(1)) > 16):
                 raise ValueError(
                     f"unknown configuration {name!r}; choose from horovod, horovod-fp16, ddp, "
-                    "ours-kK, ours-kK-fp16, ours-kK-bf16 (K = pipeline depth 1..16), compute, "
-                    "contention, allreduce, tf-keras-mwms (--framework keras)")
+                    "ours-kK, ours-kK-fp16, ours-kK-bf16 (K = pipeline depth 1..16; any of "
+                    "them -none, -momentum, -dc, -predict, -lookahead: that "
+                    "staleness_compensation), compute, contention, allreduce, tf-keras-mwms "
+                    "(--framework keras)")
             if name not in names:
                 names.append(name)
     if not names:
@@ -86,9 +91,26 @@ def parse_configs(value):
 def compression_of(name):
     """'fp16' / 'bf16' / 'none' for a configuration name."""
     for codec in ("fp16", "bf16"):
-        if name.endswith("-" + codec):
+        if re.search(rf"-{codec}(?:-(?:none|momentum|dc|predict|lookahead))?$", name):
             return codec
     return "none"
+
+
+def staleness_of(name):
+    """ours-kK[-codec]-OPTION -> (True, OPTION or None for -none); else (False, None):
+    the optimizer's default staleness_compensation."""
+    m = _CONFIG.match(name)
+    if not m or not name.startswith("ours-k") or m.group(2) is None:
+        return False, None
+    return True, (None if m.group(2) == "none" else m.group(2))
+
+
+def _staleness_supported():
+    import inspect
+
+    import pipe_horovod.torch as phvd
+
+    return "staleness_compensation" in inspect.signature(phvd.DistributedOptimizer).parameters
 
 
 def pipeline_depth_of(name):
@@ -121,6 +143,9 @@ def skip_reason(name, engine_name, size):
     """
     if name == "tf-keras-mwms":
         return "the Keras benchmark's baseline (pipe-horovod bench --framework keras)"
+    explicit, option = staleness_of(name)
+    if explicit and option is not None and not _staleness_supported():
+        return "this pipe_horovod's DistributedOptimizer has no staleness_compensation argument"
     if name.startswith("horovod") and engine_name != "horovod":
         if engine_name == "torch":
             return ("Horovod's DistributedOptimizer needs Horovod's launcher and engine; the "
@@ -250,6 +275,8 @@ def build_model(kind, model_mb, layers=5):
     import torch.nn as nn
 
     model_bytes = model_mb * 1e6
+    if kind in convergence_tasks.MODEL_NAMES:     # a model of `pipe-horovod convergence`
+        return convergence_tasks.bench_model(kind)
     if kind == "mlp":
         width = mlp_width(model_bytes, layers)
         mods = [nn.Linear(MLP_IN, width), nn.ReLU()]
@@ -402,14 +429,15 @@ def make_runner(name, args, eng):
     torch.manual_seed(args.seed)            # every configuration starts from the same weights
     model, shape, classes = build_model(args.model, args.model_mb, args.layers)
     data, target = synthetic_batch(shape, classes, args.batch_size, args.seed + 1 + eng.rank())
-    lr = 0.01
+    # The convergence tasks' models get their task's SGD (momentum: what 'momentum' adjusts).
+    sgd = convergence_tasks.bench_sgd(args.model) or {"lr": 0.01}
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
-        return TrainRunner(name, "ddp", ddp, torch.optim.SGD(ddp.parameters(), lr=lr),
+        return TrainRunner(name, "ddp", ddp, torch.optim.SGD(ddp.parameters(), **sgd),
                            data, target)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.parameters(), **sgd)
     if name == "compute":
         return TrainRunner(name, "plain", model, opt, data, target)
     if name.startswith("horovod"):
@@ -422,9 +450,13 @@ def make_runner(name, args, eng):
     import pipe_horovod.torch as phvd
 
     compression = phvd.Compression.by_name(compression_of(name))
+    explicit, option = staleness_of(name)
+    extra = ({"staleness_compensation": option}
+             if explicit and _staleness_supported() else {})
     opt = phvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                     pipeline_depth=pipeline_depth_of(name),
-                                    compression=compression, bucket_cap_mb=args.bucket_cap_mb)
+                                    compression=compression, bucket_cap_mb=args.bucket_cap_mb,
+                                    **extra)
     return TrainRunner(name, "ours", model, opt, data, target)
 
 
@@ -682,9 +714,12 @@ def _configs(text):
 
 def add_model_arguments(parser):
     """Arguments shared by the worker and `pipe-horovod bench` (which forwards them)."""
-    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
+    parser.add_argument("--model", choices=["mlp", "cnn", *convergence_tasks.MODEL_NAMES],
+                        default="mlp",
                         help="synthetic model: an MLP, or a small CNN whose classifier head "
-                             "carries the size (default mlp)")
+                             "carries the size (default mlp); or a model of `pipe-horovod "
+                             "convergence` (its own size: --model-mb is ignored) "
+                             "on synthetic inputs of its shape")
     parser.add_argument("--model-mb", type=_positive(float), default=50.0,
                         help="model size in MB of float32 parameters (default 50)")
     parser.add_argument("--layers", type=int, default=5, choices=range(2, 33), metavar="N",
