@@ -10,6 +10,7 @@ COMMANDS = {
     "check": "Print which engines, controllers and frameworks are available.",
     "model": "Predict sync vs pipelined step time from the timing model.",
     "bench": "Measure pipelined vs sync vs Horovod vs DDP step time.",
+    "convergence": "Time to accuracy: sync vs pipelined (K=2) with each staleness option.",
 }
 
 
