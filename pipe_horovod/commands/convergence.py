@@ -75,12 +75,13 @@ def _positive_int(text):
 def add_arguments(parser):
     from pipe_horovod.commands.bench import _rate, _timeout
 
+    others = [t for t in tasks_mod.TASK_NAMES if t not in tasks_mod.DEFAULT_TASKS]
     parser.add_argument("--tasks", type=_tasks, default=list(tasks_mod.DEFAULT_TASKS),
-                        help=f"comma-separated tasks (default {','.join(tasks_mod.DEFAULT_TASKS)};"
-                             f" also: {', '.join(sorted(set(tasks_mod.TASK_NAMES) - set(tasks_mod.DEFAULT_TASKS)))})")
+                        help=f"comma-separated tasks (default {','.join(tasks_mod.DEFAULT_TASKS)}"
+                             f"; also: {', '.join(others)})")
     parser.add_argument("--configs", type=_configs, default=list(cw.DEFAULT_CONFIGS),
-                        help=f"comma-separated configurations (default {','.join(cw.DEFAULT_CONFIGS)}"
-                             "): sync = pipeline_depth 1; kK = pipeline_depth K, no staleness "
+                        help="comma-separated configurations (default "
+                             f"{','.join(cw.DEFAULT_CONFIGS)}): sync = pipeline_depth 1; kK = pipeline_depth K, no staleness "
                              "compensation; kK-OPTION = staleness_compensation=OPTION")
     parser.add_argument("--seeds", type=_positive_int, default=5,
                         help="seeds per configuration: --first-seed .. +N-1 (default 5)")
