@@ -82,14 +82,9 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     def __init__(self, initial_learning_rate=None, warmup_epochs=5, momentum_correction=True,
                  steps_per_epoch=None, verbose=0, *, initial_lr=None):
         super().__init__()
-        if (initial_learning_rate is None) == (initial_lr is None):
-            raise TypeError("give the target rate once, as initial_learning_rate (or "
-                            "Horovod's initial_lr)")
-        initial_learning_rate = initial_lr if initial_learning_rate is None else \
-            initial_learning_rate
         if not warmup_epochs > 0:
             raise ValueError(f"warmup_epochs must be > 0, got {warmup_epochs}")
-        self.initial_learning_rate = float(initial_learning_rate)
+        self.initial_learning_rate = _initial_rate(initial_learning_rate, initial_lr)
         self.warmup_epochs = warmup_epochs
         self.steps_per_epoch = steps_per_epoch
         self.verbose = verbose
@@ -118,6 +113,61 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
                       f"{self.initial_learning_rate:g}.")
         if logs is not None:
             logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """initial_learning_rate * multiplier(epoch) from start_epoch until end_epoch, as
+    Horovod's: `multiplier` is a number or a function of the epoch; with
+    staircase=False the epoch is fractional and the rate changes every batch.
+    momentum_correction is accepted and not applied (see LearningRateWarmupCallback).
+    """
+
+    def __init__(self, initial_learning_rate=None, multiplier=None, start_epoch=0,
+                 end_epoch=None, staircase=True, momentum_correction=True, steps_per_epoch=None,
+                 *, initial_lr=None):
+        super().__init__()
+        if multiplier is None:
+            raise TypeError("LearningRateScheduleCallback needs a multiplier: a number or a "
+                            "function of the epoch")
+        self.initial_learning_rate = _initial_rate(initial_learning_rate, initial_lr)
+        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier)
+        self.start_epoch, self.end_epoch = start_epoch, end_epoch
+        self.staircase = staircase
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = 0
+
+    def _active(self, epoch):
+        return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
+
+    def _set(self, epoch):
+        rate = self.initial_learning_rate * self.multiplier(epoch)
+        self.model.optimizer.learning_rate = rate
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+        if self.staircase and self._active(epoch):
+            self._set(epoch)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.staircase or not self._active(self.current_epoch):
+            return
+        steps = self.steps_per_epoch or self.params.get("steps")
+        if not steps:
+            raise ValueError("LearningRateScheduleCallback(staircase=False) needs "
+                             "steps_per_epoch when fit() cannot tell the number of steps")
+        self._set(self.current_epoch + batch / steps)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+
+
+def _initial_rate(initial_learning_rate, initial_lr):
+    """The rate given once, under Keras's name or Horovod's `initial_lr`."""
+    if (initial_learning_rate is None) == (initial_lr is None):
+        raise TypeError("give the target rate once, as initial_learning_rate (or "
+                        "Horovod's initial_lr)")
+    return float(initial_lr if initial_learning_rate is None else initial_learning_rate)
 
 
 class PipelineFlushCallback(keras.callbacks.Callback):
