@@ -256,8 +256,12 @@ def plot(summary, path):
     from matplotlib.ticker import MaxNLocator
 
     tasks = summary["tasks"]
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
-    for ax, t in zip(axes[0], tasks):
+    ncols = min(3, len(tasks))
+    nrows = math.ceil(len(tasks) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False)
+    for ax in axes.flat[len(tasks):]:
+        ax.set_visible(False)
+    for ax, t in zip(axes.flat, tasks):
         for i, c in enumerate(t["configs"].values()):
             x = list(range(1, len(c["mean_curve"]) + 1))
             mean = [100 * v for v in c["mean_curve"]]
