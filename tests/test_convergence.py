@@ -151,6 +151,13 @@ def test_tiny_run_matches_the_digits_example(tmp_path):
     raw = json.loads((out / "convergence-digits-cnn-raw.json").read_text())
     assert [(r["config"], r["seed"]) for r in raw["runs"]] == [("sync", 3), ("k2", 3)]
     assert raw["engine"] == "torch" and raw["workers"] == 2
+    assert raw["command"].startswith("pipe-horovod convergence --tasks digits-cnn "
+                                     "--configs sync,k2 --seeds 1 --first-seed 3 --epochs 2")
+    # --report-only rebuilds the same report from the raw JSON, with the run's command
+    before = (out / "convergence.md").read_text()
+    assert cli.main(["convergence", "--report-only", "--tasks", "digits-cnn",
+                     "--out", str(out)]) == 0
+    assert (out / "convergence.md").read_text() == before
 
     example = tmp_path / "example.json"
     rc, log = launcher.run("torch", 2, os.path.join(ROOT, "examples", "pytorch_digits.py"),

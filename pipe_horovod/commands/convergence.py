@@ -222,7 +222,7 @@ def _stop(proc):
             continue
 
 
-def run_task(args, task, out):
+def run_task(args, task, out, command):
     """Train every config x seed of one task; returns the raw result (with launch info)."""
     raw_path = os.path.join(out, f"{args.name}-{task.name}-raw.json")
     progress_path = os.path.join(out, f"{args.name}-{task.name}-progress.json")
@@ -263,6 +263,7 @@ def run_task(args, task, out):
         os.remove(progress_path)
     with open(raw_path) as f:
         raw = json.load(f)
+    raw["command"] = command                  # what --report-only records again
     raw["launch"] = {"command": shlex.join(cmd), "log": log_path,
                      "wall_s": time.time() - started}
     with open(raw_path, "w") as f:
@@ -346,11 +347,10 @@ def run(args):
         started = time.time()
         for task in task_objs:
             try:
-                raw = run_task(args, task, out)
+                raw = run_task(args, task, out, command)
             except RuntimeError as exc:
                 print(f"pipe-horovod convergence: the benchmark failed:\n{exc}", file=sys.stderr)
                 return 1
-            raw["command"] = command
             raws.append(raw)
             print(f"{task.name}: {len(raw['runs'])} runs in {raw['launch']['wall_s']:.0f} s",
                   file=sys.stderr, flush=True)
