@@ -80,12 +80,27 @@ def test_summary_on_hand_made_curves(tmp_path):
     assert k2["to"]["95"]["time_s"] == pytest.approx(4 * 10 * 0.005)
     assert k2["to"]["95"]["speedup_vs_sync"] == pytest.approx(0.3 / 0.2)
     assert k2["to"]["99"]["epochs"] is None and k2["to"]["99"]["time_s"] is None
+    assert sync["meets_targets"] is None and k2["meets_targets"] is False
 
     text = report.markdown(report.summarize([_raw()], times))
     assert "| sync | 98.00 ± 2.83 | +0.00 | 3 (3) | 4 (3.5) | 1.00 | 10.00 | 0.30 (1.00x) " \
            "| 0.40 (1.00x) |" in text
     assert "| k2 | 93.50 ± 4.95 | -4.50 | 4 (never) | never (never) | – | 5.00 | " \
            "0.20 (1.50x) | – |" in text
+    assert "targets (99% of sync's final accuracy in <= 1.05 x sync's epochs, final " \
+           "accuracy at most 0.3 pp below sync's): met by none." in text
+
+
+def test_targets_met_when_k2_tracks_sync():
+    raw = _raw()
+    sync_curves = {r["seed"]: r["accuracy"] for r in raw["runs"] if r["config"] == "sync"}
+    for r in raw["runs"]:
+        if r["config"] == "k2":
+            r["accuracy"] = list(sync_curves[r["seed"]])
+    s = report.summarize_task(raw)
+    assert s["configs"]["k2"]["meets_targets"] is True
+    assert s["configs"]["k2"]["to"]["99"]["epochs_vs_sync"] == 1.0
+    assert "met by k2." in report.markdown(report.summarize([raw]))
 
 
 def test_step_times_from_a_bench_summary(tmp_path):
