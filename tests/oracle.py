@@ -4,6 +4,9 @@ It shares no code with the package on purpose: it simulates every rank's
 gradient, averages them, and applies them through a FIFO written out here
 in the plainest form, so a bug in the product cannot hide in the oracle.
 """
+import contextlib
+import copy
+
 import torch
 
 
@@ -28,30 +31,99 @@ def average(grads, size):
 
 
 def reference(model, optimizer, loss_fn, data, size, steps, pipeline_depth, warmup_steps,
-              scheduler=None, skip=()):
+              scheduler=None, skip=(), compensation=None):
     """Train `model` in place as the pipelined optimizer should, then flush.
 
     data(rank, step) -> list of (x, y) micro-batches. Gradients whose step is
     in `skip` are dropped at application, as GradScaler skips an overflow.
+    `compensation` is the staleness compensation, written out from its
+    formula (docs/convergence.md), each rank computing at its own point.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    fifo = []
+    fifo = []                      # (step, averaged gradient, per-rank gradients, weights then)
+    mean_square = [None] * len(params)
+    previous = None                # "predict": the weights before the last update
+    if pipeline_depth == 1:
+        compensation = None
 
-    def apply(step, grads):
+    def apply(step, grads, pushed):
         if step in skip:
             return
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        optimizer.step()
+        if compensation == "dc":
+            then = fifo_weights[step]
+            for i, (p, g) in enumerate(zip(params, grads)):
+                ms = g * g if mean_square[i] is None else 0.95 * mean_square[i] + 0.05 * g * g
+                mean_square[i] = ms
+                p.grad = g + 2.0 / (ms.sqrt() + 1e-7) * g * g * (p.detach() - then[i])
+        else:
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+        with reduced_momentum(optimizer, compensation == "momentum" and pushed > warmup_steps,
+                              pipeline_depth - 1):
+            optimizer.step()
 
+    def point(rank, in_flight):
+        """The weights rank `rank` computes its gradient at."""
+        real = [p.detach().clone() for p in params]
+        if compensation == "predict" and previous is not None:
+            n = len(in_flight)
+            return [w + n * (w - w_prev) for w, w_prev in zip(real, previous)]
+        if compensation == "lookahead" and in_flight:
+            saved = copy.deepcopy(optimizer.state_dict())
+            for _, _, per_rank in in_flight:
+                for p, g in zip(params, per_rank[rank]):
+                    p.grad = g.clone()
+                optimizer.step()
+            ahead = [p.detach().clone() for p in params]
+            optimizer.load_state_dict(saved)
+            with torch.no_grad():
+                for p, w in zip(params, real):
+                    p.copy_(w)
+            return ahead
+        return real
+
+    fifo_weights = {}
     for t in range(steps):
-        per_rank = [rank_gradients(model, loss_fn, data(r, t)) for r in range(size)]
-        fifo.append((t, [average(gs, size) for gs in zip(*per_rank)]))
+        points = [point(r, fifo) for r in range(size)]
+        real = [p.detach().clone() for p in params]
+        per_rank = []
+        for r in range(size):
+            with torch.no_grad():
+                for p, w in zip(params, points[r]):
+                    p.copy_(w)
+            per_rank.append(rank_gradients(model, loss_fn, data(r, t)))
+        with torch.no_grad():
+            for p, w in zip(params, real):
+                p.copy_(w)
+        fifo_weights[t] = real
+        fifo.append((t, [average(gs, size) for gs in zip(*per_rank)], per_rank))
         need = 1 if t < warmup_steps else pipeline_depth
+        before = real
         while len(fifo) >= need:
-            apply(*fifo.pop(0))
+            step, grads, _ = fifo.pop(0)
+            apply(step, grads, t + 1)
+        previous = before
         if scheduler is not None:
             scheduler.step()
     while fifo:
-        apply(*fifo.pop(0))
+        step, grads, _ = fifo.pop(0)
+        apply(step, grads, steps)
     return model
+
+
+@contextlib.contextmanager
+def reduced_momentum(optimizer, reduce, delay):
+    """Mitliagkas et al.: a delay of `delay` steps adds momentum delay/(delay+1)."""
+    saved = [(g, dict(g)) for g in optimizer.param_groups] if reduce else []
+    if reduce:
+        implicit = delay / (delay + 1)
+        for g in optimizer.param_groups:
+            if g.get("momentum"):
+                g["momentum"] = max(0.0, g["momentum"] - implicit)
+            elif g.get("betas") and g["betas"][0]:
+                g["betas"] = (max(0.0, g["betas"][0] - implicit), *g["betas"][1:])
+    try:
+        yield
+    finally:
+        for g, values in saved:
+            g.update(values)

@@ -22,8 +22,8 @@ import numpy as np
 
 from .. import engine
 from ..compression import Compression, check_compression
-from ..pipeline import (announce_depth, check_options, check_reduction, compare_across_ranks,
-                        report_unapplied, resolve_depth)
+from ..pipeline import (announce_depth, check_options, check_reduction, check_staleness,
+                        compare_across_ranks, report_unapplied, resolve_depth)
 
 SUPPORTED_BACKENDS = ("tensorflow", "torch")
 _announced = set()                 # depth settings rank 0 has explained already
@@ -211,7 +211,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          backward_passes_per_step=1, average_aggregated_gradients=False,
                          num_groups=0, groups=None, process_set=None,
                          scale_local_gradients=True, *, pipeline_depth=None, warmup_steps=0,
-                         bucket_cap_mb=25):
+                         bucket_cap_mb=25, staleness_compensation=None):
     """Wrap a Keras 3 optimizer so its gradients are averaged across ranks, pipelined.
 
     The arguments up to `scale_local_gradients` are horovod.tensorflow.keras's,
@@ -226,6 +226,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     (synchronous); K >= 2 applies g_{t-K+1}, the reduction overlapping
     K-1 steps. Default: $PIPE_HOROVOD_PIPELINE_DEPTH, else 2.
     warmup_steps: synchronous steps before the pipeline starts.
+    staleness_compensation: only None in the Keras adapter so far (the
+    PyTorch adapter has the options of pipe_horovod/pipeline/staleness.py).
     Every rank must build the same model: differences are raised as
     ValueError on every rank when the optimizer is built.
     """
@@ -245,6 +247,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     check_options(pipeline_depth, warmup_steps, 1, bucket_cap_mb)
     check_compression(compression)
     check_reduction(op, gradient_predivide_factor)
+    if check_staleness(staleness_compensation) is not None:
+        raise ValueError(f"staleness_compensation={staleness_compensation!r} is not available in "
+                         "the Keras adapter yet (only in pipe_horovod.torch); use None, or "
+                         "pipeline_depth=1 if the delayed gradient converges too slowly")
     if process_set is engine.global_process_set:
         process_set = None
     if process_set is not None and not isinstance(process_set, engine.ProcessSet):

@@ -134,6 +134,7 @@ class TensorFlowPath:
     def state(self):
         state = self.machine.state()
         state.pop("scales")
+        state.pop("kept")                        # no staleness compensation on this path yet
         return state
 
     def restore(self, in_flight, state):

@@ -8,8 +8,9 @@ from .buckets import Bucket, plan_buckets
 from .checks import check_options, check_reduction, compare_across_ranks
 from .depth import DEPTH_VARIABLE, announce_depth, report_unapplied, resolve_depth
 from .fifo import GradientFifo
+from .staleness import check_staleness
 from .step_machine import BucketReduction, StepGradient, StepMachine
 
 __all__ = ["Bucket", "plan_buckets", "check_options", "check_reduction", "compare_across_ranks",
            "DEPTH_VARIABLE", "announce_depth", "report_unapplied", "resolve_depth", "GradientFifo",
-           "BucketReduction", "StepGradient", "StepMachine"]
+           "BucketReduction", "StepGradient", "StepMachine", "check_staleness"]

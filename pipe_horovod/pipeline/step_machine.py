@@ -47,15 +47,18 @@ class StepGradient:
 
     `loaded` holds tensors that need no reduction: read from a checkpoint,
     or a lone rank's own gradients. `scale` is what the adapter needs to
-    interpret them later (a GradScaler's scale at compute time).
+    interpret them later (a GradScaler's scale at compute time); `kept`
+    what a staleness compensation keeps with the step ({kind: {name: tensor}}:
+    this rank's own gradient, the weights it was computed at).
     """
 
-    __slots__ = ("reductions", "loaded", "scale")
+    __slots__ = ("reductions", "loaded", "scale", "kept")
 
-    def __init__(self, reductions=(), loaded=None, scale=None):
+    def __init__(self, reductions=(), loaded=None, scale=None, kept=None):
         self.reductions = list(reductions)
         self.loaded = loaded
         self.scale = scale
+        self.kept = kept or {}
 
     def gradients(self):
         """{name: flat averaged gradient}; waits for reductions still on the wire."""
@@ -192,7 +195,9 @@ class StepMachine:
         return {"steps": self.fifo.steps,
                 "in_flight": [{n: g.detach().clone() for n, g in e.gradients().items()}
                               for e in self.fifo],
-                "scales": [e.scale for e in self.fifo]}
+                "scales": [e.scale for e in self.fifo],
+                "kept": [{kind: {n: t.detach().clone() for n, t in tensors.items()}
+                          for kind, tensors in e.kept.items()} for e in self.fifo]}
 
     def settle(self):
         """Complete every reduction in flight: the other ranks started them too, and
@@ -200,10 +205,11 @@ class StepMachine:
         for entry in self.fifo:
             entry.gradients()
 
-    def restore(self, in_flight, scales, steps):
+    def restore(self, in_flight, scales, steps, kept=None):
         """Replace what is in flight by a checkpoint's (call settle() first)."""
-        self.fifo.replace([StepGradient(loaded=grads, scale=scale)
-                           for grads, scale in zip(in_flight, scales)], steps)
+        kept = kept or [None] * len(in_flight)
+        self.fifo.replace([StepGradient(loaded=grads, scale=scale, kept=k)
+                           for grads, scale, k in zip(in_flight, scales, kept)], steps)
 
     def forget(self):
         """Drop, without waiting, everything in flight (after a failed collective)."""

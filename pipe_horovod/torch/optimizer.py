@@ -20,6 +20,7 @@ cost 15% in one process. With one rank and no compression there is nothing
 to send, so a step's gradient is the `.grad` tensors themselves, kept by
 reference: the one-process wrapper copies nothing at all.
 """
+import collections
 import contextlib
 import functools
 import itertools
@@ -36,8 +37,9 @@ from .. import engine
 from ..engine.process_sets import ProcessSet, global_process_set
 from ..compression import Compression, check_compression
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
-                        check_reduction, compare_across_ranks, report_unapplied,
-                        resolve_depth)
+                        check_reduction, check_staleness, compare_across_ranks,
+                        report_unapplied, resolve_depth)
+from .compensation import _Compensation, _momentum_key, _values
 
 _instances = itertools.count()
 _live = weakref.WeakSet()          # wrapped optimizers, for the exit report
@@ -73,12 +75,12 @@ class _SparseReduction:
         yield self.name, self.result
 
 
-class _PipelinedOptimizer:
+class _PipelinedOptimizer(_Compensation):
     """Mixin placed before the user's optimizer class in the MRO."""
 
     def _setup_pipeline(self, name_of, compression, backward_passes_per_step, op,
                         pipeline_depth, warmup_steps, bucket_cap_mb, grad_scaler,
-                        predivide, groups, sparse_as_dense, process_set):
+                        predivide, groups, sparse_as_dense, process_set, compensation):
         self._number = next(_instances)          # creation order: the same on every rank
         self._machine = StepMachine(f"pipe{self._number}", pipeline_depth, warmup_steps,
                                     compression=compression, op=op, predivide=predivide,
@@ -105,6 +107,7 @@ class _PipelinedOptimizer:
         self._synchronized = False
         self._should_synchronize = True
         self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0}
+        self._setup_compensation(compensation, pipeline_depth)
         _live.add(self)
         self._attach_engine()
 
@@ -152,6 +155,7 @@ class _PipelinedOptimizer:
         self._reset_step()
 
     def _reset_step(self):
+        self._step_local = {}                    # "lookahead": this step's own gradients
         self._machine.begin_step()
         self._hooks_fired = False
         for p in self._params:
@@ -186,6 +190,9 @@ class _PipelinedOptimizer:
                     part.zero_()
             elif grad.data_ptr() != part.data_ptr() or not grad.is_contiguous():
                 part.copy_(grad.reshape(-1))     # else: backward accumulated in place already
+            if self._compensation == "lookahead":
+                # This rank's own gradient, before the reduction overwrites the buffer.
+                self._step_local[name] = self._kept_copy("local", name, part)
 
     # --- the step ---------------------------------------------------------
     def synchronize(self):
@@ -201,17 +208,21 @@ class _PipelinedOptimizer:
             raise RuntimeError("step() or synchronize() called without a backward pass since the "
                                "last step(); compute gradients before every step")
         self._drop_unstepped()
+        self._restore_real()                     # backward is done: update the real weights
         scale = self._grad_scaler.get_scale() if self._grad_scaler is not None else None
         machine = self._machine
         if machine.solo:
+            kept = self._keep()
             agreed = self._agree()
             # Nothing to send: the `.grad` tensors themselves, by reference.
             entry = StepGradient(loaded={name: p.grad for name, p in self._param_of.items()
-                                         if p.grad is not None}, scale=scale)
+                                         if p.grad is not None}, scale=scale, kept=kept)
         else:
             machine.launch_rest(self._fill_bucket)
+            kept = self._keep()
             agreed = self._agree()
-            entry = StepGradient(machine.launched + self._launch_sparse(), scale=scale)
+            entry = StepGradient(machine.launched + self._launch_sparse(), scale=scale,
+                                 kept=kept)
         ready = machine.finish_step(entry)
         if agreed is not None:
             self._plan(agreed)
@@ -286,6 +297,8 @@ class _PipelinedOptimizer:
                 p.grad = torch.empty_like(p).copy_(grad.view_as(p))
             if factor != 1.0:
                 p.grad.mul_(factor)
+        if entry is not None and "weights" in entry.kept:
+            self._compensate_delay(entry.kept["weights"])
 
     def _apply(self, entry):
         """Apply a gradient taken from the FIFO outside the user's step() (drain)."""
@@ -296,7 +309,7 @@ class _PipelinedOptimizer:
                 p.grad.div_(scale)
             if not all(torch.isfinite(_values(p.grad)).all() for p in self._params):
                 return                           # as GradScaler would: skip the overflowed step
-        super().step()
+        self._inner_step(hooks=True)             # flush() is no step(): its hooks run here
         self.timings["applied"] += 1
 
     def step(self, closure=None):
@@ -317,9 +330,12 @@ class _PipelinedOptimizer:
             raise RuntimeError("step() inside skip_synchronize() needs a synchronize() first")
         self._synchronized = False
         entry, self._pending_apply = self._pending_apply, None
+        if self._compensation == "predict":
+            self._copy_params(self._previous)
         if entry is not None:
-            super().step()
+            self._inner_step()
             self.timings["applied"] += 1
+        self._predict()
         return loss
 
     @contextlib.contextmanager
@@ -340,6 +356,7 @@ class _PipelinedOptimizer:
         if self._hooks_fired:
             raise RuntimeError("flush() called between backward and step(); call step() first")
         self._drop_unstepped()
+        self._restore_real()
         for entry in self._machine.drain():
             self._apply(entry)
 
@@ -358,6 +375,23 @@ class _PipelinedOptimizer:
             warnings.warn("synchronize() was not followed by step(): that gradient was not "
                           "applied, as after a GradScaler overflow (pass grad_scaler= to the "
                           "DistributedOptimizer when using one)", stacklevel=3)
+
+    def _inner_step(self, hooks=False):
+        """The wrapped optimizer's step, once.
+
+        torch wraps every optimizer class's step() to run the hooks of
+        register_step_pre_hook/post_hook, ours as well as the user's class:
+        inside our step() they ran already, so here they run only if asked.
+        """
+        saved = self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks
+        if not hooks:
+            self._optimizer_step_pre_hooks = collections.OrderedDict()
+            self._optimizer_step_post_hooks = collections.OrderedDict()
+        try:
+            with self._compensated_momentum():
+                super().step()
+        finally:
+            self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = saved
 
     def zero_grad(self, set_to_none=True):
         if self._hooks_fired:
@@ -411,6 +445,11 @@ class _PipelinedOptimizer:
             "bucket_order": self._order,
             "order_agreed": self._order_agreed,
             "sparse": dict(self._sparse),
+            # The prediction's real weights (the parameters hold the predicted ones)
+            # and dc's running mean square: a resume continues both exactly.
+            "real_weights": ({n: t.detach().clone() for n, t in self._real.items()}
+                             if self._predicted else None),
+            "mean_square": {n: t.detach().clone() for n, t in self._mean_square.items()},
         }
         return state
 
@@ -435,8 +474,16 @@ class _PipelinedOptimizer:
         if unknown:
             raise ValueError(f"checkpoint parameters do not match this model: {sorted(unknown)}")
         device_of = {name: p.device for name, p in self._param_of.items()}
-        self._machine.restore([{n: g.to(device_of[n]) for n, g in grads.items()}
-                               for grads in pipe["in_flight"]], pipe["scales"], pipe["steps"])
+
+        def here(tensors):
+            return {n: t.to(device_of[n]) for n, t in tensors.items()}
+        self._machine.restore([here(grads) for grads in pipe["in_flight"]], pipe["scales"],
+                              pipe["steps"], [{kind: here(tensors) for kind, tensors in k.items()}
+                                              for k in pipe.get("kept", [])] or None)
+        real = pipe.get("real_weights")
+        self._real = here(real) if real else {}
+        self._predicted = bool(real)
+        self._mean_square = here(pipe.get("mean_square", {}))
         self._order_agreed = pipe["order_agreed"]
         self._sparse = dict(pipe.get("sparse", {}))
         self._plan(pipe["bucket_order"])
@@ -451,6 +498,7 @@ class _PipelinedOptimizer:
         failed backward may have left part of a gradient in it.
         """
         self._machine.forget()
+        self._predicted = False                  # the committed state brings its own weights
         self._reset_step()
         self._synchronized, self._pending_apply = False, None
         self._observed, self._seen_sparse = {}, {}
@@ -510,10 +558,6 @@ def _take_over(params, new):
         old._retire(name)
     for p in params:
         _owner_of[p] = weakref.ref(new)
-
-
-def _values(grad):
-    return grad.coalesce().values() if grad.is_sparse else grad
 
 
 def _wrapped_here():
@@ -627,7 +671,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step=1, op=engine.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=None, *, pipeline_depth=None,
-                         warmup_steps=0, bucket_cap_mb=25, grad_scaler=None):
+                         warmup_steps=0, bucket_cap_mb=25, grad_scaler=None,
+                         staleness_compensation=None):
     """Wrap `optimizer` so its gradients are averaged across ranks, pipelined.
 
     The arguments up to `process_set` are Horovod's, in Horovod's order and
@@ -639,6 +684,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     warmup_steps: synchronous steps before the pipeline starts.
     grad_scaler: the torch.amp.GradScaler in use, if any; a delayed gradient
         is rescaled when the scaler's scale changed since it was computed.
+    staleness_compensation: None, "lookahead", "predict", "dc" or "momentum"
+        (pipe_horovod/pipeline/staleness.py, docs/convergence.md): how a
+        gradient K-1 steps old is made to act like a fresh one. No effect at K=1.
     Every rank must call this with the same model: differences are detected
     here and raised as ValueError on every rank.
     """
@@ -652,6 +700,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket_cap_mb)
     check_compression(compression)
     check_reduction(op, gradient_predivide_factor)
+    compensation = check_staleness(staleness_compensation)
+    if compensation == "momentum":
+        for i, group in enumerate(optimizer.param_groups):
+            if _momentum_key(group) is None:
+                raise ValueError(
+                    f"staleness_compensation='momentum' reduces the wrapped optimizer's momentum, "
+                    f"but {type(optimizer).__name__} has none in param_groups[{i}] (no nonzero "
+                    "'momentum' or 'betas'); use 'lookahead' instead")
     if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {grad_scaler!r}")
     eng = engine.current()
@@ -662,7 +718,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                "compression": getattr(compression, "name", repr(compression)),
                "op": op.value, "bucket_cap_mb": bucket_cap_mb,
                "gradient_predivide_factor": float(gradient_predivide_factor),
-               "groups": bucket_groups}
+               "groups": bucket_groups, "staleness_compensation": compensation}
     if process_set is not None and not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
     if process_set is global_process_set:
@@ -687,7 +743,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     wrapped._setup_pipeline(name_of, compression, backward_passes_per_step, op, pipeline_depth,
                             warmup_steps, bucket_cap_mb, grad_scaler,
                             float(gradient_predivide_factor), bucket_groups,
-                            bool(sparse_as_dense), process_set)
+                            bool(sparse_as_dense), process_set, compensation)
     return wrapped
 
 

@@ -156,6 +156,12 @@ def check_callbacks():
     loss = phvd.allreduce(model.evaluate(x, y, batch_size=BATCH, verbose=0), "eval")
     assert abs(loss - history.history["val_loss"][-1]) <= 1e-5 * abs(loss), (
         loss, history.history["val_loss"])
+    # Horovod's staircase schedule: untouched before start_epoch, then lr * 0.5**epoch.
+    schedule = phvd.callbacks.LearningRateScheduleCallback(initial_lr=lr, start_epoch=1,
+                                                          multiplier=lambda epoch: 0.5 ** epoch)
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[schedule, phvd.callbacks.PipelineFlushCallback()])
+    assert history.history["lr"] == [np.float32(lr * m) for m in (1, 0.5, 0.25)], history.history
 
 
 def expect_error(error, text, call):
@@ -180,6 +186,9 @@ def check_errors():
                  lambda: phvd.DistributedOptimizer(once))
     expect_error(ValueError, "pipeline_depth must be >= 1",
                  lambda: phvd.DistributedOptimizer(keras.optimizers.SGD(0.1), pipeline_depth=0))
+    expect_error(ValueError, "not available in the Keras adapter yet",
+                 lambda: phvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                   staleness_compensation="lookahead"))
     # A model that differs between ranks: every rank raises when fit builds the optimizer.
     model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(HIDDEN + phvd.rank()),
                               keras.layers.Dense(OUT)])

@@ -1,0 +1,76 @@
+"""Staleness compensation: make a gradient K-1 steps old act like a fresh one.
+
+With pipeline_depth K >= 2 the update of step t applies g computed at
+w_{t-K+1}. At the learning rate synchronous SGD was tuned for, that delay
+can make training oscillate early on (issue 13; docs/convergence.md
+measures it). Each option below changes either where the gradient is
+computed or what is applied, and is a no-op for K=1 and during warm-up:
+
+* ``"lookahead"`` (ours; the default for K >= 2): every rank computes its
+  gradient at the weights the updates still in flight will produce,
+  estimated by running the wrapped optimizer on a copy of its state with
+  this rank's own gradients of those steps, which it already has. With
+  one rank this is exactly synchronous SGD; with several, the point
+  differs from it only by the learning rate times the gap between one
+  rank's gradient and the average. Weight prediction as in PipeMare
+  (Yang et al. 2021) and SpecTrain (Chen et al. 2018), but along the
+  optimizer's own next update rather than a smoothed velocity.
+* ``"predict"``: the same, extrapolating linearly along the last update:
+  w + s * (w - w_prev) for s steps in flight (PipeMare's and SAPipe's
+  weight prediction).
+* ``"dc"``: delay compensation (Zheng et al. 2017, DC-ASGD-a):
+  g + lambda_t * g * g * (w_now - w_then), with the adaptive
+  lambda_t = DC_LAMBDA / sqrt(mean square of g + eps).
+* ``"momentum"``: a delay of tau steps acts like momentum tau/(tau+1)
+  (Mitliagkas et al. 2016, "Asynchrony begets momentum"), so the wrapped
+  optimizer's momentum is reduced by that much (never below 0) while the
+  pipeline is full.
+
+The math is written with operators NumPy arrays and torch tensors share,
+so adapters of any framework use these functions unchanged.
+"""
+
+OPTIONS = ("lookahead", "predict", "dc", "momentum")
+DC_LAMBDA = 2.0          # lambda_0 of DC-ASGD-a, as in its paper's experiments
+DC_DECAY = 0.95          # decay of the mean square of the gradient (DC-ASGD-a's m)
+DC_EPS = 1e-7
+
+
+def check_staleness(option):
+    """None or one of OPTIONS; anything else is named in the error."""
+    if option is None or option in OPTIONS:
+        return option
+    if not isinstance(option, str):
+        raise TypeError(f"staleness_compensation must be None or a string, got "
+                        f"{type(option).__name__}")
+    raise ValueError(f"staleness_compensation must be None or one of {', '.join(OPTIONS)}; "
+                     f"got {option!r}")
+
+
+def implicit_momentum(delay):
+    """The momentum a fixed delay of `delay` steps behaves like (Mitliagkas et al.)."""
+    return delay / (delay + 1)
+
+
+def reduced_momentum(momentum, delay):
+    """The explicit momentum that, with the delay's implicit one, adds up to `momentum`."""
+    return max(0.0, momentum - implicit_momentum(delay))
+
+
+def dc_mean_square(mean_square, grad):
+    """DC-ASGD-a's running mean of g*g (None: the first gradient starts it)."""
+    if mean_square is None:
+        return grad * grad
+    return DC_DECAY * mean_square + (1 - DC_DECAY) * (grad * grad)
+
+
+def delay_compensated(grad, mean_square, weights_now, weights_then):
+    """g + lambda_t * g * g * (w_now - w_then): the first-order Taylor correction of
+    DC-ASGD, with g*g standing in for the Hessian's diagonal."""
+    lam = DC_LAMBDA / ((mean_square ** 0.5) + DC_EPS)
+    return grad + lam * grad * grad * (weights_now - weights_then)
+
+
+def extrapolated(weights, previous, steps):
+    """w + steps * (w - w_prev): linear weight prediction `steps` updates ahead."""
+    return weights + steps * (weights - previous)

@@ -1,0 +1,110 @@
+"""Staleness compensation (pipeline/staleness.py): oracle math on real ranks, bad input."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import launcher
+import oracle
+import pipe_horovod.torch as phvd
+
+pytestmark = pytest.mark.timeout(400)
+
+
+@pytest.fixture
+def local():
+    phvd.init("local")
+    yield
+    phvd.shutdown()
+
+
+@pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("horovod", 3), ("torch", 2),
+                                             ("torch", 3), ("local", 1)])
+def test_every_option_matches_its_oracle_and_resumes_exactly(engine_name, np):
+    if engine_name == "horovod":
+        pytest.importorskip("horovod.torch")
+    launcher.run(engine_name, np, "staleness_worker.py", timeout=300)
+
+
+def _train(opt, model, steps=12):
+    for t in range(steps):
+        g = torch.Generator().manual_seed(t)
+        x, y = torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.flush()
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("depth", [2, 3])
+def test_lookahead_on_one_rank_is_synchronous_sgd(local, kind, depth):
+    # With one rank its own gradient is the average: the predicted point is exactly
+    # the weights the delayed update will be applied to, so K>=2 equals K=1 bit for bit.
+    weights = []
+    for k, compensation in ((1, None), (depth, "lookahead")):
+        model = _model()
+        base = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if kind == "sgd"
+                else torch.optim.Adam(model.parameters(), lr=0.01))
+        _train(phvd.DistributedOptimizer(base, pipeline_depth=k,
+                                         staleness_compensation=compensation), model)
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*weights):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("compensation", [None, "lookahead"])
+def test_step_hooks_run_once_per_step(local, compensation):
+    # torch wraps the user's class's step and ours with the hook runner: once per
+    # step() call, not again for the wrapped step nor for a prediction's steps.
+    model = _model()
+    opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    pipeline_depth=2, staleness_compensation=compensation)
+    calls = []
+    opt.register_step_post_hook(lambda *_: calls.append(1))
+    _train(opt, model)
+    # 12 step() calls (the first applies nothing) + 1 step flush() applies.
+    assert len(calls) == 13, "one hook call per step, none for the predictions"
+
+
+@pytest.mark.parametrize("compensation", ["predict", "lookahead"])
+def test_flush_mid_run_puts_the_real_weights_back(local, compensation):
+    # Evaluation after flush() must see the real weights, not the predicted ones,
+    # and training goes on from them as the oracle (flushing at the same step) does.
+    model, ref = _model(), _model()
+    opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    pipeline_depth=2, staleness_compensation=compensation)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    def data(rank, step):
+        g = torch.Generator().manual_seed(step)
+        return [(torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g))]
+    _train(opt, model, steps=7)                  # ends with flush()
+    oracle.reference(ref, ref_opt, F.cross_entropy, data, 1, 7, 2, 0, compensation=compensation)
+    assert not opt._predicted
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("value, error, text", [
+    ("lookahed", ValueError, "one of lookahead, predict, dc, momentum"),
+    (True, TypeError, "must be None or a string"),
+])
+def test_unknown_option_is_named(local, value, error, text):
+    model = _model()
+    with pytest.raises(error, match=text):
+        phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  staleness_compensation=value)
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                  lambda ps: torch.optim.Adagrad(ps, lr=0.1)])
+def test_momentum_option_needs_momentum(local, make):
+    model = _model()
+    with pytest.raises(ValueError, match="has none in param_groups\\[0\\]"):
+        phvd.DistributedOptimizer(make(model.parameters()), staleness_compensation="momentum")
