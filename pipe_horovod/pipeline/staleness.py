@@ -6,7 +6,7 @@ can make training oscillate early on (issue 13; docs/convergence.md
 measures it). Each option below changes either where the gradient is
 computed or what is applied, and is a no-op for K=1 and during warm-up:
 
-* ``"lookahead"`` (ours; the default for K >= 2): every rank computes its
+* ``"lookahead"`` (ours; the best in docs/convergence.md): every rank computes its
   gradient at the weights the updates still in flight will produce,
   estimated by running the wrapped optimizer on a copy of its state with
   this rank's own gradients of those steps, which it already has. With
