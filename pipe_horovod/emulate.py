@@ -190,6 +190,15 @@ def wait_polling(cluster, job, poll, interval=0.5):
     return outcome["codes"]
 
 
+def read_progress(path):
+    """The workers' progress file as JSON, or None while it is missing or half-written."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def cpu_times(proc):
     """CPU seconds of a launched worker, waited-for children included.
 

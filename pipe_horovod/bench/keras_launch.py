@@ -20,6 +20,7 @@ import time
 
 from . import keras_report, mwms_worker
 from . import worker as bench_worker
+from ..emulate import read_progress, tail_file
 
 DEFAULT_CONFIGS = ["ours-k1", "ours-k2", "compute", "allreduce", mwms_worker.NAME]
 _OURS = ("compute", "allreduce")
@@ -150,10 +151,8 @@ class _Bar:
     def poll(self):
         if self.bar is None or self.path is None:
             return
-        try:
-            with open(self.path) as f:
-                state = json.load(f)
-        except (OSError, ValueError):
+        state = read_progress(self.path)
+        if state is None:
             return
         self.bar.n = min(self.offset + state["done"], self.bar.total)
         self.bar.refresh()
@@ -170,7 +169,6 @@ class _Bar:
 
 
 def _tail(path, lines=40):
-    from pipe_horovod.emulate import tail_file
     return tail_file(path, lines)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pipe_horovod.bench import keras_launch
 from pipe_horovod.bench import worker as bench_worker
-from pipe_horovod.emulate import tail_file
+from pipe_horovod.emulate import read_progress, tail_file
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINES = ("horovod", "torch", "local")
@@ -62,14 +62,23 @@ def _rate(text):
     return str(text).strip().lower()
 
 
-def _workers(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"workers must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"workers must be >= 1, got {text!r}")
-    return value
+def positive_int(what=""):
+    """An argparse type for an integer >= 1; `what` names it in the error."""
+    prefix = f"{what} " if what else ""
+
+    def convert(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{prefix}must be an integer, got {text!r}") \
+                from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{prefix}must be >= 1, got {text!r}")
+        return value
+    return convert
+
+
+_workers = positive_int("workers")
 
 
 def _timeout(text):
@@ -231,10 +240,8 @@ class _Bar:
     def poll(self):
         if self.bar is None:
             return
-        try:
-            with open(self.path) as f:
-                state = json.load(f)
-        except (OSError, ValueError):
+        state = read_progress(self.path)
+        if state is None:
             return
         if self.bar.total != state["total"]:
             self.bar.total = state["total"]

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from pipe_horovod.bench import convergence_tasks as tasks_mod
 from pipe_horovod.bench import convergence_worker as cw
-from pipe_horovod.emulate import tail_file
+from pipe_horovod.emulate import read_progress, tail_file
 
 REPO = Path(__file__).resolve().parents[2]
 _SCRUB = re.compile(r"^(HOROVOD_|OMPI_|PMI_|PMIX_|TORCHELASTIC_)"
@@ -62,18 +62,10 @@ def _tasks(text):
     return list(dict.fromkeys(names))
 
 
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return value
-
-
 def add_arguments(parser):
-    from pipe_horovod.commands.bench import _rate, _timeout
+    from pipe_horovod.commands.bench import _rate, _timeout, positive_int
+
+    _positive_int = positive_int()
 
     others = [t for t in tasks_mod.TASK_NAMES if t not in tasks_mod.DEFAULT_TASKS]
     parser.add_argument("--tasks", type=_tasks, default=list(tasks_mod.DEFAULT_TASKS),
@@ -187,10 +179,8 @@ class Progress:
     def poll(self):
         if not self.enabled:
             return
-        try:
-            with open(self.path) as f:
-                state = json.load(f)
-        except (OSError, ValueError):
+        state = read_progress(self.path)
+        if state is None:
             return
         if self.bar is not None:
             self.bar.n = min(state["done"], self.bar.total)
