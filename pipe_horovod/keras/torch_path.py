@@ -45,7 +45,8 @@ class TorchPath:
             gradient_predivide_factor=options["gradient_predivide_factor"],
             process_set=options["process_set"], pipeline_depth=options["pipeline_depth"],
             warmup_steps=options["warmup_steps"], bucket_cap_mb=options["bucket_cap_mb"],
-            groups=options["groups"])
+            groups=options["groups"],
+            staleness_compensation=options.get("staleness_compensation"))
 
     def apply(self, grads, variables):
         opt = self.torch_optimizer
