@@ -31,6 +31,9 @@ so adapters of any framework use these functions unchanged.
 """
 
 OPTIONS = ("lookahead", "predict", "dc", "momentum")
+# What a user gets without choosing: the only option that kept up with synchronous
+# training on all three tasks of docs/convergence.md (plain K=2 lost 1.5-8 points).
+DEFAULT = "lookahead"
 DC_LAMBDA = 2.0          # lambda_0 of DC-ASGD-a, as in its paper's experiments
 DC_DECAY = 0.95          # decay of the mean square of the gradient (DC-ASGD-a's m)
 DC_EPS = 1e-7
