@@ -21,6 +21,7 @@ class _Compensation:
         self._predicted = False
         self._previous = {}                      # "predict": the weights before this step's update
         self._mean_square = {}                   # "dc": running mean of g*g per parameter
+        self._state_copies = {}                  # "lookahead": the optimizer state, saved
 
     def _keep(self):
         """What this step must keep for its compensation until it is applied."""
@@ -42,11 +43,7 @@ class _Compensation:
             return torch.zeros_like(p)
         if tensor.is_sparse:
             return tensor.detach().clone()
-        key = (self._machine.slot, kind, name)
-        buf = self._kept_buffers.get(key)
-        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-            buf = self._kept_buffers[key] = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        return buf.copy_(tensor)
+        return _copy_into(self._kept_buffers, (self._machine.slot, kind, name), tensor)
 
     def _copy_params(self, into):
         with torch.no_grad():
@@ -80,7 +77,7 @@ class _Compensation:
                                                    len(ahead)))
         else:
             applied = {name: p.grad for name, p in self._param_of.items()}
-            with _state_restored(self):
+            with _state_restored(self, self._state_copies):
                 for entry in ahead:
                     self._bare_step(entry.kept.get("local") or entry.gradients(), entry.scale)
             for name, p in self._param_of.items():
@@ -135,10 +132,12 @@ class _Compensation:
 
 
 @contextlib.contextmanager
-def _state_restored(opt):
+def _state_restored(opt, copies):
     """Run steps of `opt` whose effect on its state (momentum, Adam's moments and step
-    count) is undone afterwards; the parameters keep theirs."""
-    saved = {p: {k: (v, v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
+    count) is undone afterwards; the parameters keep theirs. The state is saved in
+    `copies`, persistent buffers reused every step (fresh large tensors page-fault)."""
+    saved = {p: {k: (v, _copy_into(copies, (p, k), v) if torch.is_tensor(v) else v)
+                 for k, v in state.items()}
              for p, state in opt.state.items()}
     try:
         yield
@@ -149,6 +148,15 @@ def _state_restored(opt):
         for p, state in saved.items():
             opt.state[p] = {k: (v.copy_(copy) if torch.is_tensor(v) else v)
                             for k, (v, copy) in state.items()}
+
+
+def _copy_into(copies, key, tensor):
+    """`tensor` copied into copies[key], a buffer made once (fresh tensors page-fault)."""
+    buf = copies.get(key)
+    if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype \
+            or buf.device != tensor.device:
+        buf = copies[key] = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    return buf.copy_(tensor)
 
 
 def _momentum_key(group):
