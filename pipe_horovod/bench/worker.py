@@ -49,6 +49,7 @@ import sys
 import time
 
 from pipe_horovod.bench import convergence_tasks
+from pipe_horovod.collectives.group import free_port, start_beside  # noqa: F401 -- free_port: launchers import it from here
 
 DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16",
                    "compute", "contention", "allreduce"]
@@ -194,56 +195,19 @@ def config_backends(configs, engine_name):
 
 # ------------------------------------------------------- DDP next to Horovod
 
-def free_port(host):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class DdpGroup:
     """A torch.distributed gloo process group started next to Horovod, so DDP runs
     in the same processes as hvd.DistributedOptimizer (rank = hvd rank, world =
     hvd size). Horovod keeps its own gloo connections; this group has its own."""
 
     def __init__(self, eng):
-        import datetime
-
         import torch.distributed as dist
 
         self.dist = dist
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process")
-        addr, port = os.environ.get(DDP_ADDR_ENV), os.environ.get(DDP_PORT_ENV)
-        if addr and port:
-            self.source = "launcher"
-            port = int(port)
-        else:
-            # Plain horovodrun: rank 0 picks the address and a free port, Horovod tells the rest.
-            self.source = "rank 0 via horovod broadcast"
-            choice = None
-            if eng.rank() == 0:
-                host = ("127.0.0.1" if eng.local_size() == eng.size()
-                        else socket.gethostbyname(socket.gethostname()))
-                choice = (host, free_port(host))
-            addr, port = eng.broadcast_object(choice, 0)
-        # Gloo connects over this interface: under the emulated cluster the worker's
-        # namespace NIC (GLOO_SOCKET_IFNAME from EmulatedCluster.worker_env); under
-        # horovodrun the NIC Horovod chose for its own gloo (HOROVOD_GLOO_IFACE).
-        iface = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("HOROVOD_GLOO_IFACE")
-        if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
-            os.environ["GLOO_SOCKET_IFNAME"] = iface
-        self.addr, self.port, self.iface = addr, port, iface
-        try:
-            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}",
-                                    rank=eng.rank(), world_size=eng.size(),
-                                    timeout=datetime.timedelta(seconds=600))
-        except Exception as exc:
-            raise RuntimeError(
-                f"rank {eng.rank()}: could not start the torch.distributed gloo group for ddp "
-                f"next to Horovod at tcp://{addr}:{port} (interface {iface or 'default'}): "
-                f"{exc}") from exc
-        if dist.get_rank() != eng.rank() or dist.get_world_size() != eng.size():
-            raise RuntimeError("the ddp process group does not match Horovod's ranks")
+        self.addr, self.port, self.iface, self.source = start_beside(
+            eng, os.environ.get(DDP_ADDR_ENV), os.environ.get(DDP_PORT_ENV))
 
     def describe(self):
         return {"backend": DDP_BACKEND, "init_method": f"tcp://{self.addr}:{self.port}",

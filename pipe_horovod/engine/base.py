@@ -327,6 +327,15 @@ class Engine:
         return self._track("alltoall", name, tensor, None,
                            self._start_alltoall(tensor, splits, name, ps), started)
 
+    def adopt_async(self, kind, tensor, name, op, start, *, process_set=None):
+        """Track an operation the library does not run (pipe_horovod.collectives):
+        `start(process_set)` returns its Work; names, poll/wait, the timeline and
+        shutdown's completion of what is in flight then apply as to the library's own."""
+        started = self._clock()
+        name = self._claim(kind, name)
+        ps = self._resolve(process_set)
+        return self._track(kind, name, tensor, op, start(ps), started)
+
     def _known(self, handle):
         if not isinstance(handle, Handle) or self._in_flight.get(handle.id) is not handle:
             raise ValueError(

@@ -257,16 +257,22 @@ class TorchDistEngine(Engine):
             self.dist.destroy_process_group(library_set)
 
     def _close(self):
-        if not (self._owns_group and self.dist.is_initialized()):
-            return
-        # Gloo aborts a process ("terminate called without an active
-        # exception", about 1 run in 8 with 3 ranks here) when a peer closes
-        # its connections while this process is still inside its own teardown.
-        # So: a barrier (no collective is left running), the teardown, then no
-        # rank leaves before every rank has finished its teardown, counted on
-        # the rendezvous store, which does not go through gloo.
-        store = self.dist.distributed_c10d._get_default_store()
-        size = self.size()
-        self.dist.barrier()
-        self.dist.destroy_process_group()
-        _wait_for_everyone(store, "pipe_horovod.torn_down", size)
+        if self._owns_group and self.dist.is_initialized():
+            tear_down(self.dist)
+
+
+def tear_down(dist):
+    """Destroy the default process group without aborting a peer.
+
+    Gloo aborts a process ("terminate called without an active exception",
+    about 1 run in 8 with 3 ranks here) when a peer closes its connections
+    while this process is still inside its own teardown. So: a barrier (no
+    collective is left running), the teardown, then no rank leaves before
+    every rank has finished its teardown, counted on the rendezvous store,
+    which does not go through gloo.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    size = dist.get_world_size()
+    dist.barrier()
+    dist.destroy_process_group()
+    _wait_for_everyone(store, "pipe_horovod.torn_down", size)

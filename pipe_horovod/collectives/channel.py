@@ -1,0 +1,39 @@
+"""Point-to-point messages of one collective, on a torch.distributed gloo group.
+
+Peers are named by their index in the collective's rank list; a message by
+a small id that both sides compute from the algorithm's schedule. The tag
+puts the collective's sequence number and process set above that id, so two
+collectives (or two phases of one) never match each other's messages, even
+when a rank runs ahead to the next step's collective.
+"""
+MESSAGE_BITS = 17
+SET_BITS = 4
+SEQUENCE_BITS = 31 - MESSAGE_BITS - SET_BITS
+
+
+def tag_base(sequence, set_id):
+    """Tags stay below 2**31 (gloo's tags are C ints): sequence numbers wrap, which is
+    safe because a collective 2**10 launches back finished long ago on every rank."""
+    seq = sequence % (1 << SEQUENCE_BITS)
+    return ((seq << SET_BITS) | (set_id % (1 << SET_BITS))) << MESSAGE_BITS
+
+
+class Channel:
+    def __init__(self, dist, group, ranks, base):
+        self.dist = dist
+        self.group = group
+        self.ranks = ranks          # global ranks, by index
+        self.base = base
+
+    def _tag(self, message):
+        if not 0 <= message < (1 << MESSAGE_BITS):
+            raise AssertionError(f"message id {message} out of range")
+        return self.base | message
+
+    def send(self, tensor, peer, message):
+        return self.dist.isend(tensor, dst=self.ranks[peer], group=self.group,
+                               tag=self._tag(message))
+
+    def recv(self, tensor, peer, message):
+        return self.dist.irecv(tensor, src=self.ranks[peer], group=self.group,
+                               tag=self._tag(message))
