@@ -15,8 +15,9 @@ writes the bucket's gradients into the flat buffer the machine owns.
 import functools
 import threading
 
-from .. import engine
+from .. import collectives, engine
 from ..compression import Compression
+from ..compression.feedback import ErrorFeedback
 from .buckets import plan_buckets
 from .fifo import GradientFifo
 
@@ -73,7 +74,7 @@ class StepGradient:
 class StepMachine:
     def __init__(self, prefix, pipeline_depth, warmup_steps, *, compression=Compression.none,
                  op=engine.Average, predivide=1.0, process_set=None, cap_bytes=25 * 2**20,
-                 groups=None):
+                 groups=None, collective=None):
         self.prefix = prefix                  # tensor names: the same on every rank
         self.fifo = GradientFifo(pipeline_depth, warmup_steps)
         self.compression = compression
@@ -82,6 +83,10 @@ class StepMachine:
         self.process_set = process_set        # None: every rank
         self.cap_bytes = cap_bytes
         self.groups = groups                  # None, a bucket count, or lists of names
+        # A pipe_horovod.collectives.Collective runs the codec per hop; None: the
+        # engine's allreduce of the compressed tensor.
+        self.collective = collective
+        self.feedback = ErrorFeedback() if getattr(compression, "error_feedback", False) else None
         # Autograd runs CPU and CUDA leaves (or several GPUs') on different
         # threads: claiming and launching the next bucket must be atomic.
         self._lock = threading.Lock()
@@ -113,6 +118,8 @@ class StepMachine:
         # An adapter's gradients may view old buffers at old offsets: a new plan
         # gets new buffers, so no gradient is written over another's.
         self._buffers = {}
+        if self.feedback is not None:
+            self.feedback.replan()
         self.begin_step()
 
     def agree(self, seen, rest, extra=None):
@@ -169,14 +176,22 @@ class StepMachine:
     def _launch(self, bucket, fill):
         flat = self.buffer(bucket)
         fill(bucket, flat)
-        wire, ctx = self.compression.compress(flat)
         # A name stands for one size: Horovod caches responses by name, and a
         # re-planned bucket reusing a name trips its cache on joined ranks.
         name = f"{self.prefix}.{bucket.index}.{bucket.numel}.{self.slot}"
         # gradient_predivide_factor splits the average around the sum, as Horovod's does.
-        handle = self.engine.allreduce_async(wire, name, self.op, process_set=self.process_set,
-                                             prescale_factor=1.0 / self.predivide,
-                                             postscale_factor=self.predivide)
+        scaling = {"process_set": self.process_set, "prescale_factor": 1.0 / self.predivide,
+                   "postscale_factor": self.predivide}
+        if self.collective is not None:
+            residual = (None if self.feedback is None
+                        else self.feedback.residual(self.slot, bucket))
+            handle = collectives.allreduce_async(flat, name, self.op, collective=self.collective,
+                                                 compression=self.compression,
+                                                 residual=residual, **scaling)
+            self.launched.append(BucketReduction(bucket, handle, None, Compression.none))
+            return
+        wire, ctx = self.compression.compress(flat)
+        handle = self.engine.allreduce_async(wire, name, self.op, **scaling)
         self.launched.append(BucketReduction(bucket, handle, ctx, self.compression))
 
     def finish_step(self, entry):
@@ -197,7 +212,8 @@ class StepMachine:
                               for e in self.fifo],
                 "scales": [e.scale for e in self.fifo],
                 "kept": [{kind: {n: t.detach().clone() for n, t in tensors.items()}
-                          for kind, tensors in e.kept.items()} for e in self.fifo]}
+                          for kind, tensors in e.kept.items()} for e in self.fifo],
+                "error_feedback": None if self.feedback is None else self.feedback.state()}
 
     def settle(self):
         """Complete every reduction in flight: the other ranks started them too, and
@@ -205,8 +221,10 @@ class StepMachine:
         for entry in self.fifo:
             entry.gradients()
 
-    def restore(self, in_flight, scales, steps, kept=None):
+    def restore(self, in_flight, scales, steps, kept=None, error_feedback=None):
         """Replace what is in flight by a checkpoint's (call settle() first)."""
+        if self.feedback is not None:
+            self.feedback.load(error_feedback)
         kept = kept or [None] * len(in_flight)
         self.fifo.replace([StepGradient(loaded=grads, scale=scale, kept=k)
                            for grads, scale, k in zip(in_flight, scales, kept)], steps)

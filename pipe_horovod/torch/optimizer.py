@@ -35,7 +35,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import engine
 from ..engine.process_sets import ProcessSet, global_process_set
-from ..compression import Compression, check_compression
+from ..collectives import check_collective
+from ..collectives.communicator import communicator
+from ..compression import Compression
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
                         check_reduction, check_staleness, compare_across_ranks,
                         report_unapplied, resolve_depth)
@@ -80,12 +82,13 @@ class _PipelinedOptimizer(_Compensation):
 
     def _setup_pipeline(self, name_of, compression, backward_passes_per_step, op,
                         pipeline_depth, warmup_steps, bucket_cap_mb, grad_scaler,
-                        predivide, groups, sparse_as_dense, process_set, compensation):
+                        predivide, groups, sparse_as_dense, process_set, compensation,
+                        collective=None):
         self._number = next(_instances)          # creation order: the same on every rank
         self._machine = StepMachine(f"pipe{self._number}", pipeline_depth, warmup_steps,
                                     compression=compression, op=op, predivide=predivide,
                                     process_set=process_set, cap_bytes=int(bucket_cap_mb * 2**20),
-                                    groups=groups)
+                                    groups=groups, collective=collective)
         self._process_set = process_set          # None: every rank
         self._passes_per_step = backward_passes_per_step
         self._op = op
@@ -479,7 +482,8 @@ class _PipelinedOptimizer(_Compensation):
             return {n: t.to(device_of[n]) for n, t in tensors.items()}
         self._machine.restore([here(grads) for grads in pipe["in_flight"]], pipe["scales"],
                               pipe["steps"], [{kind: here(tensors) for kind, tensors in k.items()}
-                                              for k in pipe.get("kept", [])] or None)
+                                              for k in pipe.get("kept", [])] or None,
+                              pipe.get("error_feedback"))
         real = pipe.get("real_weights")
         self._real = here(real) if real else {}
         self._predicted = bool(real)
@@ -671,7 +675,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step=1, op=engine.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=None, *, pipeline_depth=None,
-                         warmup_steps=0, bucket_cap_mb=25, grad_scaler=None,
+                         warmup_steps=0, bucket_cap_mb=25, grad_scaler=None, collective=None,
                          staleness_compensation=None):
     """Wrap `optimizer` so its gradients are averaged across ranks, pipelined.
 
@@ -687,6 +691,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     staleness_compensation: None, "lookahead", "predict", "dc" or "momentum"
         (pipe_horovod/pipeline/staleness.py, docs/convergence.md): how a
         gradient K-1 steps old is made to act like a fresh one. No effect at K=1.
+    collective: None (the engine's own allreduce), "lp", "ring", "mst", "be" or a
+        pipe_horovod.collectives.Collective: reduce the buckets with pipe_horovod's
+        own algorithm, which runs the codec at every hop (needed for int8).
     Every rank must call this with the same model: differences are detected
     here and raised as ValueError on every rank.
     """
@@ -698,7 +705,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          "torch.optim optimizer once")
     pipeline_depth, depth_source = resolve_depth(pipeline_depth)
     check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket_cap_mb)
-    check_compression(compression)
+    collective = check_collective(collective, compression)
     check_reduction(op, gradient_predivide_factor)
     compensation = check_staleness(staleness_compensation)
     if compensation == "momentum":
@@ -718,7 +725,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                "compression": getattr(compression, "name", repr(compression)),
                "op": op.value, "bucket_cap_mb": bucket_cap_mb,
                "gradient_predivide_factor": float(gradient_predivide_factor),
-               "groups": bucket_groups, "staleness_compensation": compensation}
+               "groups": bucket_groups, "staleness_compensation": compensation,
+               "collective": None if collective is None else collective.describe()}
     if process_set is not None and not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
     if process_set is global_process_set:
@@ -743,7 +751,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     wrapped._setup_pipeline(name_of, compression, backward_passes_per_step, op, pipeline_depth,
                             warmup_steps, bucket_cap_mb, grad_scaler,
                             float(gradient_predivide_factor), bucket_groups,
-                            bool(sparse_as_dense), process_set, compensation)
+                            bool(sparse_as_dense), process_set, compensation, collective)
+    if collective is not None:
+        communicator(eng)            # collective: every rank is here, after the comparison
     return wrapped
 
 

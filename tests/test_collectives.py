@@ -1,0 +1,121 @@
+"""pipe_horovod.collectives and the per-hop codecs: real ranks, both engines.
+
+One launch per (engine, ranks) runs every algorithm x op x dtype x size x
+codec case, reduce and broadcast, handles in flight, and the optimizer with
+collective= against the oracle (tests/workers/collectives_worker.py states
+the error bounds); the 2-rank launches add error feedback, a bit-exact
+resume with its residuals, and a collective that differs between ranks.
+"""
+import pytest
+import torch
+
+import launcher
+import pipe_horovod.torch as phvd
+from pipe_horovod import collectives, timing
+from pipe_horovod.collectives import layout
+from pipe_horovod.compression import Compression
+from pipe_horovod.compression.hops import Int8Hop
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("horovod", 3), ("torch", 2),
+                                             ("torch", 4)])
+def test_collectives_match_the_oracles(engine_name, np):
+    if engine_name == "horovod":
+        pytest.importorskip("horovod.torch")
+    launcher.run(engine_name, np, "collectives_worker.py", engine_name, timeout=240,
+                 env={"PIPE_HOROVOD_COLLECTIVES_TIMEOUT": "120"})
+
+
+# --- one process ----------------------------------------------------------------
+@pytest.fixture
+def local():
+    phvd.init("local")
+    yield
+    phvd.shutdown()
+
+
+def test_one_rank_is_exact_and_in_place(local):
+    t = torch.arange(5.0)
+    for algorithm in collectives.ALGORITHMS:
+        out = collectives.allreduce(t, None, phvd.Sum, collective=algorithm,
+                                    compression=Compression.int8)
+        assert out is t and torch.equal(t, torch.arange(5.0))
+
+
+def test_int8_codec_round_trip_error_is_half_a_step():
+    hop = Int8Hop()
+    x = torch.randn(1000, dtype=torch.float32) * 3
+    wire = torch.empty(hop.wire_numel(1000), dtype=torch.uint8)
+    residual, out = torch.empty(1000), torch.zeros(1000)
+    hop.encode(x, wire, torch.empty(1000), residual)
+    hop.decode_into(wire, out)
+    assert (x - out).abs().max() <= x.abs().max() / 254 * 1.0001
+    assert torch.allclose(residual, x - out)
+    hop.encode(torch.zeros(7), wire[:hop.wire_numel(7)], torch.empty(7))
+    hop.decode_into(wire[:hop.wire_numel(7)], out[:7])
+    assert not out[:7].any()
+
+
+def test_lp_chunks_follow_the_cost_model():
+    net = timing.Network(alpha=1e-4, beta=8e-9)
+    # A full-duplex chain allreduce is a one-way chain of 2p-1 ranks.
+    assert layout.lp_chunks(4, 25e6, net) == timing.optimal_chunks(net, 7, 25e6)
+    assert layout.lp_chunks(1, 25e6, net) == 1
+    spec = collectives.Collective("lp", chunks=3)
+    assert collectives.lp.blocks("allreduce", 2, 4, 8, spec) == [1, 1]   # never more than numel
+
+
+@pytest.mark.parametrize("kw, error, text", [
+    ({"collective": "tree"}, ValueError, "unknown collective 'tree'; choose one of lp, ring"),
+    ({"collective": 3}, TypeError, "collective must be None or one of lp, ring, mst, be"),
+    ({"compression": Compression.int8}, ValueError, 'collective="ring"'),
+    ({"compression": Compression.int8_ef}, ValueError, 'collective="lp"'),
+    ({"collective": "ring", "compression": object()}, TypeError, "compression must provide"),
+])
+def test_bad_collective_or_codec_is_refused_at_wrap(local, kw, error, text):
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(error, match=text.replace("(", r"\(").replace(")", r"\)")):
+        phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(), **kw)
+
+
+def test_codec_a_collective_cannot_carry(local):
+    class Horovodish:                      # Horovod's codec shape: no per-hop form
+        @staticmethod
+        def compress(t):
+            return t, None
+
+        @staticmethod
+        def decompress(t, ctx):
+            return t
+
+    with pytest.raises(ValueError, match="carries only pipe_horovod's codecs"):
+        collectives.check_collective("lp", Horovodish)
+
+
+def test_int8_refused_by_the_engines_own_allreduce(local):
+    with pytest.raises(ValueError, match='collective="ring"'):
+        phvd.allreduce(torch.ones(3), compression=Compression.int8)
+    assert Compression.by_name("int8_ef") is Compression.int8_ef
+    with pytest.raises(ValueError, match="int8, int8_ef"):
+        Compression.by_name("int4")
+
+
+@pytest.mark.parametrize("call, error, text", [
+    (lambda: collectives.allreduce(torch.ones(3, dtype=torch.int32), collective="lp"),
+     ValueError, "floating-point"),
+    (lambda: collectives.allreduce(torch.ones(3), op=phvd.Max, collective="lp"),
+     ValueError, "supports only Average, Sum"),
+    (lambda: collectives.allreduce(torch.ones(3), collective=None), ValueError, "name an algorithm"),
+    (lambda: collectives.allreduce(torch.ones(3), collective="ring", residual=torch.ones(2)),
+     ValueError, "residual must be"),
+    (lambda: collectives.broadcast(torch.ones(3), 1, collective="ring"), ValueError, "root rank 1"),
+    (lambda: collectives.Collective("lp", chunks=0), ValueError, "chunks must be a positive int"),
+    (lambda: collectives.allreduce(torch.ones(4, 2).t(), collective="lp"), ValueError,
+     "contiguous"),
+])
+def test_bad_calls_are_refused(local, call, error, text):
+    with pytest.raises(error, match=text):
+        call()

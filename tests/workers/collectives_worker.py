@@ -1,0 +1,295 @@
+"""Launched on N ranks: pipe_horovod.collectives against oracles, every case in one run.
+
+Each rank's input is derived from (rank, case), so every rank computes the
+exact float64 result alone. Failures are collected and reported together;
+the last line checks that every rank saw the same bytes for every case.
+
+Error bounds (elementwise, S = sum over ranks of |x_i|, f = 1/p for Average
+else 1, u = unit roundoff of the wire type: float64 2^-53, float32 2^-24,
+float16 2^-11, bfloat16 2^-8): a value is encoded at most p times on its
+way (partial sums, then the final value), each time losing at most u*S for
+a cast and M/254 for int8 (M: the largest S of the message), so
+|result - exact| <= f*p*(E + 2^-23*S) + 2*u_out*|exact|, with u_out the
+output dtype's roundoff. Against the engine's own allreduce: twice that.
+"""
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import oracle  # noqa: E402
+import pipe_horovod.torch as phvd  # noqa: E402
+from pipe_horovod import collectives, engine  # noqa: E402
+from pipe_horovod.compression import Compression  # noqa: E402
+
+torch.set_num_threads(1)
+ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11,
+            torch.bfloat16: 2.0**-8}
+CODECS = [Compression.none, Compression.fp16, Compression.bf16, Compression.int8]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+OPS = [engine.Sum, engine.Average]
+failures, digests = [], []
+
+
+def inputs(rank, numel, dtype, seed):
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    return (torch.randn(numel, generator=g, dtype=torch.float64) * (1 + rank)).to(dtype)
+
+
+def bound(xs, exact, p, op, dtype, codec):
+    s = sum(x.double().abs() for x in xs)
+    f = 1.0 / p if op is engine.Average else 1.0
+    if codec.name == "int8":
+        per_encode = s.max() / 254
+    else:
+        wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(codec.name, dtype)
+        per_encode = ROUNDOFF[wire] * s
+    return f * p * (per_encode + 2.0**-23 * s) + 2 * ROUNDOFF[dtype] * exact.abs() + 1e-30
+
+
+def check(what, got, exact, limit):
+    err = (got.double() - exact).abs()
+    worst = (err - limit).max().item()
+    if worst > 0:
+        i = int((err - limit).argmax())
+        failures.append(f"{what}: error {err[i].item():.3g} > bound {limit[i].item():.3g} "
+                        f"at {i}")
+    digests.append(hashlib.sha1(got.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest())
+
+
+def allreduce_cases(r, p):
+    seed = 0
+    sizes = sorted({1, max(1, p - 1), 7, 1001})
+    for algorithm in collectives.ALGORITHMS:
+        for codec in CODECS:
+            # Every dtype uncompressed; the codecs from float32 and from a 16-bit type.
+            for dtype in DTYPES if codec is Compression.none else DTYPES[:2]:
+                for op in OPS:
+                    for numel in sizes:
+                        seed += 1
+                        one(r, p, algorithm, codec, dtype, op, numel, seed)
+        big = 2 * 2**20                                   # 8 MB of float32
+        for codec in (Compression.none, Compression.int8):
+            seed += 1
+            one(r, p, algorithm, codec, torch.float32, engine.Average, big, seed)
+
+
+def one(r, p, algorithm, codec, dtype, op, numel, seed):
+    xs = [inputs(q, numel, dtype, seed) for q in range(p)]
+    exact = sum(x.double() for x in xs) / (p if op is engine.Average else 1)
+    what = f"{algorithm} {codec.name} {dtype} {op.name} n={numel}"
+    limit = bound(xs, exact, p, op, dtype, codec)
+    t = xs[r].clone()
+    try:
+        out = collectives.allreduce(t, f"case.{seed}", op, collective=algorithm,
+                                    compression=codec)
+    except Exception as exc:                               # report, keep going
+        failures.append(f"{what}: {type(exc).__name__}: {exc}")
+        return
+    assert out is t and t.dtype == dtype
+    check(what, t, exact, limit)
+    if codec is Compression.none:
+        own = engine.wait(engine.allreduce_async(xs[r].clone(), f"own.{seed}", op))
+        err = (t.double() - own.double()).abs()
+        if (err > 2 * limit).any():
+            failures.append(f"{what}: differs from the engine's own allreduce by "
+                            f"{err.max().item():.3g}")
+
+
+def rooted_cases(r, p):
+    seed = 10_000
+    for algorithm in collectives.ALGORITHMS:
+        for root in sorted({0, p - 1, p // 2}):
+            for codec in (Compression.none, Compression.int8):
+                for numel in (1, 1001):
+                    seed += 1
+                    xs = [inputs(q, numel, torch.float32, seed) for q in range(p)]
+                    what = f"reduce {algorithm} root={root} {codec.name} n={numel}"
+                    exact = sum(x.double() for x in xs)
+                    t = xs[r].clone()
+                    collectives.reduce(t, root, f"reduce.{seed}", engine.Sum,
+                                       collective=algorithm, compression=codec)
+                    if r == root:
+                        limit = bound(xs, exact, p, engine.Sum, torch.float32, codec)
+                        err = (t.double() - exact).abs()
+                        if (err > limit).any():
+                            failures.append(f"{what}: error {err.max().item():.3g}")
+                    elif not torch.equal(t, xs[r]):
+                        failures.append(f"{what}: a non-root tensor changed")
+                    what = f"broadcast {algorithm} root={root} {codec.name} n={numel}"
+                    t = xs[r].clone()
+                    collectives.broadcast(t, root, f"bcast.{seed}", collective=algorithm,
+                                          compression=codec)
+                    limit = xs[root].double().abs().max() / 254 if codec.name == "int8" else 0
+                    if ((t.double() - xs[root].double()).abs() > limit).any():
+                        failures.append(f"{what}: not the root's tensor")
+                    digests.append(hashlib.sha1(t.numpy().tobytes()).hexdigest())
+
+
+def in_flight_out_of_order(r, p):
+    """Many handles at once, mixed algorithms and the engine's own, waited in reverse."""
+    started = []
+    for i in range(24):
+        numel = 1 + 997 * i
+        x = inputs(r, numel, torch.float32, 50_000 + i)
+        if i % 5 == 4:
+            handle = engine.allreduce_async(x, f"mixed.own.{i}", engine.Sum)
+        else:
+            algorithm = list(collectives.ALGORITHMS)[i % 4]
+            handle = collectives.allreduce_async(x, f"mixed.{i}", engine.Sum,
+                                                 collective=algorithm)
+        started.append((i, numel, x, handle))
+    if not any(not engine.poll(h) for *_, h in started) and p > 1:
+        pass       # all done already: fine, polling must still be allowed
+    for i, numel, x, handle in reversed(started):
+        out = engine.wait(handle)
+        exact = sum(inputs(q, numel, torch.float32, 50_000 + i).double() for q in range(p))
+        err = (out.double() - exact).abs().max().item()
+        if err > 1e-4 * max(1.0, exact.abs().max().item()):
+            failures.append(f"in flight #{i}: error {err:.3g}")
+
+
+def error_feedback(r, p):
+    """50 steps of a gradient with a persistent component: the sum of int8 results
+    drifts from the exact sum without feedback, and stays near it with."""
+    for algorithm in ("ring", "lp"):
+        numel, steps = 4099, 50
+        residual = torch.zeros(numel)
+        total = {"exact": torch.zeros(numel, dtype=torch.float64),
+                 "plain": torch.zeros(numel, dtype=torch.float64),
+                 "feedback": torch.zeros(numel, dtype=torch.float64)}
+        for t in range(steps):
+            xs = [(torch.linspace(-1, 1, numel) * (q + 1) + 0.01 * inputs(q, numel, torch.float32,
+                                                                          70_000 + t))
+                  for q in range(p)]
+            total["exact"] += sum(x.double() for x in xs) / p
+            plain = collectives.allreduce(xs[r].clone(), f"ef.plain.{t}", collective=algorithm,
+                                          compression=Compression.int8)
+            fed = collectives.allreduce(xs[r].clone(), f"ef.fed.{t}", collective=algorithm,
+                                        compression=Compression.int8_ef, residual=residual)
+            total["plain"] += plain.double()
+            total["feedback"] += fed.double()
+        e_plain = (total["plain"] - total["exact"]).norm().item()
+        e_fed = (total["feedback"] - total["exact"]).norm().item()
+        print(f"rank {r} {algorithm}: error after {steps} steps, int8 {e_plain:.4g}, "
+              f"int8+feedback {e_fed:.4g} (ratio {e_plain / max(e_fed, 1e-30):.1f})", flush=True)
+        if not e_fed * 5 < e_plain:
+            failures.append(f"error feedback {algorithm}: {e_fed:.3g} is not 5x below {e_plain:.3g}")
+
+
+# --- the optimizer -------------------------------------------------------------
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def data(rank, step):
+    g = torch.Generator().manual_seed(10007 * rank + 101 * step)
+    return [(torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g))]
+
+
+def wrap(model, **kw):
+    kw.setdefault("staleness_compensation", None)
+    return phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     named_parameters=model.named_parameters(),
+                                     bucket_cap_mb=0.0003, **kw)   # a few buckets
+
+
+def train(model, opt, start, stop):
+    for t in range(start, stop):
+        opt.zero_grad()
+        for x, y in data(phvd.rank(), t):
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def optimizer_matches_oracle(p, steps=12):
+    for algorithm in ("lp", "ring"):
+        for depth in (1, 2, 3):
+            torch.manual_seed(0)
+            model = MLP()
+            ref = MLP()
+            ref.load_state_dict(model.state_dict())
+            opt = wrap(model, collective=algorithm, pipeline_depth=depth)
+            train(model, opt, 0, steps)
+            opt.flush()
+            oracle.reference(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+                             F.cross_entropy, data, p, steps, depth, 0)
+            for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+                err = ((a - b).abs().max() / b.abs().max()).item()
+                if err > 1e-5:
+                    failures.append(f"optimizer {algorithm} K={depth}: {name} off by {err:.3g}")
+
+
+def resume_with_feedback_is_exact(steps=12, cut=5):
+    def fresh():
+        torch.manual_seed(1)
+        return MLP()
+
+    options = {"collective": "ring", "compression": Compression.int8_ef, "pipeline_depth": 2}
+    full = fresh()
+    opt = wrap(full, **options)
+    train(full, opt, 0, steps)
+    opt.flush()
+    first = fresh()
+    opt = wrap(first, **options)
+    train(first, opt, 0, cut)
+    saved = {"model": {k: v.clone() for k, v in first.state_dict().items()},
+             "opt": opt.state_dict()}
+    fed = saved["opt"]["pipe_horovod"]["error_feedback"]
+    if phvd.size() > 1 and not any(t.abs().sum() > 0 for s in fed.values() for t in s.values()):
+        failures.append("int8_ef: no residual in the checkpoint")
+    resumed = fresh()
+    resumed.load_state_dict(saved["model"])
+    opt = wrap(resumed, **options)
+    opt.load_state_dict(saved["opt"])
+    train(resumed, opt, cut, steps)
+    opt.flush()
+    for (name, a), b in zip(full.named_parameters(), resumed.parameters()):
+        if not torch.equal(a, b):
+            failures.append(f"int8_ef resume: {name} differs from the uninterrupted run")
+
+
+def collective_differs_between_ranks(r):
+    model = MLP()
+    try:
+        wrap(model, collective="lp" if r == 0 else "ring")
+    except ValueError as exc:
+        if "collective" not in str(exc):
+            failures.append(f"mismatched collective: unexpected message {exc}")
+    else:
+        failures.append("mismatched collective across ranks was not refused")
+
+
+def main():
+    engine_name = sys.argv[1]
+    eng = phvd.init(engine_name)
+    r, p = eng.rank(), eng.size()
+    allreduce_cases(r, p)
+    rooted_cases(r, p)
+    in_flight_out_of_order(r, p)
+    optimizer_matches_oracle(p)
+    if p == 2:
+        error_feedback(r, p)
+        resume_with_feedback_is_exact()
+        collective_differs_between_ranks(r)
+    everyone = eng.allgather_object(hashlib.sha1("".join(digests).encode()).hexdigest())
+    if len(set(everyone)) != 1:
+        failures.append(f"results differ between ranks: {everyone}")
+    if failures:
+        print(f"rank {r}: {len(failures)} failure(s):\n  " + "\n  ".join(failures[:60]),
+              flush=True)
+        sys.exit(1)
+    print(f"WORKER_OK rank={r}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
