@@ -14,7 +14,8 @@ from .communicator import Job, communicator
 from .spec import check_collective, check_dtype
 
 
-def _start(kind, tensor, name, op, collective, compression, process_set, **job):
+def checked_job(kind, tensor, op, collective, compression, ps, **job):
+    """The Job for `tensor` on registered process set `ps`, every argument checked."""
     check_tensor(tensor, f"collectives.{kind}_async")
     check_dtype(tensor, f"collectives.{kind}_async")
     spec = check_collective(collective, compression)
@@ -22,13 +23,17 @@ def _start(kind, tensor, name, op, collective, compression, process_set, **job):
         raise ValueError("collective must name an algorithm here (lp, ring, mst, be); "
                          "for the engine's own allreduce call engine.allreduce_async")
     codec = (compression or Compression.none).hop(tensor.dtype)
+    ranks = list(ps.ranks)
+    return Job(kind, tensor, spec, codec, op, ranks=ranks, me=ranks.index(_engine.rank()),
+               set_id=ps.process_set_id, **job)
+
+
+def _start(kind, tensor, name, op, collective, compression, process_set, **job):
     eng = _engine.current()
     comm = communicator(eng)
 
     def start(ps):
-        ranks = list(ps.ranks)
-        return comm.start(Job(kind, tensor, spec, codec, op, ranks=ranks,
-                              me=ranks.index(eng.rank()), set_id=ps.process_set_id, **job))
+        return comm.start(checked_job(kind, tensor, op, collective, compression, ps, **job))
 
     return eng.adopt_async(kind, tensor, name, op, start, process_set=process_set)
 

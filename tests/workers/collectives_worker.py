@@ -269,6 +269,36 @@ def collective_differs_between_ranks(r):
         failures.append("mismatched collective across ranks was not refused")
 
 
+def ddp_hooks_match_ddp(r, steps=4):
+    """DDP with each collective's hook against DDP's own allreduce (float32 sums:
+    summation order only), and with int8 + feedback within the codec's error."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pipe_horovod.collectives import ddp_hooks
+
+    def run(hooked):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(50, 400), nn.Tanh(), nn.Linear(400, 10))
+        ddp = DDP(model, bucket_cap_mb=0.05)
+        if hooked:
+            ddp.register_comm_hook(*ddp_hooks.hook(*hooked))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for t in range(steps):
+            x = inputs(r, 8 * 50, torch.float32, 90_000 + t).view(8, 50)
+            opt.zero_grad()
+            ddp(x).pow(2).mean().backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    base = run(None)
+    for algorithm in collectives.ALGORITHMS:
+        for codec, tolerance in ((Compression.none, 1e-6), (Compression.int8_ef, 1e-3)):
+            got = run((algorithm, codec))
+            err = max((a - b).abs().max().item() for a, b in zip(base, got))
+            if err > tolerance:
+                failures.append(f"ddp hook {algorithm} {codec.name}: off by {err:.3g}")
+
+
 def main():
     engine_name = sys.argv[1]
     eng = phvd.init(engine_name)
@@ -277,6 +307,8 @@ def main():
     rooted_cases(r, p)
     in_flight_out_of_order(r, p)
     optimizer_matches_oracle(p)
+    if engine_name == "torch":
+        ddp_hooks_match_ddp(r)
     if p == 2:
         error_feedback(r, p)
         resume_with_feedback_is_exact()
