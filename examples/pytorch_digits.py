@@ -56,7 +56,11 @@ def parse_args(argv=None):
     p.add_argument("--pipeline-depth", type=int, default=2,
                    help="1: synchronous (Horovod's math); K>=2: apply the gradient of K-1 steps ago")
     p.add_argument("--warmup-steps", type=int, default=0, help="synchronous steps before pipelining")
-    p.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none")
+    p.add_argument("--compression", choices=["none", "fp16", "bf16", "int8", "int8_ef"],
+                   default="none", help="int8 and int8_ef (error feedback) need --collective "
+                                        "ring or lp")
+    p.add_argument("--collective", choices=["none", "lp", "ring", "mst", "be"], default="none",
+                   help="none: the engine's own allreduce; else pipe_horovod's per-hop collective")
     p.add_argument("--seed", type=int, default=42, help="model init and data order")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
     p.add_argument("--no-progress", action="store_true",
@@ -138,14 +142,15 @@ def main(argv=None):
     optimizer = phvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(),
         pipeline_depth=args.pipeline_depth, warmup_steps=args.warmup_steps,
-        compression=phvd.Compression.by_name(args.compression))
+        compression=phvd.Compression.by_name(args.compression),
+        collective=None if args.collective == "none" else args.collective)
     phvd.broadcast_parameters(model.state_dict(), root_rank=0)
     phvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
     if rank == 0:
         print(f"digits: {len(x_train)} train / {len(x_test)} test images; engine={engine} "
               f"size={size} pipeline_depth={args.pipeline_depth} warmup_steps={args.warmup_steps} "
-              f"compression={args.compression} batch={args.batch_size}/rank lr={args.lr} "
+              f"compression={args.compression} collective={args.collective} batch={args.batch_size}/rank lr={args.lr} "
               f"momentum={args.momentum} "
               f"seed={args.seed}; {steps_per_epoch} steps/epoch", flush=True)
 
@@ -194,6 +199,7 @@ def main(argv=None):
             result = {
                 "pipeline_depth": args.pipeline_depth, "accuracy": final, "epochs": args.epochs,
                 "warmup_steps": args.warmup_steps, "compression": args.compression,
+                "collective": args.collective,
                 "batch_size": args.batch_size, "lr": args.lr, "momentum": args.momentum,
                 "lr_warmup_epochs": args.lr_warmup_epochs,
                 "seed": args.seed, "size": size, "engine": engine,

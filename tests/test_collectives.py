@@ -119,3 +119,8 @@ def test_int8_refused_by_the_engines_own_allreduce(local):
 def test_bad_calls_are_refused(local, call, error, text):
     with pytest.raises(error, match=text):
         call()
+
+
+def test_digits_with_int8_feedback_stays_within_a_point_of_sync(tmp_path):
+    pytest.importorskip("horovod.torch")
+    launcher.run("horovod", 2, "digits_int8_worker.py", tmp_path, 6, timeout=200)
