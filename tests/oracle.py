@@ -71,6 +71,8 @@ def reference(model, optimizer, loss_fn, data, size, steps, pipeline_depth, warm
         if compensation == "lookahead" and in_flight:
             saved = copy.deepcopy(optimizer.state_dict())
             for _, _, per_rank in in_flight:
+                if not all(torch.isfinite(g).all() for g in per_rank[rank]):
+                    continue               # an overflowed gradient predicts nothing
                 for p, g in zip(params, per_rank[rank]):
                     p.grad = g.clone()
                 optimizer.step()
@@ -83,8 +85,8 @@ def reference(model, optimizer, loss_fn, data, size, steps, pipeline_depth, warm
         return real
 
     fifo_weights = {}
+    points = [point(r, fifo) for r in range(size)]
     for t in range(steps):
-        points = [point(r, fifo) for r in range(size)]
         real = [p.detach().clone() for p in params]
         per_rank = []
         for r in range(size):
@@ -99,10 +101,15 @@ def reference(model, optimizer, loss_fn, data, size, steps, pipeline_depth, warm
         fifo.append((t, [average(gs, size) for gs in zip(*per_rank)], per_rank))
         need = 1 if t < warmup_steps else pipeline_depth
         before = real
+        stepped = True
         while len(fifo) >= need:
             step, grads, _ = fifo.pop(0)
             apply(step, grads, t + 1)
+            stepped = step not in skip
         previous = before
+        # Predicted inside step(), so with the learning rate before the scheduler's step;
+        # a step GradScaler skips (no step() call) predicts nothing.
+        points = [point(r, fifo if stepped else []) for r in range(size)]
         if scheduler is not None:
             scheduler.step()
     while fifo:

@@ -112,7 +112,7 @@ def _setup(depth=2):
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                     named_parameters=model.named_parameters(),
-                                    pipeline_depth=depth)
+                                    pipeline_depth=depth, staleness_compensation=None)
     return model, opt
 
 

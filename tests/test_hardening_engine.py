@@ -85,7 +85,8 @@ def pipelined_optimizer(steps=3):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters(), pipeline_depth=2)
+                                   named_parameters=model.named_parameters(), pipeline_depth=2,
+                                   staleness_compensation=None)
     for t in range(steps):
         opt.zero_grad()
         model(torch.full((2, 3), float(t))).sum().backward()

@@ -1,4 +1,6 @@
 """Staleness compensation (pipeline/staleness.py): oracle math on real ranks, bad input."""
+import inspect
+
 import pytest
 import torch
 import torch.nn as nn
@@ -7,6 +9,7 @@ import torch.nn.functional as F
 import launcher
 import oracle
 import pipe_horovod.torch as phvd
+from pipe_horovod.pipeline import staleness
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -24,6 +27,24 @@ def test_every_option_matches_its_oracle_and_resumes_exactly(engine_name, np):
     if engine_name == "horovod":
         pytest.importorskip("horovod.torch")
     launcher.run(engine_name, np, "staleness_worker.py", timeout=300)
+
+
+@pytest.mark.parametrize("engine_name, np, mode", [("horovod", 2, "features"),
+                                                   ("torch", 3, "process-set")])
+def test_the_default_keeps_every_feature_exact(engine_name, np, mode):
+    """The optimizer's feature checks (frozen and rank-local parameters, accumulation,
+    bucket groups, LR scheduler, GradScaler overflow, process sets) under the default
+    option, against the oracle computing that option's math."""
+    if engine_name == "horovod":
+        pytest.importorskip("horovod.torch")
+    launcher.run(engine_name, np, "optimizer_worker.py", mode, timeout=300,
+                 env={"ORACLE_COMPENSATION": staleness.DEFAULT})
+
+
+def test_the_default_is_lookahead():
+    assert staleness.DEFAULT == "lookahead"
+    default = inspect.signature(phvd.DistributedOptimizer).parameters["staleness_compensation"]
+    assert default.default == staleness.DEFAULT
 
 
 def _train(opt, model, steps=12):

@@ -40,7 +40,7 @@ from ..collectives.communicator import communicator
 from ..compression import Compression
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
                         check_reduction, check_staleness, compare_across_ranks,
-                        report_unapplied, resolve_depth)
+                        report_unapplied, resolve_depth, staleness)
 from .compensation import _Compensation, _momentum_key, _values
 
 _instances = itertools.count()
@@ -676,7 +676,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=None, *, pipeline_depth=None,
                          warmup_steps=0, bucket_cap_mb=25, grad_scaler=None, collective=None,
-                         staleness_compensation=None):
+                         staleness_compensation=staleness.DEFAULT):
     """Wrap `optimizer` so its gradients are averaged across ranks, pipelined.
 
     The arguments up to `process_set` are Horovod's, in Horovod's order and
@@ -688,9 +688,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     warmup_steps: synchronous steps before the pipeline starts.
     grad_scaler: the torch.amp.GradScaler in use, if any; a delayed gradient
         is rescaled when the scaler's scale changed since it was computed.
-    staleness_compensation: None, "lookahead", "predict", "dc" or "momentum"
-        (pipe_horovod/pipeline/staleness.py, docs/convergence.md): how a
-        gradient K-1 steps old is made to act like a fresh one. No effect at K=1.
+    staleness_compensation: "lookahead" (default), "predict", "dc", "momentum" or
+        None (plain Pipe-SGD): how a gradient K-1 steps old is made to act like a
+        fresh one (pipe_horovod/pipeline/staleness.py; docs/convergence.md measures
+        them). No effect at K=1.
     collective: None (the engine's own allreduce), "lp", "ring", "mst", "be" or a
         pipe_horovod.collectives.Collective: reduce the buckets with pipe_horovod's
         own algorithm, which runs the codec at every hop (needed for int8).

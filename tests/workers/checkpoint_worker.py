@@ -7,6 +7,13 @@
 (pytorch_imagenet_resnet50.py): rank 0 alone loads the checkpoint, then
 every rank calls broadcast_parameters and broadcast_optimizer_state.
 The test compares the OUT files bit for bit.
+
+COMPENSATION (`none` or an option) follows DEPTH. Under `lookahead` each rank
+computes its next gradient at its own predicted weights, which rank 0's
+checkpoint cannot hold for the others: there `full` replaces every rank's
+parameters by rank 0's (its predicted point) at step 7, which is exactly
+what a resume from rank 0's checkpoint does (at DEPTH 2; at 3 rank 0's
+kept gradients would be needed as well).
 """
 import sys
 
@@ -18,21 +25,26 @@ import pipe_horovod.torch as phvd
 STEPS, SAVE_AT = 20, 7
 
 
-def build(kind, depth):
+def build(kind, depth, compensation):
     model = fresh(MLP)
     base = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if kind == "sgd"
             else torch.optim.Adam(model.parameters(), lr=0.01))
     opt = phvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                    pipeline_depth=depth, warmup_steps=2)
+                                    pipeline_depth=depth, warmup_steps=2,
+                                    staleness_compensation=compensation)
     return model, opt
 
 
 def main():
     phvd.init()
-    mode, kind, depth, path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    model, opt = build(kind, depth)
+    mode, kind, depth, path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[5]
+    compensation = None if sys.argv[4] == "none" else sys.argv[4]
+    model, opt = build(kind, depth, compensation)
     if mode == "full":
-        train(model, opt, data_for(), steps=STEPS)
+        train(model, opt, data_for(), steps=SAVE_AT)
+        if compensation == "lookahead":
+            phvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        train(model, opt, data_for(), steps=STEPS, start=SAVE_AT)
     elif mode == "save":
         train(model, opt, data_for(), steps=SAVE_AT)
         assert len(opt._fifo) == depth - 1, "the checkpoint must hold the gradients in flight"
@@ -48,7 +60,7 @@ def main():
             phvd.broadcast_parameters(model.state_dict(), root_rank=0)
             phvd.broadcast_optimizer_state(opt, root_rank=0)
         train(model, opt, data_for(), steps=STEPS, start=SAVE_AT)
-        path = sys.argv[5]
+        path = sys.argv[6]
     if mode != "save":
         opt.flush()
         if phvd.rank() == 0:

@@ -60,7 +60,8 @@ def model_and_optimizer(depth):
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        named_parameters=model.named_parameters(), pipeline_depth=depth, warmup_steps=1)
+        named_parameters=model.named_parameters(), pipeline_depth=depth, warmup_steps=1,
+        staleness_compensation=None)
     return model, opt
 
 

@@ -113,7 +113,8 @@ def names():
     params = [torch.nn.Parameter(torch.zeros(k)) for k in SIZES]
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(params, lr=LR), named_parameters=[(f"p{i}", p) for i, p in enumerate(params)],
-        compression=hvd.Compression.bf16, pipeline_depth=2, bucket_cap_mb=1e-4)
+        compression=hvd.Compression.bf16, pipeline_depth=2, bucket_cap_mb=1e-4,
+        staleness_compensation=None)
     steps = 8
     for t in range(steps):
         opt.zero_grad()
@@ -267,7 +268,7 @@ def run(r, rollback):
     checkpoint and the state is broadcast: then steps 3..5 as without rollback."""
     model, base = build()
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                   pipeline_depth=2)
+                                   pipeline_depth=2, staleness_compensation=None)
     train(model, opt, r, range(3))
     if rollback:
         if r == 0:

@@ -59,7 +59,7 @@ def check_threads():
     opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                     named_parameters=model.named_parameters(),
                                     compression=codec, bucket_cap_mb=512 / 2**20,
-                                    pipeline_depth=2)
+                                    pipeline_depth=2, staleness_compensation=None)
     assert len(opt._buckets) == 96, len(opt._buckets)
     start = threading.Barrier(2)
     errors = []
@@ -101,7 +101,7 @@ def check_mixed():
     opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                     named_parameters=model.named_parameters(),
                                     compression=codec, bucket_cap_mb=512 / 2**20,
-                                    pipeline_depth=2)
+                                    pipeline_depth=2, staleness_compensation=None)
     steps = 20
     for t in range(steps):
         opt.zero_grad()
@@ -124,7 +124,8 @@ def check_skipped():
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
         opt = phvd.DistributedOptimizer(make_optimizer("sgd", model),
                                         named_parameters=model.named_parameters(),
-                                        pipeline_depth=depth, grad_scaler=scaler)
+                                        pipeline_depth=depth, grad_scaler=scaler,
+                                        staleness_compensation=None)
         bad = STEPS - depth                      # applied by the last step()
         poisoned = data_for(poison=(size - 1, bad))
         train(model, opt, poisoned, scaler=scaler)
@@ -144,7 +145,8 @@ def check_rollback():
             model, ref = fresh(MLP), fresh(MLP)
             opts = [phvd.DistributedOptimizer(make_optimizer(kind, m),
                                               named_parameters=m.named_parameters(),
-                                              pipeline_depth=depth, warmup_steps=warmup)
+                                              pipeline_depth=depth, warmup_steps=warmup,
+                                              staleness_compensation=None)
                     for m in (model, ref)]
             opt, ref_opt = opts
             train(model, opt, data_for(), steps=7)
@@ -166,14 +168,15 @@ def check_rewrap():
     size = phvd.size()
     model, ref = fresh(MLP), fresh(MLP)
     first = phvd.DistributedOptimizer(make_optimizer("sgd", model),
-                                      named_parameters=model.named_parameters(), pipeline_depth=2)
+                                      named_parameters=model.named_parameters(), pipeline_depth=2,
+                                      staleness_compensation=None)
     train(model, first, data_for(), steps=5)
     assert len(first._fifo) == 1
     # Phase two, without flush() or deleting the first: its last gradient is
     # applied (by the first optimizer, as Horovod would have) and its hooks go.
     second = phvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
                                        named_parameters=model.named_parameters(),
-                                       pipeline_depth=2)
+                                       pipeline_depth=2, staleness_compensation=None)
     assert len(first._fifo) == 0, "wrapping again must apply the first optimizer's gradients"
     train(model, second, data_for(), steps=10, start=5)
     second.flush()
@@ -196,7 +199,8 @@ def check_rewrap():
 
     # Dropped without flush() or del: its hooks must not keep it alive or fire.
     third = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                      named_parameters=model.named_parameters(), pipeline_depth=1)
+                                      named_parameters=model.named_parameters(), pipeline_depth=1,
+                                      staleness_compensation=None)
     dead = weakref.ref(third)
     del third
     gc.collect()

@@ -5,6 +5,7 @@ its own data shard and checks its weights against the oracle, which every
 rank can compute alone because all data is derived from (rank, step).
 """
 import copy
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -19,6 +20,8 @@ import pipe_horovod.torch as phvd  # noqa: E402
 
 torch.set_num_threads(1)
 STEPS = 20
+# Plain Pipe-SGD unless a test asks for an option (test_staleness runs these with the default).
+COMPENSATION = os.environ.get("ORACLE_COMPENSATION") or None
 
 
 class MLP(nn.Module):
@@ -126,14 +129,15 @@ def check_oracle():
                     ref = copy.deepcopy(model)
                     opt = phvd.DistributedOptimizer(make_optimizer(kind, model),
                                                     named_parameters=model.named_parameters(),
-                                                    pipeline_depth=depth, warmup_steps=warmup)
+                                                    pipeline_depth=depth, warmup_steps=warmup,
+                                                    staleness_compensation=COMPENSATION)
                     train(model, opt, data)
                     expected_applied = STEPS - (0 if depth == 1 else depth - 1)
                     assert opt.timings["applied"] == expected_applied, opt.timings
                     opt.flush()
                     assert opt.timings["applied"] == STEPS, "flush must apply every gradient"
                     oracle.reference(ref, make_optimizer(kind, ref), F.cross_entropy, data, size,
-                                     STEPS, depth, warmup)
+                                     STEPS, depth, warmup, compensation=COMPENSATION)
                     assert_close(model, ref, f"{model_cls.__name__}/{kind}/K={depth}/W={warmup}")
 
 
@@ -143,7 +147,8 @@ def check_features():
     model = fresh(Branchy, use_extra=(rank == 0))
     ref = fresh(Branchy, use_extra=True)
     opt = phvd.DistributedOptimizer(make_optimizer("sgd", model),
-                                    named_parameters=model.named_parameters())
+                                    named_parameters=model.named_parameters(),
+                                    staleness_compensation=COMPENSATION)
     train(model, opt, data_for())
     opt.flush()
 
@@ -151,7 +156,7 @@ def check_features():
         ref.use_extra = (r == 0)
         return data_for()(r, t)
     oracle.reference(ref, make_optimizer("sgd", ref), F.cross_entropy, branchy_grads, size,
-                     STEPS, 2, 0)
+                     STEPS, 2, 0, compensation=COMPENSATION)
     assert_close(model, ref, "unused parameter")
 
     # Frozen first layer: never reduced, never changed.
@@ -161,12 +166,12 @@ def check_features():
     before = model.fc1.weight.clone()
     opt = phvd.DistributedOptimizer(
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9),
-        named_parameters=model.named_parameters())
+        named_parameters=model.named_parameters(), staleness_compensation=COMPENSATION)
     train(model, opt, data_for())
     opt.flush()
     oracle.reference(ref, torch.optim.SGD([p for p in ref.parameters() if p.requires_grad],
                                           lr=0.1, momentum=0.9),
-                     F.cross_entropy, data_for(), size, STEPS, 2, 0)
+                     F.cross_entropy, data_for(), size, STEPS, 2, 0, compensation=COMPENSATION)
     assert torch.equal(model.fc1.weight, before)
     assert_close(model, ref, "frozen layer")
 
@@ -174,11 +179,12 @@ def check_features():
     model, ref = fresh(MLP), fresh(MLP)
     opt = phvd.DistributedOptimizer(make_optimizer("adam", model),
                                     named_parameters=model.named_parameters(),
-                                    backward_passes_per_step=2, pipeline_depth=2)
+                                    backward_passes_per_step=2, pipeline_depth=2,
+                                    staleness_compensation=COMPENSATION)
     train(model, opt, data_for(micro=2))
     opt.flush()
     oracle.reference(ref, make_optimizer("adam", ref), F.cross_entropy, data_for(micro=2), size,
-                     STEPS, 2, 0)
+                     STEPS, 2, 0, compensation=COMPENSATION)
     assert_close(model, ref, "backward_passes_per_step=2")
 
     # zero_grad(set_to_none=False): backward accumulates into `.grad`, which views
@@ -188,7 +194,7 @@ def check_features():
         opt = phvd.DistributedOptimizer(make_optimizer("sgd", model),
                                         named_parameters=model.named_parameters(),
                                         backward_passes_per_step=2, pipeline_depth=depth,
-                                        warmup_steps=warmup)
+                                        warmup_steps=warmup, staleness_compensation=COMPENSATION)
         half = STEPS // 2
         train(model, opt, data_for(micro=2), steps=half, set_to_none=False)
         opt.flush()
@@ -196,9 +202,10 @@ def check_features():
         opt.flush()
         ref_opt = make_optimizer("sgd", ref)
         oracle.reference(ref, ref_opt, F.cross_entropy, data_for(micro=2), size, half, depth,
-                         warmup)
+                         warmup, compensation=COMPENSATION)
         oracle.reference(ref, ref_opt, F.cross_entropy,
-                         lambda r, t: data_for(micro=2)(r, t + half), size, STEPS - half, depth, 0)
+                         lambda r, t: data_for(micro=2)(r, t + half), size, STEPS - half, depth, 0,
+                         compensation=COMPENSATION)
         assert_close(model, ref, f"set_to_none=False K={depth} W={warmup}")
 
     # Horovod's gradient_predivide_factor and explicit groups: the same average.
@@ -208,21 +215,22 @@ def check_features():
         if kw.get("groups") == "fc2-with-fc1.bias":
             kw = {"groups": [[model.fc.weight, model.conv.bias]]}
         opt = phvd.DistributedOptimizer(make_optimizer("sgd", model),
-                                        named_parameters=model.named_parameters(), **kw)
+                                        named_parameters=model.named_parameters(), **kw,
+                                        staleness_compensation=COMPENSATION)
         train(model, opt, conv_data)
         opt.flush()
         if "groups" in kw:
             expected = (2 if kw["groups"] == 2 else 3)
             assert len(opt._buckets) == expected, [b.names for b in opt._buckets]
         oracle.reference(ref, make_optimizer("sgd", ref), F.cross_entropy, conv_data, size,
-                         STEPS, 2, 0)
+                         STEPS, 2, 0, compensation=COMPENSATION)
         assert_close(model, ref, f"options {sorted(kw)}", rtol=1e-5)
 
     # LR scheduler stepping every iteration, with the delayed gradient.
     model, ref = fresh(MLP), fresh(MLP)
     opt = phvd.DistributedOptimizer(make_optimizer("sgd", model),
                                     named_parameters=model.named_parameters(), pipeline_depth=3,
-                                    warmup_steps=2)
+                                    warmup_steps=2, staleness_compensation=COMPENSATION)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")           # no "scheduler before optimizer" warning
@@ -230,7 +238,8 @@ def check_features():
     opt.flush()
     ref_opt = make_optimizer("sgd", ref)
     oracle.reference(ref, ref_opt, F.cross_entropy, data_for(), size, STEPS, 3, 2,
-                     scheduler=torch.optim.lr_scheduler.StepLR(ref_opt, step_size=4, gamma=0.5))
+                     scheduler=torch.optim.lr_scheduler.StepLR(ref_opt, step_size=4, gamma=0.5),
+                     compensation=COMPENSATION)
     assert_close(model, ref, "StepLR")
     assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
 
@@ -240,13 +249,14 @@ def check_features():
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=4)
         opt = phvd.DistributedOptimizer(make_optimizer("sgd", model),
                                         named_parameters=model.named_parameters(),
-                                        pipeline_depth=depth, grad_scaler=scaler)
+                                        pipeline_depth=depth, grad_scaler=scaler,
+                                        staleness_compensation=COMPENSATION)
         poisoned = data_for(poison=(size - 1, 5))
         train(model, opt, poisoned, scaler=scaler)
         opt.flush()
         assert scaler.get_scale() < 2.0**12 * 2**(STEPS // 4), "the overflow must lower the scale"
         oracle.reference(ref, make_optimizer("sgd", ref), F.cross_entropy, poisoned, size, STEPS,
-                         depth, 0, skip={5})
+                         depth, 0, skip={5}, compensation=COMPENSATION)
         assert_close(model, ref, f"GradScaler K={depth}")
     # All ranks agree (the skipped step was skipped everywhere).
     weights = [p.detach().clone() for p in model.parameters()]
@@ -265,18 +275,19 @@ def check_param_group():
         opt = phvd.DistributedOptimizer(torch.optim.SGD(model.fc2.parameters(), lr=0.1,
                                                         momentum=0.9),
                                         named_parameters=model.named_parameters(),
-                                        pipeline_depth=depth)
+                                        pipeline_depth=depth, staleness_compensation=COMPENSATION)
         ref_opt = torch.optim.SGD(ref.fc2.parameters(), lr=0.1, momentum=0.9)
         train(model, opt, data_for(), steps=half)
         opt.flush()
-        oracle.reference(ref, ref_opt, F.cross_entropy, data_for(), size, half, depth, 0)
+        oracle.reference(ref, ref_opt, F.cross_entropy, data_for(), size, half, depth, 0,
+        compensation=COMPENSATION)
         for m, o in ((model, opt), (ref, ref_opt)):
             m.fc1.requires_grad_(True)
             o.add_param_group({"params": list(m.fc1.parameters()), "lr": 0.05})
         train(model, opt, data_for(), start=half)
         opt.flush()
         oracle.reference(ref, ref_opt, F.cross_entropy, lambda r, t: data_for()(r, t + half),
-                         size, STEPS - half, depth, 0)
+                         size, STEPS - half, depth, 0, compensation=COMPENSATION)
         assert_close(model, ref, f"add_param_group K={depth}")
         weights = [p.detach().clone() for p in model.parameters()]
         for theirs in phvd.allgather_object(weights):
@@ -292,15 +303,17 @@ def check_process_set():
         model, ref = fresh(MLP), fresh(MLP)
         opt = phvd.DistributedOptimizer(make_optimizer("sgd", model),
                                         named_parameters=model.named_parameters(),
-                                        pipeline_depth=depth, process_set=ps)
+                                        pipeline_depth=depth, process_set=ps,
+                                        staleness_compensation=COMPENSATION)
         train(model, opt, data_for())
         opt.flush()
         if inside:
             oracle.reference(ref, make_optimizer("sgd", ref), F.cross_entropy, data_for(), 2,
-                             STEPS, depth, 0)
+                             STEPS, depth, 0, compensation=COMPENSATION)
         else:
             oracle.reference(ref, make_optimizer("sgd", ref), F.cross_entropy,
-                             lambda r, t: data_for()(phvd.rank(), t), 1, STEPS, depth, 0)
+                             lambda r, t: data_for()(phvd.rank(), t), 1, STEPS, depth, 0,
+                             compensation=COMPENSATION)
         assert_close(model, ref, f"process set K={depth} rank {phvd.rank()}")
     phvd.barrier()
 

@@ -53,7 +53,8 @@ def check(depth, sparse_as_dense, two_optimizers):
         return [torch.optim.SGD(m.parameters(), lr=0.5)]
 
     opts = [phvd.DistributedOptimizer(o, named_parameters=model.named_parameters(),
-                                      pipeline_depth=depth, sparse_as_dense=sparse_as_dense)
+                                      pipeline_depth=depth, sparse_as_dense=sparse_as_dense,
+                                      staleness_compensation=None)
             for o in optimizers(model)]
 
     class Both:                                  # one step() for the training loop
