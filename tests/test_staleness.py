@@ -47,14 +47,15 @@ def test_the_default_is_lookahead():
     assert default.default == staleness.DEFAULT
 
 
-def _train(opt, model, steps=12):
-    for t in range(steps):
+def _train(opt, model, steps=12, flush=True, start=0):
+    for t in range(start, steps):
         g = torch.Generator().manual_seed(t)
         x, y = torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-    opt.flush()
+    if flush:
+        opt.flush()
 
 
 def _model():
@@ -62,20 +63,56 @@ def _model():
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
+# A predivide factor of 2 (exact in floating point) sends one process's gradients
+# through the engine, so the pipeline and the predictions run as on many ranks.
+THROUGH_THE_PIPELINE = {"gradient_predivide_factor": 2.0}
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 @pytest.mark.parametrize("depth", [2, 3])
-def test_lookahead_on_one_rank_is_synchronous_sgd(local, kind, depth):
+@pytest.mark.parametrize("path", ["alone", "through the pipeline"])
+def test_lookahead_on_one_rank_is_synchronous_sgd(local, kind, depth, path):
     # With one rank its own gradient is the average: the predicted point is exactly
     # the weights the delayed update will be applied to, so K>=2 equals K=1 bit for bit.
+    # Alone (nothing to send) the optimizer takes that update at once instead.
     weights = []
+    extra = THROUGH_THE_PIPELINE if path != "alone" else {}
     for k, compensation in ((1, None), (depth, "lookahead")):
         model = _model()
         base = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if kind == "sgd"
                 else torch.optim.Adam(model.parameters(), lr=0.01))
-        _train(phvd.DistributedOptimizer(base, pipeline_depth=k,
-                                         staleness_compensation=compensation), model)
+        opt = phvd.DistributedOptimizer(base, pipeline_depth=k,
+                                        staleness_compensation=compensation, **extra)
+        _train(opt, model, steps=11, flush=False)
+        if compensation:
+            assert len(opt._fifo) == (0 if path == "alone" else depth - 1)
+            assert opt._predicted == (path != "alone")
+        opt.flush()
         weights.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*weights):
+        assert torch.equal(a, b)
+
+
+def test_a_checkpoint_with_gradients_in_flight_resumes_alone(local):
+    # Saved where gradients were in flight (here: through the pipeline), loaded by one
+    # process alone, which applies them at its next step: the same numbers as K=1.
+    def run(resume_alone):
+        model = _model()
+        opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                        momentum=0.9), pipeline_depth=3,
+                                        **THROUGH_THE_PIPELINE)
+        _train(opt, model, steps=5, flush=False)
+        if resume_alone:
+            state = {"model": model.state_dict(), "opt": opt.state_dict()}
+            assert len(state["opt"]["pipe_horovod"]["in_flight"]) == 2
+            model = _model()
+            opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                            momentum=0.9), pipeline_depth=3)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+        _train(opt, model, steps=9, start=5)
+        return [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(run(False), run(True)):
         assert torch.equal(a, b)
 
 
@@ -85,7 +122,8 @@ def test_step_hooks_run_once_per_step(local, compensation):
     # step() call, not again for the wrapped step nor for a prediction's steps.
     model = _model()
     opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                    pipeline_depth=2, staleness_compensation=compensation)
+                                    pipeline_depth=2, staleness_compensation=compensation,
+                                    **THROUGH_THE_PIPELINE)
     calls = []
     opt.register_step_post_hook(lambda *_: calls.append(1))
     _train(opt, model)
@@ -99,7 +137,8 @@ def test_flush_mid_run_puts_the_real_weights_back(local, compensation):
     # and training goes on from them as the oracle (flushing at the same step) does.
     model, ref = _model(), _model()
     opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                    pipeline_depth=2, staleness_compensation=compensation)
+                                    pipeline_depth=2, staleness_compensation=compensation,
+                                    **THROUGH_THE_PIPELINE)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
 
     def data(rank, step):

@@ -110,6 +110,7 @@ class _PipelinedOptimizer(_Compensation):
         self._synchronized = False
         self._should_synchronize = True
         self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0}
+        self._pipeline_depth = pipeline_depth
         self._setup_compensation(compensation, pipeline_depth)
         _live.add(self)
         self._attach_engine()
@@ -121,6 +122,10 @@ class _PipelinedOptimizer(_Compensation):
     def _attach_engine(self):
         """Use the engine running now (a new one after an elastic reset)."""
         self._machine.attach()
+        # Alone, a rank's lookahead prediction is exactly its next update (the same
+        # numbers as K=1): apply it at once, with no copy and no extra optimizer step.
+        alone = self._compensation == "lookahead" and self._machine.solo
+        self._machine.fifo.pipeline_depth = 1 if alone else self._pipeline_depth
         self._engine = self._machine.engine
         self._engine.before_shutdown(__name__, _report_unapplied)
         self._engine.around_join(__name__, _flush_before_join, _align_after_join)
@@ -480,10 +485,15 @@ class _PipelinedOptimizer(_Compensation):
 
         def here(tensors):
             return {n: t.to(device_of[n]) for n, t in tensors.items()}
-        self._machine.restore([here(grads) for grads in pipe["in_flight"]], pipe["scales"],
-                              pipe["steps"], [{kind: here(tensors) for kind, tensors in k.items()}
-                                              for k in pipe.get("kept", [])] or None,
-                              pipe.get("error_feedback"))
+        fifo = self._machine.fifo
+        alone, fifo.pipeline_depth = fifo.pipeline_depth, self._pipeline_depth
+        try:        # (alone, a checkpoint's K-1 gradients in flight all pop at the next step)
+            self._machine.restore(
+                [here(grads) for grads in pipe["in_flight"]], pipe["scales"], pipe["steps"],
+                [{kind: here(tensors) for kind, tensors in k.items()}
+                 for k in pipe.get("kept", [])] or None, pipe.get("error_feedback"))
+        finally:
+            fifo.pipeline_depth = alone
         real = pipe.get("real_weights")
         self._real = here(real) if real else {}
         self._predicted = bool(real)
