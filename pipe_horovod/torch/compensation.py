@@ -92,9 +92,9 @@ class _Compensation:
             p.grad = None if grad is None else (grad.view_as(p) if not grad.is_sparse else grad)
             if p.grad is not None and unscale != 1.0:
                 p.grad = p.grad * unscale
-        if not all(torch.isfinite(_values(p.grad)).all() for p in self._params
-                   if p.grad is not None):
-            return                               # an overflowed gradient predicts nothing
+        if scale is not None and not all(torch.isfinite(_values(p.grad)).all()
+                                         for p in self._params if p.grad is not None):
+            return      # an overflow GradScaler will skip predicts nothing (no scaler: no check)
         self._inner_step()
 
     def _compensate_delay(self, then):
