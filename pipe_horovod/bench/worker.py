@@ -12,6 +12,8 @@ C ..., so a slow minute on a shared machine hits every configuration alike:
                          processes (rank = hvd.rank(), world = hvd.size()), so Horovod
                          and DDP are measured side by side in one run
   ours-kK[-fp16|-bf16]   pipe_horovod's DistributedOptimizer, pipeline_depth=K
+  ours-kK-int8|-bf16hop  the same, reduced by collective="ring" with the codec per hop
+                         (int8: int8 + error feedback; bf16hop: bfloat16 at every hop)
   compute                forward + backward + local SGD step, no communication
   contention             compute while a model-sized allreduce runs: how much the
                          communication slows compute on shared cores (timing model input)
@@ -55,7 +57,7 @@ DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours
                    "compute", "contention", "allreduce"]
 _CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|contention|allreduce(?:-fp16|-bf16)?"
                      r"|tf-keras-mwms"
-                     r"|ours-k([1-9][0-9]*)(?:-(?:fp16|bf16))?"
+                     r"|ours-k([1-9][0-9]*)(?:-(?:fp16|bf16|bf16hop|int8))?"
                      r"(?:-(none|momentum|dc|predict|lookahead))?)$")
 MLP_IN, MLP_CLASSES = 1024, 1000
 CNN_CLASSES = 10
@@ -78,7 +80,8 @@ def parse_configs(value):
             if not m or (m.group(1) and int(m.group(1)) > 16):
                 raise ValueError(
                     f"unknown configuration {name!r}; choose from horovod, horovod-fp16, ddp, "
-                    "ours-kK, ours-kK-fp16, ours-kK-bf16 (K = pipeline depth 1..16; any of "
+                    "ours-kK, ours-kK-fp16, ours-kK-bf16, ours-kK-int8, ours-kK-bf16hop "
+                    "(K = pipeline depth 1..16; any of "
                     "them -none, -momentum, -dc, -predict, -lookahead: that "
                     "staleness_compensation), compute, contention, allreduce, tf-keras-mwms "
                     "(--framework keras)")
@@ -90,8 +93,8 @@ def parse_configs(value):
 
 
 def compression_of(name):
-    """'fp16' / 'bf16' / 'none' for a configuration name."""
-    for codec in ("fp16", "bf16"):
+    """'fp16' / 'bf16' / 'bf16hop' / 'int8' / 'none' for a configuration name."""
+    for codec in ("fp16", "bf16", "bf16hop", "int8"):
         if re.search(rf"-{codec}(?:-(?:none|momentum|dc|predict|lookahead))?$", name):
             return codec
     return "none"
@@ -413,14 +416,18 @@ def make_runner(name, args, eng):
         return TrainRunner(name, "horovod", model, opt, data, target)
     import pipe_horovod.torch as phvd
 
-    compression = phvd.Compression.by_name(compression_of(name))
+    codec = compression_of(name)
+    # Per-hop codecs ride pipe_horovod.collectives' ring (issue 10).
+    per_hop = {"int8": ("int8_ef", "ring"), "bf16hop": ("bf16", "ring")}
+    codec, collective = per_hop.get(codec, (codec, None))
+    compression = phvd.Compression.by_name(codec)
     explicit, option = staleness_of(name)
     extra = ({"staleness_compensation": option}
              if explicit and _staleness_supported() else {})
     opt = phvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                     pipeline_depth=pipeline_depth_of(name),
                                     compression=compression, bucket_cap_mb=args.bucket_cap_mb,
-                                    **extra)
+                                    **({"collective": collective} if collective else {}), **extra)
     return TrainRunner(name, "ours", model, opt, data, target)
 
 
