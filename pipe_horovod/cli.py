@@ -3,13 +3,14 @@ import argparse
 import importlib
 import sys
 
-# Subcommand name -> module under pipe_horovod.commands exposing
+# Subcommand name -> module under pipe_horovod.commands (its name with _ for -) exposing
 # add_arguments(parser) and run(args) -> exit code. Imported lazily so
 # `pipe-horovod check` works even when torch is missing.
 COMMANDS = {
     "check": "Print which engines, controllers and frameworks are available.",
     "model": "Predict sync vs pipelined step time from the timing model.",
     "bench": "Measure pipelined vs sync vs Horovod vs DDP step time.",
+    "bench-collectives": "Bus bandwidth of each collective algorithm and per-hop codec.",
     "convergence": "Time to accuracy: sync vs pipelined (K=2) with each staleness option.",
 }
 
@@ -20,7 +21,7 @@ def main(argv=None):
     modules = {}
     for name, help_text in COMMANDS.items():
         try:
-            module = importlib.import_module(f"pipe_horovod.commands.{name}")
+            module = importlib.import_module(f"pipe_horovod.commands.{name.replace('-', '_')}")
         except ModuleNotFoundError as exc:
             if not exc.name.startswith("pipe_horovod.commands"):
                 raise

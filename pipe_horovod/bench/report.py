@@ -559,13 +559,21 @@ def write_report(raw_paths, out_dir, name="report"):
         summaries.append(summary)
     heading = "##" if len(summaries) > 1 else "#"
     text = "\n".join(markdown(s, heading) for s in summaries)
+    paths = save_outputs(out_dir, name, text,
+                         summaries if len(summaries) > 1 else summaries[0])
+    plot(summaries, paths["png"])
+    return text, paths
+
+
+def save_outputs(out_dir, name, text, summary):
+    """Writes <name>.md (`text`) and <name>.json (`summary`) under out_dir; returns the
+    paths of those and of <name>.png, which the caller plots."""
     paths = {k: os.path.join(out_dir, f"{name}.{k}") for k in ("md", "json", "png")}
     with open(paths["md"], "w") as f:
         f.write(text)
     with open(paths["json"], "w") as f:
-        json.dump(_jsonable(summaries if len(summaries) > 1 else summaries[0]), f, indent=1)
-    plot(summaries, paths["png"])
-    return text, paths
+        json.dump(_jsonable(summary), f, indent=1)
+    return paths
 
 
 def main(argv=None):

@@ -110,9 +110,14 @@ def add_arguments(parser):
                              "(default horovod)")
     bench_worker.add_model_arguments(parser)
     keras_launch.add_arguments(parser)
+    add_output_arguments(parser, "bench")
+
+
+def add_output_arguments(parser, name):
+    """--out, --name (default `name`), --timeout, --report-only, --no-progress."""
     parser.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
-    parser.add_argument("--name", default="bench",
-                        help="file name stem of the outputs (default bench)")
+    parser.add_argument("--name", default=name,
+                        help=f"file name stem of the outputs (default {name})")
     parser.add_argument("--timeout", type=_timeout, default=3600.0,
                         help="give up (and kill the workers) after this many seconds "
                              "(default 3600)")
@@ -206,16 +211,19 @@ def _env(args, engine):
 
 def _needs_ddp_group(args):
     """Horovod workers run ddp over a torch.distributed group of their own."""
-    return args.engine == "horovod" and "ddp" in args.configs
+    return args.engine == "horovod" and "ddp" in getattr(args, "configs", ())
 
 
 def _ddp_env(addr, port):
     return {bench_worker.DDP_ADDR_ENV: str(addr), bench_worker.DDP_PORT_ENV: str(port)}
 
 
-def _local_command(args, worker):
+WORKER = "pipe_horovod.bench.worker"
+
+
+def _local_command(args, worker, module=WORKER):
     py = sys.executable
-    module = ["-m", "pipe_horovod.bench.worker", *worker]
+    module = ["-m", module, *worker]
     if args.engine == "horovod":
         n = args.workers
         return [_horovodrun(), "-np", str(n), "-H", f"localhost:{n}", "--gloo", py, *module]
@@ -255,8 +263,9 @@ class _Bar:
             self.bar.close()
 
 
-def _run_local(args, worker, progress, log_path, bar):
-    cmd = _local_command(args, worker)
+def run_local(args, worker, log_path, bar, module=WORKER):
+    """Runs `module` with argv `worker` on args.workers local workers; raises RuntimeError."""
+    cmd = _local_command(args, worker, module)
     env = _env(args, args.engine)
     if _needs_ddp_group(args):          # horovodrun on this host: every worker reaches loopback
         env.update(_ddp_env("127.0.0.1", bench_worker.free_port("127.0.0.1")))
@@ -289,10 +298,11 @@ def _run_local(args, worker, progress, log_path, bar):
     return {"launcher": shlex.join(cmd), "log": log_path}
 
 
-def _run_emulated(args, worker, progress, log_dir, bar):
+def run_emulated(args, worker, log_dir, bar, module=WORKER):
+    """Runs `module` with argv `worker` in an EmulatedCluster capped at args.emulate."""
     from pipe_horovod import emulate
 
-    argv = [sys.executable, "-m", "pipe_horovod.bench.worker", *worker]
+    argv = [sys.executable, "-m", module, *worker]
     env = {k: v for k, v in _env(args, args.engine).items()
            if k in ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     with emulate.EmulatedCluster(workers=args.workers, rate=args.emulate,
@@ -310,6 +320,47 @@ def _run_emulated(args, worker, progress, log_dir, bar):
                 "log": log_dir, "cpu_s": [c.total for c in cpu],
                 "cpu_user_s": [c.user for c in cpu], "cpu_system_s": [c.system for c in cpu],
                 "link_stats": links}
+
+
+def run_workers(args, out, worker_argv, command, module=WORKER, prog="bench"):
+    """Runs `module` on the workers (--emulate or local) with a progress bar on
+    <out>/<name>-progress.json (argv: `worker_argv(progress path)`), then records the
+    launch and `command` in the raw JSON the workers wrote, <out>/<name>-raw.json.
+    Returns 0, or 1 after saying why."""
+    raw = os.path.join(out, f"{args.name}-raw.json")
+    os.makedirs(out, exist_ok=True)
+    progress = os.path.join(out, f"{args.name}-progress.json")
+    for stale in (raw, progress):
+        if os.path.exists(stale):
+            os.remove(stale)
+    worker = worker_argv(progress)
+    where = f"emulated {args.emulate}" if args.emulate else "local"
+    bar = _Bar(progress, not args.no_progress,
+               f"{prog} {args.engine} x{args.workers} ({where})")
+    started = time.time()
+    try:
+        if args.emulate:
+            launch = run_emulated(args, worker, os.path.join(out, f"{args.name}-logs"), bar,
+                                  module)
+        else:
+            launch = run_local(args, worker, os.path.join(out, f"{args.name}.log"), bar, module)
+    except RuntimeError as exc:
+        print(f"pipe-horovod {prog}: the benchmark failed:\n{exc}", file=sys.stderr)
+        return 1
+    finally:
+        bar.close()
+    if not os.path.exists(raw):
+        print(f"pipe-horovod {prog}: the workers exited without writing {raw}", file=sys.stderr)
+        return 1
+    with open(raw) as f:
+        data = json.load(f)
+    data["launch"] = dict(launch, command=command, emulate=args.emulate,
+                          wall_s=time.time() - started)
+    with open(raw, "w") as f:
+        json.dump(data, f)
+    if os.path.exists(progress):
+        os.remove(progress)
+    return 0
 
 
 def run(args):
@@ -333,40 +384,10 @@ def run(args):
         _check(args)
     except UsageError as exc:
         return _error(str(exc))
-
-    os.makedirs(out, exist_ok=True)
-    progress = os.path.join(out, f"{args.name}-progress.json")
-    for stale in (raw, progress):
-        if os.path.exists(stale):
-            os.remove(stale)
-    worker = _worker_argv(args, raw, progress)
-    where = f"emulated {args.emulate}" if args.emulate else "local"
-    bar = _Bar(progress, not args.no_progress,
-               f"bench {args.engine} x{args.workers} ({where})")
-    started = time.time()
-    try:
-        if args.emulate:
-            launch = _run_emulated(args, worker, progress, os.path.join(out, f"{args.name}-logs"),
-                                   bar)
-        else:
-            launch = _run_local(args, worker, progress, os.path.join(out, f"{args.name}.log"),
-                                bar)
-    except RuntimeError as exc:
-        bar.close()
-        print(f"pipe-horovod bench: the benchmark failed:\n{exc}", file=sys.stderr)
-        return 1
-    bar.close()
-    if not os.path.exists(raw):
-        print(f"pipe-horovod bench: the workers exited without writing {raw}", file=sys.stderr)
-        return 1
-    with open(raw) as f:
-        data = json.load(f)
-    data["launch"] = dict(launch, command=command_line(args), emulate=args.emulate,
-                          wall_s=time.time() - started)
-    with open(raw, "w") as f:
-        json.dump(data, f)
-    if os.path.exists(progress):
-        os.remove(progress)
+    failed = run_workers(args, out, lambda progress: _worker_argv(args, raw, progress),
+                         command_line(args))
+    if failed:
+        return failed
     text, paths = report.write_report([raw], out, args.name)
     print(text)
     print("wrote " + ", ".join([raw, *paths.values()]))

@@ -1,0 +1,168 @@
+"""The worker of `pipe-horovod bench-collectives`: allreduce time per algorithm, codec, size.
+
+Every rank runs this (launched by `pipe_horovod.commands.bench_collectives`
+like `pipe-horovod bench`'s worker). For each message size (float32), in
+`--reps` repetitions, it times every configuration once per repetition, the
+configurations interleaved so the machine's drifting load hits them all
+alike: the engine's own allreduce (`native/none`) and each
+`pipe_horovod.collectives` algorithm with each per-hop codec. One untimed
+run per configuration and size comes first (it allocates the collectives'
+persistent buffers). Small messages are timed as `inner` back-to-back
+calls, averaged. Every rank times its own calls after a barrier; rank 0
+gathers them and writes the raw JSON (format pipe_horovod.bench_collectives/1)
+with the machine's load (busy cores from /proc/stat) during each size, and
+before it, while every worker sleeps (the load from everything else).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+from pipe_horovod.bench.worker import Progress, _machine_ticks, _versions
+
+FORMAT = "pipe_horovod.bench_collectives/1"
+NATIVE = "native"
+ALGORITHMS = ("lp", "ring", "mst", "be")
+CODECS = ("none", "bf16", "int8")
+# Messages up to this size are timed as INNER calls in a row (one call is too short to time).
+SMALL_BYTES = 1 << 20
+INNER = 8
+# Before each size every rank sleeps this long while the machine's load from
+# everything else is read (as `pipe-horovod bench` does at each round).
+IDLE_PROBE_S = 0.5
+
+
+def config_names(algorithms=ALGORITHMS, codecs=CODECS):
+    """`native/none` (the engine's own allreduce) then every algorithm/codec."""
+    return [f"{NATIVE}/none"] + [f"{a}/{c}" for a in algorithms for c in codecs]
+
+
+def inner_calls(nbytes):
+    return INNER if nbytes <= SMALL_BYTES else 1
+
+
+def _name(config, nbytes):
+    return f"bench.collectives.{config.replace('/', '.')}.{nbytes}"
+
+
+def _allreduce(eng, config, buf, name):
+    from pipe_horovod import collectives, engine
+    from pipe_horovod.compression import Compression
+
+    algorithm, codec = config.split("/")
+    if algorithm == NATIVE:
+        return eng.wait(eng.allreduce_async(buf, name, engine.Average))
+    return collectives.allreduce(buf, name, engine.Average, collective=algorithm,
+                                 compression=Compression.by_name(codec))
+
+
+def _timed(eng, config, buf, name, calls):
+    eng.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        _allreduce(eng, config, buf, name)
+    return (time.perf_counter() - t0) / calls
+
+
+def _busy_cores(ticks0, ticks1):
+    if not (ticks0 and ticks1) or ticks1[1] <= ticks0[1]:
+        return None
+    return (ticks1[0] - ticks0[0]) / (ticks1[1] - ticks0[1]) * (os.cpu_count() or 1)
+
+
+def run(args):
+    """Time every configuration at every size; rank 0 returns (and writes) the raw result."""
+    import torch
+
+    from pipe_horovod import engine
+
+    torch.set_num_threads(args.threads)
+    eng = engine.init()
+    rank, size = eng.rank(), eng.size()
+    configs = config_names(args.algorithms, args.codecs)
+    progress = Progress(args.progress if rank == 0 else None,
+                        len(args.sizes) * (args.reps + 1), rank == 0)
+    base = torch.randn(max(args.sizes) // 4, generator=torch.Generator().manual_seed(rank))
+    times = {c: {} for c in configs}              # config -> str(bytes) -> [seconds per rep]
+    load, background = {}, {}
+    for nbytes in args.sizes:
+        eng.barrier()
+        ticks0 = _machine_ticks()
+        time.sleep(IDLE_PROBE_S)
+        background[str(nbytes)] = _busy_cores(ticks0, _machine_ticks())
+        buf = base[: max(1, nbytes // 4)]
+        calls = inner_calls(nbytes)
+        for config in configs:                    # warm-up: buffers, connections
+            _allreduce(eng, config, buf, _name(config, nbytes))
+        progress(f"{nbytes} B warm-up")
+        ticks0 = _machine_ticks()
+        for rep in range(args.reps):
+            for config in configs:
+                seconds = _timed(eng, config, buf, _name(config, nbytes), calls)
+                times[config].setdefault(str(nbytes), []).append(seconds)
+            progress(f"{nbytes} B rep {rep + 1}/{args.reps}")
+        load[str(nbytes)] = _busy_cores(ticks0, _machine_ticks())
+    per_rank = eng.allgather_object(times)
+    raw = None
+    if rank == 0:
+        raw = {
+            "format": FORMAT,
+            "meta": {"engine": eng.name, "workers": size, "sizes": list(args.sizes),
+                     "configs": configs, "reps": args.reps, "inner_calls_up_to_bytes":
+                     [SMALL_BYTES, INNER], "threads": args.threads, "dtype": "float32",
+                     "op": "average", "cpu_count": os.cpu_count(), "versions": _versions(),
+                     "machine_busy_cores": load, "background_busy_cores": background,
+                     "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+            "times": per_rank,                    # [rank][config][bytes] -> seconds per rep
+        }
+        if args.out:
+            tmp = f"{args.out}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(raw, f)
+            os.replace(tmp, args.out)
+    eng.barrier()
+    progress.write("done")
+    engine.shutdown()
+    return raw
+
+
+def _names(choices):
+    def convert(text):
+        names = [n for n in text.split(",") if n]
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}, got {text!r}")
+        return names
+    return convert
+
+
+def add_arguments(parser):
+    """What the worker and `pipe-horovod bench-collectives` (which forwards it) accept."""
+    from pipe_horovod.commands.bench import positive_int
+
+    parser.add_argument("--algorithms", type=_names(ALGORITHMS), default=list(ALGORITHMS),
+                        help="comma-separated algorithms (default lp,ring,mst,be)")
+    parser.add_argument("--codecs", type=_names(CODECS), default=list(CODECS),
+                        help="comma-separated per-hop codecs (default none,bf16,int8)")
+    parser.add_argument("--reps", type=positive_int("reps"), default=5,
+                        help="timed repetitions per size, configurations interleaved "
+                             "(default 5)")
+    parser.add_argument("--threads", type=positive_int("threads"), default=1,
+                        help="torch threads per worker (default 1)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--sizes", required=True,
+                        type=lambda t: [int(x) for x in t.split(",")],
+                        help="comma-separated message sizes in bytes")
+    parser.add_argument("--out", help="raw JSON written by rank 0")
+    parser.add_argument("--progress", help="progress file rank 0 keeps up to date")
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

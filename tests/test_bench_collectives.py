@@ -1,0 +1,71 @@
+"""`pipe-horovod bench-collectives`: a tiny real run reports every configuration; busbw math.
+
+No speed assertions (shared 2-core machines): the run is on loopback, two
+sizes, one repetition; the emulated-cluster figures live in docs/benchmarks.md.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipe_horovod import timing
+from pipe_horovod.bench import collectives_report, collectives_worker
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bus_bandwidth_is_nccl_tests_allreduce_definition():
+    # 64 MiB = 67108864 B in 0.5 s: algbw 134217728 B/s; x 2(p-1)/p = 1.5 at p = 4, 1 at p = 2
+    assert collectives_report.bus_bandwidth(64 * 2**20, 0.5, 4) == pytest.approx(201326592.0)
+    assert collectives_report.bus_bandwidth(64 * 2**20, 0.5, 2) == pytest.approx(134217728.0)
+
+
+def test_prediction_uses_the_wire_bytes_of_the_codec():
+    net = timing.Network(alpha=1e-4, beta=8e-9)
+    assert collectives_report.predicted_seconds(net, 4, 2**26, "ring/int8") == pytest.approx(
+        timing.ring_allreduce(net, 4, 2**24))
+    assert collectives_report.predicted_seconds(net, 3, 2**26, "native/none") == pytest.approx(
+        timing.ring_allreduce(net, 3, 2**26))
+
+
+@pytest.mark.timeout(120)
+def test_local_torch_run_reports_every_algorithm_and_codec(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    env.pop("PIPE_HOROVOD_ENGINE", None)
+    cmd = [sys.executable, "-m", "pipe_horovod.cli", "bench-collectives", "--no-progress",
+           "--workers", "2", "--engine", "torch", "--sizes", "4KiB,64KiB", "--reps", "1",
+           "--out", str(tmp_path), "--name", "bc"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=110,
+                         stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+    for name in ("bc-raw.json", "bc.md", "bc.json", "bc.png"):
+        assert (tmp_path / name).is_file(), name
+    assert (tmp_path / "bc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "bc.md").read_text() in res.stdout
+    summary = json.loads((tmp_path / "bc.json").read_text())
+    configs = collectives_worker.config_names()
+    assert configs[0] == "native/none" and len(configs) == 13
+    assert summary["meta"]["configs"] == configs and summary["meta"]["workers"] == 2
+    rows = {(r["config"], r["bytes"]): r for r in summary["rows"]}
+    assert set(rows) == {(c, s) for c in configs for s in (4096, 65536)}
+    for (config, nbytes), r in rows.items():
+        assert (r["algorithm"], r["codec"]) == tuple(config.split("/"))
+        assert r["time_s"] > 0 and r["algbw_bytes_per_s"] > 0
+        assert r["busbw_bytes_per_s"] == pytest.approx(r["algbw_bytes_per_s"])   # p = 2
+        assert r["predicted_s"] is not None
+    raw = json.loads((tmp_path / "bc-raw.json").read_text())
+    assert raw["launch"]["command"].startswith("pipe-horovod bench-collectives --workers 2")
+    assert len(raw["times"]) == 2                                        # every rank's times
+
+
+@pytest.mark.timeout(60)
+def test_one_worker_and_missing_results_exit_2(capsys, tmp_path):
+    from pipe_horovod import cli
+
+    assert cli.main(["bench-collectives", "--workers", "1", "--out", str(tmp_path)]) == 2
+    assert "--workers >= 2" in capsys.readouterr().err
+    assert cli.main(["bench-collectives", "--report-only", "--out", str(tmp_path)]) == 2
+    assert "run the benchmark first" in capsys.readouterr().err
