@@ -135,7 +135,16 @@ class _Compensation:
 def _state_restored(opt, copies):
     """Run steps of `opt` whose effect on its state (momentum, Adam's moments and step
     count) is undone afterwards; the parameters keep theirs. The state is saved in
-    `copies`, persistent buffers reused every step (fresh large tensors page-fault)."""
+    `copies`, persistent buffers reused every step (fresh large tensors page-fault).
+
+    A wrapped optimizer whose state lives outside `opt.state` (the Keras adapter's
+    stand-in: Keras variables) does this itself, in a context manager method
+    `_pipe_horovod_state_restored(copies)`."""
+    own = getattr(opt, "_pipe_horovod_state_restored", None)
+    if own is not None:
+        with own(copies):
+            yield
+        return
     saved = {p: {k: (v, _copy_into(copies, (p, k), v) if torch.is_tensor(v) else v)
                  for k, v in state.items()}
              for p, state in opt.state.items()}
