@@ -17,7 +17,25 @@ Gradients come either as a fixed sequence, gradients[step][rank] -> list of
 arrays (one per variable), or as a function grad_fn(step, rank, weights) ->
 list of arrays, evaluated at the weights the model holds when step `step`
 computes its gradient (w_t), which is what `model.fit` does.
+
+compensation="lookahead" (staleness compensation, written out from its
+definition): rank r computes the gradient of step t not at w_t but at its
+own prediction of where the steps still in flight will take w_t: a copy of
+the optimizer (its slots and iteration count) updating a copy of w_t with
+rank r's own gradients of those steps, oldest first. Nothing in flight (K=1,
+warm-up): the prediction is w_t itself. The real updates are unchanged.
+The other options, each from its formula (none has any effect at K=1):
+  "predict"   every rank computes at w_t + s * (w_t - w_prev), s the steps in
+              flight, w_prev the weights before step t-1's updates;
+  "dc"        an applied gradient g of step u becomes
+              g + 2 / (sqrt(ms) + 1e-7) * g * g * (w_now - w_u), with ms a running
+              mean of g * g (0.95 * ms + 0.05 * g * g; the first g * g starts it);
+  "momentum"  once more steps were pushed than warm-up ones, every update runs
+              with the optimizer's momentum (SGD's momentum, Adam's beta_1) less
+              tau / (tau + 1), tau = K - 1, never below 0.
 """
+import copy
+
 import numpy as np
 
 F32 = np.float32
@@ -40,7 +58,7 @@ class SGD:
         lr = self.learning_rate
         for i, (w, g) in enumerate(zip(weights, grads)):
             g = g.astype(F32)
-            if self.momentums is not None:
+            if self.momentums is not None and self.momentum != 0:
                 # m = m * momentum - g * lr;  w = w + m
                 m = self.momentums[i] * F32(self.momentum) - g * lr
                 self.momentums[i] = m
@@ -97,11 +115,13 @@ class Adam:
 
 class Result:
     """weights, optimizer (its iterations and slots), the FIFO left in flight
-    (steps and averaged gradients, oldest first), and which step's gradient
-    each update applied, in order."""
+    (steps and averaged gradients, oldest first), which step's gradient each
+    update applied, in order, and points[rank]: the weights each rank would
+    compute its next gradient at (the predicted ones under "lookahead")."""
 
-    def __init__(self, weights, optimizer, fifo, applied):
+    def __init__(self, weights, optimizer, fifo, applied, points):
         self.weights, self.optimizer, self.fifo, self.applied = weights, optimizer, fifo, applied
+        self.points = points
 
     @property
     def iterations(self):
@@ -121,16 +141,22 @@ def average(per_rank):
 
 
 def reference(initial_weights, gradients, optimizer, pipeline_depth=1, warmup_steps=0,
-              steps=None, size=None, flush=True):
+              steps=None, size=None, flush=True, compensation=None):
     """Run `steps` pipelined steps from `initial_weights` and return a Result.
 
     gradients: gradients[step][rank] -> list of arrays, or a callable
     grad_fn(step, rank, weights) -> list of arrays (then `steps` and `size`
     are required). optimizer: an SGD or Adam above (fresh; built here).
     flush: apply what is still in flight at the end.
+    compensation: None, "lookahead", "predict", "dc" or "momentum" (the module's
+    docstring).
     """
     if pipeline_depth < 1 or warmup_steps < 0:
         raise ValueError("pipeline_depth >= 1 and warmup_steps >= 0")
+    if compensation not in (None, "lookahead", "predict", "dc", "momentum"):
+        raise ValueError(f"no reference for compensation={compensation!r}")
+    if pipeline_depth == 1:
+        compensation = None
     weights = [np.array(w, dtype=F32, copy=True) for w in initial_weights]
     if callable(gradients):
         if steps is None or size is None:
@@ -141,21 +167,49 @@ def reference(initial_weights, gradients, optimizer, pipeline_depth=1, warmup_st
         grad_fn = lambda t, r, w: gradients[t][r]  # noqa: E731
         size = len(gradients[0]) if size is None else size
     optimizer.build(weights)
-    fifo, applied = [], []
+    fifo, applied = [], []         # fifo: (step, averaged gradient, each rank's own gradient)
+    previous = None                # "predict": the weights before the last step's updates
+    computed_at = {}               # "dc": step -> the weights its gradients were computed at
+    mean_square = [None] * len(weights)
+    momentum = "momentum" if isinstance(optimizer, SGD) else "beta_1"
 
-    def apply(step, grads):
+    def apply(step, grads, _, pushed):
+        if compensation == "dc":
+            for i, (g, w, w_then) in enumerate(zip(grads, weights, computed_at.pop(step))):
+                ms = g * g if mean_square[i] is None else F32(0.95) * mean_square[i] + \
+                    F32(0.05) * (g * g)
+                mean_square[i] = ms
+                grads[i] = g + F32(2.0) / (np.sqrt(ms) + F32(1e-7)) * g * g * (w - w_then)
+        value = getattr(optimizer, momentum)
+        if compensation == "momentum" and pushed > warmup_steps:
+            tau = pipeline_depth - 1
+            setattr(optimizer, momentum, max(0.0, value - tau / (tau + 1)))
         optimizer.update(weights, grads)
+        setattr(optimizer, momentum, value)
         applied.append(step)
 
+    def point(rank):
+        """Where rank `rank` computes its next gradient."""
+        ahead = [w.copy() for w in weights]
+        if compensation == "lookahead" and fifo:
+            simulated = copy.deepcopy(optimizer)
+            for _, _, per_rank in fifo:
+                simulated.update(ahead, per_rank[rank])
+        if compensation == "predict" and fifo:
+            ahead = [w + len(fifo) * (w - w_prev) for w, w_prev in zip(weights, previous)]
+        return ahead
+
     for t in range(steps):
-        snapshot = [w.copy() for w in weights]
-        per_rank = [[np.asarray(g, dtype=F32) for g in grad_fn(t, r, snapshot)]
+        per_rank = [[np.asarray(g, dtype=F32) for g in grad_fn(t, r, point(r))]
                     for r in range(size)]
-        fifo.append((t, average(per_rank)))
+        computed_at[t] = [w.copy() for w in weights]
+        fifo.append((t, average(per_rank), per_rank))
+        previous = [w.copy() for w in weights]
         need = 1 if t < warmup_steps else pipeline_depth
         while len(fifo) >= need:
-            apply(*fifo.pop(0))
+            apply(*fifo.pop(0), t + 1)
+    points = [point(r) for r in range(size)]
     if flush:
         while fifo:
-            apply(*fifo.pop(0))
-    return Result(weights, optimizer, fifo, applied)
+            apply(*fifo.pop(0), steps)
+    return Result(weights, optimizer, [(t, avg) for t, avg, _ in fifo], applied, points)

@@ -6,7 +6,8 @@ so it must itself be right: here the real keras.optimizers.SGD / Adam
 schedule (step t applies g_t during warm-up, then g_{t-K+1}; the end applies
 the rest) and must land on the reference's weights and optimizer slots.
 The gradients depend on the weights (a least-squares layer per rank), so a
-delay changes the trajectory.
+delay changes the trajectory. For "lookahead" each rank's point is found by
+a second real Keras optimizer given a copy of the first one's variables.
 """
 import os
 
@@ -51,14 +52,30 @@ def applied_at(step, depth, warmup):
     return [src] if src >= warmup else []
 
 
-def keras_run(make_optimizer, w0, grad_fn, depth, warmup, flush):
+def keras_run(make_optimizer, w0, grad_fn, depth, warmup, flush, compensation=None):
     """The real Keras optimizer on the delayed averaged gradients."""
     variables = [keras.Variable(w, dtype="float32") for w in w0]
     opt = make_optimizer()
-    computed, applied = {}, []
+    opt.build(variables)
+    computed, own, applied = {}, {}, []
+    ahead = [keras.Variable(w, dtype="float32") for w in w0]
+    simulated = make_optimizer()
+    simulated.build(ahead)
+
+    def lookahead(rank):
+        """A second optimizer, given `opt`'s variables, steps a copy of the weights
+        with this rank's gradients of the steps not applied yet."""
+        for mine, theirs in zip(ahead + simulated.variables, variables + opt.variables):
+            mine.assign(theirs)
+        for src in sorted(computed):
+            simulated.apply(own[src][rank], ahead)
+        return [v.numpy() for v in ahead]
+
     for t in range(STEPS):
         current = [v.numpy() for v in variables]
-        computed[t] = average([grad_fn(t, r, current) for r in range(SIZE)])
+        points = [lookahead(r) if compensation and computed else current for r in range(SIZE)]
+        own[t] = [grad_fn(t, r, points[r]) for r in range(SIZE)]
+        computed[t] = average(own[t])
         for src in applied_at(t, depth, warmup):
             opt.apply(computed.pop(src), variables)
             applied.append(src)
@@ -91,15 +108,18 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("depth,warmup", [(1, 0), (2, 0), (2, 2), (3, 1)])
+@pytest.mark.parametrize("depth,warmup,compensation", [
+    (1, 0, None), (2, 0, None), (2, 2, None), (3, 1, None),
+    (2, 0, "lookahead"), (2, 2, "lookahead"), (3, 1, "lookahead")])
 @pytest.mark.parametrize("flush", [True, False], ids=["flush", "noflush"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_reference_matches_keras(name, depth, warmup, flush):
+def test_reference_matches_keras(name, depth, warmup, flush, compensation):
     make_keras, make_ref, slot_names = OPTIMIZERS[name]
     w0, grad_fn = problem()
-    variables, opt, applied, in_flight = keras_run(make_keras, w0, grad_fn, depth, warmup, flush)
+    variables, opt, applied, in_flight = keras_run(make_keras, w0, grad_fn, depth, warmup, flush,
+                                                   compensation)
     ref = reference(w0, grad_fn, make_ref(), pipeline_depth=depth, warmup_steps=warmup,
-                    steps=STEPS, size=SIZE, flush=flush)
+                    steps=STEPS, size=SIZE, flush=flush, compensation=compensation)
 
     assert ref.applied == applied
     assert [s for s, _ in ref.fifo] == in_flight
@@ -114,10 +134,28 @@ def test_reference_matches_keras(name, depth, warmup, flush):
         assert len(keras_slots) == len(w0)
         for i, (kv, rv) in enumerate(zip(keras_slots, ref.optimizer.slots()[slot])):
             assert_close(kv.numpy(), rv, f"{name} K={depth} W={warmup} {slot} {i}")
-    # The delay matters here: a pipelined trajectory is not the sync one.
+    # The delay matters here: a pipelined trajectory is not the sync one, and lookahead
+    # (with 3 ranks: each predicts with its own gradient) is neither.
     if depth > 1 and warmup < STEPS:
-        sync = reference(w0, grad_fn, make_ref(), steps=STEPS, size=SIZE, flush=flush)
-        assert not np.allclose(sync.weights[0], ref.weights[0], rtol=1e-4, atol=0)
+        for other in ({}, {"pipeline_depth": depth, "warmup_steps": warmup}):
+            if compensation or not other:
+                base = reference(w0, grad_fn, make_ref(), steps=STEPS, size=SIZE, flush=flush,
+                                 **other)
+                assert not np.allclose(base.weights[0], ref.weights[0], rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("depth,warmup", [(2, 0), (3, 2)])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_lookahead_on_one_rank_is_synchronous(name, depth, warmup):
+    """One rank's own gradient is the average: its prediction is where the delayed
+    updates do take the weights, so the lookahead run is the K=1 run, bit for bit."""
+    w0, grad_fn = problem()
+    make_ref = OPTIMIZERS[name][1]
+    sync = reference(w0, grad_fn, make_ref(), steps=STEPS, size=1)
+    ahead = reference(w0, grad_fn, make_ref(), pipeline_depth=depth, warmup_steps=warmup,
+                      steps=STEPS, size=1, compensation="lookahead")
+    for a, b in zip(sync.weights, ahead.weights):
+        assert np.array_equal(a, b)
 
 
 def test_fixed_gradient_sequences():
