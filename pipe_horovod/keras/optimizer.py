@@ -23,9 +23,13 @@ import numpy as np
 from .. import engine
 from ..compression import Compression, check_compression
 from ..pipeline import (announce_depth, check_options, check_reduction, check_staleness,
-                        compare_across_ranks, report_unapplied, resolve_depth)
+                        compare_across_ranks, report_unapplied, resolve_depth, staleness)
+from .paths import momentum_attribute
 
 SUPPORTED_BACKENDS = ("tensorflow", "torch")
+# staleness_compensation options per backend (None works everywhere): on torch the
+# PyTorch adapter runs them all; the TensorFlow path implements lookahead itself.
+COMPENSATION = {"torch": staleness.OPTIONS, "tensorflow": ("lookahead",)}
 _announced = set()                 # depth settings rank 0 has explained already
 _built = weakref.WeakSet()         # wrapped optimizers with a data path, for the exit report
 
@@ -76,6 +80,14 @@ class _PipelinedKeras:
             self.built = True
         return self._path.apply(list(grads), variables)
 
+    def finalize_variable_values(self, var_list):
+        """Keras calls this at the end of fit: the model gets its real weights back where
+        the staleness compensation left this rank's predicted ones, so what is read after
+        fit is the same on every rank. The gradients in flight stay in flight."""
+        if self._path is not None:
+            self._path.put_real_back()
+        super().finalize_variable_values(var_list)
+
     def flush(self):
         """Apply every gradient still in flight, oldest first (one update each).
 
@@ -120,18 +132,35 @@ class _PipelinedKeras:
         config["op"] = engine.ReduceOp(config["op"])
         return DistributedOptimizer(inner, **config)
 
-    # --- checkpoints: the gradients in flight travel with the optimizer's variables
+    # --- checkpoints: the gradients in flight travel with the optimizer's variables,
+    # and so does what the staleness compensation keeps (per in-flight step: this
+    # rank's own gradients or the weights then; the real weights while the model holds
+    # predicted ones; dc's running mean square), each {name: tensor} stored per variable.
     def save_own_variables(self, store):
         super().save_own_variables(store)
         if self._path is None:
             return
         state = self._path.state()
-        in_flight = state.pop("in_flight")
+        in_flight, kept = state.pop("in_flight"), state.pop("kept", [])
+        real, mean_square = state.pop("real", None), state.pop("mean_square", {})
         store["pipe_horovod"] = np.frombuffer(json.dumps(
-            {**state, "entries": len(in_flight)}).encode(), dtype=np.uint8)
+            {**state, "entries": len(in_flight), "kept": [sorted(k) for k in kept],
+             "real": real is not None, "mean_square": sorted(mean_square)}).encode(),
+            dtype=np.uint8)
         for k, grads in enumerate(in_flight):
-            for i, (name, v) in enumerate(zip(self._path.names, self._path.variables)):
-                store[f"pipe_horovod.{k}.{i}"] = grads[name].cpu().numpy().reshape(v.shape)
+            self._store(store, f"pipe_horovod.{k}", grads)
+        for k, kinds in enumerate(kept):
+            for kind, tensors in kinds.items():
+                self._store(store, f"pipe_horovod.kept.{k}.{kind}", tensors)
+        self._store(store, "pipe_horovod.real", real or {})
+        self._store(store, "pipe_horovod.mean_square", mean_square)
+
+    def _store(self, store, prefix, tensors):
+        for i, (name, v) in enumerate(zip(self._path.names, self._path.variables)):
+            if name in tensors:
+                t = tensors[name]
+                store[f"{prefix}.{i}"] = np.asarray(t.cpu() if hasattr(t, "cpu") else t
+                                                    ).reshape(v.shape)
 
     def load_own_variables(self, store):
         keys = list(store.keys())
@@ -140,9 +169,16 @@ class _PipelinedKeras:
         if "pipe_horovod" not in keys or self._path is None:
             return
         state = json.loads(bytes(np.asarray(store["pipe_horovod"])).decode())
-        in_flight = [{name: np.asarray(store[f"pipe_horovod.{k}.{i}"])
-                      for i, name in enumerate(self._path.names)}
-                     for k in range(state.pop("entries"))]
+        names = self._path.names
+
+        def load(prefix, only=None):
+            return {name: np.asarray(store[f"{prefix}.{i}"]) for i, name in enumerate(names)
+                    if only is None or name in only}
+        in_flight = [load(f"pipe_horovod.{k}") for k in range(state.pop("entries"))]
+        state["kept"] = [{kind: load(f"pipe_horovod.kept.{k}.{kind}") for kind in kinds}
+                         for k, kinds in enumerate(state.get("kept", []))]
+        state["real"] = load("pipe_horovod.real") if state.get("real") else None
+        state["mean_square"] = load("pipe_horovod.mean_square", state.get("mean_square", []))
         self._path.restore(in_flight, state)
 
 
@@ -211,7 +247,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          backward_passes_per_step=1, average_aggregated_gradients=False,
                          num_groups=0, groups=None, process_set=None,
                          scale_local_gradients=True, *, pipeline_depth=None, warmup_steps=0,
-                         bucket_cap_mb=25, staleness_compensation=None):
+                         bucket_cap_mb=25, staleness_compensation=staleness.DEFAULT):
     """Wrap a Keras 3 optimizer so its gradients are averaged across ranks, pipelined.
 
     The arguments up to `scale_local_gradients` are horovod.tensorflow.keras's,
@@ -226,8 +262,19 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     (synchronous); K >= 2 applies g_{t-K+1}, the reduction overlapping
     K-1 steps. Default: $PIPE_HOROVOD_PIPELINE_DEPTH, else 2.
     warmup_steps: synchronous steps before the pipeline starts.
-    staleness_compensation: only None in the Keras adapter so far (the
-    PyTorch adapter has the options of pipe_horovod/pipeline/staleness.py).
+    staleness_compensation: how a gradient K-1 steps old is made to act like
+    a fresh one (pipe_horovod/pipeline/staleness.py; docs/convergence.md);
+    no effect at K=1 or during warm-up. "lookahead" (the default, as in the
+    PyTorch adapter): each rank computes its gradient at the weights the
+    updates in flight will produce, found by running this optimizer, from a
+    copy of its variables, on this rank's own gradients of those steps. So
+    during fit the model holds this rank's predicted weights; the next
+    update, flush() and the end of fit put the real ones back, and
+    checkpoints carry them. Alone (one process, nothing to send) that
+    prediction is the next update itself, so the pipeline runs at depth 1.
+    None: plain Pipe-SGD. On the torch backend also "predict", "dc" and
+    "momentum" (the latter reduces the optimizer's `momentum` or `beta_1`);
+    on TensorFlow only None and "lookahead".
     Every rank must build the same model: differences are raised as
     ValueError on every rank when the optimizer is built.
     """
@@ -247,10 +294,16 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     check_options(pipeline_depth, warmup_steps, 1, bucket_cap_mb)
     check_compression(compression)
     check_reduction(op, gradient_predivide_factor)
-    if check_staleness(staleness_compensation) is not None:
-        raise ValueError(f"staleness_compensation={staleness_compensation!r} is not available in "
-                         "the Keras adapter yet (only in pipe_horovod.torch); use None, or "
-                         "pipeline_depth=1 if the delayed gradient converges too slowly")
+    compensation = check_staleness(staleness_compensation)
+    supported = COMPENSATION[_backend()]
+    if compensation is not None and compensation not in supported:
+        raise ValueError(f"staleness_compensation={compensation!r} is not available on the "
+                         f"Keras {_backend()} backend; there: None or "
+                         f"{', '.join(map(repr, supported))}")
+    if compensation == "momentum" and momentum_attribute(optimizer) is None:
+        raise ValueError(f"staleness_compensation='momentum' reduces the optimizer's momentum, "
+                         f"but this {type(optimizer).__name__} has none (no nonzero `momentum` or "
+                         "`beta_1`); use 'lookahead' instead")
     if process_set is engine.global_process_set:
         process_set = None
     if process_set is not None and not isinstance(process_set, engine.ProcessSet):
@@ -270,7 +323,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         "pipeline_depth": pipeline_depth, "warmup_steps": warmup_steps,
         "compression": compression, "op": op,
         "gradient_predivide_factor": float(gradient_predivide_factor),
-        "bucket_cap_mb": bucket_cap_mb, "groups": groups or None, "process_set": process_set})
+        "bucket_cap_mb": bucket_cap_mb, "groups": groups or None, "process_set": process_set,
+        "staleness_compensation": compensation})
     return optimizer
 
 

@@ -19,6 +19,15 @@ Gradients on a GPU cross by DLPack instead (`tf.py_function`, then
 `torch.from_dlpack`): they stay on the device, where NCCL reduces them.
 PIPE_HOROVOD_KERAS_TRANSFER=numpy|dlpack overrides the choice, so the
 DLPack path is tested on CPU too.
+
+staleness_compensation="lookahead" (pipeline/staleness.py): after the
+update, the real weights go into shadow variables and the model's variables
+move to where the updates in flight will take them, by the user's optimizer
+run on this rank's own gradients of those steps, from a snapshot of its
+variables (iterations included) put back afterwards. The next apply() puts
+the real weights back before the real update. This step's own gradients are
+still in the graph; older ones (K >= 3) come back from the Python side,
+which keeps them with their step.
 """
 import os
 import time
@@ -56,6 +65,24 @@ class TensorFlowPath:
         self._arrays = {}                        # this step's gradients (torch views), by name
         self._zeros = None
         self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0}
+        depth = options["pipeline_depth"]
+        self.lookahead = options["staleness_compensation"] == "lookahead" and depth > 1
+        # "lookahead": how many in-flight steps older than this one a prediction may use,
+        # and (when there are some and ranks differ) this step's own gradients, kept.
+        self.older = depth - 2 if self.lookahead else 0
+        self._local = {}
+        # Alone, the prediction is exactly the next update (K=1's numbers, as the PyTorch
+        # adapter does): the FIFO runs at depth 1, with no copy and no extra update,
+        # except while gradients a checkpoint brought are in flight (until a flush).
+        self.depth, self.alone = depth, self.lookahead and self.machine.solo
+        self._set_depth()
+        if self.lookahead:
+            with tf.init_scope():
+                self.real = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                         name=f"pipe_horovod_real_{i}")
+                             for i, v in enumerate(variables)]
+                self.predicted = tf.Variable(False, trainable=False,
+                                             name="pipe_horovod_predicted")
 
     # --- graph side (runs once per trace) -------------------------------------
     def apply(self, grads, variables):
@@ -70,17 +97,57 @@ class TensorFlowPath:
             members = [grads[index[name]] for name in bucket.names]
             token = self.transfer.op(self._handoff_for(bucket), [token, *members], tf.int64,
                                      f"pipe_horovod_bucket_{bucket.index}")
+        types = [tf.as_dtype(v.dtype) for v in variables]
         out = self.transfer.op(self._finish, [token],
-                               [tf.as_dtype(v.dtype) for v in variables] + [tf.bool],
+                               types + [tf.bool] + types * self.older + [tf.int64] * self.lookahead,
                                "pipe_horovod_finish")
-        averaged = [tf.ensure_shape(g, v.shape) for g, v in zip(out[:-1], variables)]
-        popped = tf.ensure_shape(out[-1], ())
+        n = len(variables)
 
-        def update():
-            self.optimizer._base_apply(averaged, variables)
+        def shaped(tensors):
+            return [tf.ensure_shape(g, v.shape) for g, v in zip(tensors, variables)]
+        averaged, popped = shaped(out[:n]), tf.ensure_shape(out[n], ())
+        older = [shaped(out[n + 1 + j * n:n + 1 + (j + 1) * n]) for j in range(self.older)]
+        self.put_real_back()                     # after backward, before the real update
+
+        applied = tf.cond(popped, lambda: self._step(averaged), lambda: tf.constant(False))
+        if self.lookahead:
+            ahead = tf.ensure_shape(out[-1], ())
+            tf.cond(ahead > 0, lambda: self._look_ahead(older, grads, ahead),
+                    lambda: tf.constant(False))
+        return applied
+
+    def _step(self, grads):
+        """One update of the user's optimizer (a tf.cond branch: returns a tensor)."""
+        self.optimizer._base_apply(grads, self.variables)
+        return tf.constant(True)
+
+    def put_real_back(self):
+        """The real weights where the prediction was (in the graph, or now)."""
+        if not self.lookahead:
+            return
+
+        def put_back():
+            for v, real in zip(self.variables, self.real):
+                v.assign(real)
+            self.predicted.assign(False)
             return tf.constant(True)
+        tf.cond(self.predicted, put_back, lambda: tf.constant(False))
 
-        return tf.cond(popped, update, lambda: tf.constant(False))
+    def _look_ahead(self, older, current, ahead):
+        """Keep the real weights, then run the user's optimizer on this rank's own
+        gradients of the `ahead` steps in flight (`older` ones first, this step's
+        `current` last) and undo what that did to the optimizer's variables."""
+        for real, v in zip(self.real, self.variables):
+            real.assign(v)
+        state = self.optimizer.variables
+        saved = [tf.identity(v.value) for v in state]   # reads: later updates do not change them
+        for j, grads in enumerate(older):
+            tf.cond(j + 1 < ahead, lambda g=grads: self._step(g), lambda: tf.constant(False))
+        self._step(current)
+        for v, value in zip(state, saved):
+            v.assign(value)
+        self.predicted.assign(True)
+        return tf.constant(True)
 
     # --- Python side (runs every step) -------------------------------------------
     def _handoff_for(self, bucket):
@@ -93,7 +160,10 @@ class TensorFlowPath:
 
     def _fill(self, bucket, flat):
         for name, start, numel in bucket.offsets():
-            flat[start:start + numel].copy_(self._arrays.pop(name).reshape(-1))
+            array = self._arrays.pop(name)
+            flat[start:start + numel].copy_(array.reshape(-1))
+            if self.older:                       # TF reuses the buffer after the hand-off
+                self._local[name] = array.clone()
 
     def _finish(self, token):
         machine = self.machine
@@ -101,32 +171,52 @@ class TensorFlowPath:
             entry = StepGradient(loaded={n: a.clone() for n, a in self._arrays.items()})
         else:
             machine.launch_rest(self._fill)
-            entry = StepGradient(machine.launched)
-        self._arrays = {}
+            entry = StepGradient(machine.launched, kept={"local": self._local} if self.older
+                                 else None)
+        self._arrays, self._local = {}, {}
         ready = machine.finish_step(entry)
         self.timings["steps"] += 1
-        if not ready:
-            if self._zeros is None:
-                self._zeros = [self.transfer.to_tf(torch.zeros(self.shapes[n], dtype=b.kind[0],
-                                                               device=b.kind[1]))
-                               for n, b in ((n, self.machine.bucket_of[n]) for n in self.names)]
-            return (*self._zeros, self.transfer.flag(False))
-        (oldest,) = ready                        # restore() refuses what would pop several
-        start = time.perf_counter()
-        grads = oldest.gradients()
-        self.timings["wait_s"] += time.perf_counter() - start
-        self.timings["applied"] += 1
-        return (*[self.transfer.to_tf(grads[n].reshape(self.shapes[n])) for n in self.names],
-                self.transfer.flag(True))
+        if ready:
+            (oldest,) = ready                    # restore() refuses what would pop several
+            start = time.perf_counter()
+            out = self._to_tf(oldest.gradients())
+            self.timings["wait_s"] += time.perf_counter() - start
+            self.timings["applied"] += 1
+        else:
+            out = self._zeros_tf()
+        out.append(self.transfer.flag(bool(ready)))
+        if self.lookahead:
+            # This step is the newest in flight; the graph has its gradients already.
+            ahead = list(machine.fifo)
+            older = [e.kept.get("local") or e.gradients() for e in ahead[:-1]]
+            for j in range(self.older):
+                out += self._to_tf(older[j]) if j < len(older) else self._zeros_tf()
+            out.append(self.transfer.count(len(ahead)))
+        return tuple(out)
+
+    def _to_tf(self, grads):
+        return [self.transfer.to_tf(grads[n].reshape(self.shapes[n])) for n in self.names]
+
+    def _zeros_tf(self):
+        if self._zeros is None:
+            self._zeros = [self.transfer.to_tf(torch.zeros(self.shapes[n], dtype=b.kind[0],
+                                                           device=b.kind[1]))
+                           for n, b in ((n, self.machine.bucket_of[n]) for n in self.names)]
+        return list(self._zeros)
 
     # --- outside the step ---------------------------------------------------------
     def flush(self):
+        self.put_real_back()
         for entry in self.machine.drain():
             grads = entry.gradients()
             self.optimizer._base_apply(
                 [tf.convert_to_tensor(self.transfer.to_tf(grads[n].reshape(self.shapes[n])))
                  for n in self.names], self.variables)
             self.timings["applied"] += 1
+        self._set_depth()
+
+    def _set_depth(self, in_flight=0):
+        self.machine.fifo.pipeline_depth = 1 if self.alone and not in_flight else self.depth
 
     def in_flight(self):
         return len(self.machine.fifo)
@@ -134,21 +224,36 @@ class TensorFlowPath:
     def state(self):
         state = self.machine.state()
         state.pop("scales")
-        state.pop("kept")                        # no staleness compensation on this path yet
+        predicted = self.lookahead and bool(self.predicted.numpy())
+        state["real"] = ({n: r.numpy() for n, r in zip(self.names, self.real)} if predicted
+                         else None)
         return state
 
     def restore(self, in_flight, state):
         steps = state["steps"]
         fifo = self.machine.fifo
+        self._set_depth(len(in_flight))
         if in_flight and len(in_flight) >= fifo.threshold(steps):   # would pop several at once
             raise ValueError(f"a checkpoint with {len(in_flight)} gradients in flight at step "
                              f"{steps} cannot resume inside warm-up (warmup_steps="
                              f"{fifo.warmup_steps}): resume with the warm-up it was saved with")
         self.machine.settle()
-        self.machine.restore([{n: torch.from_numpy(np.array(g, copy=True)).reshape(-1).to(
-                                   self.machine.bucket_of[n].kind[1]) for n, g in grads.items()}
-                              for grads in in_flight],
-                             [None] * len(in_flight), steps)
+
+        def here(arrays):
+            return {n: torch.from_numpy(np.array(a, copy=True)).reshape(-1).to(
+                self.machine.bucket_of[n].kind[1]) for n, a in arrays.items()}
+        self.machine.restore([here(grads) for grads in in_flight], [None] * len(in_flight), steps,
+                             [{kind: here(t) for kind, t in k.items()}
+                              for k in state.get("kept", [])] or None)
+        real = state.get("real")
+        if real and self.lookahead:
+            for r, n in zip(self.real, self.names):
+                r.assign(real[n])
+        elif real:                               # saved predicted: the real weights are these
+            for v, n in zip(self.variables, self.names):
+                v.assign(real[n])
+        if self.lookahead:
+            self.predicted.assign(bool(real))
 
 
 def _refuse_xla():
@@ -174,6 +279,7 @@ class NumPy:
         return tensor.cpu().numpy()
 
     flag = staticmethod(np.bool_)
+    count = staticmethod(np.int64)
 
 
 class DLPack:
@@ -195,6 +301,10 @@ class DLPack:
     @staticmethod
     def flag(value):
         return tf.constant(value)
+
+    @staticmethod
+    def count(value):
+        return tf.constant(value, tf.int64)
 
 
 def _torch_device(variable):

@@ -6,22 +6,63 @@ DistributedOptimizer, wrapped around a stand-in torch optimizer whose
 `step()` is the Keras update, gives per-bucket overlap during backward,
 the pipeline, flush and the checkpoint state with no second copy of any of it.
 """
+import contextlib
+
 import numpy as np
 import torch
 
 from ..torch import optimizer as torch_optimizer
-from .paths import variable_names
+from ..torch.compensation import _copy_into
+from .paths import momentum_attribute, variable_names
 
 
 class _KerasUpdate(torch.optim.Optimizer):
-    """A torch optimizer whose step() is the Keras optimizer's own update of `.grad`."""
+    """A torch optimizer whose step() is the Keras optimizer's own update of `.grad`.
 
-    def __init__(self, params, update):
+    Its state is the Keras optimizer's variables (slots, `iterations`), so it saves
+    and restores them itself around the steps "lookahead" simulates. For the
+    "momentum" option its param group holds the Keras optimizer's momentum under
+    torch's name ("momentum", or beta_1 as "betas"), where that option reduces it;
+    step() hands the group's value to Keras.
+    """
+
+    def __init__(self, params, keras_optimizer, update, compensation):
         super().__init__(params, {})
-        self._update = update
+        self._keras, self._update = keras_optimizer, update
+        self._attribute = momentum_attribute(keras_optimizer) if compensation == "momentum" \
+            else None
+        self.follow_keras()
+
+    def follow_keras(self):
+        """Copy the Keras optimizer's momentum into the param group (before each step)."""
+        if self._attribute == "momentum":
+            self.param_groups[0]["momentum"] = self._keras.momentum
+        elif self._attribute == "beta_1":
+            self.param_groups[0]["betas"] = (self._keras.beta_1, self._keras.beta_2)
 
     def step(self, closure=None):
-        self._update()
+        if self._attribute is None:
+            self._update()
+            return
+        group = self.param_groups[0]
+        value = group["momentum"] if self._attribute == "momentum" else group["betas"][0]
+        saved = getattr(self._keras, self._attribute)
+        setattr(self._keras, self._attribute, value)
+        try:
+            self._update()
+        finally:
+            setattr(self._keras, self._attribute, saved)
+
+    @contextlib.contextmanager
+    def _pipe_horovod_state_restored(self, copies):
+        """torch/compensation.py's _state_restored, for state kept in Keras variables."""
+        variables = self._keras.variables
+        saved = [_copy_into(copies, i, v.value) for i, v in enumerate(variables)]
+        try:
+            yield
+        finally:
+            for v, value in zip(variables, saved):
+                v.assign(value)
 
 
 class TorchPath:
@@ -39,17 +80,19 @@ class TorchPath:
         # The Keras wrapper has told the user the depth already.
         torch_optimizer._announced.add((options["pipeline_depth"], options["warmup_steps"],
                                         "pipeline_depth argument"))
+        stand_in = _KerasUpdate(params, optimizer, update, options["staleness_compensation"])
         self.torch_optimizer = torch_optimizer.DistributedOptimizer(
-            _KerasUpdate(params, update), named_parameters=list(zip(self.names, params)),
+            stand_in, named_parameters=list(zip(self.names, params)),
             compression=options["compression"], op=options["op"],
             gradient_predivide_factor=options["gradient_predivide_factor"],
             process_set=options["process_set"], pipeline_depth=options["pipeline_depth"],
             warmup_steps=options["warmup_steps"], bucket_cap_mb=options["bucket_cap_mb"],
             groups=options["groups"],
-            staleness_compensation=options.get("staleness_compensation"))
+            staleness_compensation=options["staleness_compensation"])
 
     def apply(self, grads, variables):
         opt = self.torch_optimizer
+        opt.follow_keras()
         if not opt._hooks_fired:
             # Built after this backward (no hooks then): hand the gradients over now.
             for p in reversed(self.params):
@@ -61,7 +104,11 @@ class TorchPath:
     def timings(self):
         return self.torch_optimizer.timings
 
+    def put_real_back(self):
+        self.torch_optimizer._restore_real()
+
     def flush(self):
+        self.torch_optimizer.follow_keras()
         self.torch_optimizer.flush()
 
     def in_flight(self):
@@ -69,16 +116,22 @@ class TorchPath:
 
     def state(self):
         pipe = self.torch_optimizer.state_dict()["pipe_horovod"]
-        return {"steps": pipe["steps"], "in_flight": pipe["in_flight"],
+        return {"steps": pipe["steps"], "in_flight": pipe["in_flight"], "kept": pipe["kept"],
+                "real": pipe["real_weights"], "mean_square": pipe["mean_square"],
                 "order": pipe["bucket_order"], "order_agreed": pipe["order_agreed"]}
 
     def restore(self, in_flight, state):
+        def tensors(arrays):
+            return {n: torch.from_numpy(np.array(a, copy=True)) for n, a in arrays.items()}
         opt = self.torch_optimizer
         torch_state = opt.state_dict()
+        real = state.get("real")
         torch_state["pipe_horovod"].update(
-            steps=state["steps"], in_flight=[{n: torch.from_numpy(np.array(g, copy=True))
-                                              .reshape(-1) for n, g in grads.items()}
+            steps=state["steps"], in_flight=[{n: g.reshape(-1) for n, g in tensors(grads).items()}
                                              for grads in in_flight],
             scales=[None] * len(in_flight), bucket_order=state.get("order", []),
-            order_agreed=state.get("order_agreed", False))
+            order_agreed=state.get("order_agreed", False),
+            kept=[{kind: tensors(t) for kind, t in k.items()} for k in state.get("kept", [])],
+            real_weights=tensors(real) if real else None,
+            mean_square=tensors(state.get("mean_square", {})))
         opt.load_state_dict(torch_state)

@@ -2,10 +2,16 @@
 NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
 
 `python keras_worker.py MODE[,MODE...] [ARGS]`:
-  oracle                 SGD+momentum and Adam, K = 1, 2, 3, warm-up 0 and 2
+  oracle                 SGD+momentum and Adam, K = 1, 2, 3, warm-up 0 and 2 (plain Pipe-SGD)
+  staleness              the same with staleness_compensation="lookahead", K = 2, 3 (with one
+                         rank equal to K=1 bit for bit); on TensorFlow one run_eagerly case
+                         too; on torch one case of each other option
   full K OUT             all STEPS steps, then flush; weights to OUT (.npz)
-  save K CKPT            SAVE_AT steps, rank 0 saves the model (gradients in flight)
+  save K CKPT            SAVE_AT steps, then save the model (gradients in flight)
   resume K CKPT OUT      new processes: every rank loads CKPT, fits the rest, flushes
+                         (each of these three runs plain Pipe-SGD, rank 0 saving and every
+                         rank loading its file, and "lookahead", each rank saving and loading
+                         its own: the files are named after the case, and the rank)
   callbacks              the four callbacks together, different initial weights per rank
   errors                 bad input: a clear error on every rank, and no hang after it
   overlap                with reductions slowed by a fixed delay, K=2 epochs beat K=1's
@@ -81,48 +87,123 @@ def compiled(optimizer, model=None):
     return model
 
 
+class AtLastBatch(keras.callbacks.Callback):
+    """Calls `call` after fit's last training batch (before fit ends); keeps its result."""
+
+    def __init__(self, call):
+        super().__init__()
+        self.call, self.result = call, None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 == self.params["steps"]:
+            self.result = self.call()
+
+
+def check_case(kind, depth, warmup, compensation=None, eagerly=False, predivide=1.0):
+    """fit STEPS steps against the reference, then flush against it again.
+
+    One process with nothing to send runs lookahead at depth 1 (its prediction is the
+    next update); a predivide factor of 2 (exact) sends its gradients through the engine."""
+    what = (f"{keras.backend.backend()} {kind} K={depth} W={warmup} {compensation}"
+            f"{' eagerly' if eagerly else ''} predivide {predivide}")
+    keras_opt, ref_opt = make(kind)
+    opt = phvd.DistributedOptimizer(keras_opt, pipeline_depth=depth, warmup_steps=warmup,
+                                    bucket_cap_mb=1e-5, staleness_compensation=compensation,
+                                    gradient_predivide_factor=predivide)
+    if phvd.size() == 1 and compensation == "lookahead" and predivide == 1.0:
+        depth = 1
+    model = build()
+    model.compile(optimizer=opt, loss="mse", run_eagerly=eagerly)
+    start = weights_of(model)
+    last = AtLastBatch(lambda: weights_of(model))
+    fit(model, 0, STEPS, [last])
+    expected = ref.reference(start, gradients, ref_opt, depth, warmup, steps=STEPS,
+                             size=phvd.size(), flush=False, compensation=compensation)
+    assert int(opt.iterations.numpy()) == expected.iterations, what
+    assert opt.in_flight == len(expected.fifo), what
+    # During fit the model holds the weights this rank computes its next gradient at
+    # (its own prediction); fit ends with the real ones.
+    assert_close(last.result, expected.points[phvd.rank()], what + " (last batch)")
+    assert_close(weights_of(model), expected.weights, what)
+    opt.flush()
+    expected = ref.reference(start, gradients, make(kind)[1], depth, warmup, steps=STEPS,
+                             size=phvd.size(), compensation=compensation)
+    assert int(opt.iterations.numpy()) == STEPS, what
+    assert opt.timings["applied"] == STEPS and opt.timings["steps"] == STEPS, what
+    assert_close(weights_of(model), expected.weights, what + " after flush")
+    return weights_of(model)
+
+
+SYNC = {}                  # kind -> weights after fit and flush at K=1 (check_oracle's)
+
+
 def check_oracle():
     for kind in ("sgd", "adam"):
         for depth in (1, 2, 3):
             for warmup in (0, 2):
-                what = f"{keras.backend.backend()} {kind} K={depth} W={warmup}"
-                keras_opt, ref_opt = make(kind)
-                opt = phvd.DistributedOptimizer(keras_opt, pipeline_depth=depth,
-                                                warmup_steps=warmup, bucket_cap_mb=1e-5)
-                model = compiled(opt)
-                start = weights_of(model)
-                fit(model, 0, STEPS)
-                expected = ref.reference(start, gradients, ref_opt, depth, warmup, steps=STEPS,
-                                         size=phvd.size(), flush=False)
-                assert int(opt.iterations.numpy()) == expected.iterations, what
-                assert opt.in_flight == len(expected.fifo), what
-                assert_close(weights_of(model), expected.weights, what)
-                opt.flush()
-                expected = ref.reference(start, gradients, make(kind)[1], depth, warmup,
-                                         steps=STEPS, size=phvd.size())
-                assert int(opt.iterations.numpy()) == STEPS, what
-                assert opt.timings["applied"] == STEPS and opt.timings["steps"] == STEPS, what
-                assert_close(weights_of(model), expected.weights, what + " after flush")
+                weights = check_case(kind, depth, warmup)
+                if depth == 1:
+                    SYNC[kind] = weights
+
+
+def check_staleness():
+    alone = phvd.size() == 1
+    for kind in ("sgd", "adam"):
+        sync = SYNC.get(kind) or check_case(kind, 1, 0)
+        for depth in (2, 3):
+            for warmup in (0, 2):
+                got = check_case(kind, depth, warmup, "lookahead", predivide=2.0 if alone else 1)
+                if alone:
+                    # One rank's own gradient is the average: the prediction is exact.
+                    for i, (a, b) in enumerate(zip(got, sync)):
+                        assert np.array_equal(a, b), f"{kind} K={depth} W={warmup}: variable " \
+                                                     f"{i} differs from K=1"
+    if alone:
+        check_case("sgd", 3, 0, "lookahead")     # depth 1: nothing to send
+    if keras.backend.backend() == "tensorflow":
+        if alone:
+            check_case("adam", 3, 2, "lookahead", eagerly=True, predivide=2.0)
+        return
+    # The PyTorch adapter runs the other options (its stand-in optimizer's step is Keras's).
+    for kind, depth, warmup, option in (("sgd", 3, 2, "predict"), ("adam", 2, 0, "dc"),
+                                        ("sgd", 2, 1, "momentum"), ("adam", 3, 0, "momentum")):
+        check_case(kind, depth, warmup, option)
+
+
+def case_file(path, compensation, rank=None):
+    path = Path(path)
+    return path.with_name(f"{compensation}{'' if rank is None else f'-rank{rank}'}-{path.name}")
 
 
 def check_checkpoint(mode, depth, path, out=None):
-    depth = int(depth)
+    for compensation in (None, "lookahead"):
+        # Plain: Horovod's pattern (rank 0 saves, every rank loads it). Lookahead: each rank
+        # saves and loads its own (its prediction used its own gradients).
+        own = compensation is not None and mode != "full"
+        checkpoint_case(mode, int(depth), compensation,
+                        case_file(path, compensation, phvd.rank() if own else None),
+                        out and case_file(out, compensation))
+
+
+def checkpoint_case(mode, depth, compensation, path, out):
     if mode == "resume":
         model = keras.models.load_model(path)
         assert isinstance(model.optimizer, keras.optimizers.Adam)
+        assert model.optimizer.get_config()["staleness_compensation"] == compensation
         assert model.optimizer.in_flight == depth - 1, "the gradients in flight must be restored"
         fit(model, SAVE_AT, STEPS)
     else:
         opt = phvd.DistributedOptimizer(keras.optimizers.Adam(0.01), pipeline_depth=depth,
-                                        bucket_cap_mb=1e-5)
+                                        bucket_cap_mb=1e-5, staleness_compensation=compensation)
         model = compiled(opt)
-        fit(model, 0, SAVE_AT if mode == "save" else STEPS)
         if mode == "save":
+            # Saved during fit, as ModelCheckpoint does: the model holds predicted weights.
+            saving = phvd.rank() == 0 or compensation is not None
+            fit(model, 0, SAVE_AT, [AtLastBatch(lambda: saving and model.save(path))])
             assert opt.in_flight == depth - 1
-            if phvd.rank() == 0:
-                model.save(path)
-            phvd.allreduce(0, "saved")           # a barrier: the file exists for everyone
+            phvd.allreduce(0, f"saved.{compensation}")   # a barrier: the files exist for all
             return
+        fit(model, 0, STEPS)
         out = path
     model.optimizer.flush()
     if phvd.rank() == 0:
@@ -186,9 +267,17 @@ def check_errors():
                  lambda: phvd.DistributedOptimizer(once))
     expect_error(ValueError, "pipeline_depth must be >= 1",
                  lambda: phvd.DistributedOptimizer(keras.optimizers.SGD(0.1), pipeline_depth=0))
-    expect_error(ValueError, "not available in the Keras adapter yet",
+    expect_error(ValueError, "one of lookahead, predict, dc, momentum",
                  lambda: phvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
-                                                   staleness_compensation="lookahead"))
+                                                   staleness_compensation="lookahed"))
+    if backend == "torch":
+        expect_error(ValueError, "has none (no nonzero `momentum` or `beta_1`)",
+                     lambda: phvd.DistributedOptimizer(keras.optimizers.Adagrad(0.1),
+                                                       staleness_compensation="momentum"))
+    else:
+        expect_error(ValueError, "not available on the Keras tensorflow backend; there: None "
+                     "or 'lookahead'", lambda: phvd.DistributedOptimizer(
+                         keras.optimizers.SGD(0.1), staleness_compensation="dc"))
     # A model that differs between ranks: every rank raises when fit builds the optimizer.
     model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(HIDDEN + phvd.rank()),
                               keras.layers.Dense(OUT)])
@@ -278,8 +367,8 @@ def main():
     if mode in ("full", "save", "resume"):
         check_checkpoint(mode, *args)
     else:
-        checks = {"oracle": check_oracle, "callbacks": check_callbacks, "errors": check_errors,
-                  "overlap": check_overlap}
+        checks = {"oracle": check_oracle, "staleness": check_staleness,
+                  "callbacks": check_callbacks, "errors": check_errors, "overlap": check_overlap}
         for name in mode.split(","):             # several in one launch: TF starts slowly
             checks[name]()
     print(f"WORKER_OK rank={phvd.rank()}", flush=True)
