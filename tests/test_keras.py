@@ -10,12 +10,13 @@ pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
 
 # The overlap check runs in one process (a real engine, the fp16 codec so buckets go through
-# it) and on 2 ranks under torchrun, timed per step (keras_worker.StepClock says why).
+# it) and, on TensorFlow, on 2 ranks under torchrun, timed per step (keras_worker.StepClock
+# says why).
 # The staleness compensation's cases run in the launches that exist anyway; under horovodrun
 # on the torch backend only (its TensorFlow traces would add ~12 s to the suite).
 MODES = {"local": "oracle,staleness,errors,callbacks,overlap",
-         "torch": "oracle,staleness,errors,callbacks,overlap", "horovod": "oracle,callbacks"}
-EXTRA_MODES = {("horovod", "torch"): ",staleness"}
+         "torch": "oracle,staleness,errors,callbacks", "horovod": "oracle,callbacks"}
+EXTRA_MODES = {("horovod", "torch"): ",staleness", ("torch", "tensorflow"): ",overlap"}
 
 
 def needs(engine_name):

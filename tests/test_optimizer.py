@@ -66,8 +66,8 @@ def _resume_matches_uninterrupted(tmp_path, engine_name, np, kind, depth, resume
         assert torch.equal(a[name], b[name]), f"{name} differs after resume"
 
 
-@pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("torch", 3)])
-@pytest.mark.parametrize("kind", ["sgd", "adam"])
+# Each engine once, each optimizer once (test_staleness resumes every option on both too).
+@pytest.mark.parametrize("engine_name, np, kind", [("horovod", 2, "sgd"), ("torch", 3, "adam")])
 def test_checkpoint_resume_is_bit_identical(tmp_path, engine_name, np, kind):
     needs(engine_name)
     _resume_matches_uninterrupted(tmp_path, engine_name, np, kind, 3, "resume")
