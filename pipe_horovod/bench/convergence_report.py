@@ -23,6 +23,7 @@ import os
 import statistics
 
 from pipe_horovod.bench import convergence_worker as cw
+from pipe_horovod.bench.report import save_outputs
 
 FRACTIONS = (0.95, 0.99)
 # Issue 13's targets for K=2 with the best option: 99% of sync's final accuracy in at most
@@ -305,16 +306,6 @@ def plot(summary, path):
 
 # ------------------------------------------------------------------- writing
 
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
-
-
 def write_report(raws, out_dir, name="convergence", step_times=None, command=None):
     """Writes <name>.md, <name>.json, <name>.png under out_dir; returns (markdown, paths)."""
     os.makedirs(out_dir, exist_ok=True)
@@ -322,10 +313,6 @@ def write_report(raws, out_dir, name="convergence", step_times=None, command=Non
     text = markdown(summary, "##")
     if command:
         text = f"Command: `{command}`\n\n" + text
-    paths = {k: os.path.join(out_dir, f"{name}.{k}") for k in ("md", "json", "png")}
-    with open(paths["md"], "w") as f:
-        f.write(text)
-    with open(paths["json"], "w") as f:
-        json.dump(_jsonable(summary), f, indent=1)
+    paths = save_outputs(out_dir, name, text, summary)
     plot(summary, paths["png"])
     return text, paths

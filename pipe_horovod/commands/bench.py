@@ -263,22 +263,15 @@ class _Bar:
             self.bar.close()
 
 
-def run_local(args, worker, log_path, bar, module=WORKER):
-    """Runs `module` with argv `worker` on args.workers local workers; raises RuntimeError."""
-    cmd = _local_command(args, worker, module)
-    env = _env(args, args.engine)
-    if _needs_ddp_group(args):          # horovodrun on this host: every worker reaches loopback
-        env.update(_ddp_env("127.0.0.1", bench_worker.free_port("127.0.0.1")))
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    deadline = time.monotonic() + args.timeout
+def wait_group(proc, bar, deadline):
+    """Poll `bar` until `proc` (started in a session of its own) exits or `deadline`
+    passes; on time-out or interruption the whole process group goes, SIGTERM first."""
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             bar.poll()
             time.sleep(_POLL)
     finally:
-        if proc.poll() is None:               # timed out, or interrupted: take the group down
+        if proc.poll() is None:
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
                     os.killpg(proc.pid, sig)
@@ -289,6 +282,19 @@ def run_local(args, worker, log_path, bar, module=WORKER):
                     break
                 except subprocess.TimeoutExpired:
                     continue
+
+
+def run_local(args, worker, log_path, bar, module=WORKER):
+    """Runs `module` with argv `worker` on args.workers local workers; raises RuntimeError."""
+    cmd = _local_command(args, worker, module)
+    env = _env(args, args.engine)
+    if _needs_ddp_group(args):          # horovodrun on this host: every worker reaches loopback
+        env.update(_ddp_env("127.0.0.1", bench_worker.free_port("127.0.0.1")))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + args.timeout
+    wait_group(proc, bar, deadline)
     if proc.returncode is None or proc.returncode < 0 and time.monotonic() >= deadline:
         raise RuntimeError(f"timed out after {args.timeout:.0f} s: {shlex.join(cmd)}\n"
                            f"{tail_file(log_path, 40)}")

@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 
 from pipe_horovod.bench import convergence_tasks as tasks_mod
 from pipe_horovod.bench import convergence_worker as cw
+from pipe_horovod.commands.bench import wait_group
 from pipe_horovod.emulate import read_progress, tail_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -199,19 +199,6 @@ class Progress:
             self.bar.close()
 
 
-def _stop(proc):
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def run_task(args, task, out, command):
     """Train every config x seed of one task; returns the raw result (with launch info)."""
     raw_path = os.path.join(out, f"{args.name}-{task.name}-raw.json")
@@ -236,12 +223,8 @@ def run_task(args, task, out, command):
                                 start_new_session=True)
     deadline = time.monotonic() + args.timeout
     try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            bar.poll()
-            time.sleep(_POLL)
+        wait_group(proc, bar, deadline)
     finally:
-        if proc.poll() is None:            # timed out or interrupted: the whole group goes
-            _stop(proc)
         bar.close()
     if proc.returncode is None or time.monotonic() >= deadline:
         raise RuntimeError(f"{task.name}: timed out after {args.timeout:.0f} s: "
