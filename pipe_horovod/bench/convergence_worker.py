@@ -22,8 +22,6 @@ staleness compensation), `kK-OPTION` (pipeline_depth=K,
 staleness_compensation=OPTION).
 """
 import argparse
-import json
-import os
 import re
 import sys
 import time
@@ -159,35 +157,13 @@ def train_one(task, config, seed, data, eng_info, epochs, on_epoch):
             **history}
 
 
-class Progress:
-    """Rank 0 writes {"done", "total", "current"} atomically; the launcher polls it."""
-
-    def __init__(self, path, total):
-        self.path, self.total, self.done = path, total, 0
-        self.write("starting workers")
-
-    def write(self, current):
-        if not self.path:
-            return
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"done": self.done, "total": self.total, "current": current}, f)
-        os.replace(tmp, self.path)
-
-
-def _write_json(path, obj):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
-
-
 def run(args):
     import torch
 
     import pipe_horovod.torch as phvd
     from pipe_horovod import engine as phvd_engine
     from pipe_horovod.bench import convergence_tasks as tasks
+    from pipe_horovod.bench.worker import Progress, write_json
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -203,8 +179,7 @@ def run(args):
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     data = tasks.load_data(task.data)
     log = (lambda *a: print("[convergence]", *a, flush=True)) if rank == 0 else (lambda *a: None)
-    progress = Progress(args.progress if rank == 0 else None,
-                        len(seeds) * len(configs) * epochs)
+    progress = Progress(args.progress, len(seeds) * len(configs) * epochs, rank == 0)
     raw = {"format": FORMAT, "task": task.describe(size), "engine": phvd_engine.current().name,
            "workers": size, "epochs": epochs, "seeds": seeds, "configs": configs,
            "n_train": len(data[0]), "n_test": len(data[2]),
@@ -228,7 +203,7 @@ def run(args):
                 f"{record['train_time_s']:.1f} s (ranks agree: {record['ranks_agree']}); "
                 f"per epoch: {accs}")
             if rank == 0 and args.out:
-                _write_json(args.out, raw)
+                write_json(args.out, raw)
     progress.write("done")
     phvd.shutdown()
     return 0 if all(r["ranks_agree"] for r in raw["runs"]) else 1

@@ -13,7 +13,6 @@ warm-up + timed steps; a step's time is the gap between consecutive
 `on_train_batch_end` calls, so it covers the whole step (input, graph,
 hand-offs) as a user's throughput sees it.
 """
-import json
 import os
 import time
 
@@ -123,11 +122,7 @@ def busy_cores(t0, t1):
     return None
 
 
-def write_json(path, data):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+write_json = torch_worker.write_json      # the Keras and MWMS workers' results
 
 
 def add_arguments(parser):

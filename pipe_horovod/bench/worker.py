@@ -515,6 +515,14 @@ def allreduce_sweep(eng, max_bytes, progress):
     return result
 
 
+def write_json(path, obj):
+    """Atomically: a reader polling `path` never sees half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
 class Progress:
     """Rank 0 writes {"done", "total", "current"} atomically; the launcher polls it."""
 
@@ -524,12 +532,8 @@ class Progress:
         self.write("starting")
 
     def write(self, current):
-        if not self.enabled:
-            return
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"done": self.done, "total": self.total, "current": current}, f)
-        os.replace(tmp, self.path)
+        if self.enabled:
+            write_json(self.path, {"done": self.done, "total": self.total, "current": current})
 
     def __call__(self, current):
         self.done += 1
