@@ -1,9 +1,11 @@
 """Alpha-beta-gamma cost model of collectives and of sync vs pipelined steps.
 
 Pipe-SGD's argument is quantitative: a pipelined step costs
-max(compute + update, communication) where a sync step pays the sum, so
-whether pipelining (or compression) helps depends on latency, bandwidth,
-cluster size and model size. This module turns those into predicted step
+max(compute + update, communication) where a sync step pays compute plus
+whatever communication its backward does not hide (Schedule: the per-bucket
+overlap of Horovod, DDP and our K=1), so whether pipelining (or
+compression) helps depends on latency, bandwidth, cluster size, model size
+and where in backward the bytes become ready. This module turns those into predicted step
 times, so a user can decide before running, and so the benchmark can print
 predictions beside measurements. It is pure Python + numpy on purpose: the
 `pipe-horovod model` command must work where torch is not installed.
@@ -185,35 +187,213 @@ def allreduce_time(net, p, nbytes, algorithm="ring", **kwargs):
 
 
 # ----------------------------------------------------------------- step time
+#
+# One step as the link sees it. Forward takes F, backward B, the update U.
+# Backward produces gradients in reverse layer order; a system groups them
+# into buckets (fixed caps for DDP and our optimizer, Horovod's fusion of
+# whatever is ready), bucket i is ready a_i after backward starts
+# (0 <= a_1 <= ... <= a_n = B at most) and its allreduce costs c_i. One link
+# carries them in ready order: a bucket starts at max(its ready time, the
+# previous bucket's end). Two numbers summarise the schedule:
+#   C = sum c_i, the link's busy time per step;
+#   L = max_i (a_i + c_i + ... + c_n), when the last reduction lands,
+#       counted from the start of backward on an idle link (L >= B, L >= C).
+#
+# Derivation (K = pipeline_depth). Let step t start at s_t, its backward at
+# b_t = s_t + F, and let E_t be when its last reduction lands. Unrolling the
+# serial link, E_t = max(b_t + L, E_{t-1} + C). The update of step t applies
+# the gradient of step t-K+1, so it waits for E_{t-K+1}:
+#   s_{t+1} = max(b_t + B, E_{t-K+1}) + U.
+# In steady state s_t = tT and E_t = tT + e. The link forces T >= C (then
+# e = L); the update's wait gives T = max(F + B + U, F + U + e - (K-1)T),
+# whose fixed point is max(F + B + U, (F + L + U) / K). Hence
+#   T_K = max(F + B + U, C, (F + L + U) / K).
+# K = 1 (sync: Horovod, DDP, our K=1) gives F + L + U, because L >= B and
+# L >= C: forward, then backward until the last bucket lands, then the update;
+# not F + B + C + U, which ignores that buckets go out during backward.
+# K = 2 gives max(F + B + U, C) — compute or the link, whichever is slower —
+# plus an exposed remainder max(0, (F + L + U)/2 - max(F + B + U, C)) (a
+# step's reductions must land within two steps). That remainder is zero on
+# one serial link: every bucket is ready by B, so L <= B + C and
+# (F + L + U)/2 <= the mean of F + B + U and C. What a measured K=2 step
+# exposes beyond max(compute, comm) therefore comes from what this model
+# leaves out (jitter, the CPU that communication takes: X below).
+# `comm_cpu_s` (X) is CPU time communication takes from compute where both
+# share cores; it stretches the compute term: max(F + B + U + X, C, ...).
+
+@dataclass(frozen=True)
+class Schedule:
+    """One step's compute and the buckets the link carries (see the derivation above)."""
+
+    forward_s: float
+    backward_s: float
+    update_s: float
+    buckets: tuple = ()  # ((ready_s after backward starts, allreduce seconds), ...) in launch order
+
+    def __post_init__(self):
+        for name in ("forward_s", "backward_s", "update_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"Schedule.{name} must be >= 0, got {getattr(self, name)!r}")
+        if any(not (ready >= 0 and cost >= 0) for ready, cost in self.buckets):
+            raise ValueError(f"bucket ready times and costs must be >= 0, got {self.buckets!r}")
+
+    @property
+    def compute_s(self):
+        return self.forward_s + self.backward_s + self.update_s
+
+    @property
+    def comm_s(self):
+        """C: seconds the link is busy per step."""
+        return sum(cost for _, cost in self.buckets)
+
+    @property
+    def landing_s(self):
+        """L: when the last reduction lands, from the start of backward, link idle before."""
+        free = 0.0
+        for ready, cost in self.buckets:
+            free = max(ready, free) + cost
+        return max(self.backward_s, free)
+
+    def step_s(self, pipeline_depth=1, comm_cpu_s=0.0):
+        """T_K = max(F + B + U + X, C, (F + L + U) / K)."""
+        if pipeline_depth != int(pipeline_depth) or pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth must be an integer >= 1, got {pipeline_depth!r}")
+        if not comm_cpu_s >= 0:
+            raise ValueError(f"comm_cpu_s must be >= 0, got {comm_cpu_s}")
+        return max(self.compute_s + comm_cpu_s, self.comm_s,
+                    (self.forward_s + self.landing_s + self.update_s) / pipeline_depth)
+
 
 def step_time(compute_s, update_s, comm_s, pipeline_depth=1, overlap=0.0, comm_cpu_s=0.0):
-    """Predicted seconds per training step.
+    """Predicted seconds per step from totals alone: a Schedule with one
+    bucket holding the whole model, for when no per-layer profile exists.
 
-    Sync (pipeline_depth=1) pays compute + update + the communication not
-    hidden behind backward. `overlap` is the fraction of communication that
-    per-layer/bucket overlap hides; it can hide at most compute_s of it, which
-    keeps sync >= pipelined for every input.
-
-    Pipelined (pipeline_depth=K>=2) runs step t's allreduce while step t+1
-    computes, so the slower of the two sets the pace: max(compute + update,
-    comm). A deeper pipeline (K>2) only absorbs jitter; it cannot raise the
-    steady-state throughput above this bound, so K does not appear here.
-
-    `comm_cpu_s` is the CPU time communication takes away from compute when
-    both run at once: on CPU workers whose compute already fills their cores,
-    the reduction, the copies and the kernel's network stack run on those
-    same cores, so overlapping stretches compute by that much. On a GPU, or
-    with idle cores, it is ~0. A sync step does not overlap, so it pays none.
+    `overlap` is the fraction of communication a sync step hides behind
+    backward (the bucket is taken as ready that much before backward ends,
+    at most all of backward), so sync = compute + update + comm - hidden.
+    Pipelined (K >= 2) is then max(compute + update + comm_cpu_s, comm).
     """
-    if pipeline_depth < 1:
-        raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be in [0, 1], got {overlap}")
-    if not comm_cpu_s >= 0:
-        raise ValueError(f"comm_cpu_s must be >= 0, got {comm_cpu_s}")
-    if pipeline_depth == 1:
-        return compute_s + update_s + comm_s - min(overlap * comm_s, compute_s)
-    return max(compute_s + update_s + comm_cpu_s, comm_s)
+    if not comm_s >= 0:
+        raise ValueError(f"comm_s must be >= 0, got {comm_s}")
+    ready = compute_s - min(overlap * comm_s, compute_s)
+    return Schedule(0.0, compute_s, update_s, ((ready, comm_s),)).step_s(pipeline_depth, comm_cpu_s)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one worker computes per step: the input of `predict`.
+
+    `gradients` are ((ready_s, nbytes), ...) in the order backward produces
+    them, ready_s counted from the start of backward (<= backward_s).
+    """
+
+    forward_s: float
+    backward_s: float
+    update_s: float
+    gradients: tuple
+
+    def __post_init__(self):
+        Schedule(self.forward_s, self.backward_s, self.update_s)  # validates the times
+        ready = [r for r, _ in self.gradients]
+        if not self.gradients:
+            raise ValueError("a workload needs at least one gradient")
+        if any(not (n > 0) for _, n in self.gradients):
+            raise ValueError("every gradient must have nbytes > 0")
+        if ready != sorted(ready) or ready[0] < 0 or ready[-1] > self.backward_s * (1 + 1e-12):
+            raise ValueError(f"gradient ready times must be ascending within [0, backward_s], got {ready}")
+
+    @classmethod
+    def aggregate(cls, compute_s, update_s, model_bytes):
+        """Totals only: the whole gradient ready when forward + backward ends."""
+        return cls(0.0, compute_s, update_s, ((compute_s, model_bytes),))
+
+    @classmethod
+    def from_layers(cls, layers, update_s=0.0):
+        """`layers`: ((forward_s, backward_s, (gradient nbytes, ...)), ...) in
+        forward order. Backward runs them in reverse; a layer's gradients are
+        ready when its backward ends, its last parameter's first (autograd's order)."""
+        layers = list(layers)
+        gradients, clock = [], 0.0
+        for _, backward_s, sizes in reversed(layers):
+            clock += backward_s
+            gradients += [(clock, n) for n in reversed(sizes)]
+        return cls(sum(f for f, _, _ in layers), clock, update_s, tuple(gradients))
+
+    @property
+    def model_bytes(self):
+        return sum(n for _, n in self.gradients)
+
+    def with_codec(self, seconds_per_byte):
+        """The codec encodes each gradient on the training thread when it is
+        ready, so it delays every later gradient and lengthens backward."""
+        if seconds_per_byte == 0:
+            return self
+        shifted, delay = [], 0.0
+        for ready, n in self.gradients:
+            delay += n * seconds_per_byte
+            shifted.append((ready + delay, n))
+        return Workload(self.forward_s, self.backward_s + delay, self.update_s, tuple(shifted))
+
+
+@dataclass(frozen=True)
+class Bucketing:
+    """How a system groups gradients (in ready order) into allreduces.
+
+    "cap" (our optimizer, pipeline/buckets.py): a bucket closes before the
+    next gradient would take it past cap_bytes. "ddp" (torch's Reducer): a
+    bucket closes once it reaches its limit, the first limit being
+    first_cap_bytes. "fusion" (Horovod's tensor fusion): when the link
+    frees, everything ready by then goes, up to cap_bytes per allreduce.
+    Horovod's cycle (1 ms by default) is not modelled.
+    """
+
+    kind: str
+    cap_bytes: float
+    first_cap_bytes: float = None
+
+    def __post_init__(self):
+        if self.kind not in ("cap", "ddp", "fusion"):
+            raise ValueError(f"unknown bucketing {self.kind!r}; choose cap, ddp or fusion")
+        if not self.cap_bytes > 0:
+            raise ValueError(f"bucket cap must be > 0 bytes, got {self.cap_bytes!r}")
+
+    def buckets(self, gradients, cost):
+        """((ready_s, nbytes), ...) per bucket; `cost(nbytes)` is one allreduce's
+        seconds (fusion decides what is ready by when the link frees)."""
+        if self.kind == "fusion":
+            return self._fuse(gradients, cost)
+        out, ready, used = [], 0.0, 0.0
+        limit = self.first_cap_bytes if self.kind == "ddp" and self.first_cap_bytes else self.cap_bytes
+        for r, n in gradients:
+            if self.kind == "cap" and used and used + n > self.cap_bytes:
+                out.append((ready, used))
+                used = 0.0
+            ready, used = r, used + n
+            if self.kind == "ddp" and used >= limit:
+                out.append((ready, used))
+                used, limit = 0.0, self.cap_bytes
+        return out + [(ready, used)] if used else out
+
+    def _fuse(self, gradients, cost):
+        out, free, i = [], 0.0, 0
+        while i < len(gradients):
+            start = max(free, gradients[i][0])
+            used = 0.0
+            while i < len(gradients) and gradients[i][0] <= start and (
+                    not used or used + gradients[i][1] <= self.cap_bytes):
+                used += gradients[i][1]
+                i += 1
+            out.append((start, used))
+            free = start + cost(used)
+        return out
+
+
+MIB = 2**20
+OURS = Bucketing("cap", 25 * MIB)                       # DistributedOptimizer(bucket_cap_mb=25)
+DDP = Bucketing("ddp", 25 * MIB, first_cap_bytes=MIB)   # torch's bucket_cap_mb=25, first bucket 1 MiB
+HOROVOD = Bucketing("fusion", 128 * MIB)                # HOROVOD_FUSION_THRESHOLD default
 
 
 # name -> (wire ratio, codec seconds per byte of the fp32 gradient, encode +
@@ -221,8 +401,8 @@ def step_time(compute_s, update_s, comm_s, pipeline_depth=1, overlap=0.0, comm_c
 # measured on this project's 2-core machines: fp16 1.4, bf16 1.6, int8 5.5
 # ns/byte. On CPU they can outweigh the bytes saved; on a GPU they are
 # near zero, so pass your own figures there. The codec runs where the
-# gradient is produced (the training thread or stream), so in a pipelined
-# step it adds to compute, not to the communication it overlaps.
+# gradient is produced (the training thread or stream), so it adds to
+# backward, not to the communication it overlaps.
 DEFAULT_COMPRESSIONS = {
     "fp16": (0.5, 1.5e-9),
     "bf16": (0.5, 1.5e-9),
@@ -232,7 +412,11 @@ DEFAULT_COMPRESSIONS = {
 
 @dataclass(frozen=True)
 class Row:
-    """One configuration's prediction; speedup is against uncompressed sync."""
+    """One configuration's prediction; speedup is against the first row
+    (uncompressed sync). compute_s: the compute side's busy time per step
+    (codec and comm CPU included); comm_s: the link's (C); bottleneck: the
+    busier of the two, the link's split into "network" (bytes) and
+    "latency" (per-message terms) by which part of C is larger."""
 
     name: str
     pipeline_depth: int
@@ -241,6 +425,8 @@ class Row:
     comm_s: float
     step_s: float
     speedup: float
+    compute_s: float = 0.0
+    bottleneck: str = "compute"
 
 
 @dataclass(frozen=True)
@@ -260,41 +446,61 @@ class Prediction:
         return self.rows["pipelined"].step_s
 
 
-def predict(compute_s, update_s, model_bytes, workers, network, algorithm="ring",
-            compressions=None, pipeline_depth=2, overlap=0.0, comm_cpu_per_byte=0.0):
-    """Predict every (sync | pipelined) x compression combination at once, so
-    the CLI table and the benchmark's "predicted" column come from one place.
+def predict(workload, workers, network, algorithm="ring", compressions=None, pipeline_depth=2,
+            overlap=0.0, comm_cpu_per_byte=0.0, bucketing=OURS):
+    """Predict every (sync | pipelined) x compression combination of one
+    system at once, so the CLI tables and the benchmark's "predicted"
+    column come from one place.
 
-    Rows are named "sync", "pipelined", "sync+fp16", "pipelined+fp16", ...
-    (compression "none" adds no suffix; it is always included as the
-    baseline). `compressions` maps a name to (wire ratio, codec seconds per
-    byte of the uncompressed gradient); default DEFAULT_COMPRESSIONS.
-    `overlap` applies to the sync rows only (see step_time).
-    `comm_cpu_per_byte`: CPU seconds per byte on the wire that communication
-    takes from compute when they overlap (step_time's comm_cpu_s); measure it
-    as the slowdown of compute while an allreduce runs, over its bytes.
-    Row.comm_s includes the codec.
+    `workload`: a Workload (per-gradient backward schedule, or
+    Workload.aggregate from totals). `bucketing`: OURS, DDP or HOROVOD
+    (which system's buckets the link carries). Rows are named "sync",
+    "pipelined", "sync+fp16", "pipelined+fp16", ... (compression "none"
+    adds no suffix; it is always included as the baseline). `compressions`
+    maps a name to (wire ratio, codec seconds per byte of the uncompressed
+    gradient); default DEFAULT_COMPRESSIONS. `overlap` (aggregate
+    workloads only, see step_time) applies to the sync rows.
+    `comm_cpu_per_byte`: CPU seconds per byte on the wire that
+    communication takes from compute when they overlap (Schedule's X);
+    measure it as the slowdown of compute while an allreduce runs, over its bytes.
     """
     if pipeline_depth < 2:
         raise ValueError(f"pipeline_depth must be >= 2 for the pipelined rows, got {pipeline_depth}")
+    if overlap and len(workload.gradients) > 1:
+        raise ValueError("overlap is for an aggregate (one-gradient) workload; "
+                         "a per-gradient workload's schedule gives the overlap itself")
+    if workers != int(workers) or workers < 1:
+        raise ValueError(f"number of workers must be an integer >= 1, got {workers!r}")
     compressions = {"none": (1.0, 0.0), **(DEFAULT_COMPRESSIONS if compressions is None else compressions)}
+    bytes_only = Network(0.0, network.beta, network.gamma)
     rows, base = {}, None
     for comp, (ratio, codec_per_byte) in compressions.items():
-        wire = model_bytes * ratio
-        if workers == 1:  # nothing to send, so nothing to compress
-            allreduce_s = codec_s = cpu_s = 0.0
-        else:
-            allreduce_s = allreduce_time(network, workers, wire, algorithm)
-            codec_s = codec_per_byte * model_bytes
-            cpu_s = comm_cpu_per_byte * wire
+        alone = workers == 1  # nothing to send, so nothing to compress
+        work = workload if alone else workload.with_codec(codec_per_byte)
+
+        def cost(nbytes, net=network):
+            return allreduce_time(net, workers, nbytes * ratio, algorithm)
+
+        groups = bucketing.buckets(work.gradients, cost)
+        buckets = [(ready, cost(n)) for ready, n in groups]
+        if overlap:
+            (ready, comm), = buckets
+            buckets = [(work.backward_s - min(overlap * comm, work.backward_s), comm)]
+        schedule = Schedule(work.forward_s, work.backward_s, work.update_s, tuple(buckets))
+        wire = workload.model_bytes * ratio
+        cpu_s = 0.0 if alone else comm_cpu_per_byte * wire
+        compute, comm = schedule.compute_s + cpu_s, schedule.comm_s
+        bottleneck = "compute"
+        if comm > compute:
+            bandwidth = sum(cost(n, bytes_only) for _, n in groups)
+            bottleneck = "latency" if comm - bandwidth > bandwidth else "network"
         for mode, depth in (("sync", 1), ("pipelined", pipeline_depth)):
             name = mode if comp == "none" else f"{mode}+{comp}"
-            step = step_time(compute_s + codec_s, update_s, allreduce_s, depth,
-                             overlap if depth == 1 else 0.0, cpu_s)
+            step = schedule.step_s(depth, cpu_s)
             base = step if base is None else base
             speedup = base / step if step > 0 else 1.0
-            rows[name] = Row(name, depth, comp, wire, allreduce_s + codec_s, step, speedup)
-    return Prediction(algorithm, workers, model_bytes, network, rows)
+            rows[name] = Row(name, depth, comp, wire, comm, step, speedup, compute, bottleneck)
+    return Prediction(algorithm, workers, workload.model_bytes, network, rows)
 
 
 # ----------------------------------------------------------------------- fit

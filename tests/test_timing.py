@@ -90,7 +90,7 @@ def test_pipelined_is_max_and_never_slower_than_sync(compute, update, comm, over
 
 def test_predict_rows_and_speedups():
     net = Network(2e-5, 8e-10)
-    pred = timing.predict(0.12, 0.0, 233e6, 4, net, algorithm="ring",
+    pred = timing.predict(timing.Workload.aggregate(0.12, 0.0, 233e6), 4, net, algorithm="ring",
                           compressions={"fp16": (0.5, 0.0), "int8": (0.25, 1e-10)})
     assert list(pred.rows) == ["sync", "pipelined", "sync+fp16", "pipelined+fp16", "sync+int8", "pipelined+int8"]
     comm = timing.ring_allreduce(net, 4, 233e6)
@@ -99,11 +99,12 @@ def test_predict_rows_and_speedups():
     assert pred.rows["sync"].speedup == 1.0
     assert pred.rows["pipelined"].speedup == pytest.approx(pred.sync_s / pred.pipelined_s)
     assert pred.rows["pipelined+fp16"].comm_s == pytest.approx(timing.ring_allreduce(net, 4, 116.5e6))
-    assert pred.rows["pipelined+int8"].comm_s == pytest.approx(timing.ring_allreduce(net, 4, 58.25e6) + 233e6 * 1e-10)
+    assert pred.rows["pipelined+int8"].comm_s == pytest.approx(timing.ring_allreduce(net, 4, 58.25e6))
+    assert pred.rows["pipelined+int8"].compute_s == pytest.approx(0.12 + 233e6 * 1e-10)
     for row in pred.rows.values():
         if row.pipeline_depth > 1:
             assert row.step_s <= pred.rows["sync" + row.name[len("pipelined"):]].step_s
-    single = timing.predict(0.12, 0.0, 233e6, 1, net)
+    single = timing.predict(timing.Workload.aggregate(0.12, 0.0, 233e6), 1, net)
     assert all(r.step_s == pytest.approx(0.12) for r in single.rows.values())
 
 
@@ -118,7 +119,7 @@ def test_comm_cpu_stretches_only_the_pipelined_step():
 
 def test_predict_charges_codec_and_comm_cpu_to_compute_when_pipelined():
     net = Network(0.0, 1e-9)
-    pred = timing.predict(0.1, 0.0, 100e6, 2, net, compressions={"bf16": (0.5, 2e-10)},
+    pred = timing.predict(timing.Workload.aggregate(0.1, 0.0, 100e6), 2, net, compressions={"bf16": (0.5, 2e-10)},
                           comm_cpu_per_byte=5e-10)
     comm, comm16 = timing.ring_allreduce(net, 2, 100e6), timing.ring_allreduce(net, 2, 50e6)
     assert pred.sync_s == pytest.approx(0.1 + comm)                  # no overlap, no contention
@@ -126,6 +127,100 @@ def test_predict_charges_codec_and_comm_cpu_to_compute_when_pipelined():
     assert pred.rows["pipelined+bf16"].step_s == pytest.approx(
         max(0.1 + 0.02 + 50e6 * 5e-10, comm16))
     assert pred.rows["sync+bf16"].step_s == pytest.approx(0.1 + 0.02 + comm16)
+
+
+# ------------------------------------------------------ overlap-aware schedule
+
+F, B, U = 0.1, 0.2, 0.01
+READY = (0.05, 0.12, 0.2)   # three buckets, seconds after backward starts
+
+
+@pytest.mark.parametrize("costs,landing,sync,pipelined", [
+    # hidden: 0.05->0.09, 0.12->0.18, 0.2->0.25; the link idles between buckets.
+    ((0.04, 0.06, 0.05), 0.25, F + 0.25 + U, F + B + U),
+    # dominated: 0.05->0.15, then back to back 0.15->0.45->0.65; the link sets the pace.
+    ((0.1, 0.3, 0.2), 0.65, F + 0.65 + U, 0.6),
+])
+def test_schedule_of_three_buckets(costs, landing, sync, pipelined):
+    sched = timing.Schedule(F, B, U, tuple(zip(READY, costs)))
+    assert sched.comm_s == pytest.approx(sum(costs))
+    assert sched.landing_s == pytest.approx(landing)
+    assert sched.step_s(1) == pytest.approx(sync)
+    assert sched.step_s(1) < F + B + U + sum(costs)   # what "compute + comm" would say
+    for depth in (2, 3):
+        assert sched.step_s(depth) == pytest.approx(pipelined)
+    assert sched.step_s(2, comm_cpu_s=0.5) == pytest.approx(F + B + U + 0.5)
+
+
+def test_schedule_rejects_bad_input():
+    with pytest.raises(ValueError, match="pipeline_depth"):
+        timing.Schedule(F, B, U).step_s(0)
+    with pytest.raises(ValueError, match="backward_s must be >= 0"):
+        timing.Schedule(F, -1.0, U)
+    with pytest.raises(ValueError, match="ascending"):
+        timing.Workload(F, B, U, ((0.1, 1.0), (0.05, 1.0)))
+
+
+def test_bucketings_match_our_optimizer_and_torch_ddp():
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    from pipe_horovod.pipeline import plan_buckets
+
+    numels = (1, 2, 5, 1, 7, 3)                        # float32: 4 bytes each
+    grads = tuple((0.01 * i, 4.0 * n) for i, n in enumerate(numels))
+    ours = timing.Bucketing("cap", 24).buckets(grads, None)
+    members = [(str(i), n, 4, None) for i, n in enumerate(numels)]
+    assert [b.numel * 4 for b in plan_buckets(members, 24)] == [n for _, n in ours] == [12, 24, 28, 12]
+    assert [r for r, _ in ours] == [0.01, 0.03, 0.04, 0.05]   # each bucket's last member
+    ddp = timing.Bucketing("ddp", 24, first_cap_bytes=8).buckets(grads, None)
+    indices, _ = dist._compute_bucket_assignment_by_size([torch.empty(n) for n in numels], [8, 24])
+    assert [sum(4 * numels[i] for i in b) for b in indices] == [n for _, n in ddp] == [12, 24, 28, 12]
+
+
+def test_horovod_fusion_takes_what_is_ready_when_the_link_frees():
+    grads = ((0.01, 10e6), (0.02, 20e6), (0.03, 30e6), (0.04, 5e6), (0.2, 1e6))
+    fused = timing.Bucketing("fusion", 128 * 2**20).buckets(grads, lambda n: n * 1e-9)
+    # 10 MB at 0.01 (lands 0.02); 20 MB at 0.02 (lands 0.04); 30+5 MB at 0.04 (lands 0.075);
+    # the last waits for its own ready time.
+    assert fused == [(0.01, 10e6), (0.02, 20e6), (0.04, 35e6), (0.2, 1e6)]
+    capped = timing.Bucketing("fusion", 32e6).buckets(grads, lambda n: n * 1e-9)
+    assert capped == [(0.01, 10e6), (0.02, 20e6), (0.04, 30e6), (0.07, 5e6), (0.2, 1e6)]
+
+
+LAYERS = ((0.01, 0.02, (4e6,)), (0.02, 0.04, (8e6, 1e6)), (0.03, 0.06, (20e6,)))
+
+
+def test_workload_from_layers_runs_backward_in_reverse():
+    work = timing.Workload.from_layers(LAYERS, update_s=0.005)
+    assert (work.forward_s, work.backward_s, work.update_s) == pytest.approx((0.06, 0.12, 0.005))
+    assert np.allclose(work.gradients, ((0.06, 20e6), (0.1, 1e6), (0.1, 8e6), (0.12, 4e6)), rtol=1e-12)
+    coded = work.with_codec(1e-9)     # 20 ms, 1 ms, 8 ms, 4 ms of encoding, in ready order
+    assert np.allclose(coded.gradients, ((0.08, 20e6), (0.121, 1e6), (0.129, 8e6), (0.153, 4e6)), rtol=1e-12)
+    assert coded.backward_s == pytest.approx(0.153)
+
+
+@pytest.mark.parametrize("beta,sync,pipelined,bottleneck", [
+    # buckets (0.06, 20 MB), (0.10, 9 MB), (0.12, 4 MB); 2-worker ring: cost = n * beta.
+    (1e-9, 0.06 + 0.124 + 0.005, 0.185, "compute"),       # lands 0.08, 0.109, 0.124
+    (1e-8, 0.06 + 0.39 + 0.005, 0.33, "network"),         # lands 0.26, 0.35, 0.39
+])
+def test_predict_per_layer_workload(beta, sync, pipelined, bottleneck):
+    work = timing.Workload.from_layers(LAYERS, update_s=0.005)
+    pred = timing.predict(work, 2, Network(0.0, beta), compressions={"fp16": (0.5, 0.0)},
+                          bucketing=timing.Bucketing("cap", 10e6))
+    assert pred.sync_s == pytest.approx(sync)
+    assert pred.pipelined_s == pytest.approx(pipelined)
+    assert pred.rows["pipelined"].bottleneck == bottleneck
+    assert pred.rows["pipelined"].comm_s == pytest.approx(33e6 * beta)
+    assert pred.rows["pipelined+fp16"].comm_s == pytest.approx(16.5e6 * beta)
+    with pytest.raises(ValueError, match="overlap is for an aggregate"):
+        timing.predict(work, 2, Network(0.0, beta), overlap=0.5)
+
+
+def test_latency_bottleneck():
+    pred = timing.predict(timing.Workload.aggregate(1e-4, 0.0, 1e3), 64, Network(1e-5, 1e-10))
+    assert pred.rows["pipelined"].bottleneck == "latency"   # 126 alphas vs 2 KB of bytes
 
 
 # ---------------------------------------------------------------------- fit

@@ -184,8 +184,9 @@ def summarize(raw):
                         "bf16": (bf16_ratio, codec.get("bf16", 0.0) / model_bytes)}
         depths = sorted({s["pipeline_depth"] for s in stats.values()
                          if (s["pipeline_depth"] or 0) >= 2}) or [2]
-        prediction = {d: timing.predict(compute["fwdbwd_s"], compute["opt_s"], model_bytes, p,
-                                        network, compressions=compressions, pipeline_depth=d,
+        workload = timing.Workload.aggregate(compute["fwdbwd_s"], compute["opt_s"], model_bytes)
+        prediction = {d: timing.predict(workload, p, network, compressions=compressions,
+                                        pipeline_depth=d,
                                         comm_cpu_per_byte=cpu_per_byte)
                       for d in depths}
         model_info["overlap"] = 0.0

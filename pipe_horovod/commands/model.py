@@ -77,10 +77,9 @@ def _inputs(args):
     compressions = timing.DEFAULT_COMPRESSIONS
     if args.codec_ns_per_byte is not None:
         compressions = {name: (ratio, args.codec_ns_per_byte * 1e-9) for name, (ratio, _) in compressions.items()}
+    model_bytes = args.model_size if args.model_size is not None else args.model_mb * 1e6
     return dict(
-        compute_s=args.compute_ms / 1e3,
-        update_s=args.update_ms / 1e3,
-        model_bytes=args.model_size if args.model_size is not None else args.model_mb * 1e6,
+        workload=timing.Workload.aggregate(args.compute_ms / 1e3, args.update_ms / 1e3, model_bytes),
         workers=args.workers,
         network=timing.Network(alpha=args.latency, beta=1.0 / args.bandwidth),
         algorithm=args.algorithm,
@@ -95,8 +94,8 @@ def _ordered(rows):
     return sorted(rows.values(), key=lambda r: r.pipeline_depth)
 
 
-def format_table(pred, compute_s, update_s):
-    net = pred.network
+def format_table(pred, workload):
+    net, compute_s, update_s = pred.network, workload.backward_s, workload.update_s
     lines = [
         f"Timing model: {pred.algorithm} allreduce, {pred.workers} workers, "
         f"{8 / net.beta / 1e9:g} Gbit/s ({1 / net.beta / 1e9:g} GB/s), latency {net.alpha * 1e6:g} us, "
@@ -108,7 +107,7 @@ def format_table(pred, compute_s, update_s):
     for r in _ordered(pred.rows):
         lines.append(f"| {r.name} | {r.pipeline_depth} | {r.compression} | {r.wire_bytes / 1e6:.1f} | "
                      f"{r.comm_s * 1e3:.1f} | {r.step_s * 1e3:.1f} | {r.speedup:.2f}x |")
-    bound = "communication" if pred.rows["pipelined"].comm_s > compute_s + update_s else "compute"
+    bound = "compute" if pred.rows["pipelined"].bottleneck == "compute" else "communication"
     lines += ["", f"Pipelined (uncompressed) is {bound}-bound: step = max(compute + update, comm)."]
     return "\n".join(lines)
 
@@ -149,7 +148,7 @@ def plot(path, inputs):
 
 def run(args):
     inputs = _inputs(args)
-    print(format_table(timing.predict(**inputs), inputs["compute_s"], inputs["update_s"]))
+    print(format_table(timing.predict(**inputs), inputs["workload"]))
     if args.plot:
         plot(args.plot, inputs)
         print(f"\nwrote {args.plot}")
