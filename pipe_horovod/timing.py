@@ -86,9 +86,9 @@ def _lp_cost(p, chunks, per_message, per_byte, nbytes):
     return (p + chunks - 2) * (per_message + nbytes / chunks * per_byte)
 
 
-def _chunks(net, p, nbytes, chunks):
+def _chunks(net, p, nbytes, chunks, optimum=None):
     if chunks is None:
-        return optimal_chunks(net, p, nbytes)
+        return (optimum or optimal_chunks)(net, p, nbytes)
     if chunks != int(chunks) or chunks < 1:
         raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
     return int(chunks)
@@ -107,30 +107,51 @@ def lp_reduce(net, p, nbytes, chunks=None):
     return _lp_cost(p, _chunks(net, p, nbytes, chunks), net.alpha, net.beta + net.gamma, nbytes)
 
 
+def _lp_streams(p):
+    # Chunks a middle rank's link carries per pipeline step, each way (see lp_allreduce).
+    return 1 if p <= 2 else 2
+
+
 @_collective
 def lp_allreduce(net, p, nbytes, chunks=None):
-    """Reduce along the chain, then broadcast back along it. The phases are
-    not overlapped (a full-duplex chain could start broadcasting chunk 1 while
-    later chunks still reduce), so this is an upper bound."""
-    k = _chunks(net, p, nbytes, chunks)
-    return lp_reduce(net, p, nbytes, k) + lp_broadcast(net, p, nbytes, k)
+    """What pipe_horovod.collectives.lp runs: reduce along the chain 0..p-1
+    and broadcast back, overlapped (chunk c returns while c+1 still goes
+    out), so a one-way chain of 2p-1 positions. Each worker has one
+    full-duplex link to a switch (a star: real clusters, and the cluster
+    pipe_horovod.emulate builds), so for p >= 3 a middle rank's link carries
+    the reduce and the broadcast stream at once, two chunks per step each
+    way: the cost tends to 2n*beta where ring's is 2(p-1)/p*n*beta, so lp
+    takes at least p/(p-1) ring's time (1.5x at 3 workers, 1.33x at 4).
+    chunks=None: this cost's optimum (lp_allreduce_chunks)."""
+    k = _chunks(net, p, nbytes, chunks, lp_allreduce_chunks)
+    return _lp_cost(2 * p - 1, k, net.alpha, _lp_streams(p) * net.beta + net.gamma, nbytes)
 
 
-def optimal_chunks(net, p, nbytes):
-    """Chunk count minimising (p+k-2)(a + b/k): more chunks fill the chain
-    sooner but pay alpha more often; the optimum is k* = sqrt((p-2) b / a),
-    rounded to whichever neighbouring integer is cheaper. gamma enters b at
-    half weight (allreduce's average of reduce and broadcast) so one count
-    serves all three LP collectives."""
-    a, b = net.alpha, net.beta + net.gamma / 2
-    if p <= 2 or nbytes * b <= 0:
+def _best_chunks(fill, a, b, nbytes):
+    """k minimising (fill + k)(a + nbytes*b/k): more chunks fill the chain sooner
+    but pay alpha more often; k* = sqrt(fill*nbytes*b/a), rounded to whichever
+    neighbouring integer is cheaper."""
+    if fill <= 0 or nbytes * b <= 0:
         return 1
     limit = max(1, int(nbytes))  # no chunk smaller than a byte
     if a <= 0:
         return limit
-    k = math.sqrt((p - 2) * nbytes * b / a)
+    k = math.sqrt(fill * nbytes * b / a)
     candidates = {min(limit, max(1, math.floor(k))), min(limit, max(1, math.ceil(k)))}
-    return min(candidates, key=lambda c: _lp_cost(p, c, a, b, nbytes))
+    return min(candidates, key=lambda c: (fill + c) * (a + nbytes * b / c))
+
+
+def optimal_chunks(net, p, nbytes):
+    """Chunks for a one-way chain of p ranks (lp_broadcast, lp_reduce): gamma
+    enters at half weight (the mean of the two)."""
+    return _best_chunks(p - 2, net.alpha, net.beta + net.gamma / 2, nbytes)
+
+
+def lp_allreduce_chunks(net, p, nbytes):
+    """Chunks minimising lp_allreduce: the count pipe_horovod.collectives.lp picks."""
+    if p <= 1:
+        return 1
+    return _best_chunks(2 * p - 3, net.alpha, _lp_streams(p) * net.beta + net.gamma, nbytes)
 
 
 @_collective
@@ -151,24 +172,44 @@ def mst_allreduce(net, p, nbytes):
     return mst_reduce(net, p, nbytes) + mst_broadcast(net, p, nbytes)
 
 
+def _exchanging(p):
+    # BE's q = 2**floor(log2 p) exchanging ranks; the p - q others fold into a partner.
+    return 1 << (p.bit_length() - 1)
+
+
+def _be_bandwidth(p, nbytes):
+    """(bytes on the busiest link each way, bytes it adds): for p not a power of
+    two the partner of a folded rank takes its whole vector in and sends the
+    result back, overlapped with the exchange (collectives/be.py): one message
+    more than the power-of-two exchange among q."""
+    q = _exchanging(p)
+    f, extra = (q - 1) / q, 0 if p == q else 1
+    return (2 * f + extra) * nbytes, (f + extra) * nbytes
+
+
 @_collective
 def be_allreduce(net, p, nbytes):
     """Bidirectional exchange (Rabenseifner: recursive-halving reduce-scatter,
-    recursive-doubling allgather): ring's bandwidth with log p latency."""
-    f = (p - 1) / p
-    return 2 * _log2(p) * net.alpha + 2 * f * nbytes * net.beta + f * nbytes * net.gamma
+    recursive-doubling allgather): ring's bandwidth with log p latency; for p
+    not a power of two one extra message time (2n*beta at 3 workers)."""
+    wire, added = _be_bandwidth(p, nbytes)
+    extra = 0 if p == _exchanging(p) else 2
+    return (2 * _log2(_exchanging(p)) + extra) * net.alpha + wire * net.beta + added * net.gamma
 
 
 @_collective
 def be_broadcast(net, p, nbytes):
-    """Binomial scatter then recursive-doubling allgather."""
-    return 2 * _log2(p) * net.alpha + 2 * (p - 1) / p * nbytes * net.beta
+    """Scatter then recursive-doubling allgather (and the hand-back for p != 2^k)."""
+    q = _exchanging(p)
+    extra = 0 if p == q else 1
+    return ((2 * _log2(q) + extra) * net.alpha
+            + (2 * (q - 1) / q + extra) * nbytes * net.beta)
 
 
 @_collective
 def be_reduce(net, p, nbytes):
-    """Recursive-halving reduce-scatter then binomial gather."""
-    return be_broadcast(net, p, nbytes) + (p - 1) / p * nbytes * net.gamma
+    """Recursive-halving reduce-scatter then gather (after the fold for p != 2^k)."""
+    return be_broadcast(net, p, nbytes) + _be_bandwidth(p, nbytes)[1] * net.gamma
 
 
 # Callers (CLI, benchmark, fit) pick an algorithm by name.
@@ -184,6 +225,31 @@ def allreduce_time(net, p, nbytes, algorithm="ring", **kwargs):
     except KeyError:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {sorted(ALLREDUCE)}") from None
     return cost(net, p, nbytes, **kwargs)
+
+
+def _hop_counts(p, algorithm):
+    """(encodes, decode-adds, decodes) of the whole message on the busiest rank
+    of pipe_horovod.collectives' allreduce: every rank encodes each value it
+    sends once (partial or final) and decodes the final message once; the adds
+    are where the algorithms differ (mst's root adds one child per round)."""
+    adds = {"ring": (p - 1) / p, "lp": 1.0, "mst": float(_log2(p)),
+            "be": _be_bandwidth(p, 1.0)[1]}
+    if algorithm not in adds:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {sorted(adds)}")
+    return 1.0, adds[algorithm], 1.0
+
+
+def hop_codec_time(p, nbytes, algorithm, costs):
+    """CPU seconds a per-hop codec adds to an allreduce of `nbytes` accumulator
+    (float32) bytes: `costs` = (encode, decode-add, decode) seconds per
+    accumulator byte, measured by pipe_horovod.compression.hops.measure_costs.
+    It adds to the wire time rather than hiding under it: a piece is decoded,
+    added and encoded between its arrival and its forwarding, and on CPU
+    workers the codec competes with the network stack for the same cores
+    (measured: ring/int8 on 64 MB took the wire time plus 1.0-1.3x this)."""
+    if p < 2:
+        return 0.0
+    return nbytes * sum(n * c for n, c in zip(_hop_counts(p, algorithm), costs))
 
 
 # ----------------------------------------------------------------- step time

@@ -24,9 +24,30 @@ def test_hand_computed_values():
     k = 10
     assert timing.lp_broadcast(NET, 4, N, chunks=k) == pytest.approx(12 * (1e-5 + 0.01))
     assert timing.lp_reduce(NET, 4, N, chunks=k) == pytest.approx(12 * (1e-5 + 0.011))
-    assert timing.lp_allreduce(NET, 4, N, chunks=k) == pytest.approx(12 * (2e-5 + 0.021))
+    # Allreduce: both phases at once, a chain of 2p-1 = 7 (15 steps); on a star the
+    # middle ranks' links carry two chunks per step (2 beta); at p=2 there is no middle.
+    assert timing.lp_allreduce(NET, 4, N, chunks=k) == pytest.approx(15 * (1e-5 + 0.021))
+    assert timing.lp_allreduce(NET, 2, N, chunks=k) == pytest.approx(11 * (1e-5 + 0.011))
     assert timing.ring_broadcast(NET, 4, N) == pytest.approx(5e-5 + 0.15)
     assert timing.be_broadcast(NET, 4, N) == pytest.approx(4e-5 + 0.15)
+    # BE at p=3: the exchange of q=2 (n beta, n/2 added) plus the fold's one extra
+    # message each way (n beta, n added) and its 2 latencies.
+    assert timing.be_allreduce(NET, 3, N) == pytest.approx(4e-5 + 0.2 + 0.015)
+    assert timing.be_broadcast(NET, 3, N) == pytest.approx(3e-5 + 0.2)
+    assert timing.be_reduce(NET, 3, N) == pytest.approx(3e-5 + 0.2 + 0.015)
+
+
+def test_hop_codec_time_counts_the_busiest_ranks_codec_work():
+    costs = (1e-9, 2e-9, 3e-9)    # encode, decode-add, decode: seconds per byte
+    # one encode and one decode of the message; adds: ring (p-1)/p, mst log p, be at p=3
+    # the exchange's half plus the folded vector
+    assert timing.hop_codec_time(4, N, "ring", costs) == pytest.approx(N * (1 + 1.5 + 3) * 1e-9)
+    assert timing.hop_codec_time(4, N, "mst", costs) == pytest.approx(N * (1 + 4 + 3) * 1e-9)
+    assert timing.hop_codec_time(3, N, "be", costs) == pytest.approx(N * (1 + 3 + 3) * 1e-9)
+    assert timing.hop_codec_time(4, N, "lp", costs) == pytest.approx(N * 6e-9)
+    assert timing.hop_codec_time(1, N, "lp", costs) == 0.0
+    with pytest.raises(ValueError, match="unknown algorithm 'tree'"):
+        timing.hop_codec_time(4, N, "tree", costs)
 
 
 @pytest.mark.parametrize("table", [timing.ALLREDUCE, timing.BROADCAST, timing.REDUCE])
@@ -48,14 +69,16 @@ def test_bad_inputs():
         Network(-1.0, 1e-9)
 
 
-def test_optimal_chunks_minimises_lp():
+@pytest.mark.parametrize("cost, optimum", [(timing.lp_broadcast, timing.optimal_chunks),
+                                           (timing.lp_allreduce, timing.lp_allreduce_chunks)])
+def test_optimal_chunks_minimises_lp(cost, optimum):
     net = Network(2e-5, 8e-10)
-    k = timing.optimal_chunks(net, 16, N)
-    best = timing.lp_allreduce(net, 16, N, chunks=k)
-    assert all(best <= timing.lp_allreduce(net, 16, N, chunks=c) * (1 + 1e-12)
+    k = optimum(net, 16, N)
+    best = cost(net, 16, N, chunks=k)
+    assert all(best <= cost(net, 16, N, chunks=c) * (1 + 1e-12)
                for c in (1, k // 2, k - 1, k + 1, 2 * k))
     assert timing.optimal_chunks(net, 2, N) == 1  # a chain of two gains nothing from chunks
-    assert timing.lp_allreduce(net, 16, N) == best  # chunks=None means optimal
+    assert cost(net, 16, N) == best  # chunks=None means optimal
 
 
 def test_lp_nearly_independent_of_p_mst_grows_with_log_p():

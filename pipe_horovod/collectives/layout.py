@@ -50,18 +50,16 @@ class Layout:
 
 
 def lp_chunks(p, nbytes, network=None, hops=None):
-    """Chunks for a chain of p ranks, from the cost model's optimum.
-
-    A chain allreduce on full-duplex links runs its reduce and broadcast at
-    once (chunk c returns while chunk c+1 still travels out), so it costs
-    what a one-way chain of 2p-1 ranks costs; that, not timing.lp_allreduce's
-    unoverlapped upper bound, decides the count. `hops` overrides the chain
-    length (p for a plain broadcast or reduce).
-    """
+    """Chunks for LP, the cost model's optimum: the allreduce's
+    (timing.lp_allreduce_chunks: reduce and broadcast overlapped, each worker
+    on one link), or with `hops` a one-way chain of that many ranks (a plain
+    broadcast or reduce: p)."""
     if p <= 1:
         return 1
-    length = 2 * p - 1 if hops is None else hops
-    return min(MAX_BLOCKS, timing.optimal_chunks(network or DEFAULT_NETWORK, length, nbytes))
+    net = network or DEFAULT_NETWORK
+    k = (timing.lp_allreduce_chunks(net, p, nbytes) if hops is None
+         else timing.optimal_chunks(net, hops, nbytes))
+    return min(MAX_BLOCKS, k)
 
 
 def pieces(nbytes):
