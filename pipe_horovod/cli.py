@@ -9,6 +9,7 @@ import sys
 COMMANDS = {
     "check": "Print which engines, controllers and frameworks are available.",
     "model": "Predict sync vs pipelined step time from the timing model.",
+    "plan": "Predict a real model's step time per system (Horovod, DDP, ours, codecs) on a cluster.",
     "bench": "Measure pipelined vs sync vs Horovod vs DDP step time.",
     "bench-collectives": "Bus bandwidth of each collective algorithm and per-hop codec.",
     "convergence": "Time to accuracy: sync vs pipelined (K=2) with each staleness option.",

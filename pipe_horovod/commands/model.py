@@ -39,7 +39,8 @@ def _number(low, high=None, kind=float, what="value", strict=False):
     return _checked(convert)
 
 
-def add_arguments(parser):
+def add_cluster_arguments(parser):
+    """--workers, --bandwidth, --latency: the cluster every prediction command describes."""
     # argparse reads "-10gbit" as an unknown option and answers "expected one
     # argument"; treating anything that starts like a negative number as a
     # value lets the converter say "must not be negative" instead. (A private
@@ -51,6 +52,10 @@ def add_arguments(parser):
                         help="per-link bandwidth, e.g. 10gbit, 1.25GB/s")
     parser.add_argument("--latency", type=_checked(timing.parse_latency), default=timing.parse_latency("20us"),
                         help="per-message latency, e.g. 20us, 0.1ms (default 20us)")
+
+
+def add_arguments(parser):
+    add_cluster_arguments(parser)
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--model-mb", type=_number(0, what="model size in MB", strict=True),
                       help="gradient size in MB (10^6 bytes)")

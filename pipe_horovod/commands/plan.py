@@ -1,0 +1,157 @@
+"""`pipe-horovod plan`: predicted step time of a real model on a cluster, per system.
+
+What a user asks before spending cluster time: for this model, batch,
+device and network, how fast is Horovod's synchronous training, DDP's, ours
+at K=1 and K=2, and with each codec, and what limits each. The per-layer
+FLOPs and parameter sizes come from the real architecture
+(pipe_horovod.workloads.architectures.layer_table); all timing arithmetic
+lives in pipe_horovod.timing (Workload, Bucketing, predict); this module
+parses, picks the rows, formats and plots.
+"""
+import dataclasses
+import math
+
+from pipe_horovod import timing
+from pipe_horovod.commands.model import _checked, _number, add_cluster_arguments
+
+FP32 = 4  # bytes per gradient element
+
+
+def _model(text):
+    from pipe_horovod.workloads.architectures import check_model  # torch: only when planning
+
+    check_model(text)
+    return text
+
+
+def add_arguments(parser):
+    parser.add_argument("--model", type=_checked(_model), required=True,
+                        help="resnet50, vgg16, bert-base (sequence 128), or the bench's mlp / cnn")
+    parser.add_argument("--batch-size", type=_number(1, kind=int, what="batch size"), required=True,
+                        help="samples per worker per step")
+    parser.add_argument("--device-tflops", type=_number(0, what="device throughput", strict=True),
+                        required=True, help="sustained TFLOP/s of one worker's accelerator")
+    add_cluster_arguments(parser)
+    parser.add_argument("--bucket-cap-mb", type=_number(0, what="bucket cap", strict=True), default=25.0,
+                        help="bucket cap of ours and DDP in MiB, as their bucket_cap_mb (default 25)")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the table as a bar chart")
+
+
+def _codecs():
+    """The K=2 codec rows: name -> (wire ratio, codec seconds per byte). Codecs run on
+    the device beside backward, so they cost no time here. int8 carries one float32
+    scale per block of at most PIECE_BYTES of the float32 gradient."""
+    from pipe_horovod.collectives.layout import PIECE_BYTES
+    from pipe_horovod.compression.hops import SCALE_BYTES
+
+    return {"fp16": (0.5, 0.0), "bf16hop": (0.5, 0.0), "int8": (0.25 + SCALE_BYTES / PIECE_BYTES, 0.0)}
+
+
+# (row name, what the configuration is, bucketing, predict's row)
+ROWS = (
+    ("horovod", "Horovod DistributedOptimizer, sync", "horovod", "sync"),
+    ("ddp", "torch DDP, sync", "ddp", "sync"),
+    ("ours-k1", "ours, K=1", "ours", "sync"),
+    ("ours-k2", "ours, K=2", "ours", "pipelined"),
+    ("ours-k2-fp16", "ours, K=2, fp16 on the wire", "ours", "pipelined+fp16"),
+    ("ours-k2-bf16hop", "ours, K=2, bf16 per ring hop", "ours", "pipelined+bf16hop"),
+    ("ours-k2-int8", "ours, K=2, int8 per ring hop", "ours", "pipelined+int8"),
+)
+
+
+def workload(layers, device_tflops):
+    """timing.Workload of `layers` (architectures.Layer, forward order): a layer's
+    forward takes its FLOPs / device throughput, its backward twice that."""
+    rate = device_tflops * 1e12
+    return timing.Workload.from_layers(
+        (layer.forward_flops / rate, 2 * layer.forward_flops / rate,
+         tuple(FP32 * math.prod(shape) for _, shape in layer.params)) for layer in layers)
+
+
+def plan(layers, batch_size, device_tflops, workers, network, bucket_cap_bytes):
+    """{row name: timing.Row} for ROWS; speedup is over the "horovod" row."""
+    work = workload(layers, device_tflops)
+    cap = bucket_cap_bytes
+    bucketings = {"horovod": timing.HOROVOD, "ddp": timing.Bucketing("ddp", cap, timing.DDP.first_cap_bytes),
+                  "ours": timing.Bucketing("cap", cap)}
+    predictions = {name: timing.predict(work, workers, network, compressions=_codecs() if name == "ours" else {},
+                                        bucketing=b) for name, b in bucketings.items()}
+    rows = {name: predictions[system].rows[row] for name, _, system, row in ROWS}
+    base = rows["horovod"].step_s
+    return work, {name: dataclasses.replace(r, name=name, speedup=base / r.step_s if r.step_s > 0 else 1.0)
+                  for name, r in rows.items()}
+
+
+def format_table(args, work, rows):
+    n_params = sum(n for _, n in work.gradients) / FP32
+    lines = [
+        f"Plan: {args.model}, batch {args.batch_size} per worker, {args.workers} workers, "
+        f"{args.device_tflops:g} TFLOP/s per device, {args.bandwidth * 8 / 1e9:g} Gbit/s links, "
+        f"latency {args.latency * 1e6:g} us, buckets {args.bucket_cap_mb:g} MiB",
+        f"Model: {n_params / 1e6:.1f} M parameters ({work.model_bytes / 1e6:.1f} MB of fp32 gradients); "
+        f"forward {work.forward_s * 1e3:.2f} ms, backward {work.backward_s * 1e3:.2f} ms per step",
+        "",
+        "| configuration | K | wire MB | comm ms | step ms | samples/s | vs Horovod | bottleneck |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, desc, _, _ in ROWS:
+        r = rows[name]
+        lines.append(f"| {name} ({desc}) | {r.pipeline_depth} | {r.wire_bytes / 1e6:.1f} | "
+                     f"{r.comm_s * 1e3:.2f} | {r.step_s * 1e3:.2f} | "
+                     f"{args.batch_size * args.workers / r.step_s:,.0f} | {r.speedup:.2f}x | {r.bottleneck} |")
+    lines += [
+        "",
+        "Assumptions: ring allreduce on a full-bisection network (every worker sends and receives at "
+        "the full link bandwidth at once); one worker per device at the given throughput; "
+        "forward = layer FLOPs / device throughput (matrix products and convolutions only), "
+        "backward = 2 x forward, the optimizer update not counted; fp32 gradients; codecs run on the "
+        "device at no cost; one link per worker carries buckets in the order backward makes them "
+        "ready. Ours and DDP bucket by --bucket-cap-mb (DDP's first bucket 1 MiB); Horovod fuses "
+        "whatever is ready, up to 128 MiB (its defaults; its 1 ms cycle not counted). "
+        "comm ms: the link's busy time per step; step ms: max(compute, comm) for K=2, "
+        "forward + the last bucket's landing for sync (see pipe_horovod/timing.py).",
+    ]
+    return "\n".join(lines)
+
+
+def plot(path, args, work, rows):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [name for name, *_ in ROWS][::-1]            # Horovod on top
+    compute = work.forward_s + work.backward_s
+    steps = [rows[n].step_s * 1e3 for n in names]
+    busy = [min(compute * 1e3, s) for s in steps]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.barh(names, busy, color="tab:blue", label="forward + backward")
+    ax.barh(names, [s - b for s, b in zip(steps, busy)], left=busy, color="tab:orange",
+            label="communication not hidden")
+    for y, name in enumerate(names):
+        r = rows[name]
+        ax.text(r.step_s * 1e3, y, f" {r.step_s * 1e3:.1f} ms, {r.speedup:.2f}x, {r.bottleneck}",
+                va="center", fontsize=9)
+    ax.set_xlim(0, max(steps) * 1.45)
+    ax.set_xlabel("predicted step time (ms)")
+    ax.set_title(f"{args.model}, batch {args.batch_size}, {args.workers} workers, "
+                 f"{args.device_tflops:g} TFLOP/s, {args.bandwidth * 8 / 1e9:g} Gbit/s, "
+                 f"{args.latency * 1e6:g} us, buckets {args.bucket_cap_mb:g} MiB", fontsize=10)
+    ax.legend(loc="lower right", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(args):
+    from pipe_horovod.workloads.architectures import layer_table
+
+    layers = layer_table(args.model, args.batch_size)
+    network = timing.Network(alpha=args.latency, beta=1.0 / args.bandwidth)
+    work, rows = plan(layers, args.batch_size, args.device_tflops, args.workers, network,
+                      args.bucket_cap_mb * timing.MIB)
+    print(format_table(args, work, rows))
+    if args.plot:
+        plot(args.plot, args, work, rows)
+        print(f"\nwrote {args.plot}")
+    return 0
