@@ -124,7 +124,7 @@ def plot(path, args, work, rows):
     compute = work.forward_s + work.backward_s
     steps = [rows[n].step_s * 1e3 for n in names]
     busy = [min(compute * 1e3, s) for s in steps]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.8))
     ax.barh(names, busy, color="tab:blue", label="forward + backward")
     ax.barh(names, [s - b for s, b in zip(steps, busy)], left=busy, color="tab:orange",
             label="communication not hidden")
@@ -137,7 +137,7 @@ def plot(path, args, work, rows):
     ax.set_title(f"{args.model}, batch {args.batch_size}, {args.workers} workers, "
                  f"{args.device_tflops:g} TFLOP/s, {args.bandwidth * 8 / 1e9:g} Gbit/s, "
                  f"{args.latency * 1e6:g} us, buckets {args.bucket_cap_mb:g} MiB", fontsize=10)
-    ax.legend(loc="lower right", fontsize=9)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=9, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
