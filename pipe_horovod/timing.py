@@ -462,6 +462,14 @@ DDP = Bucketing("ddp", 25 * MIB, first_cap_bytes=MIB)   # torch's bucket_cap_mb=
 HOROVOD = Bucketing("fusion", 128 * MIB)                # HOROVOD_FUSION_THRESHOLD default
 
 
+def bucketings(cap_bytes=OURS.cap_bytes, fusion_bytes=HOROVOD.cap_bytes):
+    """{"horovod", "ddp", "ours": Bucketing}: ours and DDP at one bucket cap (as their
+    shared bucket_cap_mb), Horovod at its fusion threshold."""
+    return {"horovod": Bucketing("fusion", fusion_bytes),
+            "ddp": Bucketing("ddp", cap_bytes, first_cap_bytes=DDP.first_cap_bytes),
+            "ours": Bucketing("cap", cap_bytes)}
+
+
 # name -> (wire ratio, codec seconds per byte of the fp32 gradient, encode +
 # decode). The codec costs are torch CPU round trips (one thread, 10M floats)
 # measured on this project's 2-core machines: fp16 1.4, bf16 1.6, int8 5.5

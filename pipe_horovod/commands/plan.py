@@ -68,14 +68,12 @@ def workload(layers, device_tflops):
          tuple(FP32 * math.prod(shape) for _, shape in layer.params)) for layer in layers)
 
 
-def plan(layers, batch_size, device_tflops, workers, network, bucket_cap_bytes):
-    """{row name: timing.Row} for ROWS; speedup is over the "horovod" row."""
+def plan(layers, device_tflops, workers, network, bucket_cap_bytes):
+    """(timing.Workload, {row name: timing.Row} for ROWS); speedup is over the "horovod" row."""
     work = workload(layers, device_tflops)
-    cap = bucket_cap_bytes
-    bucketings = {"horovod": timing.HOROVOD, "ddp": timing.Bucketing("ddp", cap, timing.DDP.first_cap_bytes),
-                  "ours": timing.Bucketing("cap", cap)}
     predictions = {name: timing.predict(work, workers, network, compressions=_codecs() if name == "ours" else {},
-                                        bucketing=b) for name, b in bucketings.items()}
+                                        bucketing=b)
+                   for name, b in timing.bucketings(bucket_cap_bytes).items()}
     rows = {name: predictions[system].rows[row] for name, _, system, row in ROWS}
     base = rows["horovod"].step_s
     return work, {name: dataclasses.replace(r, name=name, speedup=base / r.step_s if r.step_s > 0 else 1.0)
@@ -83,7 +81,7 @@ def plan(layers, batch_size, device_tflops, workers, network, bucket_cap_bytes):
 
 
 def format_table(args, work, rows):
-    n_params = sum(n for _, n in work.gradients) / FP32
+    n_params = work.model_bytes / FP32
     lines = [
         f"Plan: {args.model}, batch {args.batch_size} per worker, {args.workers} workers, "
         f"{args.device_tflops:g} TFLOP/s per device, {args.bandwidth * 8 / 1e9:g} Gbit/s links, "
@@ -148,7 +146,7 @@ def run(args):
 
     layers = layer_table(args.model, args.batch_size)
     network = timing.Network(alpha=args.latency, beta=1.0 / args.bandwidth)
-    work, rows = plan(layers, args.batch_size, args.device_tflops, args.workers, network,
+    work, rows = plan(layers, args.device_tflops, args.workers, network,
                       args.bucket_cap_mb * timing.MIB)
     print(format_table(args, work, rows))
     if args.plot:
