@@ -10,6 +10,7 @@ import os
 
 from .base import (Adasum, Average, Engine, EngineError, Handle, HorovodInternalError,
                    HostsUpdatedInterrupt, Max, Min, Product, ReduceOp, Sum)
+from .faults import RankLostError, WaitError, WaitTimeoutError, resolve_timeout
 from .process_sets import ProcessSet, global_process_set
 
 ENGINES = {
@@ -76,16 +77,19 @@ def build_info(name=None):
     return engine_class(detect() if name is None else name).build_info()
 
 
-def init(engine=None, *, comm=None, process_sets=None):
+def init(engine=None, *, comm=None, process_sets=None, timeout=None):
     """Start the engine (once per process) and return it.
 
     `comm` and `process_sets` mean what they mean to Horovod's init:
     process_sets is a list of ProcessSet (or of rank lists) to register, or
     "dynamic" to allow add_process_set later (the torch and local engines
     always allow it). Sets passed after the engine started are added.
+    `timeout`: seconds any wait may block before it raises WaitTimeoutError
+    (default: $PIPE_HOROVOD_TIMEOUT, else faults.DEFAULT_TIMEOUT_S; math.inf: never).
     """
     global _current
     name = engine if engine is not None else detect()
+    timeout_s = resolve_timeout(timeout) if timeout is not None or _current is None else None
     if isinstance(process_sets, str):
         if process_sets.lower() != "dynamic":
             raise ValueError(f"process_sets must be a list of ProcessSet or 'dynamic', "
@@ -99,8 +103,12 @@ def init(engine=None, *, comm=None, process_sets=None):
         for ps in process_sets or ():
             if getattr(ps, "process_set_id", None) is None:
                 _current.add_process_set(ps)
+        if timeout_s is not None:
+            _current.timeout_s = timeout_s
         return _current
-    _current = create(name, comm=comm, process_sets=process_sets)
+    _current = create(name, comm=comm, process_sets=process_sets, timeout_s=timeout_s)
+    if os.environ.get("HOROVOD_ELASTIC") != "1":   # elastic mode resets on a lost rank itself
+        _current.learn_peers()
     # Registered after the library's own start-up (and so its own atexit
     # shutdown), so at exit ours runs first and completes what is in flight.
     atexit.register(shutdown)
@@ -172,6 +180,7 @@ def barrier(**options):
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "ProcessSet",
     "global_process_set", "HorovodInternalError", "HostsUpdatedInterrupt", "Engine", "EngineError", "Handle", "ENGINES", "detect", "create",
+    "RankLostError", "WaitError", "WaitTimeoutError",
     "init", "current", "is_initialized", "shutdown", "rank", "size", "local_rank", "local_size",
     "allreduce_async", "poll", "wait", "broadcast", "broadcast_object", "allgather_object", "barrier",
 ]

@@ -10,9 +10,14 @@ sets, automatic names, the timeline and the handles in flight are kept here.
 """
 import collections
 import itertools
+import math
+import time
 
 from .checks import (check_name, check_op, check_reducible, check_root, check_rows, check_scale,
                      check_splits, check_tensor, check_tensors)
+from .faults import (DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, HorovodInternalError,  # noqa: F401
+                     HostsUpdatedInterrupt, RankLostError, WaitError, WaitTimeoutError,
+                     describe_lost, lost_ranks, wait_until, whoami)
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from .process_sets import ProcessSet, check_new_sets, global_process_set
 from .timeline import Timeline
@@ -21,21 +26,6 @@ from .work import Done, Then, Work, WorkList  # noqa: F401 -- engines import the
 
 class EngineError(RuntimeError):
     """A communication engine cannot be used as asked."""
-
-
-try:  # Horovod's own classes when it is installed, so `except hvd.HorovodInternalError`
-    # catches what horovod.torch raises under the horovod engine as well.
-    from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-except ImportError:
-    class HorovodInternalError(RuntimeError):
-        """A collective failed on some rank (elastic training resets on it)."""
-
-    class HostsUpdatedInterrupt(RuntimeError):
-        """The set of hosts changed (elastic training resets without restoring)."""
-
-        def __init__(self, skip_sync):
-            super().__init__(skip_sync)
-            self.skip_sync = skip_sync
 
 
 class Handle:
@@ -81,7 +71,7 @@ class Engine:
 
     name = "base"
 
-    def __init__(self):
+    def __init__(self, timeout_s=DEFAULT_TIMEOUT_S):
         self._in_flight = {}      # handle id -> Handle
         self._names = {}          # tensor name -> handle id
         self._ids = itertools.count()
@@ -91,6 +81,9 @@ class Engine:
         self._process_sets = {}   # process_set_id -> (ProcessSet, the library's object)
         self._unnamed = collections.Counter()   # kind -> operations started without a name
         self._timeline = None
+        self.timeout_s = timeout_s  # how long a wait may block (faults.py)
+        self._peers = None        # [(host, pid)] by rank: who to look for when a collective fails
+        self._failed = False      # a collective failed: shutdown waits for nothing more
 
     # --- identity -------------------------------------------------------
     def rank(self):
@@ -350,15 +343,33 @@ class Engine:
             return handle.backend.poll()
         return self._poll(handle)
 
+    def _poll_backend(self, handle):
+        if isinstance(handle.backend, Work):
+            return handle.backend.poll()
+        return self._poll(handle)
+
     def wait(self, handle):
         """Block until the operation completes; return its result (for an
-        allreduce, the reduced tensor). A failed operation is forgotten too."""
+        allreduce, the reduced tensor). A failed operation is forgotten too.
+
+        Raises WaitTimeoutError after `timeout_s` seconds, RankLostError when
+        the operation failed because a rank died (faults.py).
+        """
         handle = self._known(handle)
         try:
+            if math.isfinite(self.timeout_s) and not wait_until(
+                    lambda: self._poll_backend(handle), time.monotonic() + self.timeout_s):
+                raise WaitTimeoutError(
+                    f"{handle.kind} {handle.name!r} did not complete within {self.timeout_s:g} s "
+                    f"({TIMEOUT_VARIABLE}, or init(timeout=...)): a rank has not started it")
             if isinstance(handle.backend, Work):
                 result = handle.backend.wait()
             else:
                 result = self._wait(handle)
+        except EngineError:
+            raise
+        except RuntimeError as exc:
+            raise self._diagnose(exc, f"{handle.kind} {handle.name!r}") from exc
         finally:
             del self._in_flight[handle.id]
             del self._names[handle.name]
@@ -368,6 +379,36 @@ class Engine:
 
     def in_flight(self):
         return len(self._in_flight)
+
+    # --- faults -----------------------------------------------------------
+    def learn_peers(self):
+        """Gather every rank's host and process id (engine.init calls it, once the library
+        is up), so that a failed collective can name the rank that died."""
+        if self.size() > 1:
+            self._peers = self.allgather_object(whoami(), name="pipe_horovod.peers")
+
+    def _diagnose(self, exc, what):
+        """The error to raise for `exc`, a failure of the library while running `what`."""
+        self._failed = True
+        if self._peers is None:
+            return exc
+        gone = lost_ranks(self._peers, self.rank())
+        if isinstance(exc, WaitTimeoutError):
+            return WaitTimeoutError(f"{exc}; {describe_lost(self._peers, self.rank(), gone)}")
+        if not gone:
+            return exc
+        return RankLostError(f"{what} failed on rank {self.rank()}: "
+                             f"{describe_lost(self._peers, self.rank(), gone)} "
+                             f"({type(exc).__name__}: {str(exc).strip()})")
+
+    def _guarded(self, what, call, *args):
+        """`call(*args)`, a blocking collective, with a library failure diagnosed."""
+        try:
+            return call(*args)
+        except EngineError:
+            raise
+        except RuntimeError as exc:
+            raise self._diagnose(exc, what) from exc
 
     # --- synchronous collectives ----------------------------------------
     def broadcast(self, tensor, root, *, process_set=None):
@@ -379,16 +420,17 @@ class Engine:
         check_name(name, "broadcast_object")
         ps = self._resolve(process_set)
         self._check_root_in(root, ps)
-        return self._broadcast_object(obj, root, name, ps)
+        return self._guarded("broadcast_object", self._broadcast_object, obj, root, name, ps)
 
     def allgather_object(self, obj, *, name=None, process_set=None):
         """Every rank's `obj`, in rank order (for cross-rank consistency checks)."""
         check_name(name, "allgather_object")
-        return self._allgather_object(obj, name, self._resolve(process_set))
+        return self._guarded("allgather_object", self._allgather_object, obj, name,
+                             self._resolve(process_set))
 
     def barrier(self, *, process_set=None):
         """Return once every rank of the set has called barrier."""
-        self._barrier(self._resolve(process_set))
+        self._guarded("barrier", self._barrier, self._resolve(process_set))
 
     def join(self, device=-1):
         """Declare this rank done; return the rank that joined last.
@@ -449,6 +491,8 @@ class Engine:
             return
         self._closed = True
         try:
+            if self._failed:             # the others cannot complete anything now
+                return
             for callback in list(self._before_shutdown.values()):
                 callback()
             for handle in list(self._in_flight.values()):

@@ -58,8 +58,8 @@ import io
 import os
 
 from .adasum import combine as adasum_combine
-from .base import (Adasum, Average, Engine, EngineError, Max, Min, Product, Sum, Work, scale_,
-                   shard_sizes)
+from .base import (DEFAULT_TIMEOUT_S, Adasum, Average, Engine, EngineError, Max, Min, Product,
+                   Sum, Work, scale_, shard_sizes)
 from .process_sets import check_new_sets
 
 _HOROVOD_OPS = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
@@ -112,8 +112,8 @@ class _Split16Reduction:
 class HorovodEngine(Engine):
     name = "horovod"
 
-    def __init__(self, comm=None, process_sets=None):
-        super().__init__()
+    def __init__(self, comm=None, process_sets=None, timeout_s=DEFAULT_TIMEOUT_S):
+        super().__init__(timeout_s)
         import horovod.torch as hvd
 
         self.hvd = hvd

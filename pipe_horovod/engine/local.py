@@ -3,14 +3,14 @@
 Every collective over one rank is the identity (up to Horovod's scaling),
 so each operation is complete the moment it starts.
 """
-from .base import Done, Engine, scale_
+from .base import DEFAULT_TIMEOUT_S, Done, Engine, scale_
 
 
 class LocalEngine(Engine):
     name = "local"
 
-    def __init__(self, comm=None, process_sets=None):
-        super().__init__()
+    def __init__(self, comm=None, process_sets=None, timeout_s=DEFAULT_TIMEOUT_S):
+        super().__init__(timeout_s)
         if comm not in (None, [], [0]):
             raise ValueError(f"the local engine runs one rank; comm={comm!r} names others")
         self._register_process_sets(process_sets)

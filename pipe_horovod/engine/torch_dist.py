@@ -29,13 +29,14 @@ and raise a readable mismatch error, at some cost per call; allgather and
 alltoall always check, as part of their shape exchange.
 """
 import atexit
+import datetime
 import math
 import os
 import time
 
 from .adasum import combine as adasum_combine
-from .base import Adasum, Average, Done, Engine, Max, Min, Product, Sum, Then, Work, scale_, \
-    shard_sizes
+from .base import DEFAULT_TIMEOUT_S, Adasum, Average, Done, Engine, Max, Min, Product, Sum, \
+    Then, Work, scale_, shard_sizes
 
 # How Horovod's ops map onto torch.distributed's (Average: SUM, divided on wait).
 _OPS = {Average: "SUM", Sum: "SUM", Min: "MIN", Max: "MAX", Product: "PRODUCT"}
@@ -75,8 +76,8 @@ def _wait_for_everyone(store, key, size, timeout_s=60.0):
 class TorchDistEngine(Engine):
     name = "torch"
 
-    def __init__(self, backend=None, comm=None, process_sets=None):
-        super().__init__()
+    def __init__(self, backend=None, comm=None, process_sets=None, timeout_s=DEFAULT_TIMEOUT_S):
+        super().__init__(timeout_s)
         import torch
         import torch.distributed as dist
 
@@ -86,7 +87,11 @@ class TorchDistEngine(Engine):
         if self._owns_group:
             if backend is None:
                 backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend=backend)
+            # The group's timeout bounds torch's blocking collectives (barrier, object
+            # collectives) as our own deadline bounds every wait (faults.py).
+            bound = {} if math.isinf(timeout_s) else {
+                "timeout": datetime.timedelta(seconds=timeout_s)}
+            dist.init_process_group(backend=backend, **bound)
             # Scripts rarely call shutdown(); exiting with the group alive lets gloo
             # abort the process ("terminate called without an active exception").
             atexit.register(self.shutdown)
@@ -257,7 +262,8 @@ class TorchDistEngine(Engine):
             self.dist.destroy_process_group(library_set)
 
     def _close(self):
-        if self._owns_group and self.dist.is_initialized():
+        # After a failed collective, a teardown's barrier would wait on the lost rank.
+        if self._owns_group and self.dist.is_initialized() and not self._failed:
             tear_down(self.dist)
 
 

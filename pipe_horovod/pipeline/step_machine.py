@@ -25,17 +25,28 @@ from .fifo import GradientFifo
 class BucketReduction:
     """One bucket of one step: its flat tensor on the wire, or the landed result."""
 
-    __slots__ = ("bucket", "handle", "ctx", "compression", "result")
+    __slots__ = ("bucket", "step", "handle", "ctx", "compression", "result")
 
-    def __init__(self, bucket, handle, ctx, compression):
-        self.bucket, self.handle, self.ctx, self.compression = bucket, handle, ctx, compression
+    def __init__(self, bucket, step, handle, ctx, compression):
+        self.bucket, self.step, self.handle = bucket, step, handle
+        self.ctx, self.compression = ctx, compression
         self.result = None
 
     def wait(self):
         if self.result is None:
-            self.result = self.compression.decompress(engine.wait(self.handle), self.ctx)
+            try:
+                landed = engine.wait(self.handle)
+            except engine.WaitError as exc:    # say which bucket of which step never landed
+                raise type(exc)(f"waiting for {self.describe()}: {exc}") from exc
+            self.result = self.compression.decompress(landed, self.ctx)
             self.handle = None
         return self.result
+
+    def describe(self):
+        names = self.bucket.names
+        shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+        return (f"the gradients of step {self.step}, bucket {self.bucket.index} "
+                f"({len(names)} parameter(s): {shown})")
 
     def results(self):
         flat = self.wait()
@@ -188,11 +199,13 @@ class StepMachine:
             handle = collectives.allreduce_async(flat, name, self.op, collective=self.collective,
                                                  compression=self.compression,
                                                  residual=residual, **scaling)
-            self.launched.append(BucketReduction(bucket, handle, None, Compression.none))
+            self.launched.append(BucketReduction(bucket, self.fifo.steps, handle, None,
+                                                 Compression.none))
             return
         wire, ctx = self.compression.compress(flat)
         handle = self.engine.allreduce_async(wire, name, self.op, **scaling)
-        self.launched.append(BucketReduction(bucket, handle, ctx, self.compression))
+        self.launched.append(BucketReduction(bucket, self.fifo.steps, handle, ctx,
+                                             self.compression))
 
     def finish_step(self, entry):
         """Push this step's `entry` (a StepGradient); return the entries to apply now,

@@ -31,17 +31,19 @@ def _current():
 
 
 # --- life cycle, identity, build ---------------------------------------------
-def init(comm=None, process_sets=None):
+def init(comm=None, process_sets=None, *, timeout=None):
     """Start pipe_horovod: Horovod's `init(comm=None, process_sets=None)`.
 
     The launcher's environment picks the engine (horovodrun: horovod,
     torchrun: torch, plain python: local; PIPE_HOROVOD_ENGINE overrides). A
     string `comm` names the engine instead, pipe_horovod's extension
     (Horovod's comm is a list of ranks or an MPI communicator, never a string).
+    `timeout` (seconds; default $PIPE_HOROVOD_TIMEOUT, else 600) bounds every
+    wait for a collective, another extension.
     """
     if isinstance(comm, str):
-        return _engine.init(comm, process_sets=process_sets)
-    return _engine.init(comm=comm, process_sets=process_sets)
+        return _engine.init(comm, process_sets=process_sets, timeout=timeout)
+    return _engine.init(comm=comm, process_sets=process_sets, timeout=timeout)
 
 
 shutdown = _engine.shutdown

@@ -1,0 +1,200 @@
+"""Faults: bounded waits, a rank killed mid-training, preemption by SIGTERM and its resume."""
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import launcher
+import pipe_horovod as phvd
+from pipe_horovod import engine
+from pipe_horovod.engine import faults
+from pipe_horovod.engine.base import Work
+from pipe_horovod.pipeline import StepMachine
+
+HOROVOD = launcher.horovod_missing()
+BOUND_S = 60          # every surviving rank must be gone this long after the kill
+
+
+# --- in one process ---------------------------------------------------------------
+@pytest.mark.parametrize("value, expected", [(None, faults.DEFAULT_TIMEOUT_S), ("2.5", 2.5),
+                                             ("inf", math.inf), ("", faults.DEFAULT_TIMEOUT_S)])
+def test_timeout_from_the_environment(monkeypatch, value, expected):
+    monkeypatch.delenv(faults.TIMEOUT_VARIABLE, raising=False)
+    if value is not None:
+        monkeypatch.setenv(faults.TIMEOUT_VARIABLE, value)
+    assert faults.resolve_timeout() == expected
+    assert faults.resolve_timeout(7) == 7.0            # init's argument wins
+
+
+@pytest.mark.parametrize("value, error, text", [
+    ("soon", ValueError, "PIPE_HOROVOD_TIMEOUT must be a number of seconds > 0 (or inf), "
+                         "got 'soon'"),
+    ("-1", ValueError, "PIPE_HOROVOD_TIMEOUT must be a number of seconds > 0 (or inf), got -1.0"),
+    (0, ValueError, "timeout must be a number of seconds > 0 (or inf), got 0"),
+    (True, TypeError, "timeout must be a number of seconds, got bool True"),
+    ("5", TypeError, "timeout must be a number of seconds, got str '5'")])
+def test_bad_timeouts_are_refused(monkeypatch, value, error, text):
+    if isinstance(value, str) and value in ("soon", "-1"):
+        monkeypatch.setenv(faults.TIMEOUT_VARIABLE, value)
+        value = None
+    with pytest.raises(error) as info:
+        faults.resolve_timeout(value)
+    assert str(info.value) == text
+
+
+class _Never(Work):
+    """A reduction no other rank ever starts."""
+    polls = 0
+
+    def poll(self):
+        _Never.polls += 1
+        return False
+
+    def wait(self):
+        raise AssertionError("wait() must not be reached past the deadline")
+
+
+def test_a_bucket_that_never_lands_names_itself_and_its_step(monkeypatch):
+    eng = phvd.init("local", timeout=0.3)
+    try:
+        machine = StepMachine("pipe_test", 2, 0)
+        names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight"]
+        machine.plan([(n, 4, 4, (torch.float32, torch.device("cpu"))) for n in names])
+        machine.solo = False                   # send, although alone
+        for _ in range(3):                     # step 3 is the one that hangs
+            machine.finish_step(None)
+        monkeypatch.setattr(eng, "allreduce_async", lambda wire, name, op, **kw: eng.adopt_async(
+            "allreduce", wire, name, op, lambda ps: _Never()))
+        start = time.monotonic()
+        machine.launch_rest(lambda bucket, flat: flat.zero_())
+        with pytest.raises(phvd.engine.WaitTimeoutError) as info:
+            machine.launched[0].wait()
+        took = time.monotonic() - start
+    finally:
+        eng._in_flight.clear()
+        eng._names.clear()
+        phvd.shutdown()
+    assert 0.3 <= took < 1.5, took
+    assert str(info.value).startswith(
+        "waiting for the gradients of step 3, bucket 0 (5 parameter(s): fc1.weight, fc1.bias, "
+        "fc2.weight, fc2.bias, ... (5 in all)): allreduce 'pipe_test.0.20.1' did not complete "
+        "within 0.3 s (PIPE_HOROVOD_TIMEOUT, or init(timeout=...)): a rank has not started it")
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value,
+                                                               phvd.engine.HorovodInternalError)
+    # The poll backs off to POLL_CAP_S: about 0.3 s / 250 us polls, not a busy spin.
+    assert 0.3 / faults.POLL_CAP_S / 2 < _Never.polls <= 0.3 / faults.POLL_CAP_S + 20, _Never.polls
+
+
+def test_a_dead_process_on_this_host_is_named():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    host = socket.gethostname()
+    peers = [(host, os.getpid()), (host, child.pid), ("elsewhere", 1)]
+    try:
+        assert faults.lost_ranks(peers, 0, look_s=0.2) == []
+        child.send_signal(signal.SIGKILL)
+        assert faults.lost_ranks(peers, 0, look_s=5) == [1]   # a zombie until reaped: dead
+    finally:
+        child.kill()
+        child.wait()
+    assert faults.lost_ranks(peers, 0, look_s=0) == [1]
+    assert faults.describe_lost(peers, 0, [1]) == f"rank 1 (pid {child.pid} on {host}) no longer runs"
+    assert faults.describe_lost(peers, 0, []) == (
+        "every other rank on this host still runs; ranks on elsewhere cannot be checked from here")
+
+
+# --- a rank killed, on real ranks -----------------------------------------------------
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _direct(np, argv, env):
+    """Start `np` torch-engine ranks with no launcher watching them (as on separate nodes):
+    only pipe_horovod can end the survivors. Returns {rank: (exit code, output, seconds)}."""
+    base = dict(os.environ, PYTHONPATH=str(launcher.REPO), OMP_NUM_THREADS="1",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(np),
+                LOCAL_WORLD_SIZE=str(np), **env)
+    base.pop("PIPE_HOROVOD_ENGINE", None)
+    procs = {r: subprocess.Popen([sys.executable, str(launcher.WORKERS / argv[0]), *argv[1:]],
+                                 env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True) for r in range(np)}
+    results, start = {}, time.monotonic()
+    try:
+        for r, proc in procs.items():
+            out, _ = proc.communicate(timeout=max(1, BOUND_S + 60 - (time.monotonic() - start)))
+            results[r] = (proc.returncode, out, time.monotonic() - start)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return results
+
+
+def test_killed_rank_is_named_by_every_survivor_without_a_launcher():
+    """torch engine, 3 ranks, nobody watching: each survivor's own error names rank 1."""
+    results = _direct(3, ["fault_worker.py", "kill", "1"], {})
+    assert results[1][0] == -signal.SIGKILL, results[1][1]
+    for rank in (0, 2):
+        code, out, took = results[rank]
+        assert code != 0 and took < BOUND_S, (rank, code, took, out)
+        assert re.search(r"RankLostError: .*rank 1 \(pid \d+ on [^)]+\) no longer runs", out), out
+
+
+@pytest.mark.parametrize("launch", ["horovod", "torch"])
+def test_killed_rank_ends_the_job_under_its_launcher(launch, tmp_path):
+    """horovodrun and torchrun end the survivors themselves (SIGTERM), naming the lost rank:
+    the job fails within the bound and no worker outlives it."""
+    if launch == "horovod" and HOROVOD:
+        pytest.skip(HOROVOD)
+    start = time.monotonic()
+    code, out = launcher.run(launch, 3, "fault_worker.py", "kill", 1, timeout=BOUND_S + 60,
+                             env={"FAULT_PIDS": str(tmp_path)}, expect_ok=False)
+    took = time.monotonic() - start
+    assert code != 0 and took < BOUND_S + 30, (code, took, out)    # launch included
+    if launch == "horovod":
+        assert "Process name: 1\nExit code: 137" in out, out
+    else:
+        assert re.search(r"rank\s*: 1 .*\n\s*exitcode\s*: -9 .*\(SIGKILL\)", out), out
+    pids = {int(p.name): int(p.read_text()) for p in tmp_path.iterdir()}
+    assert sorted(pids) == [0, 1, 2], out
+    deadline = time.monotonic() + 10
+    while any(faults._runs(pid) for pid in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [r for r, pid in pids.items() if faults._runs(pid)], out
+
+
+@pytest.mark.skipif(bool(HOROVOD), reason=str(HOROVOD))
+def test_a_stalled_rank_times_the_others_out():
+    """Horovod's own wait would spin forever; ours ends at PIPE_HOROVOD_TIMEOUT."""
+    start = time.monotonic()
+    code, out = launcher.run("horovod", 2, "fault_worker.py", "stall", 1, timeout=90,
+                             env={"PIPE_HOROVOD_TIMEOUT": "3"}, expect_ok=False)
+    assert code != 0 and time.monotonic() - start < 60, out
+    assert re.search(r"WaitTimeoutError: waiting for the gradients of step \d+, bucket \d+ "
+                     r"\(\d+ parameter\(s\): [^)]*\): allreduce 'pipe0\.[^']+' did not complete "
+                     r"within 3 s", out), out
+    assert "every other rank still runs" in out, out
+
+
+# --- preemption ---------------------------------------------------------------------
+@pytest.mark.skipif(bool(HOROVOD), reason=str(HOROVOD))
+def test_sigterm_saves_a_checkpoint_that_resumes_bit_identically(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    out = launcher.run("horovod", 2, "fault_worker.py", "preempt", ckpt)[1]
+    steps = set(re.findall(r"STOPPED rank=\d step=(\d+)", out))
+    # Rank 0 got SIGTERM during step 5, its flag went out with the check of step 6,
+    # and every rank stopped at the check of step 7.
+    assert steps == {"7"}, out
+    assert "SIGTERM received" in out
+    out = launcher.run("horovod", 2, "fault_worker.py", "resume", ckpt)[1]
+    assert out.count("resumed at step 7, bit-identical") == 2, out
