@@ -86,7 +86,7 @@ def test_vgg16_and_bert_names_and_shapes():
 def test_bench_models_match_the_bench():
     import torch
 
-    from pipe_horovod.bench.worker import build_model
+    from pipe_horovod.bench.models import build_model
 
     for kind in ("mlp", "cnn"):
         with torch.device("meta"):
@@ -117,3 +117,101 @@ def test_bad_input_says_what_is_wrong():
         architectures.layer_table("vgg16", 2.5)
     with pytest.raises(ValueError, match="seq_len must be <= 512"):
         architectures.layer_table("bert-base", 1, seq_len=513)
+
+
+# ------------------------------------------------------------------- replay
+
+def _hand_table():
+    """Three layers of known times (seconds): forward 0.10 / 0.05 / 0.15, backward twice."""
+    from pipe_horovod.workloads.architectures import Layer
+
+    table = [Layer("stem", (("stem.weight", (64, 32)), ("stem.bias", (64,))), 10),
+             Layer("body.0", (("body.0.weight", (128, 64)),), 5),
+             Layer("head", (("head.weight", (10, 128)), ("head.bias", (10,))), 15)]
+    return table, replay.layer_times(table, 1e-10)     # 1e-10 TFLOP/s = 100 FLOP/s
+
+
+replay = pytest.importorskip("pipe_horovod.workloads.replay")
+
+
+def test_replay_takes_the_configured_times_and_backward_runs_in_reverse():
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    table, times = _hand_table()
+    assert [x for t in times for x in (t.forward_s, t.backward_s)] == pytest.approx(
+        [0.10, 0.20, 0.05, 0.10, 0.15, 0.30])
+    model = replay.ReplayModel(table, times)
+    assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == _names(table)
+    arrivals = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: arrivals.append((name, time.perf_counter())))
+    x, y = torch.zeros(4, 1), torch.zeros(4, dtype=torch.long)
+    t0 = time.perf_counter()
+    loss = F.cross_entropy(model(x), y)
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    # Waits never end early (deadlines) and absorb their own overshoot; the slack above
+    # is for a loaded 2-core machine waking the sleeper late.
+    ratios = ((t1 - t0) / 0.30, (t2 - t1) / 0.60)
+    assert all(1.0 <= r < 1.5 for r in ratios), ratios
+    layer_of = {n: layer.name for layer in table for n, _ in layer.params}
+    order = [layer_of[n] for n, _ in arrivals]
+    assert order == ["head", "head", "body.0", "stem", "stem"]
+    # Each layer's gradients land when its backward ends: 0.30, 0.40, 0.60 s into backward.
+    landed = {layer_of[n]: t - t1 for n, t in arrivals}
+    for name, due in (("head", 0.30), ("body.0", 0.40), ("stem", 0.60)):
+        assert 1.0 <= landed[name] / due < 1.5, (name, landed[name], due)
+    for index, layer in enumerate(table):       # real sizes, layer i's value everywhere
+        for name, shape in layer.params:
+            grad = model.get_parameter(name).grad
+            assert grad.shape == shape and torch.all(grad == replay.grad_value(index))
+
+
+def test_replay_profile_and_bad_input(tmp_path):
+    import json
+
+    table, _ = _hand_table()
+    path = tmp_path / "profile.json"
+
+    def write(**change):
+        data = {"format": "pipe_horovod.replay-profile/1", "model": "mlp", "batch_size": 8,
+                "layers": [{"name": "stem", "forward_ms": 1, "backward_ms": 2.5},
+                           {"name": "head", "forward_ms": 3, "backward_ms": 4},
+                           {"name": "body.0", "forward_ms": 0, "backward_ms": 0.5}]}
+        data.update(change)
+        path.write_text(json.dumps(data))
+        return str(path)
+
+    times = replay.load_profile(write(), table, "mlp", 8)
+    assert [t.name for t in times] == ["stem", "body.0", "head"]        # the table's order
+    assert [x for t in times for x in (t.forward_s, t.backward_s)] == pytest.approx(
+        [0.001, 0.0025, 0.0, 0.0005, 0.003, 0.004])
+    cases = [
+        ({"format": "x"}, "expected an object with \"format\""),
+        ({"batch_size": 16}, "batch_size is 16, this run's is 8"),
+        ({"layers": [{"name": "stem", "forward_ms": 1, "backward_ms": 1}]},
+         "2 of mlp's 3 layers have no times: body.0, head"),
+        ({"layers": [{"name": "tail", "forward_ms": 1, "backward_ms": 1}]},
+         "names 'tail', which is not a layer of mlp"),
+        ({"layers": [{"name": "stem", "forward_ms": -1, "backward_ms": 1}]},
+         "layer 'stem': forward_ms must be a finite number >= 0, got -1"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            replay.load_profile(write(**change), table, "mlp", 8)
+    with pytest.raises(ValueError, match="cannot read profile"):
+        replay.load_profile(str(tmp_path / "absent.json"), table, "mlp", 8)
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match="is not JSON"):
+        replay.load_profile(str(tmp_path / "broken.json"), table, "mlp", 8)
+    with pytest.raises(ValueError, match="device_tflops must be a finite number > 0"):
+        replay.layer_times(table, 0)
+    with pytest.raises(ValueError, match="exactly one of device_tflops"):
+        replay.replay_model("mlp", 8)
+    with pytest.raises(ValueError, match="unknown model 'alexnet'"):
+        replay.replay_model("alexnet", 8, device_tflops=1.0)

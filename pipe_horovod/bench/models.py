@@ -1,0 +1,158 @@
+"""The benchmark's models: what `pipe-horovod bench --model/--compute` trains.
+
+CPU compute (the default) trains a synthetic MLP or CNN of --model-mb MB, or
+a model of `pipe-horovod convergence`, on the workers' own cores. Replayed
+compute (`--compute replay`) trains `pipe_horovod.workloads.replay`'s
+stand-in for a real model (resnet50, vgg16, bert-base, or the mlp / cnn
+above): real parameters, layer-by-layer timed waits at --device-tflops or
+from a measured --profile, so the cores are left to communication as on an
+accelerator.
+"""
+import math
+
+from pipe_horovod.bench import convergence_tasks
+from pipe_horovod.workloads import architectures
+
+MLP_IN, MLP_CLASSES = 1024, 1000
+CNN_CLASSES = 10
+COMPUTE_MODES = ("cpu", "replay")
+# Real architectures that only replay (their CPU step would take minutes on these cores).
+REPLAY_ONLY = tuple(m for m in architectures.MODELS if m not in ("mlp", "cnn"))
+MODEL_CHOICES = ("mlp", "cnn", *REPLAY_ONLY, *convergence_tasks.MODEL_NAMES)
+
+
+def mlp_width(model_bytes, layers, in_features=MLP_IN, classes=MLP_CLASSES):
+    """Hidden width H so an MLP of `layers` Linear layers holds ~model_bytes of float32."""
+    if layers < 2:
+        raise ValueError("an MLP needs at least 2 layers")
+    # params = in*H + H + (layers-2)*(H*H + H) + H*classes + classes
+    a = layers - 2
+    b = in_features + classes + (layers - 1)
+    c = classes - model_bytes / 4
+    width = -c / b if a == 0 else (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
+    return max(8, int(round(width)))
+
+
+def build_model(kind, model_mb, layers=5):
+    """The benchmark model and one synthetic batch shape: ('mlp'|'cnn', MB of float32)."""
+    import torch.nn as nn
+
+    model_bytes = model_mb * 1e6
+    if kind in convergence_tasks.MODEL_NAMES:     # a model of `pipe-horovod convergence`
+        return convergence_tasks.bench_model(kind)
+    if kind == "mlp":
+        width = mlp_width(model_bytes, layers)
+        mods = [nn.Linear(MLP_IN, width), nn.ReLU()]
+        for _ in range(layers - 2):
+            mods += [nn.Linear(width, width), nn.ReLU()]
+        mods.append(nn.Linear(width, MLP_CLASSES))
+        return nn.Sequential(*mods), (MLP_IN,), MLP_CLASSES
+    if kind == "cnn":
+        trunk = [nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                 nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                 nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()]
+        trunk_params = sum(p.numel() for m in trunk for p in m.parameters())
+        feat = 128 * 4 * 4
+        # The classifier head carries the rest of the requested size, like VGG's FC layers.
+        width = max(16, int((model_bytes / 4 - trunk_params - CNN_CLASSES)
+                            / (feat + 1 + CNN_CLASSES)))
+        head = [nn.Linear(feat, width), nn.ReLU(), nn.Linear(width, CNN_CLASSES)]
+        return nn.Sequential(*trunk, *head), (3, 32, 32), CNN_CLASSES
+    if kind in REPLAY_ONLY:
+        raise ValueError(f"model {kind!r} runs only with replayed compute "
+                         "(--compute replay --device-tflops T)")
+    raise ValueError(f"unknown model {kind!r}; choose from {', '.join(MODEL_CHOICES)}")
+
+
+def check_compute(args):
+    """The reason args' --compute / --device-tflops / --profile / --model cannot run
+    together (or a profile file is wrong), or None."""
+    replay = args.compute == "replay"
+    if not replay:
+        if args.device_tflops is not None or args.profile is not None:
+            return "--device-tflops and --profile set replayed compute: add --compute replay"
+        if args.model in REPLAY_ONLY:
+            return (f"--model {args.model} runs only with replayed compute: add --compute "
+                    "replay --device-tflops T (its CPU step would take minutes here)")
+        return None
+    if args.model not in architectures.MODELS:
+        return (f"--compute replay needs one of the models {', '.join(architectures.MODELS)} "
+                f"(got {args.model!r})")
+    if (args.device_tflops is None) == (args.profile is None):
+        return ("--compute replay needs exactly one of --device-tflops T (forward = FLOPs / "
+                "T TFLOP/s, backward = 2 x forward) or --profile FILE (measured layer times)")
+    if args.profile is not None:
+        from pipe_horovod.workloads import replay
+
+        try:
+            replay.load_profile(args.profile, replay_table(args), args.model, args.batch_size,
+                                args.seq_len)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def replay_table(args):
+    return architectures.layer_table(args.model, args.batch_size, seq_len=args.seq_len,
+                                     model_mb=args.model_mb, layers=args.layers)
+
+
+def bench_model(args):
+    """(model, input shape, classes) of this run: args.compute's kind of model."""
+    if args.compute != "replay":
+        return build_model(args.model, args.model_mb, args.layers)
+    from pipe_horovod.workloads import replay
+
+    return (replay.replay_model(args.model, args.batch_size, device_tflops=args.device_tflops,
+                                profile=args.profile, seq_len=args.seq_len,
+                                model_mb=args.model_mb, layers=args.layers),
+            (1,), replay.OUTPUTS)
+
+
+def compute_meta(args):
+    """What the raw result records about the compute: mode, and for replay the device,
+    the layers' total times and the per-layer table (the timing model's input)."""
+    if args.compute != "replay":
+        return {"mode": "cpu"}
+    from pipe_horovod.workloads import replay
+
+    table = replay_table(args)
+    times = (replay.layer_times(table, args.device_tflops) if args.profile is None else
+             replay.load_profile(args.profile, table, args.model, args.batch_size,
+                                 args.seq_len))
+    return {"mode": "replay", "device_tflops": args.device_tflops, "profile": args.profile,
+            "seq_len": args.seq_len if args.model == "bert-base" else None,
+            "forward_s": sum(t.forward_s for t in times),
+            "backward_s": sum(t.backward_s for t in times),
+            "layers": [{"name": t.name, "forward_s": t.forward_s, "backward_s": t.backward_s,
+                        "param_numel": [math.prod(shape) for _, shape in layer.params]}
+                       for layer, t in zip(table, times)]}
+
+
+def compute_label(compute):
+    """How reports name the compute of a run (`compute_meta`'s dict, or None: CPU)."""
+    if not compute or compute.get("mode") != "replay":
+        return "compute on CPU"
+    if compute.get("profile"):
+        return f"compute replayed from profile {compute['profile']}"
+    return f"compute replayed at {compute['device_tflops']:g} TFLOP/s"
+
+
+def model_numel(args):
+    """Parameter count of the benchmark model, without allocating it."""
+    import torch
+
+    if args.compute == "replay":
+        return sum(layer.numel for layer in replay_table(args))
+    with torch.device("meta"):
+        model = build_model(args.model, args.model_mb, args.layers)[0]
+    return int(sum(p.numel() for p in model.parameters()))
+
+
+def synthetic_batch(shape, classes, batch_size, seed):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randn(batch_size, *shape, generator=gen)
+    target = torch.randint(0, classes, (batch_size,), generator=gen)
+    return data, target
