@@ -83,12 +83,15 @@ _HOROVOD = launcher.horovod_missing()
 @pytest.mark.skipif(_HOROVOD is not None, reason=f"no horovod: {_HOROVOD}")
 def test_horovod_engine_measures_horovod_and_ddp_in_one_run(tmp_path):
     # One horovodrun job: hvd.DistributedOptimizer and DDP (over a torch.distributed gloo
-    # group the workers start next to Horovod) in the same processes, interleaved.
+    # group the workers start next to Horovod) in the same processes, interleaved; every
+    # configuration on replayed compute (issue 11): 0.005 TFLOP/s makes the 0.1 MB MLP's
+    # forward 1.6 ms and backward 3.2 ms of timed waits.
+    configs = ["horovod", "ddp", "ours-k1", "ours-k2", "compute"]
     stdout = _bench(tmp_path, "--engine", "horovod", "--workers", "2", "--model-mb", "0.1",
                     "--batch-size", "8", "--steps", "2", "--warmup", "1", "--rounds", "2",
-                    "--idle-probe-s", "0.05", "--configs", "horovod", "ddp", "compute",
-                    timeout=110)
-    summary, raw = _check_outputs(tmp_path, stdout, ["horovod", "ddp", "compute"])
+                    "--idle-probe-s", "0.05", "--compute", "replay", "--device-tflops", "0.005",
+                    "--horovod-fusion-mb", "0", "--configs", *configs, timeout=110)
+    summary, raw = _check_outputs(tmp_path, stdout, configs)
     meta = raw["meta"]
     assert meta["engine"] == "horovod" and meta["workers"] == 2 and not meta["skipped"]
     for name in ("horovod", "ddp"):
@@ -100,7 +103,21 @@ def test_horovod_engine_measures_horovod_and_ddp_in_one_run(tmp_path):
     group = meta["ddp_process_group"]
     assert group["address_from"] == "launcher" and group["init_method"].startswith(
         "tcp://127.0.0.1:")
-    assert summary["ratios"]["k1_vs_ddp"] is None           # no ours-k1 here; ddp measured
+    # Replayed: the FLOPs of the MLP's 5 Linear layers at batch 8 (2 per multiply-add).
+    width = worker.mlp_width(0.1e6, 5)
+    macs = 8 * (1024 * width + 3 * width * width + width * 1000)
+    compute = meta["compute"]
+    assert compute["mode"] == "replay" and compute["device_tflops"] == 0.005
+    assert compute["forward_s"] == pytest.approx(2 * macs / 0.005e12)
+    assert compute["backward_s"] == pytest.approx(2 * compute["forward_s"])
+    assert meta["horovod_fusion_mb"] == 0
+    assert "--compute replay --device-tflops 0.005" in raw["launch"]["command"]
+    assert "buckets 25 MB, compute replayed at 0.005 TFLOP/s" in stdout
+    assert stdout.count("compute replayed at 0.005 TFLOP/s") >= 2      # title and table
+    for name, s in summary["configs"].items():
+        assert s["compute"] == "compute replayed at 0.005 TFLOP/s", name
+        # the waits never end early: forward + backward take at least their configured time
+        assert s["fwdbwd_s"] >= compute["forward_s"] + compute["backward_s"], name
 
 
 @pytest.mark.timeout(60)
@@ -168,6 +185,12 @@ def _exit_code(argv, capsys):
     (["--configs", "ours-kx"], "unknown configuration 'ours-kx'"),
     (["--engine", "mpi"], "invalid choice"),
     (["--timeout", "0"], "timeout must be > 0"),
+    (["--compute", "replay", "--model", "resnet50"], "exactly one of --device-tflops"),
+    (["--model", "vgg16"], "--model vgg16 runs only with replayed compute"),
+    (["--device-tflops", "10"], "add --compute replay"),
+    (["--compute", "replay", "--profile", "/nonexistent.json"], "cannot read profile"),
+    (["--compute", "replay", "--model", "hvd-mnist", "--device-tflops", "1"],
+     "--compute replay needs one of the models resnet50"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     code, err = _exit_code(argv, capsys)

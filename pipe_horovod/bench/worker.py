@@ -20,6 +20,10 @@ C ..., so a slow minute on a shared machine hits every configuration alike:
   allreduce              one allreduce of a model-sized flat float32 buffer
                          (plus allreduce-fp16 / -bf16 when those codecs run)
 
+With `--compute replay` every configuration trains a replayed model
+(`pipe_horovod.bench.models`): timed waits instead of arithmetic, real
+gradient sizes and times, so the cores are left to communication.
+
 Each configuration has its own model copy (same seed, same weights), so
 their hooks never see each other's backward. Each block is `--warmup`
 untimed steps, `--steps` timed steps, then `flush()` for ours, so a block
@@ -50,7 +54,10 @@ import socket
 import sys
 import time
 
-from pipe_horovod.bench import convergence_tasks
+from pipe_horovod.bench import convergence_tasks, models
+# Re-exported: examples and the Keras bench build the same synthetic models.
+from pipe_horovod.bench.models import (MLP_CLASSES, MLP_IN, build_model,  # noqa: F401
+                                       mlp_width, model_numel, synthetic_batch)
 from pipe_horovod.collectives.group import free_port, start_beside  # noqa: F401 -- free_port: launchers import it from here
 
 DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16",
@@ -59,8 +66,6 @@ _CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|contention|allreduce(?:
                      r"|tf-keras-mwms"
                      r"|ours-k([1-9][0-9]*)(?:-(?:fp16|bf16|bf16hop|int8))?"
                      r"(?:-(none|momentum|dc|predict|lookahead))?)$")
-MLP_IN, MLP_CLASSES = 1024, 1000
-CNN_CLASSES = 10
 DDP_ADDR_ENV = "PIPE_HOROVOD_BENCH_DDP_ADDR"
 DDP_PORT_ENV = "PIPE_HOROVOD_BENCH_DDP_PORT"
 DDP_BACKEND = "torch.distributed gloo"
@@ -223,66 +228,6 @@ class DdpGroup:
             self.dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------- models
-
-def mlp_width(model_bytes, layers, in_features=MLP_IN, classes=MLP_CLASSES):
-    """Hidden width H so an MLP of `layers` Linear layers holds ~model_bytes of float32."""
-    if layers < 2:
-        raise ValueError("an MLP needs at least 2 layers")
-    # params = in*H + H + (layers-2)*(H*H + H) + H*classes + classes
-    a = layers - 2
-    b = in_features + classes + (layers - 1)
-    c = classes - model_bytes / 4
-    width = -c / b if a == 0 else (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
-    return max(8, int(round(width)))
-
-
-def build_model(kind, model_mb, layers=5):
-    """The benchmark model and one synthetic batch shape: ('mlp'|'cnn', MB of float32)."""
-    import torch.nn as nn
-
-    model_bytes = model_mb * 1e6
-    if kind in convergence_tasks.MODEL_NAMES:     # a model of `pipe-horovod convergence`
-        return convergence_tasks.bench_model(kind)
-    if kind == "mlp":
-        width = mlp_width(model_bytes, layers)
-        mods = [nn.Linear(MLP_IN, width), nn.ReLU()]
-        for _ in range(layers - 2):
-            mods += [nn.Linear(width, width), nn.ReLU()]
-        mods.append(nn.Linear(width, MLP_CLASSES))
-        return nn.Sequential(*mods), (MLP_IN,), MLP_CLASSES
-    if kind == "cnn":
-        trunk = [nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                 nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                 nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()]
-        trunk_params = sum(p.numel() for m in trunk for p in m.parameters())
-        feat = 128 * 4 * 4
-        # The classifier head carries the rest of the requested size, like VGG's FC layers.
-        width = max(16, int((model_bytes / 4 - trunk_params - CNN_CLASSES)
-                            / (feat + 1 + CNN_CLASSES)))
-        head = [nn.Linear(feat, width), nn.ReLU(), nn.Linear(width, CNN_CLASSES)]
-        return nn.Sequential(*trunk, *head), (3, 32, 32), CNN_CLASSES
-    raise ValueError(f"unknown model {kind!r}; choose mlp or cnn")
-
-
-def model_numel(args):
-    """Parameter count of the benchmark model, without allocating it."""
-    import torch
-
-    with torch.device("meta"):
-        model = build_model(args.model, args.model_mb, args.layers)[0]
-    return int(sum(p.numel() for p in model.parameters()))
-
-
-def synthetic_batch(shape, classes, batch_size, seed):
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    data = torch.randn(batch_size, *shape, generator=gen)
-    target = torch.randint(0, classes, (batch_size,), generator=gen)
-    return data, target
-
-
 # --------------------------------------------------------------------- runners
 
 class TrainRunner:
@@ -394,7 +339,7 @@ def make_runner(name, args, eng):
                                 AllreduceRunner(name, eng, model_numel(args), torch.float32))
 
     torch.manual_seed(args.seed)            # every configuration starts from the same weights
-    model, shape, classes = build_model(args.model, args.model_mb, args.layers)
+    model, shape, classes = models.bench_model(args)
     data, target = synthetic_batch(shape, classes, args.batch_size, args.seed + 1 + eng.rank())
     # The convergence tasks' models get their task's SGD (momentum: what 'momentum' adjusts).
     sgd = convergence_tasks.bench_sgd(args.model) or {"lr": 0.01}
@@ -557,6 +502,11 @@ def run_benchmark(args):
     from pipe_horovod import engine
 
     torch.set_num_threads(args.threads)
+    # Horovod reads its tuning knobs at init (launchers scrub HOROVOD_* from the env).
+    if args.horovod_fusion_mb is not None:
+        os.environ["HOROVOD_FUSION_THRESHOLD"] = str(int(args.horovod_fusion_mb * 2**20))
+    if args.horovod_cycle_ms is not None:
+        os.environ["HOROVOD_CYCLE_TIME"] = f"{args.horovod_cycle_ms:g}"
     eng = engine.init()
     rank, size = eng.rank(), eng.size()
     requested = expand_configs(parse_configs(args.configs))
@@ -630,6 +580,8 @@ def run_benchmark(args):
         "meta": {
             "engine": eng.name, "workers": size, "model": args.model,
             "model_mb_requested": args.model_mb, "layers": args.layers,
+            "compute": models.compute_meta(args),
+            "horovod_fusion_mb": args.horovod_fusion_mb, "horovod_cycle_ms": args.horovod_cycle_ms,
             "params": numel, "model_bytes": numel * 4, "batch_size": args.batch_size,
             "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
             "bucket_cap_mb": args.bucket_cap_mb, "threads": args.threads,
@@ -680,6 +632,16 @@ def _positive(kind):
     return convert
 
 
+def _non_negative(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
 def _configs(text):
     try:
         return parse_configs(text)
@@ -689,12 +651,31 @@ def _configs(text):
 
 def add_model_arguments(parser):
     """Arguments shared by the worker and `pipe-horovod bench` (which forwards them)."""
-    parser.add_argument("--model", choices=["mlp", "cnn", *convergence_tasks.MODEL_NAMES],
-                        default="mlp",
+    parser.add_argument("--model", choices=models.MODEL_CHOICES, default="mlp",
                         help="synthetic model: an MLP, or a small CNN whose classifier head "
-                             "carries the size (default mlp); or a model of `pipe-horovod "
-                             "convergence` (its own size: --model-mb is ignored) "
-                             "on synthetic inputs of its shape")
+                             "carries the size (default mlp); a real architecture (resnet50, "
+                             "vgg16, bert-base: --compute replay only); or a model of "
+                             "`pipe-horovod convergence` (its own size: --model-mb is "
+                             "ignored) on synthetic inputs of its shape")
+    parser.add_argument("--compute", choices=models.COMPUTE_MODES, default="cpu",
+                        help="cpu: forward and backward run on the workers' cores (default); "
+                             "replay: each layer's forward/backward is a timed wait that "
+                             "uses no CPU, gradients of the real sizes appear at their "
+                             "layer's time, as on an accelerator "
+                             "(pipe_horovod.workloads.replay)")
+    parser.add_argument("--device-tflops", type=_positive(float), default=None, metavar="T",
+                        help="replay: the device's throughput; forward = layer FLOPs / T, "
+                             "backward = 2 x forward")
+    parser.add_argument("--profile", default=None, metavar="FILE",
+                        help="replay: measured per-layer times (JSON, format in "
+                             "pipe_horovod.workloads.replay) instead of --device-tflops")
+    parser.add_argument("--seq-len", type=_positive(int), default=128,
+                        help="bert-base: tokens per sample (default 128)")
+    parser.add_argument("--horovod-fusion-mb", type=_non_negative, default=None, metavar="MB",
+                        help="HOROVOD_FUSION_THRESHOLD for the horovod configurations, MiB "
+                             "(default: Horovod's own)")
+    parser.add_argument("--horovod-cycle-ms", type=_positive(float), default=None, metavar="MS",
+                        help="HOROVOD_CYCLE_TIME, ms (default: Horovod's own)")
     parser.add_argument("--model-mb", type=_positive(float), default=50.0,
                         help="model size in MB of float32 parameters (default 50)")
     parser.add_argument("--layers", type=int, default=5, choices=range(2, 33), metavar="N",
@@ -738,6 +719,9 @@ def main(argv=None):
     parser.add_argument("--progress", help="progress file rank 0 keeps up to date")
     args = parser.parse_args(argv)
     args.configs = flatten_configs(args.configs)
+    problem = models.check_compute(args)
+    if problem:
+        parser.error(problem)
     run_benchmark(args)
     return 0
 

@@ -148,6 +148,11 @@ def _check(args):
         reason = emulate.unavailable_reason()
         if reason:
             raise UsageError(f"--emulate is not possible here: {reason}")
+    from pipe_horovod.bench import models
+
+    problem = models.check_compute(args)
+    if problem:
+        raise UsageError(problem)
     from pipe_horovod.engine import missing_package
 
     problem = missing_package(args.engine)
@@ -167,8 +172,17 @@ def command_line(args):
     parts = ["pipe-horovod", "bench"]
     if args.emulate:
         parts += ["--emulate", args.emulate]
-    parts += ["--workers", str(args.workers), "--engine", args.engine, "--model", args.model,
-              "--model-mb", f"{args.model_mb:g}", "--batch-size", str(args.batch_size)]
+    parts += ["--workers", str(args.workers), "--engine", args.engine]
+    if args.compute == "replay":
+        parts += ["--compute", "replay"]
+        parts += (["--device-tflops", f"{args.device_tflops:g}"] if args.profile is None
+                  else ["--profile", args.profile])
+    parts += ["--model", args.model]
+    if args.model in ("mlp", "cnn"):
+        parts += ["--model-mb", f"{args.model_mb:g}"]
+    if args.model == "bert-base" and args.seq_len != 128:
+        parts += ["--seq-len", str(args.seq_len)]
+    parts += ["--batch-size", str(args.batch_size)]
     if args.model == "mlp" and args.layers != 5:
         parts += ["--layers", str(args.layers)]
     parts += ["--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -180,6 +194,10 @@ def command_line(args):
                               if args.fit_max_mb != 64.0 else [])
     if args.threads != 1:
         parts += ["--threads", str(args.threads)]
+    if args.horovod_fusion_mb is not None:
+        parts += ["--horovod-fusion-mb", f"{args.horovod_fusion_mb:g}"]
+    if args.horovod_cycle_ms is not None:
+        parts += ["--horovod-cycle-ms", f"{args.horovod_cycle_ms:g}"]
     parts += ["--out", args.out]
     if args.name != "bench":
         parts += ["--name", args.name]
@@ -192,8 +210,15 @@ def _worker_argv(args, raw, progress):
             "--warmup", str(args.warmup), "--rounds", str(args.rounds),
             "--configs", ",".join(args.configs), "--bucket-cap-mb", repr(args.bucket_cap_mb),
             "--threads", str(args.threads), "--seed", str(args.seed),
-            "--idle-probe-s", repr(args.idle_probe_s),
-            "--out", raw, "--progress", progress]
+            "--idle-probe-s", repr(args.idle_probe_s), "--compute", args.compute,
+            "--seq-len", str(args.seq_len), "--out", raw, "--progress", progress]
+    for flag, value in (("--device-tflops", args.device_tflops),
+                        ("--horovod-fusion-mb", args.horovod_fusion_mb),
+                        ("--horovod-cycle-ms", args.horovod_cycle_ms)):
+        if value is not None:
+            argv += [flag, repr(value)]
+    if args.profile is not None:
+        argv += ["--profile", os.path.abspath(args.profile)]
     if args.fit:
         argv += ["--fit", "--fit-max-mb", repr(args.fit_max_mb)]
     return argv
@@ -373,6 +398,9 @@ def run(args):
     from pipe_horovod.bench import report
 
     if args.framework == "keras":
+        if args.compute != "cpu":
+            return _error("--compute replay is not in the Keras benchmark yet; use "
+                          "--framework torch")
         return keras_launch.run(args)
     args.configs = bench_worker.flatten_configs(args.configs)
     if args.configs == bench_worker.DEFAULT_CONFIGS and args.engine == "local":
