@@ -284,6 +284,16 @@ def check_errors():
     model.compile(optimizer=phvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
     if phvd.size() > 1:
         expect_error(ValueError, "differs between ranks", lambda: fit(model, 0, 2))
+        # Pipeline options that differ between ranks: every rank raises, naming the option.
+        other = phvd.rank() == 1
+        for option, value in [("pipeline_depth", 3 if other else 2),
+                              ("compression", phvd.Compression.fp16 if other
+                               else phvd.Compression.none),
+                              ("bucket_cap_mb", 1 if other else 25),
+                              ("staleness_compensation", None if other else "lookahead")]:
+            model = compiled(phvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                       **{option: value}))
+            expect_error(ValueError, f"option {option} is", lambda: fit(model, 0, 2))
     if backend == "tensorflow":
         import tensorflow as tf
         with tf.distribute.OneDeviceStrategy("/cpu:0").scope():

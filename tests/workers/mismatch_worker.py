@@ -1,4 +1,5 @@
-"""Ranks that build different models must all get the same clear error, not a hang."""
+"""Ranks that build different models, or pass different pipeline options, must all get
+the same clear error, not a hang."""
 import sys
 
 import torch
@@ -16,16 +17,33 @@ def main():
     named = list(model.named_parameters())
     if what == "names" and rank == 1:
         named = [("renamed." + n, p) for n, p in named]
-    depth = 3 if (what == "options" and rank == 1) else 2
+    if what == "options":
+        # Every pipeline option, one at a time: rank 1 passes another value.
+        for option, usual, other in OPTIONS:
+            expect_mismatch(model, named, f"option {option} is", **{option: other if rank == 1
+                                                                     else usual})
+    else:
+        expect_mismatch(model, named, "parameter" if what != "names" else "parameters")
+    print(f"WORKER_OK rank={rank}", flush=True)
+
+
+OPTIONS = [("pipeline_depth", 2, 3), ("warmup_steps", 0, 1), ("backward_passes_per_step", 1, 2),
+           ("compression", phvd.Compression.none, phvd.Compression.fp16),
+           ("op", phvd.Average, phvd.Sum), ("bucket_cap_mb", 25, 1),
+           ("gradient_predivide_factor", 1.0, 2.0), ("groups", None, 1),
+           ("staleness_compensation", "lookahead", None), ("collective", None, "ring")]
+
+
+def expect_mismatch(model, named, what, **options):
     try:
         phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                  named_parameters=named, pipeline_depth=depth)
+                                  named_parameters=named, **options)
     except ValueError as exc:
         assert "differs between ranks" in str(exc) and "rank 1" in str(exc), exc
+        assert what in str(exc), (what, exc)
         print(f"raised: {exc}", flush=True)
     else:
-        raise AssertionError("models differ between ranks but no error was raised")
-    print(f"WORKER_OK rank={rank}", flush=True)
+        raise AssertionError(f"ranks differ ({what} {options}) but no error was raised")
 
 
 if __name__ == "__main__":
