@@ -29,8 +29,9 @@ run: install
 	$(PY) examples/compare_digits.py --np $(NP) --framework keras || status=1; \
 	exit $$status
 
+# pytest's full log and a JUnit XML go to .ci/artifacts (scripts/run_tests.sh).
 test: install
-	$(PY) -m pytest
+	bash scripts/run_tests.sh $(PY)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
