@@ -2,20 +2,27 @@
 
 Peers are named by their index in the collective's rank list; a message by
 a small id that both sides compute from the algorithm's schedule. The tag
-puts the collective's sequence number and process set above that id, so two
-collectives (or two phases of one) never match each other's messages, even
-when a rank runs ahead to the next step's collective.
+puts the collective's sequence number, call signature and process set above
+that id, so two collectives (or two phases of one) never match each other's
+messages, even when a rank runs ahead to the next step's collective.
 """
 MESSAGE_BITS = 17
 SET_BITS = 4
-SEQUENCE_BITS = 31 - MESSAGE_BITS - SET_BITS
+# The verified call signature's index (collectives/agreement.py): ranks that run two
+# different verified signatures at once send on different tags, so their messages
+# never meet (a wait that times out) instead of meeting with the wrong size (gloo aborts).
+SIGNATURE_BITS = 4
+SEQUENCE_BITS = 31 - MESSAGE_BITS - SET_BITS - SIGNATURE_BITS
 
 
-def tag_base(sequence, set_id):
+def tag_base(sequence, set_id, signature=0):
     """Tags stay below 2**31 (gloo's tags are C ints): sequence numbers wrap, which is
-    safe because a collective 2**10 launches back finished long ago on every rank."""
+    safe because a collective 2**6 launches back finished long ago on every rank (a
+    rank cannot finish a collective before its peers have started it)."""
     seq = sequence % (1 << SEQUENCE_BITS)
-    return ((seq << SET_BITS) | (set_id % (1 << SET_BITS))) << MESSAGE_BITS
+    high = (((seq << SIGNATURE_BITS) | (signature % (1 << SIGNATURE_BITS))) << SET_BITS
+            | (set_id % (1 << SET_BITS)))
+    return high << MESSAGE_BITS
 
 
 class Channel:

@@ -14,6 +14,7 @@ import concurrent.futures
 import weakref
 
 from ..engine.base import Average, Done, Work
+from .agreement import Agreement, signature
 from .buffers import Pool
 from .channel import Channel, tag_base
 from .exchange import Exchange
@@ -88,6 +89,7 @@ class Communicator:
             1, thread_name_prefix="pipe_horovod-collectives")
         self._sequence = collections.Counter()    # per process set: launches so far
         self.pool = Pool()
+        self.agreement = Agreement()
         self.closed = False
         eng.before_shutdown(__name__, self.close)
 
@@ -99,7 +101,7 @@ class Communicator:
         self._sequence[job.set_id] += 1
         if self.closed:
             raise RuntimeError("pipe_horovod.collectives: the engine is shutting down")
-        return _Running(self._thread.submit(self._run, job, tag_base(sequence, job.set_id)))
+        return _Running(self._thread.submit(self._run, job, sequence))
 
     @staticmethod
     def _alone(job):
@@ -114,9 +116,14 @@ class Communicator:
                 job.tensor.mul_(factor)
         return job.tensor
 
-    def _run(self, job, base):
+    def _run(self, job, sequence):
         import torch
 
+        checking = Channel(torch.distributed, self.group, job.ranks,
+                           tag_base(sequence, job.set_id))
+        verified = self.agreement.check(job, checking, sequence)
+        channel = Channel(torch.distributed, self.group, job.ranks,
+                          tag_base(sequence, job.set_id, verified))
         tensor, codec = job.tensor, job.codec
         flat = tensor.view(-1)
         algorithm = job.spec.module
@@ -130,15 +137,21 @@ class Communicator:
         if job.residual is not None:
             work.add_(job.residual)
             job.residual.zero_()
-        x = Exchange(Channel(torch.distributed, self.group, job.ranks, base), codec,
-                     layout, work, buffers, job.residual, job.factor)
+        x = Exchange(channel, codec, layout, work, buffers, job.residual, job.factor)
         try:
             if job.kind == "allreduce":
                 algorithm.allreduce(x, job.me, job.p)
             else:
                 getattr(algorithm, job.kind)(x, job.me, job.p, job.root)
-        finally:
             x.finish()
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower():
+                raise
+            raise ValueError(
+                f"rank {job.ranks[job.me]}: collectives.{job.kind} (call #{sequence}, "
+                f"{dict(signature(job))}) got no message from a peer within the timeout: "
+                f"the ranks may have called it with different arguments (each a call "
+                f"verified before), or a peer stopped") from exc
         if not job.in_place and (job.kind != "reduce" or job.me == job.root):
             flat.copy_(work)
         return tensor
