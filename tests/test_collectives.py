@@ -1,10 +1,12 @@
 """pipe_horovod.collectives and the per-hop codecs: real ranks, both engines.
 
 One launch per (engine, ranks) runs every algorithm x op x dtype x size x
-codec case, reduce and broadcast, handles in flight, and the optimizer with
-collective= against the oracle (tests/workers/collectives_worker.py states
-the error bounds); the 2-rank launches add error feedback, a bit-exact
-resume with its residuals, and a collective that differs between ranks.
+codec case, reduce and broadcast, handles of mixed algorithms in flight,
+calls whose arguments differ between ranks, and (scope "all") the optimizer
+with collective= against the oracle (tests/workers/collectives_worker.py
+states the error bounds); the 2-rank launches add error feedback, a
+bit-exact resume with its residuals, and a collective that differs between
+ranks at wrap time.
 """
 import pytest
 import torch
@@ -19,12 +21,15 @@ from pipe_horovod.compression.hops import Int8Hop
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("horovod", 3), ("torch", 2),
-                                             ("torch", 4)])
-def test_collectives_match_the_oracles(engine_name, np):
+# 2, 3 and 4 ranks on both engines; where one engine already runs the optimizer and
+# DDP cases at that size, the other runs the collectives only (the cheaper launch).
+@pytest.mark.parametrize("engine_name, np, scope", [
+    ("horovod", 2, "all"), ("horovod", 3, "all"), ("horovod", 4, "collectives"),
+    ("torch", 2, "all"), ("torch", 3, "collectives"), ("torch", 4, "all")])
+def test_collectives_match_the_oracles(engine_name, np, scope):
     if engine_name == "horovod":
         pytest.importorskip("horovod.torch")
-    launcher.run(engine_name, np, "collectives_worker.py", engine_name, timeout=240,
+    launcher.run(engine_name, np, "collectives_worker.py", engine_name, scope, timeout=240,
                  env={"PIPE_HOROVOD_COLLECTIVES_TIMEOUT": "120"})
 
 
@@ -60,8 +65,10 @@ def test_int8_codec_round_trip_error_is_half_a_step():
 
 def test_lp_chunks_follow_the_cost_model():
     net = timing.Network(alpha=1e-4, beta=8e-9)
-    # A full-duplex chain allreduce is a one-way chain of 2p-1 ranks.
-    assert layout.lp_chunks(4, 25e6, net) == timing.optimal_chunks(net, 7, 25e6)
+    # The optimum sqrt(fill * n * b / a): allreduce fill 2p-3 = 5, two streams (b = 2 beta);
+    # a broadcast's one-way chain of 4, fill 2.
+    assert layout.lp_chunks(4, 25e6, net) == timing.lp_allreduce_chunks(net, 4, 25e6) == 141
+    assert layout.lp_chunks(4, 25e6, net, hops=4) == timing.optimal_chunks(net, 4, 25e6) == 63
     assert layout.lp_chunks(1, 25e6, net) == 1
     spec = collectives.Collective("lp", chunks=3)
     assert collectives.lp.blocks("allreduce", 2, 4, 8, spec) == [1, 1]   # never more than numel

@@ -153,6 +153,44 @@ def in_flight_out_of_order(r, p):
             failures.append(f"in flight #{i}: error {err:.3g}")
 
 
+def mismatched_calls(r, p):
+    """A call whose size, dtype, op, collective, codec or root differs between ranks: a
+    ValueError on every rank naming each rank's value (before anything is sent), and the
+    next call works. Sizes no other case uses: each signature is new to every rank, so
+    every rank checks it (two verified signatures that differ end at the timeout instead)."""
+    others = [q for q in range(p) if q != r]
+    cases = [
+        ("numel", f"rank {r} {300 + r}",
+         lambda: collectives.allreduce(torch.ones(300 + r), collective="ring")),
+        ("dtype", f"rank {r} {'float32' if r == 0 else 'float64'}",
+         lambda: collectives.allreduce(torch.ones(311, dtype=torch.float64 if r else torch.float32),
+                                       collective="lp")),
+        ("op", f"rank {r} {'AVERAGE' if r == 0 else 'SUM'}",
+         lambda: collectives.allreduce(torch.ones(313), op=engine.Sum if r else engine.Average,
+                                       collective="be")),
+        ("collective", f"rank {r} {'ring' if r == 0 else 'mst'}(",
+         lambda: collectives.allreduce(torch.ones(317), collective="mst" if r else "ring")),
+        ("codec", f"rank {r} {'Int8Hop' if r == 0 else 'CastHop(torch.bfloat16)'}",
+         lambda: collectives.allreduce(torch.ones(319), collective="lp",
+                                       compression=Compression.bf16 if r else Compression.int8)),
+        ("root", f"rank {r} {r % 2}",
+         lambda: collectives.broadcast(torch.ones(323), r % 2, collective="ring")),
+    ]
+    for field, own, call in cases:
+        try:
+            call()
+        except ValueError as exc:
+            text = str(exc)
+            if f"ranks disagree on {field}:" not in text or own not in text or not all(
+                    f"rank {q} " in text for q in others):
+                failures.append(f"mismatched {field}: unexpected message {text}")
+        else:
+            failures.append(f"mismatched {field} across ranks was not refused")
+    out = collectives.allreduce(torch.ones(5), None, engine.Sum, collective="ring")
+    if not torch.equal(out, torch.full((5,), float(p))):
+        failures.append(f"after the mismatches: allreduce gave {out}")
+
+
 def error_feedback(r, p):
     """50 steps of a gradient with a persistent component: the sum of int8 results
     drifts from the exact sum without feedback, and stays near it with."""
@@ -213,7 +251,7 @@ def train(model, opt, start, stop):
 
 def optimizer_matches_oracle(p, steps=12):
     for algorithm in ("lp", "ring"):
-        for depth in (1, 2, 3):
+        for depth in (1, 2, 3) if p == 2 else (1, 2):     # K=3 at 2 ranks, on both engines
             torch.manual_seed(0)
             model = MLP()
             ref = MLP()
@@ -300,14 +338,16 @@ def ddp_hooks_match_ddp(r, steps=4):
 
 
 def main():
-    engine_name = sys.argv[1]
+    engine_name, scope = sys.argv[1], sys.argv[2]     # scope: "all", or "collectives" only
     eng = phvd.init(engine_name)
     r, p = eng.rank(), eng.size()
     allreduce_cases(r, p)
     rooted_cases(r, p)
     in_flight_out_of_order(r, p)
-    optimizer_matches_oracle(p)
-    if engine_name == "torch":
+    mismatched_calls(r, p)
+    if scope == "all":
+        optimizer_matches_oracle(p)
+    if engine_name == "torch" and scope == "all":
         ddp_hooks_match_ddp(r)
     if p == 2:
         error_feedback(r, p)
