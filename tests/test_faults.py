@@ -13,7 +13,6 @@ import torch
 
 import launcher
 import pipe_horovod as phvd
-from pipe_horovod import engine
 from pipe_horovod.engine import faults
 from pipe_horovod.engine.base import Work
 from pipe_horovod.pipeline import StepMachine

@@ -16,7 +16,7 @@ import time
 from .checks import (check_name, check_op, check_reducible, check_root, check_rows, check_scale,
                      check_splits, check_tensor, check_tensors)
 from .faults import (DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, HorovodInternalError,  # noqa: F401
-                     HostsUpdatedInterrupt, RankLostError, WaitError, WaitTimeoutError,
+                     HostsUpdatedInterrupt, RankLostError, WaitTimeoutError,
                      describe_lost, lost_ranks, wait_until, whoami)
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from .process_sets import ProcessSet, check_new_sets, global_process_set
