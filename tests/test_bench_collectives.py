@@ -12,6 +12,7 @@ import pytest
 
 from pipe_horovod import timing
 from pipe_horovod.bench import collectives_report, collectives_worker
+from pipe_horovod.collectives import layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,6 +29,11 @@ def test_prediction_uses_the_wire_bytes_of_the_codec():
         timing.ring_allreduce(net, 4, 2**24))
     assert collectives_report.predicted_seconds(net, 3, 2**26, "native/none") == pytest.approx(
         timing.ring_allreduce(net, 3, 2**26))
+    # with measured codec costs, the busiest rank's per-hop codec CPU is added
+    costs = {"int8": (1e-9, 2e-9, 3e-9)}
+    assert collectives_report.predicted_seconds(net, 4, 2**26, "lp/int8", costs) == pytest.approx(
+        timing.lp_allreduce(net, 4, 2**24, chunks=layout.lp_chunks(4, 2**24))
+        + 2**26 * 6e-9)
 
 
 @pytest.mark.timeout(120)
@@ -59,6 +65,8 @@ def test_local_torch_run_reports_every_algorithm_and_codec(tmp_path):
     raw = json.loads((tmp_path / "bc-raw.json").read_text())
     assert raw["launch"]["command"].startswith("pipe-horovod bench-collectives --workers 2")
     assert len(raw["times"]) == 2                                        # every rank's times
+    costs = raw["meta"]["codec_costs_s_per_byte"]           # (encode, add, decode) per codec
+    assert set(costs) == {"bf16", "int8"} and all(0 < c < 1e-6 for v in costs.values() for c in v)
 
 
 @pytest.mark.timeout(60)

@@ -6,9 +6,10 @@ every rank has its result), each figure the median over repetitions.
 Bandwidths follow nccl-tests' allreduce definitions: algbw = bytes / time,
 busbw = algbw * 2(p-1)/p, comparable with the link's rate whatever p is.
 The prediction is `pipe_horovod.timing.allreduce_time` of the algorithm
-(the engine's own allreduce as "ring") for the bytes on the wire, with
-alpha and beta fitted (`timing.fit`, ring formula) to the engine's own
-allreduce over the sizes measured. Outputs: markdown (printed and saved),
+(the engine's own allreduce as "ring") for the bytes on the wire, plus
+`timing.hop_codec_time` for a per-hop codec (its encode/add/decode cost
+measured by the workers), with alpha and beta fitted (`timing.fit`, ring
+formula) to the engine's own allreduce at the sizes >= 1 MB. Outputs: markdown (printed and saved),
 a JSON summary, a PNG of bus bandwidth against size (log x).
 """
 import json
@@ -40,8 +41,10 @@ def wire_bytes(nbytes, codec):
     return nbytes * (1.0 if codec == "none" else timing.DEFAULT_COMPRESSIONS[codec][0])
 
 
-def predicted_seconds(network, p, nbytes, config):
-    """timing's cost of `config` ("algorithm/codec") for a float32 message of `nbytes`."""
+def predicted_seconds(network, p, nbytes, config, codec_costs=None):
+    """timing's cost of `config` ("algorithm/codec") for a float32 message of `nbytes`:
+    the bytes on the wire, plus the per-hop codec's CPU (timing.hop_codec_time) where
+    `codec_costs` has the codec's measured (encode, decode-add, decode) s per byte."""
     from pipe_horovod.collectives import layout
 
     algorithm, codec = config.split("/")
@@ -50,8 +53,11 @@ def predicted_seconds(network, p, nbytes, config):
         return timing.allreduce_time(network, p, wire, "ring")
     if algorithm == "lp":         # the chunk count the collective itself picks
         chunks = max(1, min(layout.lp_chunks(p, wire), nbytes // 4, layout.MAX_BLOCKS))
-        return timing.allreduce_time(network, p, wire, "lp", chunks=chunks)
-    return timing.allreduce_time(network, p, wire, algorithm)
+        seconds = timing.allreduce_time(network, p, wire, "lp", chunks=chunks)
+    else:
+        seconds = timing.allreduce_time(network, p, wire, algorithm)
+    costs = (codec_costs or {}).get(codec)
+    return seconds + (timing.hop_codec_time(p, nbytes, algorithm, costs) if costs else 0.0)
 
 
 def _slowest_rank(per_rank, config, size):
@@ -59,14 +65,22 @@ def _slowest_rank(per_rank, config, size):
 
 
 def _fit(sizes, native, p):
-    """The network fitted to the engine's own allreduce; None if it cannot be fitted."""
+    """The network fitted to the engine's own allreduce at >= 1 MB (the sizes the
+    prediction target is about: Horovod's small-message latency does not follow
+    alpha + n*beta and pulled a 4-worker fit to alpha 5.3 ms), or at every size
+    where fewer than two are that large; None if it cannot be fitted."""
     points = [(s, t) for s, t in zip(sizes, native) if t]
+    large = [(s, t) for s, t in points if s >= MODEL_BYTES]
+    if len({s for s, _ in large}) >= 2:
+        points, which = large, ">= 1 MB"
+    else:
+        which = "all"
     if p < 2 or len({s for s, _ in points}) < 2:
         return None
     fit = timing.fit([s for s, _ in points], [t for _, t in points], p, "ring")
     return {"alpha_s": fit.alpha, "beta_s_per_byte": fit.beta, "r2": fit.r2,
             "source": f"timing.fit (ring formula, relative error) of the engine's own "
-                      f"allreduce at {len(points)} sizes"}
+                      f"allreduce at {len(points)} sizes ({which})"}
 
 
 def summarize(raw):
@@ -90,7 +104,8 @@ def summarize(raw):
         r["predicted_s"] = r["prediction_error"] = None
         if network is not None:
             net = timing.Network(network["alpha_s"], network["beta_s_per_byte"])
-            r["predicted_s"] = predicted_seconds(net, p, r["bytes"], r["config"])
+            r["predicted_s"] = predicted_seconds(net, p, r["bytes"], r["config"],
+                                                 meta.get("codec_costs_s_per_byte"))
             r["prediction_error"] = abs(r["predicted_s"] - r["time_s"]) / r["time_s"]
     summary = {"meta": meta, "launch": raw.get("launch", {}), "network": network,
                "link_bytes_per_s": link_bytes_per_s, "rows": rows}

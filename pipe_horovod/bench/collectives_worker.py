@@ -11,7 +11,9 @@ persistent buffers). Small messages are timed as `inner` back-to-back
 calls, averaged. Every rank times its own calls after a barrier; rank 0
 gathers them and writes the raw JSON (format pipe_horovod.bench_collectives/1)
 with the machine's load (busy cores from /proc/stat) during each size, and
-before it, while every worker sleeps (the load from everything else).
+before it, while every worker sleeps (the load from everything else), and
+each per-hop codec's encode/add/decode cost measured by every rank at once
+(the median over ranks: timing.hop_codec_time's calibration).
 """
 import argparse
 import json
@@ -65,6 +67,17 @@ def _timed(eng, config, buf, name, calls):
     return (time.perf_counter() - t0) / calls
 
 
+def _codec_costs(codecs):
+    """codec -> (encode, decode-add, decode) s per float32 byte (hops.measure_costs)."""
+    import torch
+
+    from pipe_horovod.compression import Compression
+    from pipe_horovod.compression.hops import measure_costs
+
+    return {c: measure_costs(Compression.by_name(c).hop(torch.float32))
+            for c in codecs if c != "none"}
+
+
 def _busy_cores(ticks0, ticks1):
     if not (ticks0 and ticks1) or ticks1[1] <= ticks0[1]:
         return None
@@ -85,6 +98,8 @@ def run(args):
                         len(args.sizes) * (args.reps + 1), rank == 0)
     base = torch.randn(max(args.sizes) // 4, generator=torch.Generator().manual_seed(rank))
     times = {c: {} for c in configs}              # config -> str(bytes) -> [seconds per rep]
+    eng.barrier()
+    codec_costs = _codec_costs(args.codecs)       # every rank at once: the cores are shared
     load, background = {}, {}
     for nbytes in args.sizes:
         eng.barrier()
@@ -104,6 +119,7 @@ def run(args):
             progress(f"{nbytes} B rep {rep + 1}/{args.reps}")
         load[str(nbytes)] = _busy_cores(ticks0, _machine_ticks())
     per_rank = eng.allgather_object(times)
+    costs_per_rank = eng.allgather_object(codec_costs)
     raw = None
     if rank == 0:
         raw = {
@@ -113,6 +129,9 @@ def run(args):
                      [SMALL_BYTES, INNER], "threads": args.threads, "dtype": "float32",
                      "op": "average", "cpu_count": os.cpu_count(), "versions": _versions(),
                      "machine_busy_cores": load, "background_busy_cores": background,
+                     "codec_costs_s_per_byte": {c: [sorted(r[c][i] for r in costs_per_rank)
+                                                    [size // 2] for i in range(3)]
+                                                for c in codec_costs},
                      "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
             "times": per_rank,                    # [rank][config][bytes] -> seconds per rep
         }
