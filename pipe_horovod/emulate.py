@@ -30,6 +30,8 @@ import threading
 import time
 from typing import NamedTuple
 
+from pipe_horovod import emulate_guard
+
 __all__ = ["EmulatedCluster", "Job", "ClusterError", "leftovers", "cleanup",
            "unavailable_reason", "cpu_times", "CpuTimes"]
 
@@ -277,8 +279,8 @@ class EmulatedCluster:
     instance so parallel runs never collide. ``rate=None`` leaves links
     uncapped. Everything is torn down on exit, exceptions, SIGINT/SIGTERM,
     and at interpreter exit; pass ``log_dir`` to keep worker logs afterwards
-    (a temporary one goes with the cluster). A SIGKILLed owner leaves its
-    namespaces behind: `cleanup(prefix)` removes them.
+    (a temporary one goes with the cluster). An owner killed by SIGKILL runs
+    no handler: a guard process (`emulate_guard`) then tears down for it.
     """
 
     def __init__(self, workers=2, rate="1gbit", *, subnet="10.213.0.0/24",
@@ -314,6 +316,7 @@ class EmulatedCluster:
         self._closing = False
         self._pending_signal = None
         self._old_handlers = {}
+        self._guard = None   # tears down if we die by SIGKILL (emulate_guard)
         self._lock = threading.RLock()
 
     # -- setup -------------------------------------------------------------
@@ -336,6 +339,7 @@ class EmulatedCluster:
             self._active = True
             atexit.register(self.close)
             self._install_signal_handlers()
+            self._guard = emulate_guard.start(self.prefix)
             try:
                 self._build()
             except BaseException:
@@ -572,6 +576,9 @@ class EmulatedCluster:
             if self._own_log_dir and self.log_dir:
                 shutil.rmtree(self.log_dir, ignore_errors=True)
         finally:
+            if self._guard is not None:
+                emulate_guard.stop(self._guard)
+                self._guard = None
             self._active = False
             self._closing = False
             atexit.unregister(self.close)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -160,7 +161,7 @@ with EmulatedCluster(workers=2) as c:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_signal_tears_down(sig):
     holder = subprocess.Popen([sys.executable, "-c", HOLDER], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -184,7 +185,11 @@ def test_signal_tears_down(sig):
         if sig == signal.SIGINT:
             assert "KeyboardInterrupt" in holder.stderr.read()
         else:
-            assert rc == -signal.SIGTERM   # the default action still happens after teardown
+            assert rc == -sig   # the default action still happens after teardown
+        if sig == signal.SIGKILL:   # no handler ran: the guard process tears down
+            deadline = time.monotonic() + 20
+            while leftovers(prefix) and time.monotonic() < deadline:
+                time.sleep(0.2)
         assert leftovers(prefix) == []
         assert all(_dead(p) for p in pids)
     finally:
