@@ -1,6 +1,8 @@
 # Two commands from a clean clone: `make run` and `make test`.
 # Everything installs into .venv; the Horovod wheel is built once and cached
-# under ~/.cache/pipe_horovod/wheels (see scripts/install_horovod.sh).
+# under ~/.cache/pipe_horovod/wheels (see scripts/install_horovod.sh), with
+# the MPI controller when Open MPI is installed (scripts/install_openmpi.sh
+# installs it where the machine allows: root with apt-get).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,8 +13,9 @@ NP ?= 2
 
 install: $(STAMP)
 
-$(STAMP): Makefile setup.py scripts/install_horovod.sh scripts/cxx17
+$(STAMP): Makefile setup.py scripts/install_openmpi.sh scripts/install_horovod.sh scripts/cxx17
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	bash scripts/install_openmpi.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip setuptools wheel
 	$(PY) -m pip install torch==2.13.0

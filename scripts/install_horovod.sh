@@ -1,38 +1,78 @@
 #!/usr/bin/env bash
-# Installs Horovod 0.28.1 (Gloo controller, PyTorch ops) into the active
-# Python. PyPI ships only its source, which takes minutes to build on two
-# cores, so the built wheel is cached per Horovod/torch/Python version and
-# every later install takes seconds.
+# Installs Horovod 0.28.1 (PyTorch ops) into $PYTHON: with the MPI and Gloo
+# controllers when an MPI compiler wrapper (mpicc) is on PATH, Gloo only
+# otherwise. `make` and the Dockerfile both install through this script, so
+# the image's Horovod is built the way the tests' is.
+#
+# PyPI ships only Horovod's source, which takes minutes to build on two cores,
+# so the built wheel is cached under a key naming everything that changes the
+# binary (Horovod, torch, Python, controllers, GPU ops); later installs take
+# seconds.
+#
+# Knobs (environment):
+#   PYTHON                  the interpreter to install into (default: python)
+#   HOROVOD_VERSION         default 0.28.1
+#   HOROVOD_GPU_OPERATIONS  e.g. NCCL on a CUDA machine (the Docker image); unset: CPU ops
+#   PIPE_HOROVOD_MPI        1: require MPI (fail without mpicc), 0: build without it,
+#                           unset: MPI exactly when mpicc is found
+#   PIPE_HOROVOD_CACHE      the cache root (default ~/.cache/pipe_horovod)
 set -euo pipefail
 PY=${PYTHON:-python}
 HOROVOD_VERSION=${HOROVOD_VERSION:-0.28.1}
+GPU_OPS=${HOROVOD_GPU_OPERATIONS:-}
 here=$(cd "$(dirname "$0")" && pwd)
+
+case "${PIPE_HOROVOD_MPI:-auto}" in
+  auto) if command -v mpicc >/dev/null; then with_mpi=1; else with_mpi=0; fi ;;
+  1) command -v mpicc >/dev/null || { echo "PIPE_HOROVOD_MPI=1 but no mpicc on PATH (install Open MPI: scripts/install_openmpi.sh)" >&2; exit 1; }
+     with_mpi=1 ;;
+  0) with_mpi=0 ;;
+  *) echo "PIPE_HOROVOD_MPI must be 1, 0 or unset, not '$PIPE_HOROVOD_MPI'" >&2; exit 1 ;;
+esac
+case "$GPU_OPS" in
+  ""|NCCL|MPI|GLOO) ;;
+  *) echo "HOROVOD_GPU_OPERATIONS must be NCCL, MPI or GLOO (or unset for CPU ops), not '$GPU_OPS'" >&2; exit 1 ;;
+esac
+if [ "$with_mpi" = 1 ]; then controllers=mpi-gloo; else controllers=gloo; fi
 
 torch_version=$("$PY" -c 'import torch; print(torch.__version__)')
 py_tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 cache_root=${PIPE_HOROVOD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pipe_horovod}
-key="horovod-${HOROVOD_VERSION}_torch-${torch_version//+/_}_${py_tag}"
+key="horovod-${HOROVOD_VERSION}_torch-${torch_version//+/_}_${py_tag}_${controllers}${GPU_OPS:+_gpu-${GPU_OPS,,}}"
 wheel_dir="$cache_root/wheels/$key"
 
-if "$PY" -c "import horovod, horovod.torch, sys; sys.exit(horovod.__version__ != '$HOROVOD_VERSION')" 2>/dev/null; then
-  echo "horovod $HOROVOD_VERSION already installed"
+# What the installed Horovod was built with, as "VERSION MPI=1 Gloo=1 NCCL=0".
+built() {
+  "$PY" -c "import horovod, horovod.torch as h; print(horovod.__version__, f'MPI={int(h.mpi_built())} Gloo={int(h.gloo_built())} NCCL={int(h.nccl_built() > 0)}')" 2>/dev/null || true
+}
+want="$HOROVOD_VERSION MPI=$with_mpi Gloo=1 NCCL=$([ "$GPU_OPS" = NCCL ] && echo 1 || echo 0)"
+if [ "$(built)" = "$want" ]; then
+  echo "horovod $HOROVOD_VERSION ($controllers${GPU_OPS:+, GPU ops $GPU_OPS}) already installed"
   exit 0
 fi
 
 if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
-  echo "Building horovod $HOROVOD_VERSION against torch $torch_version (several minutes on 2 cores; cached in $wheel_dir afterwards)"
+  echo "Building horovod $HOROVOD_VERSION against torch $torch_version, controllers $controllers${GPU_OPS:+, GPU ops $GPU_OPS} (several minutes on 2 cores; cached in $wheel_dir afterwards)"
   mkdir -p "$wheel_dir"
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
+  if [ "$with_mpi" = 1 ]; then mpi_flag=HOROVOD_WITH_MPI=1; else mpi_flag=HOROVOD_WITHOUT_MPI=1; fi
+  # cxx17: Horovod's CMake asks for C++14, torch's headers need C++17.
+  # --no-cache-dir: pip would otherwise reuse its own cached build made with other controllers.
   # -v: the build prints its CMake/compiler progress instead of minutes of silence.
-  CXX="$here/cxx17" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 \
-  HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
-  MAKEFLAGS="-j$(nproc)" HOROVOD_BUILD_ARCH_FLAGS="" \
-    "$PY" -m pip wheel -v --no-deps --no-build-isolation -w "$tmp" "horovod==$HOROVOD_VERSION" 2>&1 \
-    | grep --line-buffered -E '^\s*\[ *[0-9]+%\]|Building|Linking|error|Error|Successfully' || true
+  env CXX="$here/cxx17" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 "$mpi_flag" \
+      HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+      ${GPU_OPS:+HOROVOD_GPU_OPERATIONS=$GPU_OPS} \
+      MAKEFLAGS="-j$(nproc)" HOROVOD_BUILD_ARCH_FLAGS="" \
+    "$PY" -m pip wheel -v --no-deps --no-build-isolation --no-cache-dir --no-binary horovod -w "$tmp" "horovod==$HOROVOD_VERSION" 2>&1 \
+    | grep --line-buffered -E '^\s*\[ *[0-9]+%\]|Building|Linking|MPI|NCCL|error|Error|Successfully' || true
   ls "$tmp"/horovod-*.whl >/dev/null 2>&1 || { echo "horovod build failed" >&2; exit 1; }
   mv "$tmp"/horovod-*.whl "$wheel_dir/"
 fi
-# With its runtime dependencies (cloudpickle, psutil, pyyaml, cffi, ...): horovodrun needs them.
-"$PY" -m pip install "$wheel_dir"/horovod-*.whl
-"$PY" -c "import horovod.torch as hvd; print('horovod', __import__('horovod').__version__, 'gloo built:', hvd.gloo_built())"
+# Forced: the same version may be installed with other controllers. Then its
+# runtime dependencies (cloudpickle, psutil, pyyaml, cffi, ...): horovodrun needs them.
+"$PY" -m pip install --force-reinstall --no-deps "$wheel_dir"/horovod-*.whl
+"$PY" -m pip install -q "$wheel_dir"/horovod-*.whl
+got=$(built)
+echo "horovod installed: $got"
+[ "$got" = "$want" ] || { echo "installed horovod is '$got', wanted '$want'" >&2; exit 1; }
