@@ -16,7 +16,8 @@ COMMANDS = {
 }
 
 
-def main(argv=None):
+def build_parser():
+    """(the `pipe-horovod` parser, {subcommand: its module}) for the commands importable here."""
     parser = argparse.ArgumentParser(prog="pipe-horovod")
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
@@ -29,6 +30,11 @@ def main(argv=None):
             continue
         modules[name] = module
         module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    return parser, modules
+
+
+def main(argv=None):
+    parser, modules = build_parser()
     args = parser.parse_args(argv)
     return modules[args.command].run(args)
 

@@ -1,11 +1,13 @@
-"""Launch real workers the way users do (horovodrun, torchrun, python).
+"""Launch real workers the way users do (horovodrun, torchrun, mpirun, python).
 
 Every launch has a timeout, kills the whole process group when it expires,
 and fails with every worker's output, so a broken collective shows up as a
 readable test failure instead of a hung suite.
 """
+import functools
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,10 +19,18 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 OK = "WORKER_OK"
 
 
+# Open MPI refuses root without --allow-run-as-root (CI runs as root); 2 cores
+# give 2 slots, so 3 ranks need --oversubscribe; no binding: ranks share cores.
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
+
+
 def command(launcher, np, argv):
-    if launcher == "horovod":
-        return [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
+    if launcher in ("horovod", "horovod-mpi"):
+        controller = "--gloo" if launcher == "horovod" else "--mpi"
+        return [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", controller,
                 sys.executable, *argv]
+    if launcher == "mpirun":
+        return [*MPIRUN, "-np", str(np), sys.executable, *argv]
     if launcher == "torch":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node", str(np), *argv]
@@ -81,3 +91,22 @@ def horovod_missing():
         return "import horovod.torch timed out"
     return None if res.returncode == 0 else "horovod.torch does not import: " + (
         res.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def mpirun_missing():
+    """None when Open MPI's mpirun is on PATH, else why not."""
+    return None if shutil.which("mpirun") else (
+        "mpirun is not on PATH: Open MPI is not installed (scripts/install_openmpi.sh)")
+
+
+@functools.cache
+def mpi_missing():
+    """None when mpirun is on PATH and Horovod here has the MPI controller, else why not."""
+    why = mpirun_missing() or horovod_missing()
+    if why:
+        return why
+    res = subprocess.run([sys.executable, "-c", "import horovod.torch as h; print(h.mpi_built())"],
+                         capture_output=True, text=True, timeout=60)
+    return None if res.stdout.strip() == "True" else (
+        "Horovod was built without the MPI controller (scripts/install_horovod.sh builds it "
+        "when Open MPI is installed)")

@@ -5,6 +5,9 @@ controllers and collectives Horovod was built with, which frameworks are
 present. Exits non-zero when something the user asked for is missing.
 """
 import importlib
+import os
+import shutil
+import sys
 
 from ..engine import ENGINES, missing_package
 
@@ -16,12 +19,24 @@ def _version(module):
         return None
 
 
-def _horovod_features():
+def _horovod_build():
+    """(controllers, tensor operations), each {name: built?}, as `horovodrun --check-build`
+    lists them; two empty dicts without Horovod."""
     try:
         import horovod.torch as hvd
     except Exception:  # noqa: BLE001
-        return {}
-    return {"gloo": hvd.gloo_built(), "mpi": hvd.mpi_built(), "nccl": bool(hvd.nccl_built())}
+        return {}, {}
+    controllers = {"mpi": hvd.mpi_built(), "gloo": hvd.gloo_built()}
+    ops = {"nccl": bool(hvd.nccl_built()), "ddl": hvd.ddl_built(), "ccl": hvd.ccl_built(),
+           **controllers}
+    return controllers, ops
+
+
+def _launchers():
+    """Which launch commands are found: on PATH, or beside this Python (a venv not activated)."""
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    return {name: shutil.which(name, path=path) is not None
+            for name in ("horovodrun", "mpirun", "torchrun")}
 
 
 def _torch_backends():
@@ -35,9 +50,12 @@ def _torch_backends():
 
 def report():
     """{section: {item: available?}} plus framework versions."""
+    controllers, ops = _horovod_build()
     return {
         "engines": {name: missing_package(name) is None for name in ENGINES},
-        "horovod controllers/ops": _horovod_features(),
+        "horovod controllers": controllers,
+        "horovod tensor operations": ops,
+        "launchers": _launchers(),
         "torch.distributed backends": _torch_backends(),
         "frameworks": {"torch": _version("torch"), "tensorflow": _version("tensorflow"),
                        "keras": _version("keras"), "horovod": _version("horovod")},
@@ -46,8 +64,10 @@ def report():
 
 def add_arguments(parser):
     parser.add_argument("--engine", choices=sorted(ENGINES), help="fail unless this engine is usable")
-    parser.add_argument("--controller", choices=["gloo", "mpi", "nccl"],
-                        help="fail unless Horovod was built with this controller/op")
+    parser.add_argument("--controller", choices=["gloo", "mpi"],
+                        help="fail unless Horovod was built with this controller")
+    parser.add_argument("--ops", choices=["nccl", "ddl", "ccl", "mpi", "gloo"],
+                        help="fail unless Horovod was built with these tensor operations")
     parser.add_argument("--framework", choices=["torch", "keras"], help="fail unless installed")
 
 
@@ -64,8 +84,10 @@ def run(args):
     problems = []
     if args.engine and not info["engines"][args.engine]:
         problems.append(missing_package(args.engine))
-    if args.controller and not info["horovod controllers/ops"].get(args.controller):
+    if args.controller and not info["horovod controllers"].get(args.controller):
         problems.append(f"Horovod with the {args.controller} controller is not available here")
+    if args.ops and not info["horovod tensor operations"].get(args.ops):
+        problems.append(f"Horovod with {args.ops} tensor operations is not available here")
     if args.framework and not info["frameworks"][args.framework]:
         problems.append(f"framework {args.framework!r} is not installed: "
                         f"pip install 'pipe_horovod[{args.framework}]'")

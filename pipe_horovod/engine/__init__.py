@@ -1,8 +1,9 @@
 """One interface over the communication libraries, chosen from the launcher.
 
 `horovodrun` sets HOROVOD_RANK, `torchrun` sets RANK/WORLD_SIZE/MASTER_ADDR,
-and plain `python` sets neither: the same script picks the matching engine
-with no flag. `init(engine=...)` or PIPE_HOROVOD_ENGINE overrides the guess.
+Open MPI's `mpirun` (also under `horovodrun --mpi`) sets OMPI_COMM_WORLD_RANK,
+and plain `python` sets none: the same script picks the matching engine with
+no flag. `init(engine=...)` or PIPE_HOROVOD_ENGINE overrides the guess.
 """
 import atexit
 import importlib
@@ -35,6 +36,9 @@ def detect(environ=None):
         return "horovod"
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
         return "torch"
+    if "OMPI_COMM_WORLD_RANK" in env:
+        # As with Horovod: `mpirun python train.py` means Horovod's MPI controller.
+        return "horovod"
     return "local"
 
 

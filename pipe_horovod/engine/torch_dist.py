@@ -27,6 +27,10 @@ broadcast of different sizes goes through wrong. TORCH_DISTRIBUTED_DEBUG=
 DETAIL (set before the engine starts) makes torch check every collective
 and raise a readable mismatch error, at some cost per call; allgather and
 alltoall always check, as part of their shape exchange.
+
+Launched by Open MPI's `mpirun` instead of torchrun (PIPE_HOROVOD_ENGINE=torch),
+the ranks come from mpirun's OMPI_COMM_WORLD_* variables and the rendezvous
+from MASTER_ADDR/MASTER_PORT (`mpirun -x MASTER_ADDR=host -x MASTER_PORT=port`).
 """
 import atexit
 import datetime
@@ -35,8 +39,8 @@ import os
 import time
 
 from .adasum import combine as adasum_combine
-from .base import DEFAULT_TIMEOUT_S, Adasum, Average, Done, Engine, Max, Min, Product, Sum, \
-    Then, Work, scale_, shard_sizes
+from .base import DEFAULT_TIMEOUT_S, Adasum, Average, Done, Engine, EngineError, Max, Min, \
+    Product, Sum, Then, Work, scale_, shard_sizes
 
 # How Horovod's ops map onto torch.distributed's (Average: SUM, divided on wait).
 _OPS = {Average: "SUM", Sum: "SUM", Min: "MIN", Max: "MAX", Product: "PRODUCT"}
@@ -60,6 +64,30 @@ class _Pending(Work):
         for work in self.works:
             work.wait()
         return self.finish()
+
+
+def env_from_mpirun(environ):
+    """torchrun's variables from Open MPI's, in `environ`, when mpirun started us.
+
+    torch's env:// rendezvous reads RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT. mpirun gives the ranks; the address must come from the user
+    unless every rank is on this node; the port defaults to torchrun's 29500.
+    """
+    if "RANK" in environ or "OMPI_COMM_WORLD_RANK" not in environ:
+        return
+    size = environ["OMPI_COMM_WORLD_SIZE"]
+    local_size = environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", size)
+    if "MASTER_ADDR" not in environ:
+        if local_size != size:
+            raise EngineError(
+                f"the torch engine under mpirun across nodes ({size} ranks, {local_size} on this "
+                "node) needs rank 0's address: mpirun -x MASTER_ADDR=<host of rank 0> "
+                "-x MASTER_PORT=<free port> ...")
+        environ["MASTER_ADDR"] = "127.0.0.1"
+    environ.setdefault("MASTER_PORT", "29500")
+    environ.update(RANK=environ["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=size,
+                   LOCAL_RANK=environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+                   LOCAL_WORLD_SIZE=local_size)
 
 
 def _wait_for_everyone(store, key, size, timeout_s=60.0):
@@ -87,6 +115,7 @@ class TorchDistEngine(Engine):
         if self._owns_group:
             if backend is None:
                 backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+            env_from_mpirun(os.environ)
             # The group's timeout bounds torch's blocking collectives (barrier, object
             # collectives) as our own deadline bounds every wait (faults.py).
             bound = {} if math.isinf(timeout_s) else {

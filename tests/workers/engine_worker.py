@@ -116,8 +116,8 @@ def check_horovod_bf16(eng, rank, size):
     assert eng.in_flight() == 0
 
 
-def main():
-    want_engine, want_size = sys.argv[1], int(sys.argv[2])
+def check_engine(want_engine, want_size):
+    """Every check, on the engine the launcher's environment picks (left running)."""
     eng = engine.init()
     rank, size = engine.rank(), engine.size()
     assert eng.name == want_engine, (eng.name, want_engine)
@@ -182,7 +182,11 @@ def main():
     expect_error(ValueError, "out of range", engine.broadcast, torch.ones(1), size)
 
     engine.barrier()
-    print(f"WORKER_OK rank={rank}", flush=True)
+
+
+def main():
+    check_engine(sys.argv[1], int(sys.argv[2]))
+    print(f"WORKER_OK rank={engine.rank()}", flush=True)
     engine.shutdown()
 
 
