@@ -14,7 +14,8 @@ setup(
         # The Keras adapter talks to the torch-based engines (DESIGN.md).
         "keras": TORCH + ["tensorflow-cpu==2.21.0"],
         "tensorflow": TORCH + ["tensorflow-cpu==2.21.0"],
-        "test": TORCH + ["pytest", "pytest-timeout", "scikit-learn"],
+        # dockerfile: the official Dockerfile parser (Go, as a wheel) for tests/test_deploy.py.
+        "test": TORCH + ["pytest", "pytest-timeout", "scikit-learn", "dockerfile", "pyyaml"],
     },
     entry_points={"console_scripts": ["pipe-horovod=pipe_horovod.cli:main"]},
 )
