@@ -14,8 +14,8 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 class Collective:
     """An algorithm and its tuning.
 
-    chunks: blocks per message (lp: chunks of the chain; ring, be: pieces
-        per segment; mst: int8 scale blocks); None picks them from the cost
+    chunks: blocks per message (lp: chunks of the chain; ring: pieces per
+        segment; mst: int8 scale blocks); None picks them from the cost
         model (lp) or from a 1 MB piece size.
     network: a pipe_horovod.timing.Network (alpha, beta) the lp chunk count
         is optimised for; None: 100 us per message, 1 Gbit/s.
