@@ -177,21 +177,23 @@ def _exchanging(p):
     return 1 << (p.bit_length() - 1)
 
 
-def _be_bandwidth(p, nbytes):
-    """(bytes on the busiest link each way, bytes it adds): for p not a power of
-    two the partner of a folded rank takes its whole vector in and sends the
-    result back, overlapped with the exchange (collectives/be.py): one message
-    more than the power-of-two exchange among q."""
+def _be_bandwidth(p, nbytes, transfers=2):
+    """(bytes on the busiest link's critical path, bytes it adds): for p not a
+    power of two the partner of a folded rank first takes the whole vector in
+    and at the end sends the result back (collectives/be.py), `transfers`
+    whole messages beside the power-of-two exchange among q (allreduce 2,
+    broadcast and reduce 1)."""
     q = _exchanging(p)
     f, extra = (q - 1) / q, 0 if p == q else 1
-    return (2 * f + extra) * nbytes, (f + extra) * nbytes
+    return (2 * f + transfers * extra) * nbytes, (f + extra) * nbytes
 
 
 @_collective
 def be_allreduce(net, p, nbytes):
     """Bidirectional exchange (Rabenseifner: recursive-halving reduce-scatter,
     recursive-doubling allgather): ring's bandwidth with log p latency; for p
-    not a power of two one extra message time (2n*beta at 3 workers)."""
+    not a power of two the fold and the hand-back, one whole message each
+    (3n*beta at 3 workers, where ring needs 4n/3*beta)."""
     wire, added = _be_bandwidth(p, nbytes)
     extra = 0 if p == _exchanging(p) else 2
     return (2 * _log2(_exchanging(p)) + extra) * net.alpha + wire * net.beta + added * net.gamma
@@ -209,7 +211,7 @@ def be_broadcast(net, p, nbytes):
 @_collective
 def be_reduce(net, p, nbytes):
     """Recursive-halving reduce-scatter then gather (after the fold for p != 2^k)."""
-    return be_broadcast(net, p, nbytes) + _be_bandwidth(p, nbytes)[1] * net.gamma
+    return be_broadcast(net, p, nbytes) + _be_bandwidth(p, nbytes, 1)[1] * net.gamma
 
 
 # Callers (CLI, benchmark, fit) pick an algorithm by name.
