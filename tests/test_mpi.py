@@ -54,17 +54,17 @@ def test_check_reports_horovods_controllers_and_ops(capsys):
     assert ours["horovod controllers"] == theirs["Available Controllers"]
     assert ours["horovod tensor operations"] == theirs["Available Tensor Operations"]
 
-    def run(**asked):
-        args = argparse.Namespace(**{"engine": None, "controller": None, "ops": None,
-                                     "framework": None, **asked})
-        return check.run(args), capsys.readouterr().out
+    def run(*argv):
+        parser = argparse.ArgumentParser()
+        check.add_arguments(parser)
+        return check.run(parser.parse_args(argv)), capsys.readouterr().out
 
     mpi = theirs["Available Controllers"]["mpi"]
-    rc, out = run(controller="mpi")
+    rc, out = run("--controller", "mpi")
     assert (rc, "error: Horovod with the mpi controller is not available here" in out) == (
         (0, False) if mpi else (1, True)), out
     assert ("    [X] mpi" if mpi else "    [ ] mpi") in out.split("horovod controllers:")[1]
-    rc, out = run(ops="nccl")
+    rc, out = run("--ops", "nccl")
     nccl = theirs["Available Tensor Operations"]["nccl"]
     assert (rc, "error: Horovod with nccl tensor operations is not available here" in out) == (
         (0, False) if nccl else (1, True)), out
