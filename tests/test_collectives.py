@@ -30,7 +30,7 @@ def test_collectives_match_the_oracles(engine_name, np, scope):
     if engine_name == "horovod":
         pytest.importorskip("horovod.torch")
     launcher.run(engine_name, np, "collectives_worker.py", engine_name, scope, timeout=240,
-                 env={"PIPE_HOROVOD_COLLECTIVES_TIMEOUT": "120"})
+                 env={"PIPE_HOROVOD_TIMEOUT": "120"})
 
 
 # --- one process ----------------------------------------------------------------

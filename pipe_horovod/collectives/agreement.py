@@ -14,7 +14,7 @@ without a message, so that case is made harmless instead: a verified
 signature's index goes into the messages' tags (channel.SIGNATURE_BITS),
 so two different verified calls never exchange a byte, and a rank whose
 call is new waits for check answers its peers never send. Each then stops
-at the group's timeout (PIPE_HOROVOD_COLLECTIVES_TIMEOUT) with a
+at the group's timeout (PIPE_HOROVOD_TIMEOUT) with a
 ValueError naming its own call (communicator.Communicator._run), not a
 crash in gloo.
 """

@@ -8,12 +8,20 @@ world, so one is started beside Horovod from Horovod's rank and size: rank
 The same start serves the benchmark's DDP runs (bench/worker.py).
 """
 import datetime
+import math
 import os
 import socket
 
-# Seconds a point-to-point operation may wait for its peer before gloo raises:
-# a rank that never starts a collective becomes an error, not a hang.
-TIMEOUT_S = float(os.environ.get("PIPE_HOROVOD_COLLECTIVES_TIMEOUT", 600))
+# gloo has no "wait forever": an infinite engine timeout becomes this.
+_FOREVER_S = 7 * 24 * 3600.0
+
+
+def gloo_timeout(eng):
+    """How long a point-to-point operation may wait for its peer before gloo raises:
+    the engine's wait timeout (PIPE_HOROVOD_TIMEOUT or init(timeout=...)), so a rank
+    that never starts a collective becomes an error, not a hang."""
+    seconds = eng.timeout_s if math.isfinite(eng.timeout_s) else _FOREVER_S
+    return datetime.timedelta(seconds=seconds)
 
 
 def free_port(host):
@@ -22,7 +30,7 @@ def free_port(host):
         return s.getsockname()[1]
 
 
-def start_beside(eng, addr=None, port=None, timeout_s=TIMEOUT_S):
+def start_beside(eng, addr=None, port=None):
     """Start torch.distributed's default gloo group with `eng`'s rank and size.
 
     Returns (address, port, gloo interface, where the address came from).
@@ -49,7 +57,7 @@ def start_beside(eng, addr=None, port=None, timeout_s=TIMEOUT_S):
     try:
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=eng.rank(),
                                 world_size=eng.size(),
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                timeout=gloo_timeout(eng))
     except Exception as exc:
         raise RuntimeError(
             f"rank {eng.rank()}: could not start a torch.distributed gloo group next to the "
@@ -71,7 +79,6 @@ def open_group(eng):
         if dist.get_rank() != eng.rank() or dist.get_world_size() != eng.size():
             raise RuntimeError("torch.distributed is initialized with other ranks than the "
                                f"{eng.name} engine's; pipe_horovod.collectives needs both to agree")
-        return dist.new_group(backend="gloo",
-                              timeout=datetime.timedelta(seconds=TIMEOUT_S)), False
+        return dist.new_group(backend="gloo", timeout=gloo_timeout(eng)), False
     start_beside(eng)
     return dist.group.WORLD, True
