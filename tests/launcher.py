@@ -64,6 +64,8 @@ def run_command(cmd, np, timeout=120, env=None, expect_ok=True):
     full_env.pop("PIPE_HOROVOD_ENGINE", None)
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
     full_env.setdefault("OMP_NUM_THREADS", "1")
+    # Open MPI ranks busy-poll while they wait; on 2 shared cores they should yield.
+    full_env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     full_env.update(env or {})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, cwd=REPO, start_new_session=True)
