@@ -217,17 +217,22 @@ def test_dockerfile_stages_arguments_and_files():
     assert f'HOROVOD_VERSION:-{defaults["HOROVOD_VERSION"]}' in (
         REPO / "scripts" / "install_horovod.sh").read_text()
 
-    copied = set()          # what is under IMAGE_ROOT so far, as repository paths
+    copied = set()          # repository paths under IMAGE_ROOT so far ("": all of it)
     for c in commands:
         if c.cmd == "COPY":
             *sources, dest = c.value
             for src in sources:
                 assert (REPO / src).exists(), f"COPY {src}: not in the repository (line {c.start_line})"
-                rel = "" if src == "." else (src if dest.endswith(src) else
-                                             str(Path(dest.replace(IMAGE_ROOT, "").strip("/")) / Path(src).name))
-                copied.add(rel)
-        for arg in re.findall(r"\$\{(\w+)\}", " ".join(c.value)):
-            if c.cmd not in ("FROM", "ARG", "ENV", "USER"):
+                if src == ".":
+                    assert dest == IMAGE_ROOT, dest
+                    copied.add("")
+                    continue
+                target = dest + Path(src).name if dest.endswith("/") else dest
+                # The same layout as the repository: the scripts find each other by it.
+                assert target == f"{IMAGE_ROOT}/{src}", (src, dest)
+                copied.add(src)
+        if c.cmd not in ("FROM", "ARG"):
+            for arg in re.findall(r"\$\{(\w+)\}", " ".join(c.value)):
                 # ARGs declared before FROM are invisible inside the stage.
                 assert arg in stage_args or arg == "PATH", f"${{{arg}}} undeclared in the stage (line {c.start_line})"
         if c.cmd == "RUN":
