@@ -99,7 +99,8 @@ print('torch', torch.__version__, 'built for CUDA', torch.version.cuda, '- toolk
 ok = torch.version.cuda is not None and torch.version.cuda.split('.')[0] == toolkit.split('.')[0]; \
 sys.exit(0 if ok else f'torch is built for CUDA {torch.version.cuda} (None: a CPU build) but the image has CUDA {toolkit}: pick a CUDA_IMAGE of the same major version')"
 
-# TensorFlow with its own CUDA libraries from PyPI ([and-cuda]), for the Keras adapter.
+# TensorFlow with its own CUDA libraries from PyPI ([and-cuda]), for the Keras adapter
+# (which talks to the torch-based engines, so Horovod's TensorFlow ops are not built).
 RUN pip install --no-cache-dir "tensorflow[and-cuda]==${TENSORFLOW_VERSION}" "keras==${KERAS_VERSION}"
 
 # Horovod from source with the script `make` uses: PIPE_HOROVOD_MPI=1 fails
