@@ -7,7 +7,8 @@
 #   docker run --rm --gpus all pipe-horovod \
 #       horovodrun -np 2 -H localhost:2 python examples/pytorch_digits.py
 #
-# Two nodes, the way Horovod's own image is used: docs/getting-started.md#docker.
+# Two nodes, the way Horovod's own image is used: README.md ("Clusters") and
+# docs/getting-started.md#docker-not-run-here.
 # Not built on the project's own machines (no Docker engine there); what can be
 # checked without one (stages, arguments, the scripts it runs) is checked by
 # tests/test_deploy.py.
