@@ -62,7 +62,8 @@ def test_signatures_match_horovod():
         if name == "allgather_object":      # ours adds process_set, after Horovod's parameters
             got = got[:len(want)]
         assert got == want, f"{name}: ours {got}, Horovod's {want}"
-    assert [p[0] for p in parameters(hvd.init)] == ["comm", "process_sets"]
+    # Horovod's own two, then ours: how long any wait may block (PIPE_HOROVOD_TIMEOUT)
+    assert [p[0] for p in parameters(hvd.init)] == ["comm", "process_sets", "timeout"]
 
 
 # --- the local engine, in this process -------------------------------------------
