@@ -23,7 +23,8 @@ def main():
             expect_mismatch(model, named, f"option {option} is", **{option: other if rank == 1
                                                                      else usual})
     else:
-        expect_mismatch(model, named, "parameter" if what != "names" else "parameters")
+        # a renamed parameter is one that rank 1 lacks
+        expect_mismatch(model, named, "is <missing> on rank 1" if what == "names" else "parameter")
     print(f"WORKER_OK rank={rank}", flush=True)
 
 
