@@ -21,10 +21,13 @@ from pipe_horovod.compression.hops import Int8Hop
 pytestmark = pytest.mark.timeout(300)
 
 
-# 2, 3 and 4 ranks on both engines; where one engine already runs the optimizer and
-# DDP cases at that size, the other runs the collectives only (the cheaper launch).
+# 2, 3 and 4 ranks; where one engine already runs the optimizer and DDP cases at that
+# size, the other runs the collectives only (the cheaper launch). The collectives send on
+# a torch.distributed gloo group under both engines; under Horovod only the group's start
+# differs (collectives.group.start_beside), which 2 and 3 ranks cover, so 4 ranks run on
+# the torch engine alone (a Horovod 4-rank launch cost 26 s of the suite's 20 minutes).
 @pytest.mark.parametrize("engine_name, np, scope", [
-    ("horovod", 2, "all"), ("horovod", 3, "all"), ("horovod", 4, "collectives"),
+    ("horovod", 2, "all"), ("horovod", 3, "all"),
     ("torch", 2, "all"), ("torch", 3, "collectives"), ("torch", 4, "all")])
 def test_collectives_match_the_oracles(engine_name, np, scope):
     if engine_name == "horovod":

@@ -75,8 +75,9 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, engine_name, np, kind):
     _resume_matches_uninterrupted(tmp_path, engine_name, np, kind, 3, "resume")
 
 
+# K=1 has nothing in flight at a save, which the checkpoint tests above cover already.
 @pytest.mark.parametrize("engine_name, np, depth, compensation", [
-    ("horovod", 2, 1, "none"), ("horovod", 2, 2, "none"), ("torch", 3, 2, "lookahead")])
+    ("horovod", 2, 2, "none"), ("torch", 3, 2, "lookahead")])
 def test_rank0_loads_then_broadcasts_resumes_bit_identically(tmp_path, engine_name, np, depth,
                                                               compensation):
     # Horovod's resume pattern: only rank 0 loads; broadcast_optimizer_state must
@@ -89,10 +90,11 @@ def test_rank0_loads_then_broadcasts_resumes_bit_identically(tmp_path, engine_na
 
 
 @pytest.mark.parametrize("engine_name", ["horovod", "torch"])
-@pytest.mark.parametrize("what", ["shape", "dtype", "names", "options"])
-def test_models_that_differ_between_ranks_raise_everywhere(engine_name, what):
+def test_models_that_differ_between_ranks_raise_everywhere(engine_name):
+    """Shapes, dtypes, names and every pipeline option, each differing on rank 1 in turn."""
     needs(engine_name)
-    launcher.run(engine_name, 2, "mismatch_worker.py", what, timeout=120)
+    launcher.run(engine_name, 2, "mismatch_worker.py", "shape", "dtype", "names", "options",
+                 timeout=120)
 
 
 # --- bad input, in one process ------------------------------------------------

@@ -9,22 +9,25 @@ import pipe_horovod.torch as phvd
 
 def main():
     phvd.init()
-    rank, what = phvd.rank(), sys.argv[1]
-    width = 5 if (what == "shape" and rank == 1) else 4
-    model = torch.nn.Sequential(torch.nn.Linear(3, width))
-    if what == "dtype" and rank == 1:
-        model = model.double()
-    named = list(model.named_parameters())
-    if what == "names" and rank == 1:
-        named = [("renamed." + n, p) for n, p in named]
-    if what == "options":
-        # Every pipeline option, one at a time: rank 1 passes another value.
-        for option, usual, other in OPTIONS:
-            expect_mismatch(model, named, f"option {option} is", **{option: other if rank == 1
-                                                                     else usual})
-    else:
-        # a renamed parameter is one that rank 1 lacks
-        expect_mismatch(model, named, "is <missing> on rank 1" if what == "names" else "parameter")
+    rank = phvd.rank()
+    # One launch checks every kind in turn: a failed check leaves the engine usable.
+    for what in sys.argv[1:]:
+        width = 5 if (what == "shape" and rank == 1) else 4
+        model = torch.nn.Sequential(torch.nn.Linear(3, width))
+        if what == "dtype" and rank == 1:
+            model = model.double()
+        named = list(model.named_parameters())
+        if what == "names" and rank == 1:
+            named = [("renamed." + n, p) for n, p in named]
+        if what == "options":
+            # Every pipeline option, one at a time: rank 1 passes another value.
+            for option, usual, other in OPTIONS:
+                expect_mismatch(model, named, f"option {option} is",
+                                **{option: other if rank == 1 else usual})
+        else:
+            # a renamed parameter is one that rank 1 lacks
+            expect_mismatch(model, named,
+                            "is <missing> on rank 1" if what == "names" else "parameter")
     print(f"WORKER_OK rank={rank}", flush=True)
 
 
