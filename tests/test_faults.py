@@ -149,12 +149,14 @@ def test_killed_rank_is_named_by_every_survivor_without_a_launcher():
         assert re.search(r"RankLostError: .*rank 1 \(pid \d+ on [^)]+\) no longer runs", out), out
 
 
-@pytest.mark.parametrize("launch", ["horovod", "torch"])
+@pytest.mark.parametrize("launch", ["horovod", "torch", "horovod-mpi", "mpirun"])
 def test_killed_rank_ends_the_job_under_its_launcher(launch, tmp_path):
-    """horovodrun and torchrun end the survivors themselves (SIGTERM), naming the lost rank:
-    the job fails within the bound and no worker outlives it."""
-    if launch == "horovod" and HOROVOD:
-        pytest.skip(HOROVOD)
+    """horovodrun (Gloo and MPI), torchrun and mpirun end the survivors themselves, naming
+    the lost rank: the job fails within the bound and no worker outlives it."""
+    why = HOROVOD if launch == "horovod" else launcher.mpi_missing() if "mpi" in launch \
+        else None
+    if why:
+        pytest.skip(why)
     start = time.monotonic()
     code, out = launcher.run(launch, 3, "fault_worker.py", "kill", 1, timeout=BOUND_S + 60,
                              env={"FAULT_PIDS": str(tmp_path)}, expect_ok=False)
@@ -162,8 +164,10 @@ def test_killed_rank_ends_the_job_under_its_launcher(launch, tmp_path):
     assert code != 0 and took < BOUND_S + 30, (code, took, out)    # launch included
     if launch == "horovod":
         assert "Process name: 1\nExit code: 137" in out, out
-    else:
+    elif launch == "torch":
         assert re.search(r"rank\s*: 1 .*\n\s*exitcode\s*: -9 .*\(SIGKILL\)", out), out
+    else:   # Open MPI's own report, under horovodrun --mpi too
+        assert re.search(r"rank 1 with PID \d+ on node \S+ exited on\s+signal 9", out), out
     pids = {int(p.name): int(p.read_text()) for p in tmp_path.iterdir()}
     assert sorted(pids) == [0, 1, 2], out
     deadline = time.monotonic() + 10
