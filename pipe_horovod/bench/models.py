@@ -117,9 +117,9 @@ def compute_meta(args):
     from pipe_horovod.workloads import replay
 
     table = replay_table(args)
-    times = (replay.layer_times(table, args.device_tflops) if args.profile is None else
-             replay.load_profile(args.profile, table, args.model, args.batch_size,
-                                 args.seq_len))
+    times = replay.table_times(table, args.model, args.batch_size,
+                               device_tflops=args.device_tflops, profile=args.profile,
+                               seq_len=args.seq_len)
     return {"mode": "replay", "device_tflops": args.device_tflops, "profile": args.profile,
             "seq_len": args.seq_len if args.model == "bert-base" else None,
             "forward_s": sum(t.forward_s for t in times),

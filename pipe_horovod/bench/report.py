@@ -311,10 +311,9 @@ def _bucketings(meta):
     at --horovod-fusion-mb (0: no fusion, one allreduce per tensor) or its default."""
     cap = meta.get("bucket_cap_mb", 25.0) * timing.MIB
     fusion = meta.get("horovod_fusion_mb")
-    return {"ours": timing.Bucketing("cap", cap),
-            "ddp": timing.Bucketing("ddp", cap, first_cap_bytes=timing.MIB),
-            "horovod": (timing.HOROVOD if fusion is None
-                        else timing.Bucketing("fusion", max(fusion * timing.MIB, 1.0)))}
+    if fusion is None:
+        return timing.bucketings(cap)
+    return timing.bucketings(cap, max(fusion * timing.MIB, 1.0))
 
 
 def _predicted(name, s, prediction, network, p, model_bytes, compute, wire_ratio):

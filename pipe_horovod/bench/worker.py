@@ -59,6 +59,7 @@ from pipe_horovod.bench import convergence_tasks, models
 from pipe_horovod.bench.models import (MLP_CLASSES, MLP_IN, build_model,  # noqa: F401
                                        mlp_width, model_numel, synthetic_batch)
 from pipe_horovod.collectives.group import free_port, start_beside  # noqa: F401 -- free_port: launchers import it from here
+from pipe_horovod.commands.model import _number
 
 DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16",
                    "compute", "contention", "allreduce"]
@@ -632,16 +633,6 @@ def _positive(kind):
     return convert
 
 
-def _non_negative(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
-
-
 def _configs(text):
     try:
         return parse_configs(text)
@@ -671,7 +662,8 @@ def add_model_arguments(parser):
                              "pipe_horovod.workloads.replay) instead of --device-tflops")
     parser.add_argument("--seq-len", type=_positive(int), default=128,
                         help="bert-base: tokens per sample (default 128)")
-    parser.add_argument("--horovod-fusion-mb", type=_non_negative, default=None, metavar="MB",
+    parser.add_argument("--horovod-fusion-mb", type=_number(0, what="fusion threshold"),
+                        default=None, metavar="MB",
                         help="HOROVOD_FUSION_THRESHOLD for the horovod configurations, MiB "
                              "(default: Horovod's own)")
     parser.add_argument("--horovod-cycle-ms", type=_positive(float), default=None, metavar="MS",

@@ -60,12 +60,14 @@ ROWS = (
 
 
 def workload(layers, device_tflops):
-    """timing.Workload of `layers` (architectures.Layer, forward order): a layer's
-    forward takes its FLOPs / device throughput, its backward twice that."""
-    rate = device_tflops * 1e12
+    """timing.Workload of `layers` (architectures.Layer, forward order), timed as the
+    benchmark's replay times them (replay.layer_times: FLOPs / device throughput,
+    backward twice forward)."""
+    from pipe_horovod.workloads.replay import layer_times
+
     return timing.Workload.from_layers(
-        (layer.forward_flops / rate, 2 * layer.forward_flops / rate,
-         tuple(FP32 * math.prod(shape) for _, shape in layer.params)) for layer in layers)
+        (t.forward_s, t.backward_s, tuple(FP32 * math.prod(shape) for _, shape in layer.params))
+        for t, layer in zip(layer_times(layers, device_tflops), layers))
 
 
 def plan(layers, device_tflops, workers, network, bucket_cap_bytes):

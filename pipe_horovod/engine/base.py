@@ -338,10 +338,7 @@ class Engine:
 
     def poll(self, handle):
         """True when `wait(handle)` would return without blocking."""
-        handle = self._known(handle)
-        if isinstance(handle.backend, Work):
-            return handle.backend.poll()
-        return self._poll(handle)
+        return self._poll_backend(self._known(handle))
 
     def _poll_backend(self, handle):
         if isinstance(handle.backend, Work):

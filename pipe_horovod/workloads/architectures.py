@@ -17,6 +17,7 @@ give them time.
 """
 import dataclasses
 import functools
+import math
 
 import torch
 import torch.nn as nn
@@ -37,13 +38,7 @@ class Layer:
     @property
     def numel(self):
         """Parameter elements (the size of this layer's gradient)."""
-        total = 0
-        for _, shape in self.params:
-            count = 1
-            for dim in shape:
-                count *= dim
-            total += count
-        return total
+        return sum(math.prod(shape) for _, shape in self.params)
 
 
 def _check_positive_int(value, what):

@@ -213,6 +213,13 @@ def replay_model(model, batch_size, *, device_tflops=None, profile=None,
                          "FLOPs / throughput, backward = 2 x forward) or a profile file")
     table = architectures.layer_table(model, batch_size, seq_len=seq_len, model_mb=model_mb,
                                       layers=layers)
-    times = (layer_times(table, device_tflops) if profile is None
-             else load_profile(profile, table, model, batch_size, seq_len))
-    return ReplayModel(table, times)
+    return ReplayModel(table, table_times(table, model, batch_size, device_tflops=device_tflops,
+                                          profile=profile, seq_len=seq_len))
+
+
+def table_times(table, model, batch_size, *, device_tflops=None, profile=None,
+                seq_len=architectures.DEFAULT_SEQ_LEN):
+    """`table`'s layer times: from the profile file when one is given, else at device_tflops."""
+    if profile is None:
+        return layer_times(table, device_tflops)
+    return load_profile(profile, table, model, batch_size, seq_len)
