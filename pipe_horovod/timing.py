@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -288,6 +288,10 @@ def hop_codec_time(p, nbytes, algorithm, costs):
 # leaves out (jitter, the CPU that communication takes: X below).
 # `comm_cpu_s` (X) is CPU time communication takes from compute where both
 # share cores; it stretches the compute term: max(F + B + U + X, C, ...).
+# `compensation_s` (P) is what staleness compensation adds to the compute
+# path of a pipelined step before its forward ("lookahead" replays the
+# updates in flight: one more optimizer update at K=2); it lengthens the
+# update, U -> U + P, for K >= 2 only (K = 1 has nothing to compensate).
 
 @dataclass(frozen=True)
 class Schedule:
@@ -297,9 +301,10 @@ class Schedule:
     backward_s: float
     update_s: float
     buckets: tuple = ()  # ((ready_s after backward starts, allreduce seconds), ...) in launch order
+    compensation_s: float = 0.0  # P, pipelined steps only
 
     def __post_init__(self):
-        for name in ("forward_s", "backward_s", "update_s"):
+        for name in ("forward_s", "backward_s", "update_s", "compensation_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"Schedule.{name} must be >= 0, got {getattr(self, name)!r}")
         if any(not (ready >= 0 and cost >= 0) for ready, cost in self.buckets):
@@ -323,13 +328,14 @@ class Schedule:
         return max(self.backward_s, free)
 
     def step_s(self, pipeline_depth=1, comm_cpu_s=0.0):
-        """T_K = max(F + B + U + X, C, (F + L + U) / K)."""
+        """T_K = max(F + B + U' + X, C, (F + L + U') / K), U' = U + P for K >= 2, else U."""
         if pipeline_depth != int(pipeline_depth) or pipeline_depth < 1:
             raise ValueError(f"pipeline_depth must be an integer >= 1, got {pipeline_depth!r}")
         if not comm_cpu_s >= 0:
             raise ValueError(f"comm_cpu_s must be >= 0, got {comm_cpu_s}")
-        return max(self.compute_s + comm_cpu_s, self.comm_s,
-                    (self.forward_s + self.landing_s + self.update_s) / pipeline_depth)
+        update = self.update_s + (self.compensation_s if pipeline_depth > 1 else 0.0)
+        return max(self.forward_s + self.backward_s + update + comm_cpu_s, self.comm_s,
+                   (self.forward_s + self.landing_s + update) / pipeline_depth)
 
 
 def step_time(compute_s, update_s, comm_s, pipeline_depth=1, overlap=0.0, comm_cpu_s=0.0):
@@ -355,15 +361,18 @@ class Workload:
 
     `gradients` are ((ready_s, nbytes), ...) in the order backward produces
     them, ready_s counted from the start of backward (<= backward_s).
+    `compensation_s`: Schedule's P, what staleness compensation costs a pipelined step.
     """
 
     forward_s: float
     backward_s: float
     update_s: float
     gradients: tuple
+    compensation_s: float = 0.0
 
     def __post_init__(self):
-        Schedule(self.forward_s, self.backward_s, self.update_s)  # validates the times
+        Schedule(self.forward_s, self.backward_s, self.update_s,
+                 compensation_s=self.compensation_s)  # validates the times
         ready = [r for r, _ in self.gradients]
         if not self.gradients:
             raise ValueError("a workload needs at least one gradient")
@@ -402,7 +411,7 @@ class Workload:
         for ready, n in self.gradients:
             delay += n * seconds_per_byte
             shifted.append((ready + delay, n))
-        return Workload(self.forward_s, self.backward_s + delay, self.update_s, tuple(shifted))
+        return replace(self, backward_s=self.backward_s + delay, gradients=tuple(shifted))
 
 
 @dataclass(frozen=True)
@@ -562,7 +571,8 @@ def predict(workload, workers, network, algorithm="ring", compressions=None, pip
         if overlap:
             (ready, comm), = buckets
             buckets = [(work.backward_s - min(overlap * comm, work.backward_s), comm)]
-        schedule = Schedule(work.forward_s, work.backward_s, work.update_s, tuple(buckets))
+        schedule = Schedule(work.forward_s, work.backward_s, work.update_s, tuple(buckets),
+                            work.compensation_s)
         wire = workload.model_bytes * ratio
         cpu_s = 0.0 if alone else comm_cpu_per_byte * wire
         compute, comm = schedule.compute_s + cpu_s, schedule.comm_s

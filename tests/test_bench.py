@@ -275,6 +275,40 @@ def test_report_ratios_from_known_times(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_report_takes_alternating_k2_steps_by_period_and_charges_compensation(tmp_path):
+    # A comm-bound K=2 run alternates fast and slow steps: their median (0.05) is below
+    # the link's bound; the mean of each 2-step period is not. Lookahead's 50 ms a step
+    # are charged to the prediction.
+    steps = [0.04, 0.20, 0.05, 0.22, 0.04]
+    k2 = {"step_s": steps, "exposed_s": [0.0] * 5, "fwdbwd_s": [0.08] * 5,
+          "opt_s": [0.04] * 5, "compensation_s": [0.05] * 5, "round": 0,
+          "wall_s": sum(steps), "machine_busy_cores": 1.0,
+          "per_rank": [{"cpu_s": 0.1, "wall_s": sum(steps), "threads": 3}] * 2}
+    raw = {"format": "pipe_horovod.bench/1",
+           "meta": {"engine": "torch", "workers": 2, "model": "mlp", "model_bytes": 50e6,
+                    "params": 12_500_000, "batch_size": 32, "steps": 5, "warmup": 1,
+                    "rounds": 1, "threads": 1, "cpu_count": 2, "versions": {}},
+           "configs": {
+               "ours-k2": _cfg("train", [k2], depth=2),
+               "ours-k2-none": _cfg("train", [dict(k2, compensation_s=[0.0] * 5)], depth=2),
+               "compute": _cfg("train", [_block(0.080, None, 0.07, 0.01)]),
+               "allreduce": _cfg("allreduce", [_block(0.115, 0.115, cores=0.5)]),
+           },
+           "sweep": None, "codec_s": None, "process": []}
+    path = tmp_path / "raw.json"
+    path.write_text(json.dumps(raw))
+    text, paths = report.write_report([str(path)], str(tmp_path), "r")
+    configs = json.loads(open(paths["json"]).read())["configs"]
+    assert configs["ours-k2"]["step_s"] == pytest.approx((0.12 + 0.135) / 2)
+    assert configs["ours-k2"]["wall_step_s"] == pytest.approx(sum(steps) / 5)
+    assert configs["compute"]["step_s"] == pytest.approx(0.080)     # K=1: plain median
+    # compute's fwd+bwd 0.07 + update 0.01 + compensation 0.05 > the link's 0.115
+    assert configs["ours-k2"]["predicted_s"] == pytest.approx(0.07 + 0.01 + 0.05)
+    assert configs["ours-k2-none"]["predicted_s"] == pytest.approx(0.115)
+    assert "ours-k2 50.0 ms" in text
+
+
+@pytest.mark.timeout(60)
 def test_config_names():
     assert worker.parse_configs("ours-k2,compute ours-k3-bf16") == [
         "ours-k2", "compute", "ours-k3-bf16"]

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import numpy as np
@@ -175,11 +176,28 @@ def test_schedule_of_three_buckets(costs, landing, sync, pipelined):
     assert sched.step_s(2, comm_cpu_s=0.5) == pytest.approx(F + B + U + 0.5)
 
 
+def test_compensation_lengthens_only_the_pipelined_update():
+    sched = timing.Schedule(F, B, U, tuple(zip(READY, (0.04, 0.06, 0.05))), compensation_s=0.03)
+    assert sched.step_s(1) == pytest.approx(F + 0.25 + U)             # nothing to compensate
+    assert sched.step_s(2) == pytest.approx(F + B + U + 0.03)
+    # comm-bound: the compensation hides under the link until compute catches up
+    slow = timing.Schedule(F, B, U, tuple(zip(READY, (0.1, 0.3, 0.2))), compensation_s=0.03)
+    assert slow.step_s(2) == pytest.approx(0.6)
+    work = timing.Workload.from_layers(LAYERS, update_s=0.005)
+    charged = timing.predict(dataclasses.replace(work, compensation_s=0.1), 2,
+                             Network(0.0, 1e-9), bucketing=timing.Bucketing("cap", 10e6))
+    plain = timing.predict(work, 2, Network(0.0, 1e-9), bucketing=timing.Bucketing("cap", 10e6))
+    assert charged.sync_s == pytest.approx(plain.sync_s)
+    assert charged.pipelined_s == pytest.approx(plain.pipelined_s + 0.1)
+
+
 def test_schedule_rejects_bad_input():
     with pytest.raises(ValueError, match="pipeline_depth"):
         timing.Schedule(F, B, U).step_s(0)
     with pytest.raises(ValueError, match="backward_s must be >= 0"):
         timing.Schedule(F, -1.0, U)
+    with pytest.raises(ValueError, match="compensation_s must be >= 0"):
+        timing.Workload(F, B, U, ((0.1, 1.0),), compensation_s=-0.1)
     with pytest.raises(ValueError, match="ascending"):
         timing.Workload(F, B, U, ((0.1, 1.0), (0.05, 1.0)))
 

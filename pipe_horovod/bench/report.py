@@ -21,6 +21,8 @@ Outputs: markdown (printed and saved), a JSON summary, a PNG of stacked
 bars (compute + exposed communication) with Pipe-SGD's ideal bound.
 """
 import argparse
+import dataclasses
+import functools
 import json
 import math
 import os
@@ -79,20 +81,34 @@ def _cpu(rounds):
     return out
 
 
+def _windows(steps, width):
+    """Means of consecutive `width`-step windows of one block. A K-deep pipeline's steps
+    may alternate (one finds its reduction landed, the next waits for the link), so
+    their median can sit below the link's own bound; a window of K steps holds one
+    whole period, and its mean is the throughput."""
+    return [statistics.fmean(steps[i:i + width])
+            for i in range(0, len(steps) - width + 1, width)]
+
+
 def _config_stats(name, cfg):
     rounds = cfg["rounds"]
-    steps = _pooled(rounds, "step_s")
+    width = max(cfg.get("pipeline_depth") or 1, 1)
+    steps = [x for b in rounds for x in _windows(b["step_s"], width)]
     q1, q3 = _quartiles(steps)
-    per_round = [_median(b["step_s"]) for b in rounds]
+    per_round = [_median(_windows(b["step_s"], width)) for b in rounds]
     exposed = _pooled(rounds, "exposed_s")
     cores = _cpu(rounds)
+    timed = sum(len(b["step_s"]) for b in rounds)
     return {
         "name": name, "kind": cfg["kind"], "compression": cfg.get("compression", "none"),
         "pipeline_depth": cfg.get("pipeline_depth"),
         "samples": len(steps), "step_s": _median(steps), "q1_s": q1, "q3_s": q3,
         "round_medians_s": per_round,
+        "wall_step_s": (sum(b["wall_s"] for b in rounds) / timed
+                        if timed and all("wall_s" in b for b in rounds) else None),
         "fwdbwd_s": _median(_pooled(rounds, "fwdbwd_s")),
         "opt_s": _median(_pooled(rounds, "opt_s")),
+        "compensation_s": _median(_pooled(rounds, "compensation_s")),
         "exposed_wait_s": _median(exposed) if any(x is not None for x in exposed) else None,
         "cpu_cores_per_worker": cores,
         "machine_busy_cores": _median([b.get("machine_busy_cores") for b in rounds]),
@@ -151,6 +167,7 @@ def summarize(raw):
     codec = raw.get("codec_s") or {}
 
     compute = stats.get("compute")
+    replayed_model = (meta.get("compute") or {}).get("mode") == "replay" and p > 1
     compute_s = compute["step_s"] if compute else None
     comm = {}
     for codec_name, ar_name in (("none", "allreduce"), ("fp16", "allreduce-fp16"),
@@ -173,7 +190,7 @@ def summarize(raw):
                 cpu_bound[codec_name] = max(ideal[codec_name], need / cores_per_worker)
 
     network, model_info = _network(raw, stats, p, model_bytes)
-    prediction, systems = None, {}
+    predictions = None
     bf16_ratio = 1.0 if meta.get("horovod_bf16_as_float32") else 0.5
     wire_ratio = {"none": 1.0, "fp16": 0.5, "bf16": bf16_ratio}
     # What communication takes from compute on shared cores: the `contention`
@@ -190,22 +207,23 @@ def summarize(raw):
         depths = sorted({s["pipeline_depth"] for s in stats.values()
                          if (s["pipeline_depth"] or 0) >= 2}) or [2]
         workload = timing.Workload.aggregate(compute["fwdbwd_s"], compute["opt_s"], model_bytes)
-        prediction = {d: timing.predict(workload, p, network, compressions=compressions,
-                                        pipeline_depth=d,
-                                        comm_cpu_per_byte=cpu_per_byte)
-                      for d in depths}
+        bucketings = {}                          # one aggregate gradient: no system's buckets
         model_info["overlap"] = 0.0
-        if (meta.get("compute") or {}).get("mode") == "replay" and p > 1:
+        if replayed_model:
             workload = _replay_workload(meta["compute"], compute)
-            systems = {system: {d: timing.predict(workload, p, network,
-                                                  compressions=compressions, pipeline_depth=d,
-                                                  comm_cpu_per_byte=cpu_per_byte,
-                                                  bucketing=bucketing)
-                                for d in depths}
-                       for system, bucketing in _bucketings(meta).items()}
-            prediction = systems["ours"]
+            bucketings = _bucketings(meta)
             model_info["workload"] = ("per layer: the replayed layer times scaled to the "
                                       "measured compute, each system's own buckets")
+
+        @functools.cache
+        def predictions(system, compensation_s):
+            """{depth: timing.Prediction} of one system, pipelined steps charged
+            `compensation_s` (Schedule's P)."""
+            work = dataclasses.replace(workload, compensation_s=compensation_s)
+            return {d: timing.predict(work, p, network, compressions=compressions,
+                                      pipeline_depth=d, comm_cpu_per_byte=cpu_per_byte,
+                                      bucketing=bucketings.get(system, timing.OURS))
+                    for d in depths}
         model_info["comm_cpu_s_per_byte"] = cpu_per_byte
         model_info["compressions"] = {k: {"wire_ratio": v[0], "codec_s": v[1] * model_bytes}
                                       for k, v in compressions.items()}
@@ -227,8 +245,9 @@ def summarize(raw):
         s["ideal_s"] = ideal.get(c) if name.startswith("ours-k") and s["pipeline_depth"] >= 2 \
             else None
         system = "horovod" if name.startswith("horovod") else "ddp" if name == "ddp" else "ours"
-        s["predicted_s"] = _predicted(name, s, systems.get(system, prediction), network, p,
-                                      model_bytes, compute, wire_ratio)
+        charged = (s["compensation_s"] or 0.0) if (s["pipeline_depth"] or 1) > 1 else 0.0
+        s["predicted_s"] = _predicted(name, s, predictions and predictions(system, charged),
+                                      network, p, model_bytes, compute, wire_ratio)
         s["prediction_error"] = (abs(s["predicted_s"] - s["step_s"]) / s["step_s"]
                                  if s["predicted_s"] is not None and s["step_s"] else None)
         # The same step model fed the measured communication instead of the fitted network:
@@ -236,8 +255,8 @@ def summarize(raw):
         s["predicted_measured_comm_s"] = None
         if s["kind"] == "train" and name != "compute" and compute and s["comm_s"] is not None:
             s["predicted_measured_comm_s"] = timing.step_time(
-                compute["fwdbwd_s"], compute["opt_s"], s["comm_s"], s["pipeline_depth"] or 1,
-                comm_cpu_s=comm_cpu.get(c, 0.0))
+                compute["fwdbwd_s"], compute["opt_s"] + charged, s["comm_s"],
+                s["pipeline_depth"] or 1, comm_cpu_s=comm_cpu.get(c, 0.0))
         s["prediction_error_measured_comm"] = (
             abs(s["predicted_measured_comm_s"] - s["step_s"]) / s["step_s"]
             if s["predicted_measured_comm_s"] is not None and s["step_s"] else None)
@@ -264,7 +283,7 @@ def summarize(raw):
         "k2_speedup_vs_horovod_of_model": ratio(
             ratio(step("horovod"), step("ours-k2")),
             ratio(stats.get("horovod", {}).get("predicted_s"),
-                  stats.get("ours-k2", {}).get("predicted_s"))) if systems else None,
+                  stats.get("ours-k2", {}).get("predicted_s"))) if replayed_model else None,
         "wrapper_overhead": (ratio(step("ours-k1"), step("compute")) - 1
                              if p == 1 and step("ours-k1") and step("compute") else None),
     }
@@ -377,7 +396,9 @@ def markdown(summary, heading="##"):
         lines += [f"Command: `{launch['command']}`", ""]
     lines += [f"{meta['rounds']} interleaved rounds x {meta['steps']} timed steps "
               f"(after {meta['warmup']} warm-up steps per block), medians over all "
-              f"{meta['rounds'] * meta['steps']} steps; torch threads per worker: "
+              f"{meta['rounds'] * meta['steps']} steps (a K-deep pipeline's: over the means "
+              "of K consecutive steps, one period of its alternating steps); wall / steps = "
+              "the timed blocks' wall time over their steps; torch threads per worker: "
               f"{meta['threads']}; machine cores: {meta['cpu_count']}; "
               f"versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items() if v)}.",
               ""]
@@ -387,16 +408,17 @@ def markdown(summary, heading="##"):
                   "no CPU; `pipe_horovod.workloads.replay`): configured forward "
                   f"{_ms(meta['compute']['forward_s'])} ms, backward "
                   f"{_ms(meta['compute']['backward_s'])} ms per step.", ""]
-    lines += ["| config | step ms | IQR ms | round medians ms | samples/s "
+    lines += ["| config | step ms | wall / steps ms | IQR ms | round medians ms | samples/s "
               f"| {'replayed ' if replayed else ''}fwd+bwd ms "
               "| comm ms | exposed (wait) ms | step − compute ms | hidden | predicted ms "
               "| pred. err | pred. w/ measured comm | CPU cores/worker | machine busy |",
-              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+              "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for name, s in summary["configs"].items():
         hidden = hidden_cell(s)
         cores = ", ".join(_num(c) for c in s["cpu_cores_per_worker"]) or "–"
         lines.append(
-            f"| {name} | **{_ms(s['step_s'])}** | {_ms(s['q1_s'])}–{_ms(s['q3_s'])} "
+            f"| {name} | **{_ms(s['step_s'])}** | {_ms(s['wall_step_s'])} "
+            f"| {_ms(s['q1_s'])}–{_ms(s['q3_s'])} "
             f"| {' / '.join(_ms(x, 0) for x in s['round_medians_s'])} "
             f"| {_num(s['samples_per_s'], '{:.0f}')} | {_ms(s['fwdbwd_s'])} "
             f"| {_ms(s['comm_s'])} | {_ms(s['exposed_wait_s'] if s['kind'] == 'train' else None)} "
@@ -468,6 +490,12 @@ def markdown(summary, heading="##"):
             lines.append("- step prediction: `timing.predict(compute_s=fwd+bwd, update_s=local "
                          "step, ...)` of the `compute` configuration, ring allreduce, overlap = 0 "
                          "for sync rows" + codecs)
+        charged = {n: s["compensation_s"] for n, s in summary["configs"].items()
+                   if s["compensation_s"] and (s["pipeline_depth"] or 1) > 1}
+        if charged:
+            lines.append("- staleness compensation, charged to the pipelined step's update "
+                         "(Schedule's P; `opt.timings['compensation_s']`, median per step): "
+                         + ", ".join(f"{n} {_ms(v)} ms" for n, v in charged.items()))
         if model.get("comm_cpu_s_per_byte"):
             lines.append("- CPU contention: pipelined rows add to compute what a concurrent "
                          "allreduce costs it (`comm_cpu_per_byte` = "
@@ -568,6 +596,11 @@ def plot(summaries, path):
         if wx:
             ax.scatter(wx, wy, marker="_", s=400, color="black", zorder=3,
                        label="compute + measured wait")
+        mean = [(i, s["wall_step_s"] * 1e3) for i, s in
+                enumerate(summary["configs"][n] for n in names) if s.get("wall_step_s")]
+        if mean:
+            ax.scatter(*zip(*mean), marker="x", color="#55a868", zorder=3,
+                       label="wall time / steps (throughput)")
         styles = {"none": "-", "fp16": "--", "bf16": ":"}
         for codec, ideal in summary["ideal_s"].items():
             label = "Pipe-SGD ideal max(compute, comm)" + ("" if codec == "none"

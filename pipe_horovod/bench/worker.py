@@ -250,7 +250,7 @@ class TrainRunner:
         loss = F.cross_entropy(self.model(self.data), self.target)
         loss.backward()
         t1 = perf()
-        exposed = None
+        exposed = compensation = None
         if self.mode == "horovod":
             # Horovod's documented split: the wait for the reductions, then the local update.
             self.opt.synchronize()
@@ -258,13 +258,15 @@ class TrainRunner:
             with self.opt.skip_synchronize():
                 self.opt.step()
         elif self.mode == "ours":
-            waited = self.opt.timings["wait_s"]
+            before = dict(self.opt.timings)
             self.opt.step()
-            exposed = self.opt.timings["wait_s"] - waited
+            exposed = self.opt.timings["wait_s"] - before["wait_s"]
+            compensation = self.opt.timings["compensation_s"] - before["compensation_s"]
         else:
             self.opt.step()
         t2 = perf()
-        return {"step_s": t2 - t0, "fwdbwd_s": t1 - t0, "opt_s": t2 - t1, "exposed_s": exposed}
+        return {"step_s": t2 - t0, "fwdbwd_s": t1 - t0, "opt_s": t2 - t1, "exposed_s": exposed,
+                "compensation_s": compensation}
 
     def end_block(self):
         if self.mode == "ours":

@@ -6,6 +6,7 @@ state and the step machine's FIFO, and calls `_inner_step` for the
 optimizer steps a prediction runs.
 """
 import contextlib
+import time
 
 import torch
 
@@ -58,7 +59,7 @@ class _Compensation:
         """Put the real weights back where the prediction was."""
         if not self._predicted:
             return
-        with torch.no_grad():
+        with _timed(self.timings), torch.no_grad():
             for name, p in self._param_of.items():
                 p.copy_(self._real[name])
         self._predicted = False
@@ -69,6 +70,11 @@ class _Compensation:
         ahead = list(self._machine.fifo)
         if self._compensation not in ("predict", "lookahead") or not ahead:
             return
+        with _timed(self.timings):
+            self._predict_ahead(ahead)
+        self._predicted = True
+
+    def _predict_ahead(self, ahead):
         self._copy_params(self._real)
         if self._compensation == "predict":
             with torch.no_grad():
@@ -82,7 +88,6 @@ class _Compensation:
                     self._bare_step(entry.kept.get("local") or entry.gradients(), entry.scale)
             for name, p in self._param_of.items():
                 p.grad = applied[name]           # zero_grad(set_to_none=False) zeroes these
-        self._predicted = True
 
     def _bare_step(self, grads, scale):
         """One step of the wrapped optimizer with `grads`, without the user's step hooks."""
@@ -129,6 +134,17 @@ class _Compensation:
         finally:
             for group, key, value in saved:
                 group[key] = value
+
+
+@contextlib.contextmanager
+def _timed(timings):
+    """Adds the block's seconds to timings["compensation_s"]: what the prediction costs on
+    the compute path, which the timing model charges to the pipelined step."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings["compensation_s"] += time.perf_counter() - start
 
 
 @contextlib.contextmanager

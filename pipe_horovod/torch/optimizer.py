@@ -109,7 +109,7 @@ class _PipelinedOptimizer(_Compensation):
         self._pending_apply = None               # the gradient synchronize() put into .grad
         self._synchronized = False
         self._should_synchronize = True
-        self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0}
+        self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0, "compensation_s": 0.0}
         self._pipeline_depth = pipeline_depth
         self._setup_compensation(compensation, pipeline_depth)
         _live.add(self)
