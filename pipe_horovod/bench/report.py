@@ -85,7 +85,9 @@ def _windows(steps, width):
     """Means of consecutive `width`-step windows of one block. A K-deep pipeline's steps
     may alternate (one finds its reduction landed, the next waits for the link), so
     their median can sit below the link's own bound; a window of K steps holds one
-    whole period, and its mean is the throughput."""
+    whole period, and its mean is the throughput. Fewer steps than K: their mean."""
+    if len(steps) < width:
+        return [statistics.fmean(steps)] if steps else []
     return [statistics.fmean(steps[i:i + width])
             for i in range(0, len(steps) - width + 1, width)]
 

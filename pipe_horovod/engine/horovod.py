@@ -123,6 +123,14 @@ class HorovodEngine(Engine):
         size = int(os.environ["HOROVOD_SIZE"]) if "HOROVOD_SIZE" in os.environ else None
         sets = check_new_sets(process_sets, size, [list(range(size))] if size else [])
         self._made_by_init = {tuple(ps.ranks): hvd.ProcessSet(ps.ranks) for ps in sets}
+        # Horovod's response cache hands its background thread the cached tensors that are
+        # ready in cache order, not in the order they were enqueued. With two steps in
+        # flight (K >= 2) a later step's large bucket then goes ahead of the earlier step's
+        # last buckets, and the step waiting on those waits for both: VGG-16 replayed at
+        # K=2 took alternately 3.5 s and 7 s a step, 8% over the link's bound; with the
+        # cache off, steady steps (docs/benchmarks.md, "Replay compute"). Off unless the
+        # user set a capacity; it only saves negotiation, which is small beside a bucket.
+        os.environ.setdefault("HOROVOD_CACHE_CAPACITY", "0")
         hvd.init(comm, process_sets=list(self._made_by_init.values()))
         self._register_process_sets(sets, hvd.global_process_set)
 

@@ -3,6 +3,7 @@
 Each rank contributes values derived from its rank, so the expected result
 is known in closed form on every rank without further communication.
 """
+import os
 import sys
 import time
 
@@ -150,6 +151,9 @@ def check_engine(want_engine, want_size):
 
     if eng.name == "horovod":
         check_horovod_bf16(eng, rank, size)
+        # the engine keeps reductions in enqueue order across steps (engine/horovod.py)
+        assert os.environ.get("HOROVOD_CACHE_CAPACITY") == "0", os.environ.get(
+            "HOROVOD_CACHE_CAPACITY")
 
     # poll turns true without wait (bounded); bfloat16 takes the horovod engine's own path.
     for dtype in (torch.float32, torch.bfloat16):
