@@ -8,6 +8,9 @@ states the error bounds); the 2-rank launches add error feedback, a
 bit-exact resume with its residuals, and a collective that differs between
 ranks at wrap time.
 """
+import threading
+import time
+
 import pytest
 import torch
 
@@ -15,6 +18,7 @@ import launcher
 import pipe_horovod.torch as phvd
 from pipe_horovod import collectives, timing
 from pipe_horovod.collectives import layout
+from pipe_horovod.collectives.arrivals import InOrder
 from pipe_horovod.compression import Compression
 from pipe_horovod.compression.hops import Int8Hop
 
@@ -64,6 +68,52 @@ def test_int8_codec_round_trip_error_is_half_a_step():
     hop.encode(torch.zeros(7), wire[:hop.wire_numel(7)], torch.empty(7))
     hop.decode_into(wire[:hop.wire_numel(7)], out[:7])
     assert not out[:7].any()
+
+
+class _GlooLikeRecv:
+    """Like c10d's gloo RecvWork: is_completed() stays False until wait() returned."""
+
+    def __init__(self, error=None):
+        self.landed, self.error = threading.Event(), error
+
+    def is_completed(self):
+        return False
+
+    def wait(self):
+        self.landed.wait()
+        if self.error:
+            raise self.error
+
+
+def _until(predicate, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return predicate()
+
+
+def test_arrivals_counts_receives_that_cannot_be_polled():
+    works = [_GlooLikeRecv(), None, _GlooLikeRecv()]
+    arrivals = InOrder(works)
+    time.sleep(0.01)
+    assert arrivals.count() == 0                  # nothing landed: no forward yet
+    works[0].landed.set()
+    assert _until(lambda: arrivals.count() == 2)  # None (an empty range) counts at once
+    works[2].landed.set()
+    arrivals.wait(2)
+    assert arrivals.count() == 3
+
+
+def test_arrivals_raises_a_failed_receive_where_it_is_waited():
+    works = [_GlooLikeRecv(), _GlooLikeRecv(RuntimeError("Timed out waiting"))]
+    arrivals = InOrder(works)
+    works[0].landed.set()
+    arrivals.wait(0)
+    works[1].landed.set()
+    with pytest.raises(RuntimeError, match="Timed out"):
+        arrivals.wait(1)
+    with pytest.raises(RuntimeError, match="Timed out"):
+        arrivals.count()
 
 
 def test_lp_chunks_follow_the_cost_model():

@@ -12,8 +12,9 @@ optimizer's buckets use them through `collective=` unchanged.
 Modules: spec (what `collective=` accepts), api (allreduce/reduce/broadcast),
 communicator (the thread that runs them), exchange (one collective's
 encode/send/receive/decode), layout (blocks and chunk counts), channel
-(tags), group (the gloo group), buffers (persistent buffers), lp/ring/mst/be
-(the algorithms), ddp_hooks (the same for torch DDP).
+(tags), group (the gloo group), buffers (persistent buffers), arrivals
+(which receives have completed, without blocking), lp/ring/mst/be (the
+algorithms), ddp_hooks (the same for torch DDP).
 """
 from .api import allreduce, allreduce_async, broadcast, broadcast_async, reduce, reduce_async
 from .spec import ALGORITHMS, Collective, check_collective

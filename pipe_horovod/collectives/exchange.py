@@ -107,6 +107,3 @@ def wait(work):
     if work is not None:
         work.wait()
 
-
-def arrived(work):
-    return work is None or work.is_completed()

@@ -8,7 +8,8 @@ chunk c+1 still goes out. Messages: reduce chunk c is id c, broadcast chunk
 c is id k + c.
 """
 from . import layout as _layout
-from .exchange import arrived, wait
+from .arrivals import InOrder
+from .exchange import wait
 
 
 def blocks(kind, numel, p, nbytes, spec):
@@ -19,23 +20,35 @@ def blocks(kind, numel, p, nbytes, spec):
 
 class _Forwarder:
     """Final chunks travelling from chain position 0 to p-1: receive each from the
-    previous position, pass it on as is. `at(v)` maps a position to a rank index."""
+    previous position, pass it on as is. `at(v)` maps a position to a rank index.
 
-    def __init__(self, x, v, p, at, first):
+    Every receive is posted here, up front, so the bytes land whatever this
+    thread is doing; only the forwarding sends wait for it. With `watch`
+    (a rank that forwards while it reduces), a helper thread tells which
+    have arrived: gloo's receives cannot be polled (arrivals.py)."""
+
+    def __init__(self, x, v, p, at, first, watch=False):
         self.x, self.first = x, first
         self.k = len(x.layout)
         self.next = at(v + 1) if v < p - 1 else None
         self.recvs = [None] * self.k if v == 0 else [
             x.recv(x.final_wire, c, c + 1, at(v - 1), first + c) for c in range(self.k)]
+        watch = watch and v > 0 and self.next is not None
+        self.arrivals = InOrder(self.recvs) if watch else None
         self.done = 0
 
     def pump(self, block):
-        """Forward every chunk that has arrived; with `block`, all of them."""
+        """Forward every chunk that has arrived (none if not watched); with
+        `block`, all of them."""
         while self.done < self.k:
-            received = self.recvs[self.done]
-            if not block and not arrived(received):
+            if self.arrivals is None:
+                if not block:
+                    return
+                wait(self.recvs[self.done])
+            elif block:
+                self.arrivals.wait(self.done)
+            elif self.arrivals.count() <= self.done:
                 return
-            wait(received)
             if self.next is not None:
                 self.x.send(self.x.final_wire, self.done, self.done + 1, self.next,
                             self.first + self.done)
@@ -68,7 +81,7 @@ def allreduce(x, me, p):
         _reduce_chain(x, me, p, lambda v: v, complete)
     else:
         # The broadcast runs backwards: position v of its chain is rank p-1-v.
-        back = _Forwarder(x, p - 1 - me, p, lambda v: p - 1 - v, k)
+        back = _Forwarder(x, p - 1 - me, p, lambda v: p - 1 - v, k, watch=True)
         _reduce_chain(x, me, p, lambda v: v, None, lambda: back.pump(block=False))
         back.pump(block=True)
     x.take(x.final_wire, 0, k)
