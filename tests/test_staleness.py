@@ -87,6 +87,10 @@ def test_lookahead_on_one_rank_is_synchronous_sgd(local, kind, depth, path):
         if compensation:
             assert len(opt._fifo) == (0 if path == "alone" else depth - 1)
             assert opt._predicted == (path != "alone")
+            # what the timing model charges the pipelined step (alone: no prediction runs)
+            assert (opt.timings["compensation_s"] > 0) == (path != "alone")
+        else:
+            assert opt.timings["compensation_s"] == 0.0
         opt.flush()
         weights.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*weights):

@@ -59,7 +59,7 @@ class _Compensation:
         """Put the real weights back where the prediction was."""
         if not self._predicted:
             return
-        with _timed(self.timings), torch.no_grad():
+        with self._charged(), torch.no_grad():
             for name, p in self._param_of.items():
                 p.copy_(self._real[name])
         self._predicted = False
@@ -70,7 +70,7 @@ class _Compensation:
         ahead = list(self._machine.fifo)
         if self._compensation not in ("predict", "lookahead") or not ahead:
             return
-        with _timed(self.timings):
+        with self._charged():
             self._predict_ahead(ahead)
         self._predicted = True
 
@@ -104,6 +104,10 @@ class _Compensation:
 
     def _compensate_delay(self, then):
         """DC-ASGD's g + lambda_t g*g (w_now - w_then), with w_then kept at compute time."""
+        with self._charged():
+            self._delay_compensated(then)
+
+    def _delay_compensated(self, then):
         for name, p in self._param_of.items():
             grad = p.grad
             if grad is None or grad.is_sparse:
@@ -112,6 +116,16 @@ class _Compensation:
             self._mean_square[name] = mean_square
             p.grad = staleness.delay_compensated(grad, mean_square, p.detach(),
                                                  then[name].view_as(p))
+
+    @contextlib.contextmanager
+    def _charged(self):
+        """Adds the block's seconds to timings["compensation_s"]: what compensation costs
+        the compute path, which the timing model charges to the pipelined step (its P)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings["compensation_s"] += time.perf_counter() - start
 
     @contextlib.contextmanager
     def _compensated_momentum(self):
@@ -134,17 +148,6 @@ class _Compensation:
         finally:
             for group, key, value in saved:
                 group[key] = value
-
-
-@contextlib.contextmanager
-def _timed(timings):
-    """Adds the block's seconds to timings["compensation_s"]: what the prediction costs on
-    the compute path, which the timing model charges to the pipelined step."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings["compensation_s"] += time.perf_counter() - start
 
 
 @contextlib.contextmanager

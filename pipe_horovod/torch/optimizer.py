@@ -339,7 +339,8 @@ class _PipelinedOptimizer(_Compensation):
         self._synchronized = False
         entry, self._pending_apply = self._pending_apply, None
         if self._compensation == "predict":
-            self._copy_params(self._previous)
+            with self._charged():
+                self._copy_params(self._previous)
         if entry is not None:
             self._inner_step()
             self.timings["applied"] += 1
