@@ -214,6 +214,19 @@ def be_reduce(net, p, nbytes):
     return be_broadcast(net, p, nbytes) + _be_bandwidth(p, nbytes, 1)[1] * net.gamma
 
 
+def with_message_cost(net, message_s):
+    """The network as pipe_horovod.collectives' point-to-point algorithms see it: each
+    dependent message also pays `message_s`, the software cost of one hop that the
+    engine's own C++ allreduce (which the network is fitted to) does not: isend/irecv
+    posted from Python, gloo's pair, the kernel, the waiting thread woken. Measure it
+    apart from the collectives' timings, as half a small message's round trip between
+    two ranks (pipe-horovod bench-collectives does, every pair at once: 75 us on the
+    emulated 1gbit cluster, 4 workers on 2 cores, where the fit gave alpha 0)."""
+    if not message_s >= 0:
+        raise ValueError(f"message_s must be >= 0, got {message_s!r}")
+    return replace(net, alpha=net.alpha + message_s)
+
+
 # Callers (CLI, benchmark, fit) pick an algorithm by name.
 ALLREDUCE = {"ring": ring_allreduce, "lp": lp_allreduce, "mst": mst_allreduce, "be": be_allreduce}
 BROADCAST = {"ring": ring_broadcast, "lp": lp_broadcast, "mst": mst_broadcast, "be": be_broadcast}
@@ -229,29 +242,75 @@ def allreduce_time(net, p, nbytes, algorithm="ring", **kwargs):
     return cost(net, p, nbytes, **kwargs)
 
 
-def _hop_counts(p, algorithm):
-    """(encodes, decode-adds, decodes) of the whole message on the busiest rank
-    of pipe_horovod.collectives' allreduce: every rank encodes each value it
-    sends once (partial or final) and decodes the final message once; the adds
-    are where the algorithms differ (mst's root adds one child per round)."""
+def _hop_counts(p, algorithm, blocks=None):
+    """(encodes, decode-adds, decodes) of the whole message on the critical path of
+    pipe_horovod.collectives' allreduce. Every rank encodes each value it sends once
+    (partial or final) and decodes the final message once at the end (never
+    overlapped); the adds are where the algorithms differ (mst's root adds one child
+    per round). With `blocks` (how many blocks the collective cuts the message into,
+    collectives/layout.py) only the pipelined algorithms' exposed part counts: ring's
+    pieces (blocks / p per segment) move on as soon as each is added, so per step one
+    piece's decode-add and encode lie on the path, the rest under the next piece's
+    transfer; lp's first chunk is encoded by rank 0 and decode-added and re-encoded at
+    each of the p - 1 hops of the reduce chain, later chunks follow under the wire.
+    be has no pieces: its halvings wait for each whole round, so all of it counts.
+    Without `blocks`, every encode and add counts (the busiest rank's total)."""
     adds = {"ring": (p - 1) / p, "lp": 1.0, "mst": float(_log2(p)),
             "be": _be_bandwidth(p, 1.0)[1]}
     if algorithm not in adds:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {sorted(adds)}")
-    return 1.0, adds[algorithm], 1.0
+    if blocks is None or algorithm in ("be", "mst"):
+        return 1.0, adds[algorithm], 1.0
+    if algorithm == "ring":
+        pieces = max(1.0, blocks / p)
+        return 1.0 / pieces, adds["ring"] / pieces, 1.0
+    return p / blocks, (p - 1) / blocks, 1.0
 
 
-def hop_codec_time(p, nbytes, algorithm, costs):
+def codec_costs_at(table, block_bytes):
+    """(encode, decode-add, decode) seconds per accumulator byte for blocks of
+    `block_bytes`, from `table` = {block bytes: (encode, decode-add, decode) s per byte}
+    measured at several block sizes (pipe_horovod.compression.hops.measure_costs). A
+    block's cost is a fixed per-call part plus a per-byte part that grows once blocks
+    leave the caches (measured on 2-core EPYC workers, 4 at once: int8 encode 6 ns/B
+    at 16 KB, 0.5 ns/B at 1 MB, 0.9 ns/B at 16 MB), so neither one rate nor one size
+    fits every algorithm: the seconds per call are interpolated linearly between the
+    two measured sizes around `block_bytes`; below the smallest a call costs as much as
+    there (the fixed part), above the largest each byte as much as there."""
+    sizes = sorted(float(b) for b in table)
+    if not sizes:
+        raise ValueError("codec cost table is empty")
+    costs = {float(b): tuple(c) for b, c in table.items()}
+    if block_bytes >= sizes[-1]:
+        return costs[sizes[-1]]
+    if block_bytes <= sizes[0]:
+        return tuple(c * sizes[0] / max(block_bytes, 1.0) for c in costs[sizes[0]])
+    hi = next(b for b in sizes if b >= block_bytes)
+    lo = sizes[sizes.index(hi) - 1]
+    w = (block_bytes - lo) / (hi - lo)
+    return tuple(((1 - w) * a * lo + w * b * hi) / block_bytes
+                 for a, b in zip(costs[lo], costs[hi]))
+
+
+def hop_codec_time(p, nbytes, algorithm, costs, blocks=None):
     """CPU seconds a per-hop codec adds to an allreduce of `nbytes` accumulator
-    (float32) bytes: `costs` = (encode, decode-add, decode) seconds per
-    accumulator byte, measured by pipe_horovod.compression.hops.measure_costs.
-    It adds to the wire time rather than hiding under it: a piece is decoded,
-    added and encoded between its arrival and its forwarding, and on CPU
-    workers the codec competes with the network stack for the same cores
-    (measured: ring/int8 on 64 MB took the wire time plus 1.0-1.3x this)."""
+    (float32) bytes: `costs` = (encode, decode-add, decode) seconds per accumulator
+    byte, or a table {block bytes: that} measured at several block sizes
+    (codec_costs_at picks the one for this collective's blocks), measured by
+    pipe_horovod.compression.hops.measure_costs. `blocks`: how many blocks the
+    collective cuts the message into (see _hop_counts); None counts all the busiest
+    rank's codec work at the costs of one block per message. What counts adds to the
+    wire time rather than hiding under it: a piece is decoded, added and encoded
+    between its arrival and its forwarding, and on CPU workers the codec competes
+    with the network stack for the same cores. Measured inside the collectives (4
+    workers, 64 MB, int8): be spent 95 ms in the codec and took the wire time plus
+    about that; ring spent as much but exposed only ~30 ms (its 4 pieces per segment),
+    which is what one piece per step plus the final decode predicts."""
     if p < 2:
         return 0.0
-    return nbytes * sum(n * c for n, c in zip(_hop_counts(p, algorithm), costs))
+    if isinstance(costs, dict):
+        costs = codec_costs_at(costs, nbytes / (blocks or 1))
+    return nbytes * sum(n * c for n, c in zip(_hop_counts(p, algorithm, blocks), costs))
 
 
 # ----------------------------------------------------------------- step time

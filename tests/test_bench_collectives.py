@@ -36,6 +36,27 @@ def test_prediction_uses_the_wire_bytes_of_the_codec():
         + 2**26 * 6e-9)
 
 
+def test_prediction_with_per_block_costs_and_message_cost():
+    net = timing.Network(alpha=1e-4, beta=8e-9)
+    p, n = 4, 2**26
+    # ring/int8: 2^24 wire bytes, 4 MiB per segment -> 4 pieces of 1 MiB wire, 16 blocks
+    # of 4 MiB float32; be: q = 4 blocks; lp: the collective's own chunk count
+    assert collectives_report.blocks(p, n, "ring", "int8") == 16
+    assert collectives_report.blocks(p, n, "be", "int8") == 4
+    assert collectives_report.blocks(p, n, "lp", "int8") == layout.lp_chunks(p, 2**24)
+    table = {"int8": {str(2**22): (1e-9, 2e-9, 3e-9), str(2**24): (4e-9, 4e-9, 4e-9)}}
+    slow = timing.Network(alpha=1.5e-4, beta=8e-9)           # alpha + 50 us per message
+    assert collectives_report.predicted_seconds(net, p, n, "ring/int8", table, 5e-5) == \
+        pytest.approx(timing.ring_allreduce(slow, p, 2**24)
+                      + n * (1e-9 / 4 + 0.75 * 2e-9 / 4 + 3e-9))
+    # be: 16 MiB blocks, all of its codec work on the path
+    assert collectives_report.predicted_seconds(net, p, n, "be/int8", table, 5e-5) == \
+        pytest.approx(timing.be_allreduce(slow, p, 2**24) + n * (1 + 0.75 + 1) * 4e-9)
+    # the engine's own allreduce pays neither
+    assert collectives_report.predicted_seconds(net, p, n, "native/none", table, 5e-5) == \
+        pytest.approx(timing.ring_allreduce(net, p, n))
+
+
 @pytest.mark.timeout(120)
 def test_local_torch_run_reports_every_algorithm_and_codec(tmp_path):
     env = dict(os.environ)
@@ -67,6 +88,11 @@ def test_local_torch_run_reports_every_algorithm_and_codec(tmp_path):
     assert len(raw["times"]) == 2                                        # every rank's times
     costs = raw["meta"]["codec_costs_s_per_byte"]           # (encode, add, decode) per codec
     assert set(costs) == {"bf16", "int8"} and all(0 < c < 1e-6 for v in costs.values() for c in v)
+    by_block = raw["meta"]["codec_costs_s_per_byte_by_block"]
+    assert set(by_block) == {"bf16", "int8"}
+    assert set(by_block["int8"]) == {str(b) for b in collectives_worker.COST_BLOCKS}
+    assert all(0 < c < 1e-6 for v in by_block["int8"].values() for c in v)
+    assert 0 < raw["meta"]["message_s"] < 0.1               # one-way small message, seconds
 
 
 @pytest.mark.timeout(60)

@@ -51,6 +51,47 @@ def test_hop_codec_time_counts_the_busiest_ranks_codec_work():
         timing.hop_codec_time(4, N, "tree", costs)
 
 
+def test_hop_codec_time_counts_only_the_exposed_part_of_pipelined_codecs():
+    costs = (1e-9, 2e-9, 3e-9)
+    # ring, 4 ranks, 16 blocks = 4 pieces per segment: one piece's encode (1/4) and
+    # decode-add (3/4 / 4) per step lie on the path, the final decode (1) whole
+    assert timing.hop_codec_time(4, N, "ring", costs, blocks=16) == pytest.approx(
+        N * (0.25 * 1 + 0.1875 * 2 + 3) * 1e-9)
+    # one piece per segment: nothing overlaps, the total as without blocks
+    assert timing.hop_codec_time(4, N, "ring", costs, blocks=4) == pytest.approx(
+        timing.hop_codec_time(4, N, "ring", costs))
+    # lp, 4 ranks, 10 chunks: chunk 0 encoded at 4 positions, decode-added at 3
+    assert timing.hop_codec_time(4, N, "lp", costs, blocks=10) == pytest.approx(
+        N * (0.4 * 1 + 0.3 * 2 + 3) * 1e-9)
+    # be waits for each whole round: everything counts, blocks or not
+    assert timing.hop_codec_time(4, N, "be", costs, blocks=4) == pytest.approx(
+        N * (1 + 1.5 + 3) * 1e-9)
+
+
+def test_codec_costs_at_interpolates_seconds_per_call_between_block_sizes():
+    table = {"1000": (1e-9, 2e-9, 3e-9), "3000": (2e-9, 2e-9, 2e-9)}
+    # per call: 1 / 2 / 3 us at 1000 B, 6 / 6 / 6 us at 3000 B; halfway 3.5 / 4 / 4.5 us
+    assert timing.codec_costs_at(table, 2000) == pytest.approx((1.75e-9, 2e-9, 2.25e-9))
+    assert timing.codec_costs_at(table, 1000) == pytest.approx((1e-9, 2e-9, 3e-9))
+    # below the smallest a call costs what it costs there; above the largest, per byte
+    assert timing.codec_costs_at(table, 500) == pytest.approx((2e-9, 4e-9, 6e-9))
+    assert timing.codec_costs_at(table, 9000) == pytest.approx((2e-9, 2e-9, 2e-9))
+    # a table in hop_codec_time: the costs at nbytes / blocks (here 2000 B blocks)
+    assert timing.hop_codec_time(2, 4000, "be", table, blocks=2) == pytest.approx(
+        4000 * (1.75e-9 + 0.5 * 2e-9 + 2.25e-9))
+    with pytest.raises(ValueError, match="empty"):
+        timing.codec_costs_at({}, 1000)
+
+
+def test_with_message_cost_adds_to_alpha_only():
+    net = timing.with_message_cost(NET, 5e-5)
+    assert (net.alpha, net.beta, net.gamma) == pytest.approx((6e-5, 1e-9, 1e-10))
+    assert timing.ring_allreduce(net, 4, N) == pytest.approx(
+        timing.ring_allreduce(NET, 4, N) + 6 * 5e-5)
+    with pytest.raises(ValueError, match="message_s"):
+        timing.with_message_cost(NET, -1.0)
+
+
 @pytest.mark.parametrize("table", [timing.ALLREDUCE, timing.BROADCAST, timing.REDUCE])
 def test_one_worker_costs_nothing(table):
     assert set(table) == {"ring", "lp", "mst", "be"}

@@ -8,7 +8,9 @@ busbw = algbw * 2(p-1)/p, comparable with the link's rate whatever p is.
 The prediction is `pipe_horovod.timing.allreduce_time` of the algorithm
 (the engine's own allreduce as "ring") for the bytes on the wire, plus
 `timing.hop_codec_time` for a per-hop codec (its encode/add/decode cost
-measured by the workers), with alpha and beta fitted (`timing.fit`, ring
+measured by the workers at several block sizes, the part on the critical
+path), our collectives' per-message software cost (measured by the workers,
+timing.with_message_cost) added to alpha, with alpha and beta fitted (`timing.fit`, ring
 formula) to the engine's own allreduce at the sizes >= 1 MB. Outputs: markdown (printed and saved),
 a JSON summary, a PNG of bus bandwidth against size (log x).
 """
@@ -41,23 +43,41 @@ def wire_bytes(nbytes, codec):
     return nbytes * (1.0 if codec == "none" else timing.DEFAULT_COMPRESSIONS[codec][0])
 
 
-def predicted_seconds(network, p, nbytes, config, codec_costs=None):
-    """timing's cost of `config` ("algorithm/codec") for a float32 message of `nbytes`:
-    the bytes on the wire, plus the per-hop codec's CPU (timing.hop_codec_time) where
-    `codec_costs` has the codec's measured (encode, decode-add, decode) s per byte."""
+def blocks(p, nbytes, algorithm, codec):
+    """How many blocks pipe_horovod.collectives cuts a float32 message of `nbytes` into
+    under `codec` (its own layout: LP's chunks, ring's pieces, BE's q blocks)."""
+    from pipe_horovod import collectives
     from pipe_horovod.collectives import layout
 
+    numel, wire = max(1, nbytes // 4), int(wire_bytes(nbytes, codec))
+    if algorithm == "lp":         # the chunk count the collective itself picks
+        return max(1, min(layout.lp_chunks(p, wire), numel, layout.MAX_BLOCKS))
+    spec = collectives.Collective(algorithm)
+    return len(spec.module.blocks("allreduce", numel, p, wire, spec))
+
+
+def predicted_seconds(network, p, nbytes, config, codec_costs=None, message_s=None):
+    """timing's cost of `config` ("algorithm/codec") for a float32 message of `nbytes`:
+    the bytes on the wire, for our collectives with each message's software cost
+    `message_s` (timing.with_message_cost), plus the per-hop codec's CPU on the critical
+    path (timing.hop_codec_time) where `codec_costs` has the codec's measured (encode,
+    decode-add, decode) s per byte, one triple or {block bytes: triple}."""
     algorithm, codec = config.split("/")
     wire = wire_bytes(nbytes, codec)
     if algorithm == NATIVE:
         return timing.allreduce_time(network, p, wire, "ring")
-    if algorithm == "lp":         # the chunk count the collective itself picks
-        chunks = max(1, min(layout.lp_chunks(p, wire), nbytes // 4, layout.MAX_BLOCKS))
-        seconds = timing.allreduce_time(network, p, wire, "lp", chunks=chunks)
+    net = timing.with_message_cost(network, message_s or 0.0)
+    count = blocks(p, nbytes, algorithm, codec)
+    if algorithm == "lp":
+        seconds = timing.allreduce_time(net, p, wire, "lp", chunks=count)
     else:
-        seconds = timing.allreduce_time(network, p, wire, algorithm)
+        seconds = timing.allreduce_time(net, p, wire, algorithm)
     costs = (codec_costs or {}).get(codec)
-    return seconds + (timing.hop_codec_time(p, nbytes, algorithm, costs) if costs else 0.0)
+    if not costs:
+        return seconds
+    per_block = isinstance(costs, dict)
+    return seconds + timing.hop_codec_time(p, nbytes, algorithm, costs,
+                                           count if per_block else None)
 
 
 def _slowest_rank(per_rank, config, size):
@@ -104,8 +124,10 @@ def summarize(raw):
         r["predicted_s"] = r["prediction_error"] = None
         if network is not None:
             net = timing.Network(network["alpha_s"], network["beta_s_per_byte"])
-            r["predicted_s"] = predicted_seconds(net, p, r["bytes"], r["config"],
-                                                 meta.get("codec_costs_s_per_byte"))
+            costs = (meta.get("codec_costs_s_per_byte_by_block")
+                     or meta.get("codec_costs_s_per_byte"))
+            r["predicted_s"] = predicted_seconds(net, p, r["bytes"], r["config"], costs,
+                                                 meta.get("message_s"))
             r["prediction_error"] = abs(r["predicted_s"] - r["time_s"]) / r["time_s"]
     summary = {"meta": meta, "launch": raw.get("launch", {}), "network": network,
                "link_bytes_per_s": link_bytes_per_s, "rows": rows}
@@ -215,6 +237,9 @@ def markdown(summary, heading="#"):
         rate = 1 / net["beta_s_per_byte"] / 1e6 if net["beta_s_per_byte"] else None
         lines.append(f"- model: alpha {net['alpha_s'] * 1e6:.0f} us, 1/beta "
                      f"{_num(rate, '{:.1f}')} MB/s ({net['source']}, R² {net['r2']:.3f})")
+    if meta.get("message_s") is not None:
+        lines.append(f"- our collectives' per-message cost (half a small round trip, "
+                     f"measured): {meta['message_s'] * 1e6:.0f} us, added to alpha")
     if summary["link_bytes_per_s"]:
         lines.append(f"- link rate: {summary['link_bytes_per_s'] / 1e6:.1f} MB/s per direction")
     for key, what in (("machine_busy_cores", "while measuring (every process)"),

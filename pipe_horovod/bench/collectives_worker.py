@@ -13,7 +13,10 @@ gathers them and writes the raw JSON (format pipe_horovod.bench_collectives/1)
 with the machine's load (busy cores from /proc/stat) during each size, and
 before it, while every worker sleeps (the load from everything else), and
 each per-hop codec's encode/add/decode cost measured by every rank at once
-(the median over ranks: timing.hop_codec_time's calibration).
+at several block sizes (the median over ranks: timing.hop_codec_time's
+calibration), and the one-way time of a small point-to-point message on the
+collectives' own group, every pair of ranks at once (the per-message cost of
+our collectives: timing.with_message_cost).
 """
 import argparse
 import json
@@ -67,15 +70,56 @@ def _timed(eng, config, buf, name, calls):
     return (time.perf_counter() - t0) / calls
 
 
+# Block sizes (float32 bytes) at which the codecs are measured: the collectives' blocks
+# run from LP's small chunks to BE's quarter of a 64 MB message.
+COST_BLOCKS = tuple(4 << (2 * i) for i in range(6, 12))     # 16 KiB ... 16 MiB
+COST_BYTES = 1 << 20                                        # the single figure kept as before
+# The per-message probe: round trips of a message this small between rank pairs.
+PROBE_BYTES, PROBE_TRIPS = 4, 30
+
+
 def _codec_costs(codecs):
-    """codec -> (encode, decode-add, decode) s per float32 byte (hops.measure_costs)."""
+    """codec -> {block bytes: (encode, decode-add, decode) s per float32 byte}
+    (hops.measure_costs at each of COST_BLOCKS)."""
     import torch
 
     from pipe_horovod.compression import Compression
     from pipe_horovod.compression.hops import measure_costs
 
-    return {c: measure_costs(Compression.by_name(c).hop(torch.float32))
-            for c in codecs if c != "none"}
+    return {c: {b: measure_costs(Compression.by_name(c).hop(torch.float32), b // 4)
+                for b in COST_BLOCKS} for c in codecs if c != "none"}
+
+
+def _message_seconds(eng):
+    """One-way seconds of a PROBE_BYTES message on the collectives' gloo group (half the
+    median round trip), ranks 2i and 2i+1 paired, all pairs at once; None for a rank
+    without a partner. What each dependent hop of our collectives pays beyond its
+    bytes: posting isend/irecv from Python, gloo, the kernel, waking the waiter."""
+    import torch
+    import torch.distributed as dist
+
+    from pipe_horovod.collectives.communicator import communicator
+
+    group, me = communicator(eng).group, eng.rank()
+    peer, tensor, trips = me ^ 1, torch.zeros(max(1, PROBE_BYTES // 4)), []
+    eng.barrier()
+    if peer >= eng.size():
+        return None
+    for _ in range(PROBE_TRIPS + 1):
+        t0 = time.perf_counter()
+        if me % 2 == 0:
+            dist.isend(tensor, peer, group=group, tag=1).wait()
+            dist.irecv(tensor, peer, group=group, tag=2).wait()
+        else:
+            dist.irecv(tensor, peer, group=group, tag=1).wait()
+            dist.isend(tensor, peer, group=group, tag=2).wait()
+        trips.append(time.perf_counter() - t0)
+    return sorted(trips[1:])[PROBE_TRIPS // 2] / 2
+
+
+def _median_costs(costs_per_rank, codec, block):
+    values = [r[codec][block] for r in costs_per_rank]
+    return [sorted(v[i] for v in values)[len(values) // 2] for i in range(3)]
 
 
 def _busy_cores(ticks0, ticks1):
@@ -118,6 +162,7 @@ def run(args):
                 times[config].setdefault(str(nbytes), []).append(seconds)
             progress(f"{nbytes} B rep {rep + 1}/{args.reps}")
         load[str(nbytes)] = _busy_cores(ticks0, _machine_ticks())
+    message_s = [m for m in eng.allgather_object(_message_seconds(eng)) if m is not None]
     per_rank = eng.allgather_object(times)
     costs_per_rank = eng.allgather_object(codec_costs)
     raw = None
@@ -129,9 +174,12 @@ def run(args):
                      [SMALL_BYTES, INNER], "threads": args.threads, "dtype": "float32",
                      "op": "average", "cpu_count": os.cpu_count(), "versions": _versions(),
                      "machine_busy_cores": load, "background_busy_cores": background,
-                     "codec_costs_s_per_byte": {c: [sorted(r[c][i] for r in costs_per_rank)
-                                                    [size // 2] for i in range(3)]
+                     "codec_costs_s_per_byte": {c: _median_costs(costs_per_rank, c, COST_BYTES)
                                                 for c in codec_costs},
+                     "codec_costs_s_per_byte_by_block": {
+                         c: {str(b): _median_costs(costs_per_rank, c, b) for b in COST_BLOCKS}
+                         for c in codec_costs},
+                     "message_s": sorted(message_s)[len(message_s) // 2] if message_s else None,
                      "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
             "times": per_rank,                    # [rank][config][bytes] -> seconds per rep
         }

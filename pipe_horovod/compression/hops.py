@@ -107,26 +107,39 @@ class Int8Hop:
         dst.copy_(values).mul_(scale)
 
 
-def measure_costs(hop, numel=1 << 18, repeats=9):
-    """(encode, decode-add, decode) seconds per accumulator (float32) byte of `hop` on
-    this machine, each the median of `repeats` runs on one block of `numel` (1 MB: the
-    piece a collective's hop works on, cache-resident as it is there). This is
-    timing.hop_codec_time's calibration; measured while the other workers do the same,
-    it includes their contention for the cores."""
+def measure_costs(hop, numel=1 << 18, seconds=0.02, span_bytes=32 << 20):
+    """(encode, decode-add, decode) seconds per accumulator (float32) byte of `hop` on this
+    machine, for blocks of `numel` elements: the collectives' codec works block by block
+    (collectives/layout.py: LP's chunks, ring's pieces, BE's halves), and a block's cost
+    is not proportional to its size (a fixed per-call overhead of ~10 torch calls below
+    64 KB; caches: 1 MB blocks stay in L2, 16 MB ones go to memory at 2-4x the cost per
+    byte). Each step runs back to back for at least `seconds`, the mean taken, on blocks
+    walking through `span_bytes` of memory, so they come cold from memory as in a
+    collective (a hot, repeated block measured 3-7x below the codec time inside a
+    4-worker collective). Run by every worker at once (the benchmark does), it includes
+    their contention for the cores. timing.hop_codec_time's calibration."""
     import time
 
-    src = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    dst, scratch = torch.zeros(numel), torch.empty(numel)
-    wire = torch.empty(hop.wire_numel(numel), dtype=hop.wire_dtype)
-    steps = (lambda: hop.encode(src, wire, scratch), lambda: hop.decode_add(wire, dst),
-             lambda: hop.decode_into(wire, dst))
+    count = max(1, span_bytes // (numel * 4))
+    src = torch.randn(count * numel, generator=torch.Generator().manual_seed(0))
+    dst, scratch = torch.zeros(count * numel), torch.empty(numel)
+    wire_numel = hop.wire_numel(numel)
+    wire = torch.empty(count * wire_numel, dtype=hop.wire_dtype)
+
+    def block(i):
+        j = i % count
+        return (src[j * numel:(j + 1) * numel], dst[j * numel:(j + 1) * numel],
+                wire[j * wire_numel:(j + 1) * wire_numel])
+
+    steps = (lambda s, d, w: hop.encode(s, w, scratch), lambda s, d, w: hop.decode_add(w, d),
+             lambda s, d, w: hop.decode_into(w, d))
+    for i in range(count):                        # every block encoded once, pages touched
+        steps[0](*block(i))
     costs = []
     for step in steps:
-        step()
-        runs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            step()
-            runs.append(time.perf_counter() - t0)
-        costs.append(sorted(runs)[repeats // 2] / (numel * src.element_size()))
+        calls, t0 = 0, time.perf_counter()
+        while calls < 3 or time.perf_counter() - t0 < seconds:
+            step(*block(calls))
+            calls += 1
+        costs.append((time.perf_counter() - t0) / calls / (numel * src.element_size()))
     return tuple(costs)
