@@ -301,6 +301,7 @@ def test_report_takes_alternating_k2_steps_by_period_and_charges_compensation(tm
     configs = json.loads(open(paths["json"]).read())["configs"]
     assert configs["ours-k2"]["step_s"] == pytest.approx((0.12 + 0.135) / 2)
     assert configs["ours-k2"]["wall_step_s"] == pytest.approx(sum(steps) / 5)
+    assert configs["ours-k2"]["samples"] == 5                       # timed steps, not windows
     assert configs["compute"]["step_s"] == pytest.approx(0.080)     # K=1: plain median
     # compute's fwd+bwd 0.07 + update 0.01 + compensation 0.05 > the link's 0.115
     assert configs["ours-k2"]["predicted_s"] == pytest.approx(0.07 + 0.01 + 0.05)

@@ -104,7 +104,7 @@ def _config_stats(name, cfg):
     return {
         "name": name, "kind": cfg["kind"], "compression": cfg.get("compression", "none"),
         "pipeline_depth": cfg.get("pipeline_depth"),
-        "samples": len(steps), "step_s": _median(steps), "q1_s": q1, "q3_s": q3,
+        "samples": timed, "step_s": _median(steps), "q1_s": q1, "q3_s": q3,
         "round_medians_s": per_round,
         "wall_step_s": (sum(b["wall_s"] for b in rounds) / timed
                         if timed and all("wall_s" in b for b in rounds) else None),
