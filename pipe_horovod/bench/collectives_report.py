@@ -47,11 +47,8 @@ def blocks(p, nbytes, algorithm, codec):
     """How many blocks pipe_horovod.collectives cuts a float32 message of `nbytes` into
     under `codec` (its own layout: LP's chunks, ring's pieces, BE's q blocks)."""
     from pipe_horovod import collectives
-    from pipe_horovod.collectives import layout
 
     numel, wire = max(1, nbytes // 4), int(wire_bytes(nbytes, codec))
-    if algorithm == "lp":         # the chunk count the collective itself picks
-        return max(1, min(layout.lp_chunks(p, wire), numel, layout.MAX_BLOCKS))
     spec = collectives.Collective(algorithm)
     return len(spec.module.blocks("allreduce", numel, p, wire, spec))
 
