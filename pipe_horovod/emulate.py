@@ -1,11 +1,14 @@
 """A small cluster on one machine: one network namespace per worker.
 
 Benchmarks of pipelined SGD mean little over loopback, where bandwidth is
-many GB/s and latency ~0. Here each worker gets its own namespace, all
-workers hang off a Linux bridge in a "switch" namespace, and every link is
-capped both ways with a token bucket (tbf; netem is not available on these
-machines). Horovod and torch.distributed then talk over real TCP through
-links that behave like a NIC of the chosen rate.
+many GB/s and latency ~0. Here each worker gets its own namespace, joined
+to the others as a star (every worker's link to a Linux bridge in a
+"switch" namespace) or a chain (`pipe_horovod.emulate_network` builds
+either), and every link is capped both ways with a token bucket (tbf;
+netem is not available on these machines). Horovod and torch.distributed
+then talk over real TCP through links that behave like a NIC of the
+chosen rate. This module runs the cluster's life: building, launching
+workers into it, waiting, tearing down whatever happens.
 
 Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN for ``ip netns``). Only
 addresses inside the namespaces created here are used. Stdlib only, so it
@@ -15,14 +18,12 @@ imports without torch or horovod.
 from __future__ import annotations
 
 import atexit
-import ipaddress
 import json
 import os
 import re
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,15 +31,12 @@ import threading
 import time
 from typing import NamedTuple
 
-from pipe_horovod import emulate_guard
+from pipe_horovod import emulate_guard, emulate_network
+from pipe_horovod.emulate_network import KILL_GRACE as _KILL_GRACE, POLL as _POLL
+from pipe_horovod.emulate_network import TOPOLOGIES, cleanup, leftovers, unavailable_reason
 
 __all__ = ["EmulatedCluster", "Job", "ClusterError", "leftovers", "cleanup",
-           "unavailable_reason", "cpu_times", "CpuTimes"]
-
-NETNS_ETC = "/etc/netns"
-_CMD_TIMEOUT = 30.0        # any single ip/tc call
-_KILL_GRACE = 3.0          # SIGTERM -> SIGKILL
-_POLL = 0.05
+           "unavailable_reason", "cpu_times", "CpuTimes", "TOPOLOGIES"]
 
 # Inherited variables that would make a worker join the wrong job.
 _SCRUB = re.compile(r"^(HOROVOD_|OMPI_|PMI_|PMIX_|TORCHELASTIC_)"
@@ -52,114 +50,11 @@ class ClusterError(RuntimeError):
     """A worker failed or timed out; the message carries every worker's log tail."""
 
 
-def _run(cmd, check=True):
-    """Runs ip/tc with a bound; a failure names the command, since that is what one debugs."""
-    try:
-        res = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                             timeout=_CMD_TIMEOUT)
-    except FileNotFoundError as e:
-        raise RuntimeError(f"{cmd[0]!r} not found: the emulated cluster needs iproute2") from e
-    except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"command timed out after {_CMD_TIMEOUT:.0f} s: {' '.join(cmd)}") from e
-    if check and res.returncode != 0:
-        msg = (f"command failed (exit {res.returncode}): {' '.join(cmd)}\n"
-               f"{res.stderr.strip()}")
-        if "permitted" in res.stderr or "denied" in res.stderr:
-            raise PermissionError(msg + "\n(needs root: CAP_NET_ADMIN and CAP_SYS_ADMIN)")
-        raise RuntimeError(msg)
-    return res
-
-
-def _rate_bytes(rate):
-    """Bytes/s of a tc rate ("1gbit", "500mbit", "10mbps", 1e9): tbf's burst is sized from it."""
-    if isinstance(rate, (int, float)):
-        return float(rate) / 8
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(bit|bps)?\s*", str(rate).lower())
-    if not m:
-        raise ValueError(f"unrecognised rate {rate!r}; use e.g. '1gbit', '100mbit'")
-    value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
-    return value if m.group(3) == "bps" else value / 8   # tc: bare number = bit/s
-
-
-def _tc_rate(rate):
-    return f"{int(rate)}bit" if isinstance(rate, (int, float)) else str(rate)
-
-
-def _netns_list():
-    res = _run(["ip", "netns", "list"], check=False)
-    return [line.split()[0] for line in res.stdout.splitlines() if line.strip()]
-
-
-def leftovers(prefix):
-    """Everything with this prefix still on the machine (namespaces, /etc/netns dirs,
-    interfaces in the root namespace); empty after a clean teardown."""
-    found = [f"netns:{n}" for n in _netns_list() if n.startswith(prefix)]
-    if os.path.isdir(NETNS_ETC):
-        found += [f"etc:{NETNS_ETC}/{d}" for d in sorted(os.listdir(NETNS_ETC))
-                  if d.startswith(prefix)]
-    res = _run(["ip", "-o", "link", "show"], check=False)
-    for line in res.stdout.splitlines():
-        parts = line.split(":")
-        if len(parts) > 1 and parts[1].strip().split("@")[0].startswith(prefix):
-            found.append(f"link:{parts[1].strip()}")
-    return found
-
-
 def _kill_group(pid, sig):
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _kill_netns(ns, deadline):
-    """Kills what still runs in a namespace: `ip netns del` only unmounts it, and a
-    live process would keep the namespace and its veths alive."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
-        if not pids:
-            return
-        for p in pids:
-            try:
-                os.kill(int(p), sig)
-            except (ProcessLookupError, ValueError):
-                pass
-        while time.monotonic() < deadline and _run(["ip", "netns", "pids", ns],
-                                                   check=False).stdout.split():
-            time.sleep(_POLL)
-        deadline = time.monotonic() + _KILL_GRACE
-
-
-def _remove_netns(ns):
-    if ns in _netns_list():
-        _kill_netns(ns, time.monotonic() + _KILL_GRACE)
-        _run(["ip", "netns", "del", ns], check=False)
-    shutil.rmtree(os.path.join(NETNS_ETC, ns), ignore_errors=True)
-
-
-def cleanup(prefix):
-    """Removes what a killed (SIGKILL) run left behind; no handler can run then."""
-    if len(prefix) < 3:
-        raise ValueError("prefix too short to clean up safely")
-    names = set(n for n in _netns_list() if n.startswith(prefix))
-    if os.path.isdir(NETNS_ETC):
-        names |= {d for d in os.listdir(NETNS_ETC) if d.startswith(prefix)}
-    for ns in sorted(names):
-        _remove_netns(ns)
-
-
-def unavailable_reason():
-    """None when namespaces can be made here, else why not (for test skips)."""
-    if os.geteuid() != 0:
-        return "the emulated cluster needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed"
-    probe = f"phprobe{os.getpid()}"
-    res = _run(["ip", "netns", "add", probe], check=False)
-    if res.returncode != 0:
-        return f"'ip netns add' is not permitted here: {res.stderr.strip()}"
-    _run(["ip", "netns", "del", probe], check=False)
-    return None
 
 
 class CpuTimes(NamedTuple):
@@ -273,45 +168,38 @@ _FREE_PORT = ("import socket; s = socket.socket(); s.bind(('', 0)); "
 class EmulatedCluster:
     """``with EmulatedCluster(workers=2, rate="1gbit") as cluster: ...``
 
-    Namespaces: ``<prefix>-sw`` (bridge ``<prefix>br``, address ``.254``) and
-    ``<prefix>-w<i>`` (veth ``<prefix>w<i>``, address ``.<i+1>``); the switch
-    end of worker i's link is ``<prefix>s<i>``. The prefix is random per
-    instance so parallel runs never collide. ``rate=None`` leaves links
-    uncapped. Everything is torn down on exit, exceptions, SIGINT/SIGTERM,
-    and at interpreter exit; pass ``log_dir`` to keep worker logs afterwards
-    (a temporary one goes with the cluster). An owner killed by SIGKILL runs
-    no handler: a guard process (`emulate_guard`) then tears down for it.
+    Worker i runs in namespace ``<prefix>-w<i>`` and binds interface ``<prefix>w<i>``,
+    address ``.<i+1>``. ``topology="star"`` (the default): that interface is a veth
+    whose other end ``<prefix>s<i>`` is on bridge ``<prefix>br`` (address ``.254``) in
+    namespace ``<prefix>-sw``. ``topology="chain"``: namespaces i and i+1 are linked
+    directly, the middle ones forward (`emulate_network.Chain`); ``switch``,
+    ``bridge``, ``bridge_address`` and ``switch_ports`` are None. The prefix is random
+    per instance so parallel runs never collide. ``rate=None`` leaves links uncapped.
+    Everything is torn down on exit, exceptions, SIGINT/SIGTERM, and at interpreter
+    exit; pass ``log_dir`` to keep worker logs afterwards (a temporary one goes with the
+    cluster). An owner killed by SIGKILL runs no handler: a guard process
+    (`emulate_guard`) then tears down for it.
     """
 
     def __init__(self, workers=2, rate="1gbit", *, subnet="10.213.0.0/24",
-                 latency="25ms", prefix=None, log_dir=None, python=None):
-        if workers < 1:
-            raise ValueError("workers must be >= 1")
-        net = ipaddress.ip_network(subnet)
-        if not net.is_private or net.num_addresses < workers + 3:
-            raise ValueError(f"subnet {subnet} must be private and hold {workers} workers")
-        if rate is not None:
-            _rate_bytes(rate)
+                 latency="25ms", prefix=None, log_dir=None, python=None, topology="star"):
+        self.prefix = prefix or f"ph{os.urandom(3).hex()}"
+        self.network = emulate_network.topology(topology, workers, rate, prefix=self.prefix,
+                                                subnet=subnet, latency=latency)
+        self.topology = topology
         self.workers = workers
         self.rate = rate
         self.latency = latency
-        self.prefix = prefix or f"ph{os.urandom(3).hex()}"
-        if len(self.prefix) + 1 + len(str(workers - 1)) > 15:
-            raise ValueError("prefix too long for 15-character interface names")
         self.python = python or sys.executable
-        hosts = list(net.hosts())
+        net = self.network
         self.prefixlen = net.prefixlen
-        self.switch = f"{self.prefix}-sw"
-        self.bridge = f"{self.prefix}br"
-        self.bridge_address = str(hosts[-1])
-        self.namespaces = [f"{self.prefix}-w{i}" for i in range(workers)]
-        self.interfaces = [f"{self.prefix}w{i}" for i in range(workers)]
-        self.switch_ports = [f"{self.prefix}s{i}" for i in range(workers)]
-        self.addresses = [str(hosts[i]) for i in range(workers)]
+        self.namespaces, self.interfaces, self.addresses = (
+            net.namespaces, net.interfaces, net.addresses)
+        self.switch, self.bridge, self.bridge_address, self.switch_ports = (
+            net.switch, net.bridge, net.bridge_address, net.switch_ports)
         self._own_log_dir = log_dir is None
         self.log_dir = log_dir
         self._jobs = []
-        self._created = []   # only these are ever deleted
         self._active = False
         self._closing = False
         self._pending_signal = None
@@ -351,61 +239,12 @@ class EmulatedCluster:
         if self.log_dir is None:
             self.log_dir = tempfile.mkdtemp(prefix=f"{self.prefix}-logs-")
         os.makedirs(self.log_dir, exist_ok=True)
-        sw = self.switch
-        self._add_netns(sw)
-        _run(["ip", "-n", sw, "link", "set", "lo", "up"])
-        _run(["ip", "-n", sw, "link", "add", self.bridge, "type", "bridge"])
-        _run(["ip", "-n", sw, "addr", "add", f"{self.bridge_address}/{self.prefixlen}",
-              "dev", self.bridge])
-        _run(["ip", "-n", sw, "link", "set", self.bridge, "up"])
-        hostname = socket.gethostname()
-        for ns, wif, sif, addr in zip(self.namespaces, self.interfaces, self.switch_ports,
-                                      self.addresses):
-            self._add_netns(ns)
-            # Horovod 0.28.1's process-set Gloo context resolves the hostname and
-            # ignores HOROVOD_GLOO_IFACE; `ip netns exec` bind-mounts this over /etc/hosts.
-            etc = os.path.join(NETNS_ETC, ns)
-            os.makedirs(etc, exist_ok=True)
-            with open(os.path.join(etc, "hosts"), "w") as f:
-                f.write(f"127.0.0.1 localhost\n{addr} {hostname}\n")
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            # Created directly inside the namespaces: no name ever appears in the root ns.
-            _run(["ip", "-n", sw, "link", "add", sif, "type", "veth", "peer", "name", wif,
-                  "netns", ns])
-            _run(["ip", "-n", sw, "link", "set", sif, "master", self.bridge])
-            _run(["ip", "-n", ns, "addr", "add", f"{addr}/{self.prefixlen}", "dev", wif])
-            for n, dev in ((ns, wif), (sw, sif)):
-                if self.rate is not None:
-                    self._cap(n, dev)
-                _run(["ip", "-n", n, "link", "set", dev, "up"])
-
-    def _add_netns(self, ns):
-        _run(["ip", "netns", "add", ns])
-        self._created.append(ns)
-
-    def _cap(self, ns, dev):
-        """Egress tbf on both ends of a link caps it both ways. The burst holds ~2 ms of
-        traffic (at least 64 KiB, a GSO super-packet) so TCP can reach the rate."""
-        burst = max(int(_rate_bytes(self.rate) * 0.002), 64 * 1024)
-        _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
-              "rate", _tc_rate(self.rate), "burst", str(burst), "latency", self.latency])
+        self.network.build()
 
     def link_stats(self, rank):
-        """Bytes worker ``rank`` put on / took off its wire, and how often tbf held
-        packets back (both directions): evidence that the cap bit, and a way to see
-        what compression saves on the wire."""
-        ns, dev = self.namespaces[rank], self.interfaces[rank]
-        link = json.loads(_run(["ip", "-n", ns, "-s", "-j", "link", "show", "dev", dev]
-                               ).stdout)[0]["stats64"]
-        stats = {"tx_bytes": link["tx"]["bytes"], "rx_bytes": link["rx"]["bytes"],
-                 "overlimits": 0, "drops": 0}
-        if self.rate is not None:
-            for n, d in ((ns, dev), (self.switch, self.switch_ports[rank])):
-                qdisc = json.loads(_run(["tc", "-n", n, "-s", "-j", "qdisc", "show", "dev", d]
-                                        ).stdout)[0]
-                stats["overlimits"] += qdisc.get("overlimits", 0)
-                stats["drops"] += qdisc.get("drops", 0)
-        return stats
+        """Bytes worker ``rank`` put on / took off its wires and how often tbf held
+        packets back on them (`emulate_network.Topology.link_stats`)."""
+        return self.network.link_stats(rank)
 
     # -- launching ---------------------------------------------------------
 
@@ -458,7 +297,7 @@ class EmulatedCluster:
             env = {"HOROVOD_RANK": rank, "HOROVOD_SIZE": size, "HOROVOD_LOCAL_RANK": 0,
                    "HOROVOD_LOCAL_SIZE": 1, "HOROVOD_CROSS_RANK": rank,
                    "HOROVOD_CROSS_SIZE": size, "HOROVOD_HOSTNAME": self.namespaces[rank],
-                   "HOROVOD_GLOO_RENDEZVOUS_ADDR": self.bridge_address,
+                   "HOROVOD_GLOO_RENDEZVOUS_ADDR": self.network.rendezvous[1],
                    "HOROVOD_GLOO_RENDEZVOUS_PORT": extra["rendezvous_port"],
                    "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
                    "HOROVOD_GLOO_IFACE": iface,
@@ -486,8 +325,9 @@ class EmulatedCluster:
             extra["master_port"] = self.free_port(0)
         elif engine == "horovod":
             line, helper = self._helper_output(
-                self._exec(self.switch, [self.python, "-c", _RENDEZVOUS,
-                                         ",".join(self.namespaces)]), 60.0, keep=True)
+                self._exec(self.network.rendezvous[0], [self.python, "-c", _RENDEZVOUS,
+                                                        ",".join(self.namespaces)]),
+                60.0, keep=True)
             extra["rendezvous_port"] = int(line)
         run_id = len(self._jobs)
         procs, logs = [], []
@@ -559,8 +399,9 @@ class EmulatedCluster:
     # -- teardown ----------------------------------------------------------
 
     def close(self):
-        """Idempotent teardown: processes first (they pin namespaces), then namespaces
-        (which takes their veths and bridge with them), then /etc/netns entries."""
+        """Idempotent teardown: processes first (they pin namespaces), then the namespaces
+        this instance created (which takes their veths and bridge with them) and their
+        /etc/netns entries."""
         with self._lock:
             if not self._active or self._closing:
                 return
@@ -571,8 +412,7 @@ class EmulatedCluster:
                     self._stop(job.procs)
                 finally:
                     self._stop_helper(job)
-            while self._created:
-                _remove_netns(self._created.pop())
+            self.network.remove()
             if self._own_log_dir and self.log_dir:
                 shutil.rmtree(self.log_dir, ignore_errors=True)
         finally:

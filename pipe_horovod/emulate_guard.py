@@ -38,7 +38,7 @@ def stop(guard):
 def main(prefix):
     if sys.stdin.buffer.readline() == CLOSED:
         return
-    from pipe_horovod.emulate import cleanup, leftovers
+    from pipe_horovod.emulate_network import cleanup, leftovers
     cleanup(prefix)
     left = leftovers(prefix)
     print(f"pipe_horovod: the owner of emulated cluster {prefix} died without tearing it "

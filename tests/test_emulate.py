@@ -62,7 +62,45 @@ if dist.get_rank() == 0:
 dist.destroy_process_group()
 """
 
-
+# Every rank serves on its own address; each connects to every other (reachability),
+# then rank 0 sends BULK bytes to rank 2, which answers with the count when it has them.
+CHAIN_WORKER = """
+import os, socket, threading, time
+rank, addrs, bulk = int(os.environ["RANK"]), os.environ["ADDRS"].split(","), int(os.environ["BULK"])
+server = socket.create_server((addrs[rank], 5999), backlog=8)
+def serve():
+    for _ in range(len(addrs) - 1):
+        conn, _ = server.accept()
+        got = 0
+        while True:
+            data = conn.recv(1 << 20)
+            if not data:
+                break
+            got += len(data)
+        conn.sendall(str(got).encode())
+        conn.close()
+thread = threading.Thread(target=serve)
+thread.start()
+def send(peer, nbytes):
+    for _ in range(200):
+        try:
+            conn = socket.create_connection((addrs[peer], 5999), timeout=20)
+            break
+        except OSError:
+            time.sleep(0.05)
+    start = time.perf_counter()
+    conn.sendall(b"x" * nbytes)
+    conn.shutdown(socket.SHUT_WR)
+    assert int(conn.recv(64)) == nbytes
+    return time.perf_counter() - start
+for peer in range(len(addrs)):
+    if peer != rank:
+        seconds = send(peer, bulk if (rank, peer) == (0, 2) else 1)
+        print("REACHED", peer, flush=True)
+        if (rank, peer) == (0, 2):
+            print("BULK_MBPS %.1f" % (bulk / seconds / 1e6), flush=True)
+thread.join()
+"""
 
 
 def _dead(pid):
@@ -74,9 +112,7 @@ def _dead(pid):
         return f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("engine", ["torch", "horovod"])
-def test_allreduce_across_namespaces(engine, tmp_path):
+def _allreduce_across_namespaces(engine, tmp_path, workers, **cluster):
     if engine == "horovod":
         missing = launcher.horovod_missing()
         if missing:
@@ -85,18 +121,33 @@ def test_allreduce_across_namespaces(engine, tmp_path):
     script.write_text(TORCH_WORKER if engine == "torch" else HOROVOD_WORKER)
     prefix = None
     try:
-        with EmulatedCluster(workers=2, rate="1gbit", log_dir=str(tmp_path / "logs")) as c:
+        with EmulatedCluster(workers=workers, rate="1gbit", log_dir=str(tmp_path / "logs"),
+                             **cluster) as c:
             prefix = c.prefix
             assert len(leftovers(prefix)) >= 3   # the test can see what it must not leave
             job = c.launch([sys.executable, str(script)], engine=engine, env=WORKER_ENV)
-            assert c.wait(job, timeout=90) == [0, 0]
-            for rank in range(2):
-                assert f"OK {rank} 2" in job.log(rank)
+            assert c.wait(job, timeout=90) == [0] * workers
+            for rank in range(workers):
+                assert f"OK {rank} {workers}" in job.log(rank)
                 assert emulate.cpu_times(job.procs[rank]).total > 0
         assert leftovers(prefix) == []
     finally:
         if prefix:
             cleanup(prefix)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["torch", "horovod"])
+def test_allreduce_across_namespaces(engine, tmp_path):
+    _allreduce_across_namespaces(engine, tmp_path, 2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["torch", "horovod"])
+def test_allreduce_on_a_chain(engine, tmp_path):
+    # 3 workers: ranks 0 and 2 talk through rank 1's namespace; Horovod's rendezvous
+    # runs in rank 0's
+    _allreduce_across_namespaces(engine, tmp_path, 3, topology="chain")
 
 
 @pytest.mark.timeout(60)
@@ -219,6 +270,45 @@ def test_rate_cap_limits_allreduce_bandwidth(tmp_path):
         assert 10 < algbw < 200
         assert stats["tx_bytes"] >= 4 * 16 * 2**20   # 4 allreduces: >= one buffer each
         assert stats["overlimits"] > 0                # the token bucket held packets back
+        assert leftovers(prefix) == []
+    finally:
+        if prefix:
+            cleanup(prefix)
+
+
+def test_unknown_topology_names_the_choices():
+    with pytest.raises(ValueError, match="star, chain"):
+        EmulatedCluster(workers=3, topology="ring")
+
+
+@pytest.mark.timeout(60)
+def test_chain_forwards_between_non_neighbours_through_capped_links(tmp_path):
+    script = tmp_path / "chain.py"
+    script.write_text(CHAIN_WORKER)
+    bulk = 32 * 2**20
+    prefix = None
+    try:
+        with EmulatedCluster(workers=3, rate="1gbit", topology="chain") as c:
+            prefix = c.prefix
+            assert c.switch is None and c.bridge_address is None
+            before = c.link_stats(1)
+            job = c.launch([sys.executable, str(script)],
+                           env={**WORKER_ENV, "ADDRS": ",".join(c.addresses), "BULK": str(bulk)})
+            c.wait(job, timeout=50)
+            after = c.link_stats(1)
+            logs = [job.log(rank) for rank in range(3)]
+        for rank, log in enumerate(logs):
+            assert sorted(re.findall(r"REACHED (\d)", log)) == [str(p) for p in range(3)
+                                                                 if p != rank], log
+        mbps = float(re.search(r"BULK_MBPS ([0-9.]+)", logs[0]).group(1))
+        forwarded = after["tx_bytes"] - before["tx_bytes"]
+        print(f"\n32 MiB rank 0 -> rank 2 over a 1gbit chain: {mbps:.1f} MB/s; "
+              f"rank 1 sent {forwarded} B; its links: {after}")
+        # rank 1 runs no sender of that size: what it put on its wires is rank 0's bulk
+        assert bulk <= forwarded < 1.1 * bulk
+        assert bulk <= after["rx_bytes"] - before["rx_bytes"] < 1.1 * bulk
+        assert 10 < mbps < 200                        # as the star's cap test allows
+        assert after["overlimits"] > 0
         assert leftovers(prefix) == []
     finally:
         if prefix:

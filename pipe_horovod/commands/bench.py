@@ -47,12 +47,12 @@ class UsageError(Exception):
 
 
 def _rate(text):
-    from pipe_horovod import emulate
+    from pipe_horovod import emulate_network
 
     if str(text).strip().startswith("-"):
         raise argparse.ArgumentTypeError(f"link rate must not be negative, got {text!r}")
     try:
-        value = emulate._rate_bytes(text)
+        value = emulate_network._rate_bytes(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"unrecognised link rate {text!r}: use a number and a tc unit, e.g. 1gbit, 4gbit, "
