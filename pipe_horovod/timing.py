@@ -107,24 +107,41 @@ def lp_reduce(net, p, nbytes, chunks=None):
     return _lp_cost(p, _chunks(net, p, nbytes, chunks), net.alpha, net.beta + net.gamma, nbytes)
 
 
-def _lp_streams(p):
-    # Chunks a middle rank's link carries per pipeline step, each way (see lp_allreduce).
-    return 1 if p <= 2 else 2
+# How the workers are wired. star: each worker's one full-duplex link to a switch (real
+# clusters; pipe_horovod.emulate's default). chain: each worker linked to its two
+# neighbours only (a PCIe chain; emulate's topology="chain"), what passes between
+# non-neighbours forwarded by the ranks in between.
+TOPOLOGIES = ("star", "chain")
+
+
+def _check_topology(topology):
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"unknown topology {topology!r}; choose one of {', '.join(TOPOLOGIES)}")
+
+
+def _lp_streams(p, topology="star"):
+    # Chunks the busiest link carries per pipeline step, each way (see lp_allreduce).
+    _check_topology(topology)
+    return 1 if p <= 2 or topology == "chain" else 2
 
 
 @_collective
-def lp_allreduce(net, p, nbytes, chunks=None):
+def lp_allreduce(net, p, nbytes, chunks=None, topology="star"):
     """What pipe_horovod.collectives.lp runs: reduce along the chain 0..p-1
     and broadcast back, overlapped (chunk c returns while c+1 still goes
-    out), so a one-way chain of 2p-1 positions. Each worker has one
-    full-duplex link to a switch (a star: real clusters, and the cluster
-    pipe_horovod.emulate builds), so for p >= 3 a middle rank's link carries
-    the reduce and the broadcast stream at once, two chunks per step each
-    way: the cost tends to 2n*beta where ring's is 2(p-1)/p*n*beta, so lp
-    takes at least p/(p-1) ring's time (1.5x at 3 workers, 1.33x at 4).
+    out), so a one-way chain of 2p-1 positions. On a star each worker has one
+    full-duplex link, so for p >= 3 a middle rank's link carries the reduce
+    and the broadcast stream at once, two chunks per step each way: the cost
+    tends to 2n*beta where ring's is 2(p-1)/p*n*beta, so lp takes at least
+    p/(p-1) ring's time (1.5x at 3 workers, 1.33x at 4). On a chain (the
+    topology linear pipelining was designed for) link (i, i+1) carries the
+    reduce stream one way and the broadcast the other, one chunk per step
+    each way at every p: the cost tends to n*beta, below ring's for p >= 3.
     chunks=None: this cost's optimum (lp_allreduce_chunks)."""
-    k = _chunks(net, p, nbytes, chunks, lp_allreduce_chunks)
-    return _lp_cost(2 * p - 1, k, net.alpha, _lp_streams(p) * net.beta + net.gamma, nbytes)
+    k = _chunks(net, p, nbytes, chunks,
+                functools.partial(lp_allreduce_chunks, topology=topology))
+    return _lp_cost(2 * p - 1, k, net.alpha, _lp_streams(p, topology) * net.beta + net.gamma,
+                    nbytes)
 
 
 def _best_chunks(fill, a, b, nbytes):
@@ -147,11 +164,13 @@ def optimal_chunks(net, p, nbytes):
     return _best_chunks(p - 2, net.alpha, net.beta + net.gamma / 2, nbytes)
 
 
-def lp_allreduce_chunks(net, p, nbytes):
-    """Chunks minimising lp_allreduce: the count pipe_horovod.collectives.lp picks."""
+def lp_allreduce_chunks(net, p, nbytes, topology="star"):
+    """Chunks minimising lp_allreduce: the count pipe_horovod.collectives.lp picks (for
+    a star: the collective does not know how it is wired)."""
     if p <= 1:
         return 1
-    return _best_chunks(2 * p - 3, net.alpha, _lp_streams(p) * net.beta + net.gamma, nbytes)
+    return _best_chunks(2 * p - 3, net.alpha, _lp_streams(p, topology) * net.beta + net.gamma,
+                        nbytes)
 
 
 @_collective
@@ -233,12 +252,27 @@ BROADCAST = {"ring": ring_broadcast, "lp": lp_broadcast, "mst": mst_broadcast, "
 REDUCE = {"ring": ring_reduce, "lp": lp_reduce, "mst": mst_reduce, "be": be_reduce}
 
 
-def allreduce_time(net, p, nbytes, algorithm="ring", **kwargs):
-    """Dispatch by name so an unknown name fails with the list of valid ones."""
+# The allreduces each topology's costs hold for. On a chain every message of ring and lp
+# goes to a neighbour but ring's wrap-around, which crosses each link once against the
+# ring's direction, so no link carries two streams one way; mst's and be's exchanges
+# between non-neighbours share links, which their formulas do not count.
+MODELLED = {"star": tuple(ALLREDUCE), "chain": ("ring", "lp")}
+
+
+def allreduce_time(net, p, nbytes, algorithm="ring", topology="star", **kwargs):
+    """Dispatch by name so an unknown name fails with the list of valid ones, and an
+    algorithm the topology's costs do not cover (MODELLED) fails rather than giving a
+    wrong number."""
     try:
         cost = ALLREDUCE[algorithm]
     except KeyError:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {sorted(ALLREDUCE)}") from None
+    _check_topology(topology)
+    if algorithm not in MODELLED[topology]:
+        raise ValueError(f"{algorithm} allreduce is not modelled on a {topology}; it is for "
+                         f"{', '.join(MODELLED[topology])}")
+    if algorithm == "lp":
+        kwargs["topology"] = topology
     return cost(net, p, nbytes, **kwargs)
 
 

@@ -133,6 +133,29 @@ def test_lp_nearly_independent_of_p_mst_grows_with_log_p():
     assert lp64 < mst[64] / 5
 
 
+def test_lp_on_a_chain_carries_one_stream_per_link_direction():
+    net = Network(2e-5, 8e-9, 1e-10)
+    n, k = 64 * 2**20, 50
+    # every p has the p=2 shape: (2p-1 positions - 2 + k) steps of one chunk's beta + gamma
+    for p in (2, 3, 4, 8):
+        assert timing.lp_allreduce(net, p, n, chunks=k, topology="chain") == pytest.approx(
+            (2 * p - 3 + k) * (2e-5 + n / k * (8e-9 + 1e-10)))
+    assert timing.lp_allreduce(net, 2, n, chunks=k, topology="chain") == \
+        timing.lp_allreduce(net, 2, n, chunks=k)
+    chain = timing.allreduce_time(net, 4, n, "lp", topology="chain")
+    assert chain < timing.ring_allreduce(net, 4, n) < timing.lp_allreduce(net, 4, n)
+    assert chain == timing.lp_allreduce(net, 4, n, chunks=timing.lp_allreduce_chunks(
+        net, 4, n, topology="chain"), topology="chain")
+    # ring's formula holds on a chain; mst's and be's would be wrong there, so none
+    assert timing.allreduce_time(net, 4, n, "ring", topology="chain") == \
+        timing.ring_allreduce(net, 4, n)
+    for algorithm in ("mst", "be"):
+        with pytest.raises(ValueError, match="not modelled on a chain"):
+            timing.allreduce_time(net, 4, n, algorithm, topology="chain")
+    with pytest.raises(ValueError, match="star, chain"):
+        timing.allreduce_time(net, 4, n, "lp", topology="torus")
+
+
 def test_ring_bandwidth_term_approaches_2n_beta():
     net = Network(0.0, 1e-9)
     assert timing.ring_allreduce(net, 1024, N) == pytest.approx(2 * N * 1e-9, rel=1e-3)
