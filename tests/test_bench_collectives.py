@@ -57,6 +57,28 @@ def test_prediction_with_per_block_costs_and_message_cost():
         pytest.approx(timing.ring_allreduce(net, p, n))
 
 
+def test_chain_run_predicts_lp_with_one_stream_and_no_mst():
+    sizes, configs = [2**20, 2**24], ["native/none", "lp/none", "mst/none"]
+    seconds = {"native/none": 0.2, "lp/none": 0.15, "mst/none": 0.4}
+    times = {c: {str(n): [seconds[c] * n / 2**24] for n in sizes} for c in configs}
+    raw = {"meta": {"workers": 3, "sizes": sizes, "configs": configs, "reps": 1,
+                    "engine": "torch", "message_s": 5e-5},
+           "times": [times] * 3, "launch": {"emulate": "1gbit", "topology": "chain"}}
+    summary = collectives_report.summarize(raw)
+    assert summary["topology"] == "chain"
+    net = timing.Network(summary["network"]["alpha_s"], summary["network"]["beta_s_per_byte"])
+    rows = {(r["config"], r["bytes"]): r for r in summary["rows"]}
+    lp = rows["lp/none", 2**24]
+    assert lp["predicted_s"] == pytest.approx(timing.lp_allreduce(
+        timing.with_message_cost(net, 5e-5), 3, 2**24,
+        chunks=collectives_report.blocks(3, 2**24, "lp", "none"), topology="chain"))
+    assert all(rows["mst/none", n]["predicted_s"] is None for n in sizes)
+    text = collectives_report.markdown(summary)
+    assert "emulated 1gbit links, chain" in text
+    assert "no prediction for mst on a chain" in text
+    assert not any(t["target"].startswith("mst/none") for t in summary["targets"])
+
+
 @pytest.mark.timeout(120)
 def test_local_torch_run_reports_every_algorithm_and_codec(tmp_path):
     env = dict(os.environ)
@@ -103,3 +125,5 @@ def test_one_worker_and_missing_results_exit_2(capsys, tmp_path):
     assert "--workers >= 2" in capsys.readouterr().err
     assert cli.main(["bench-collectives", "--report-only", "--out", str(tmp_path)]) == 2
     assert "run the benchmark first" in capsys.readouterr().err
+    assert cli.main(["bench-collectives", "--topology", "chain", "--out", str(tmp_path)]) == 2
+    assert "--topology chain needs --emulate" in capsys.readouterr().err

@@ -11,8 +11,10 @@ The prediction is `pipe_horovod.timing.allreduce_time` of the algorithm
 measured by the workers at several block sizes, the part on the critical
 path), our collectives' per-message software cost (measured by the workers,
 timing.with_message_cost) added to alpha, with alpha and beta fitted (`timing.fit`, ring
-formula) to the engine's own allreduce at the sizes >= 1 MB. Outputs: markdown (printed and saved),
-a JSON summary, a PNG of bus bandwidth against size (log x).
+formula) to the engine's own allreduce at the sizes >= 1 MB, all for the emulated cluster's
+topology (launch.topology, star where absent): on a chain lp's links carry one stream each
+way, and mst and be have no prediction (timing.MODELLED). Outputs: markdown (printed and
+saved), a JSON summary, a PNG of bus bandwidth against size (log x).
 """
 import json
 
@@ -53,22 +55,27 @@ def blocks(p, nbytes, algorithm, codec):
     return len(spec.module.blocks("allreduce", numel, p, wire, spec))
 
 
-def predicted_seconds(network, p, nbytes, config, codec_costs=None, message_s=None):
+def predicted_seconds(network, p, nbytes, config, codec_costs=None, message_s=None,
+                      topology="star"):
     """timing's cost of `config` ("algorithm/codec") for a float32 message of `nbytes`:
     the bytes on the wire, for our collectives with each message's software cost
     `message_s` (timing.with_message_cost), plus the per-hop codec's CPU on the critical
     path (timing.hop_codec_time) where `codec_costs` has the codec's measured (encode,
-    decode-add, decode) s per byte, one triple or {block bytes: triple}."""
+    decode-add, decode) s per byte, one triple or {block bytes: triple}. None where
+    timing does not model the algorithm on `topology`."""
     algorithm, codec = config.split("/")
     wire = wire_bytes(nbytes, codec)
     if algorithm == NATIVE:
-        return timing.allreduce_time(network, p, wire, "ring")
+        return timing.allreduce_time(network, p, wire, "ring", topology)
+    if algorithm not in timing.MODELLED[topology]:
+        return None
     net = timing.with_message_cost(network, message_s or 0.0)
+    # lp: the chunks the collective cut, which it picks for a star whatever the wiring
     count = blocks(p, nbytes, algorithm, codec)
     if algorithm == "lp":
-        seconds = timing.allreduce_time(net, p, wire, "lp", chunks=count)
+        seconds = timing.allreduce_time(net, p, wire, "lp", topology, chunks=count)
     else:
-        seconds = timing.allreduce_time(net, p, wire, algorithm)
+        seconds = timing.allreduce_time(net, p, wire, algorithm, topology)
     costs = (codec_costs or {}).get(codec)
     if not costs:
         return seconds
@@ -103,6 +110,7 @@ def _fit(sizes, native, p):
 def summarize(raw):
     meta, p = raw["meta"], raw["meta"]["workers"]
     rate = raw.get("launch", {}).get("emulate")
+    topology = raw.get("launch", {}).get("topology") or "star"
     link_bytes_per_s = timing.parse_bandwidth(rate) if rate else None
     sizes = meta["sizes"]
     rows = []
@@ -124,10 +132,11 @@ def summarize(raw):
             costs = (meta.get("codec_costs_s_per_byte_by_block")
                      or meta.get("codec_costs_s_per_byte"))
             r["predicted_s"] = predicted_seconds(net, p, r["bytes"], r["config"], costs,
-                                                 meta.get("message_s"))
-            r["prediction_error"] = abs(r["predicted_s"] - r["time_s"]) / r["time_s"]
-    summary = {"meta": meta, "launch": raw.get("launch", {}), "network": network,
-               "link_bytes_per_s": link_bytes_per_s, "rows": rows}
+                                                 meta.get("message_s"), topology)
+            if r["predicted_s"] is not None:
+                r["prediction_error"] = abs(r["predicted_s"] - r["time_s"]) / r["time_s"]
+    summary = {"meta": meta, "launch": raw.get("launch", {}), "topology": topology,
+               "network": network, "link_bytes_per_s": link_bytes_per_s, "rows": rows}
     summary["targets"] = targets(summary)
     return summary
 
@@ -194,7 +203,8 @@ def _ratio(rows, num, den, nbytes):
 def title(summary):
     meta = summary["meta"]
     link = summary["launch"].get("emulate")
-    where = f"emulated {link} links" if link else "local launch (loopback)"
+    where = (f"emulated {link} links, {summary['topology']}" if link
+             else "local launch (loopback)")
     return (f"allreduce bus bandwidth: engine {meta['engine']}, {meta['workers']} workers, "
             f"{where}, float32, median of {meta['reps']} interleaved repetitions")
 
@@ -234,6 +244,12 @@ def markdown(summary, heading="#"):
         rate = 1 / net["beta_s_per_byte"] / 1e6 if net["beta_s_per_byte"] else None
         lines.append(f"- model: alpha {net['alpha_s'] * 1e6:.0f} us, 1/beta "
                      f"{_num(rate, '{:.1f}')} MB/s ({net['source']}, R² {net['r2']:.3f})")
+    unmodelled = sorted({r["algorithm"] for r in rows if r["algorithm"] != NATIVE
+                         and r["algorithm"] not in timing.MODELLED[summary["topology"]]})
+    if unmodelled:
+        lines.append(f"- no prediction for {', '.join(unmodelled)} on a "
+                     f"{summary['topology']}: not modelled (their exchanges between "
+                     "non-neighbours share links)")
     if meta.get("message_s") is not None:
         lines.append(f"- our collectives' per-message cost (half a small round trip, "
                      f"measured): {meta['message_s'] * 1e6:.0f} us, added to alpha")

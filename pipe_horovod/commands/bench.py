@@ -336,8 +336,10 @@ def run_emulated(args, worker, log_dir, bar, module=WORKER):
     argv = [sys.executable, "-m", module, *worker]
     env = {k: v for k, v in _env(args, args.engine).items()
            if k in ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    with emulate.EmulatedCluster(workers=args.workers, rate=args.emulate,
-                                 log_dir=log_dir) as cluster:
+    # bench-collectives' --topology; `pipe-horovod bench` always runs on the star
+    topology = getattr(args, "topology", "star")
+    with emulate.EmulatedCluster(workers=args.workers, rate=args.emulate, log_dir=log_dir,
+                                 topology=topology) as cluster:
         if _needs_ddp_group(args):
             # Rank 0's namespace address, a port free inside that namespace; each worker's
             # gloo binds its own namespace NIC (GLOO_SOCKET_IFNAME from worker_env).
@@ -346,8 +348,10 @@ def run_emulated(args, worker, log_dir, bar, module=WORKER):
         emulate.wait_polling(cluster, job, bar.poll, _POLL)
         cpu = [emulate.cpu_times(p) for p in job.procs]
         links = [cluster.link_stats(r) for r in range(args.workers)]
-        return {"launcher": f"EmulatedCluster(workers={args.workers}, rate={args.emulate!r})"
-                            f".launch({shlex.join(argv)}, engine={args.engine!r})",
+        return {"launcher": f"EmulatedCluster(workers={args.workers}, rate={args.emulate!r}, "
+                            f"topology={topology!r}).launch({shlex.join(argv)}, "
+                            f"engine={args.engine!r})",
+                "topology": topology,
                 "log": log_dir, "cpu_s": [c.total for c in cpu],
                 "cpu_user_s": [c.user for c in cpu], "cpu_system_s": [c.system for c in cpu],
                 "link_stats": links}

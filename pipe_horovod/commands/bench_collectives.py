@@ -3,7 +3,8 @@
 Launches `pipe_horovod.bench.collectives_worker` on --workers workers the
 way `pipe-horovod bench` launches its worker (locally over loopback, or with
 --emulate RATE inside `pipe_horovod.emulate.EmulatedCluster`; the same
-launch code), follows rank 0's progress file with a tqdm bar, then prints
+launch code; --topology chain links the emulated workers as a chain
+instead of a star), follows rank 0's progress file with a tqdm bar, then prints
 and saves the report (`pipe_horovod.bench.collectives_report`) under --out
 as <name>.md, <name>.json and <name>.png, next to the raw <name>-raw.json.
 """
@@ -13,6 +14,7 @@ import re
 import shlex
 import sys
 
+from pipe_horovod import emulate_network
 from pipe_horovod.bench import collectives_worker
 from pipe_horovod.commands import bench
 
@@ -38,6 +40,10 @@ def add_arguments(parser):
     parser.add_argument("--emulate", metavar="RATE", type=bench._rate,
                         help="run the workers in an emulated cluster whose links are capped at "
                              "RATE (e.g. 1gbit); needs root")
+    parser.add_argument("--topology", choices=tuple(emulate_network.TOPOLOGIES), default="star",
+                        help="with --emulate: star (every worker's link to one switch) or chain "
+                             "(worker i linked to i-1 and i+1 only, the ones between forwarding; "
+                             "what linear pipelining was designed for) (default star)")
     parser.add_argument("--workers", type=bench.positive_int("workers"), default=2,
                         help="worker processes (default 2)")
     parser.add_argument("--engine", choices=("torch", "horovod"), default="torch",
@@ -55,6 +61,8 @@ def command_line(args):
     parts = ["pipe-horovod", "bench-collectives"]
     if args.emulate:
         parts += ["--emulate", args.emulate]
+    if args.topology != "star":
+        parts += ["--topology", args.topology]
     parts += ["--workers", str(args.workers), "--engine", args.engine,
               "--sizes", ",".join(str(s) for s in args.sizes),
               "--algorithms", ",".join(args.algorithms), "--codecs", ",".join(args.codecs),
@@ -84,6 +92,9 @@ def run(args):
     if not args.report_only:
         if args.workers < 2:
             return _error("an allreduce needs --workers >= 2")
+        if args.topology != "star" and not args.emulate:
+            return _error(f"--topology {args.topology} needs --emulate (a local launch "
+                          "runs over loopback)")
         try:
             bench._check(args)
         except bench.UsageError as exc:
