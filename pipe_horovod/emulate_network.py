@@ -34,6 +34,10 @@ NETNS_ETC = "/etc/netns"
 CMD_TIMEOUT = 30.0        # any single ip/tc call
 KILL_GRACE = 3.0          # SIGTERM -> SIGKILL
 POLL = 0.05
+# tbf's peak bucket (see Topology._cap): how far above the rate a burst may drain, and
+# how many bytes may go early after an idle moment (one 64 KiB GSO packet and headers).
+PEAK_OVER_RATE = 1.02
+PEAK_BUCKET = 70000
 
 
 def _run(cmd, check=True):
@@ -231,10 +235,20 @@ class Topology:
 
     def _cap(self, ns, dev):
         """Egress tbf on both ends of a link caps it both ways. The burst holds ~2 ms of
-        traffic (at least 64 KiB, a GSO super-packet) so TCP can reach the rate."""
-        burst = max(int(_rate_bytes(self.rate) * 0.002), 64 * 1024)
+        traffic (at least 64 KiB, a GSO super-packet) so TCP can reach the rate: with a
+        64 KiB burst gloo's allreduce reached 96 MB/s at 1gbit, with 2 ms 119.
+
+        That bucket alone is not a NIC: after the link idled it sends a whole burst at
+        memory speed, so a sender that paused for CPU work (a per-hop codec) caught up
+        for free, and any message under ~250 KB crossed a 1gbit link in no time. The
+        peak bucket drains at 1.02x the rate and holds one GSO super-packet, so after
+        an idle moment at most PEAK_BUCKET bytes go early, as on a wire that cannot
+        bank time (docs/benchmarks.md, "A link that cannot bank idle time")."""
+        bits = _rate_bytes(self.rate) * 8
+        burst = max(int(bits / 8 * 0.002), 64 * 1024)
         _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
-              "rate", _tc_rate(self.rate), "burst", str(burst), "latency", self.latency])
+              "rate", _tc_rate(self.rate), "burst", str(burst), "latency", self.latency,
+              "peakrate", f"{int(bits * PEAK_OVER_RATE)}bit", "mtu", str(PEAK_BUCKET)])
 
 
 class Star(Topology):

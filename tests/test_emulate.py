@@ -62,6 +62,30 @@ if dist.get_rank() == 0:
 dist.destroy_process_group()
 """
 
+# After an idle moment, rank 0 sends SMALL_BYTES to rank 1, which answers with one float.
+SMALL_BYTES = 192 * 1024
+IDLE_THEN_SEND_WORKER = """
+import datetime, time, torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+msg, ack, trips = torch.ones(%d // 4), torch.zeros(1), []
+for i in range(8):                       # the first three warm the connection up
+    dist.barrier()
+    time.sleep(0.05)                     # idle: any token bucket refills
+    t0 = time.perf_counter()
+    if rank == 0:
+        dist.send(msg, 1)
+        dist.recv(ack, 1)
+        trips.append(time.perf_counter() - t0)
+    else:
+        dist.recv(msg, 0)
+        dist.send(ack, 0)
+if rank == 0:
+    print("TRIP_MS %%.3f" %% (sorted(trips[3:])[2] * 1e3), flush=True)
+dist.destroy_process_group()
+""" % SMALL_BYTES
+
+
 # Every rank serves on its own address; each connects to every other (reachability),
 # then rank 0 sends BULK bytes to rank 2, which answers with the count when it has them.
 CHAIN_WORKER = """
@@ -270,6 +294,31 @@ def test_rate_cap_limits_allreduce_bandwidth(tmp_path):
         assert 10 < algbw < 200
         assert stats["tx_bytes"] >= 4 * 16 * 2**20   # 4 allreduces: >= one buffer each
         assert stats["overlimits"] > 0                # the token bucket held packets back
+        assert leftovers(prefix) == []
+    finally:
+        if prefix:
+            cleanup(prefix)
+
+
+@pytest.mark.timeout(60)
+def test_capped_link_cannot_bank_idle_time(tmp_path):
+    """A message smaller than tbf's burst, sent after the link idled, still takes its
+    time at the rate (192 KiB at 1gbit: 1.57 ms; measured 1.70-1.94 ms there and back).
+    Without the peak bucket the burst banked during the idle moment sent it early:
+    1.10 ms."""
+    script = tmp_path / "idle.py"
+    script.write_text(IDLE_THEN_SEND_WORKER)
+    prefix = None
+    try:
+        with EmulatedCluster(workers=2, rate="1gbit") as c:
+            prefix = c.prefix
+            job = c.launch([sys.executable, str(script)], env=WORKER_ENV)
+            c.wait(job, timeout=50)
+            trip_ms = float(re.search(r"TRIP_MS ([0-9.]+)", job.log(0)).group(1))
+        wire_ms = SMALL_BYTES / 125e6 * 1e3
+        print(f"\n{SMALL_BYTES} B after idling, 1gbit: {trip_ms:.2f} ms round trip "
+              f"(wire {wire_ms:.2f} ms)")
+        assert trip_ms > 0.9 * wire_ms
         assert leftovers(prefix) == []
     finally:
         if prefix:
