@@ -275,29 +275,36 @@ def test_signal_tears_down(sig):
             cleanup(prefix)
 
 
-@pytest.mark.timeout(60)
-def test_rate_cap_limits_allreduce_bandwidth(tmp_path):
-    script = tmp_path / "bw.py"
-    script.write_text(BANDWIDTH_WORKER)
+def _on_two_capped_workers(tmp_path, source, label):
+    """Runs `source` on 2 workers joined by 1gbit links; the float rank 0 printed after
+    `label`, and worker 0's link counters. Nothing may be left behind."""
+    script = tmp_path / "worker.py"
+    script.write_text(source)
     prefix = None
     try:
         with EmulatedCluster(workers=2, rate="1gbit") as c:
             prefix = c.prefix
             job = c.launch([sys.executable, str(script)], env=WORKER_ENV)
             c.wait(job, timeout=50)
-            algbw = float(re.search(r"ALGBW_MBPS ([0-9.]+)", job.log(0)).group(1))
+            value = float(re.search(label + r" ([0-9.]+)", job.log(0)).group(1))
             stats = c.link_stats(0)
-        print(f"\n16 MiB gloo allreduce, 2 workers, 1gbit links: {algbw:.1f} MB/s; "
-              f"worker 0 link: {stats}")
-        # 1 Gbit/s is 125 MB/s on the wire; uncapped veths manage several times that
-        # on an idle machine (a busy one can be slower, hence the tbf counters too).
-        assert 10 < algbw < 200
-        assert stats["tx_bytes"] >= 4 * 16 * 2**20   # 4 allreduces: >= one buffer each
-        assert stats["overlimits"] > 0                # the token bucket held packets back
         assert leftovers(prefix) == []
+        return value, stats
     finally:
         if prefix:
             cleanup(prefix)
+
+
+@pytest.mark.timeout(60)
+def test_rate_cap_limits_allreduce_bandwidth(tmp_path):
+    algbw, stats = _on_two_capped_workers(tmp_path, BANDWIDTH_WORKER, "ALGBW_MBPS")
+    print(f"\n16 MiB gloo allreduce, 2 workers, 1gbit links: {algbw:.1f} MB/s; "
+          f"worker 0 link: {stats}")
+    # 1 Gbit/s is 125 MB/s on the wire; uncapped veths manage several times that
+    # on an idle machine (a busy one can be slower, hence the tbf counters too).
+    assert 10 < algbw < 200
+    assert stats["tx_bytes"] >= 4 * 16 * 2**20   # 4 allreduces: >= one buffer each
+    assert stats["overlimits"] > 0                # the token bucket held packets back
 
 
 @pytest.mark.timeout(60)
@@ -306,23 +313,11 @@ def test_capped_link_cannot_bank_idle_time(tmp_path):
     time at the rate (192 KiB at 1gbit: 1.57 ms; measured 1.70-1.94 ms there and back).
     Without the peak bucket the burst banked during the idle moment sent it early:
     1.10 ms."""
-    script = tmp_path / "idle.py"
-    script.write_text(IDLE_THEN_SEND_WORKER)
-    prefix = None
-    try:
-        with EmulatedCluster(workers=2, rate="1gbit") as c:
-            prefix = c.prefix
-            job = c.launch([sys.executable, str(script)], env=WORKER_ENV)
-            c.wait(job, timeout=50)
-            trip_ms = float(re.search(r"TRIP_MS ([0-9.]+)", job.log(0)).group(1))
-        wire_ms = SMALL_BYTES / 125e6 * 1e3
-        print(f"\n{SMALL_BYTES} B after idling, 1gbit: {trip_ms:.2f} ms round trip "
-              f"(wire {wire_ms:.2f} ms)")
-        assert trip_ms > 0.9 * wire_ms
-        assert leftovers(prefix) == []
-    finally:
-        if prefix:
-            cleanup(prefix)
+    trip_ms, _ = _on_two_capped_workers(tmp_path, IDLE_THEN_SEND_WORKER, "TRIP_MS")
+    wire_ms = SMALL_BYTES / 125e6 * 1e3
+    print(f"\n{SMALL_BYTES} B after idling, 1gbit: {trip_ms:.2f} ms round trip "
+          f"(wire {wire_ms:.2f} ms)")
+    assert trip_ms > 0.9 * wire_ms
 
 
 def test_unknown_topology_names_the_choices():
