@@ -8,6 +8,7 @@ states the error bounds); the 2-rank launches add error feedback, a
 bit-exact resume with its residuals, and a collective that differs between
 ranks at wrap time.
 """
+import json
 import threading
 import time
 
@@ -114,6 +115,16 @@ def test_arrivals_raises_a_failed_receive_where_it_is_waited():
         arrivals.wait(1)
     with pytest.raises(RuntimeError, match="Timed out"):
         arrivals.count()
+
+
+def test_collective_config_round_trips():
+    """What a saved Keras model keeps of `collective=` rebuilds the same Collective."""
+    for spec in (collectives.Collective("ring"),
+                 collectives.Collective("lp", chunks=32,
+                                        network=timing.Network(alpha=2e-4, beta=1e-8))):
+        back = collectives.Collective.from_config(json.loads(json.dumps(spec.config())))
+        assert back.describe() == spec.describe()
+        assert back.network == spec.network
 
 
 def test_lp_chunks_follow_the_cost_model():

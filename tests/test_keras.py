@@ -51,7 +51,8 @@ def test_dlpack_transfer_matches_the_reference():
 @pytest.mark.parametrize("backend, engine_name", [("tensorflow", "torch"), ("torch", "horovod")])
 def test_save_load_continue_is_bit_identical(tmp_path, backend, engine_name):
     """model.save with gradients in flight (K=3: two), load_model in new processes, fit on;
-    plain Pipe-SGD and with lookahead (its real weights and kept gradients saved too)."""
+    plain Pipe-SGD, with lookahead (its real weights and kept gradients saved too) and int8
+    per ring hop with error feedback (each rank's residuals saved too)."""
     needs(engine_name)
     env = {"KERAS_BACKEND": backend}
     full, resumed, ckpt = tmp_path / "full.npz", tmp_path / "resumed.npz", tmp_path / "m.keras"
@@ -59,7 +60,7 @@ def test_save_load_continue_is_bit_identical(tmp_path, backend, engine_name):
     launcher.run(engine_name, 2, "keras_worker.py", "save", 3, ckpt, env=env, timeout=300)
     launcher.run(engine_name, 2, "keras_worker.py", "resume", 3, ckpt, resumed, env=env,
                  timeout=300)
-    for case in ("None", "lookahead"):
+    for case in ("None", "lookahead", "int8"):
         want = np.load(tmp_path / f"{case}-full.npz")
         got = np.load(tmp_path / f"{case}-resumed.npz")
         assert want.files == got.files

@@ -45,6 +45,22 @@ class Collective:
     def __repr__(self):
         return f"Collective({self.describe()})"
 
+    def config(self):
+        """Plain values that `from_config` turns back into this Collective (what a saved
+        Keras model keeps)."""
+        net = self.network
+        return {"algorithm": self.algorithm, "chunks": self.chunks,
+                "network": None if net is None else {"alpha": net.alpha, "beta": net.beta,
+                                                     "gamma": getattr(net, "gamma", 0.0)}}
+
+    @classmethod
+    def from_config(cls, config):
+        from ..timing import Network
+
+        net = config.get("network")
+        return cls(config["algorithm"], chunks=config.get("chunks"),
+                   network=None if net is None else Network(**net))
+
 
 def check_collective(collective, compression=None):
     """The Collective that `collective=` asks for (None: the engine's own allreduce).

@@ -21,7 +21,9 @@ import weakref
 import numpy as np
 
 from .. import engine
-from ..compression import Compression, check_compression
+from ..collectives import Collective, check_collective
+from ..collectives.communicator import communicator
+from ..compression import Compression
 from ..pipeline import (announce_depth, check_options, check_reduction, check_staleness,
                         compare_across_ranks, report_unapplied, resolve_depth, staleness)
 from .paths import momentum_attribute
@@ -56,6 +58,8 @@ class _PipelinedKeras:
         if ps is None or ps.included():
             compare_across_ranks(lambda obj: engine.current().allgather_object(
                 obj, process_set=ps), description)
+        if options["collective"] is not None:
+            communicator(engine.current())       # collective: every rank builds here
         if _backend() == "torch":
             from .torch_path import TorchPath
             self._path = TorchPath(self, variables, options)
@@ -118,8 +122,8 @@ class _PipelinedKeras:
                               "class_name": inner.__name__,
                               "config": inner.get_config(self),
                               "registered_name": None if builtin else _registered_name(inner)},
-                **{k: (v.name if k == "compression" else v.value if k == "op" else v)
-                   for k, v in self._pipe_options.items() if k != "process_set"}}
+                **{k: _config_value(k, v) for k, v in self._pipe_options.items()
+                   if k != "process_set"}}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -130,6 +134,8 @@ class _PipelinedKeras:
                                              custom_objects=custom_objects)
         config["compression"] = Compression.by_name(config["compression"])
         config["op"] = engine.ReduceOp(config["op"])
+        if config.get("collective") is not None:
+            config["collective"] = Collective.from_config(config["collective"])
         return DistributedOptimizer(inner, **config)
 
     # --- checkpoints: the gradients in flight travel with the optimizer's variables,
@@ -143,10 +149,12 @@ class _PipelinedKeras:
         state = self._path.state()
         in_flight, kept = state.pop("in_flight"), state.pop("kept", [])
         real, mean_square = state.pop("real", None), state.pop("mean_square", {})
+        residuals = state.pop("error_feedback", None) or {}
         store["pipe_horovod"] = np.frombuffer(json.dumps(
             {**state, "entries": len(in_flight), "kept": [sorted(k) for k in kept],
-             "real": real is not None, "mean_square": sorted(mean_square)}).encode(),
-            dtype=np.uint8)
+             "real": real is not None, "mean_square": sorted(mean_square),
+             "error_feedback": {str(slot): sorted(r) for slot, r in residuals.items()}}
+        ).encode(), dtype=np.uint8)
         for k, grads in enumerate(in_flight):
             self._store(store, f"pipe_horovod.{k}", grads)
         for k, kinds in enumerate(kept):
@@ -154,6 +162,8 @@ class _PipelinedKeras:
                 self._store(store, f"pipe_horovod.kept.{k}.{kind}", tensors)
         self._store(store, "pipe_horovod.real", real or {})
         self._store(store, "pipe_horovod.mean_square", mean_square)
+        for slot, tensors in residuals.items():
+            self._store(store, f"pipe_horovod.error_feedback.{slot}", tensors)
 
     def _store(self, store, prefix, tensors):
         for i, (name, v) in enumerate(zip(self._path.names, self._path.variables)):
@@ -179,7 +189,22 @@ class _PipelinedKeras:
                          for k, kinds in enumerate(state.get("kept", []))]
         state["real"] = load("pipe_horovod.real") if state.get("real") else None
         state["mean_square"] = load("pipe_horovod.mean_square", state.get("mean_square", []))
+        state["error_feedback"] = {
+            int(slot): {n: a.reshape(-1) for n, a in
+                        load(f"pipe_horovod.error_feedback.{slot}", only).items()}
+            for slot, only in state.get("error_feedback", {}).items()}
         self._path.restore(in_flight, state)
+
+
+def _config_value(key, value):
+    """An option as get_config keeps it (plain values, for the saved model's JSON)."""
+    if key == "compression":
+        return value.name
+    if key == "op":
+        return value.value
+    if key == "collective":
+        return None if value is None else value.config()
+    return value
 
 
 def _report_unapplied():
@@ -247,7 +272,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          backward_passes_per_step=1, average_aggregated_gradients=False,
                          num_groups=0, groups=None, process_set=None,
                          scale_local_gradients=True, *, pipeline_depth=None, warmup_steps=0,
-                         bucket_cap_mb=25, staleness_compensation=staleness.DEFAULT):
+                         bucket_cap_mb=25, staleness_compensation=staleness.DEFAULT,
+                         collective=None):
     """Wrap a Keras 3 optimizer so its gradients are averaged across ranks, pipelined.
 
     The arguments up to `scale_local_gradients` are horovod.tensorflow.keras's,
@@ -275,6 +301,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     None: plain Pipe-SGD. On the torch backend also "predict", "dc" and
     "momentum" (the latter reduces the optimizer's `momentum` or `beta_1`);
     on TensorFlow only None and "lookahead".
+    collective: None (the engine's own allreduce) or "lp", "ring", "mst", "be"
+    (a pipe_horovod.collectives.Collective): reduce the buckets with
+    pipe_horovod's collectives, where `compression` works at every hop, so
+    Compression.int8 and int8_ef (error feedback, whose residuals checkpoints
+    carry, per rank) become possible; as in the PyTorch adapter.
     Every rank must build the same model: differences are raised as
     ValueError on every rank when the optimizer is built.
     """
@@ -292,7 +323,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise ValueError("scale_local_gradients=False is not supported")
     pipeline_depth, depth_source = resolve_depth(pipeline_depth)
     check_options(pipeline_depth, warmup_steps, 1, bucket_cap_mb)
-    check_compression(compression)
+    collective = check_collective(collective, compression)
     check_reduction(op, gradient_predivide_factor)
     compensation = check_staleness(staleness_compensation)
     supported = COMPENSATION[_backend()]
@@ -324,7 +355,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         "compression": compression, "op": op,
         "gradient_predivide_factor": float(gradient_predivide_factor),
         "bucket_cap_mb": bucket_cap_mb, "groups": groups or None, "process_set": process_set,
-        "staleness_compensation": compensation})
+        "staleness_compensation": compensation, "collective": collective})
     return optimizer
 
 

@@ -56,7 +56,8 @@ class TensorFlowPath:
             next_prefix(), options["pipeline_depth"], options["warmup_steps"],
             compression=options["compression"], op=options["op"],
             predivide=options["gradient_predivide_factor"], process_set=options["process_set"],
-            cap_bytes=int(options["bucket_cap_mb"] * 2**20), groups=options["groups"])
+            cap_bytes=int(options["bucket_cap_mb"] * 2**20), groups=options["groups"],
+            collective=options["collective"])
         # Ready order: backward produces the last layer's gradients first.
         self.machine.plan([(name, int(np.prod(v.shape)), np.dtype(v.dtype).itemsize,
                             (getattr(torch, np.dtype(v.dtype).name), device))
@@ -244,7 +245,11 @@ class TensorFlowPath:
                 self.machine.bucket_of[n].kind[1]) for n, a in arrays.items()}
         self.machine.restore([here(grads) for grads in in_flight], [None] * len(in_flight), steps,
                              [{kind: here(t) for kind, t in k.items()}
-                              for k in state.get("kept", [])] or None)
+                              for k in state.get("kept", [])] or None,
+                             {slot: {n: torch.from_numpy(np.array(a, copy=True))
+                                     for n, a in residuals.items()}
+                              for slot, residuals in state.get("error_feedback", {}).items()}
+                             or None)
         real = state.get("real")
         if real and self.lookahead:
             for r, n in zip(self.real, self.names):

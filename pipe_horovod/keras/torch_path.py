@@ -88,7 +88,8 @@ class TorchPath:
             process_set=options["process_set"], pipeline_depth=options["pipeline_depth"],
             warmup_steps=options["warmup_steps"], bucket_cap_mb=options["bucket_cap_mb"],
             groups=options["groups"],
-            staleness_compensation=options["staleness_compensation"])
+            staleness_compensation=options["staleness_compensation"],
+            collective=options["collective"])
 
     def apply(self, grads, variables):
         opt = self.torch_optimizer
@@ -118,7 +119,8 @@ class TorchPath:
         pipe = self.torch_optimizer.state_dict()["pipe_horovod"]
         return {"steps": pipe["steps"], "in_flight": pipe["in_flight"], "kept": pipe["kept"],
                 "real": pipe["real_weights"], "mean_square": pipe["mean_square"],
-                "order": pipe["bucket_order"], "order_agreed": pipe["order_agreed"]}
+                "order": pipe["bucket_order"], "order_agreed": pipe["order_agreed"],
+                "error_feedback": pipe["error_feedback"]}
 
     def restore(self, in_flight, state):
         def tensors(arrays):
@@ -133,5 +135,7 @@ class TorchPath:
             order_agreed=state.get("order_agreed", False),
             kept=[{kind: tensors(t) for kind, t in k.items()} for k in state.get("kept", [])],
             real_weights=tensors(real) if real else None,
-            mean_square=tensors(state.get("mean_square", {})))
+            mean_square=tensors(state.get("mean_square", {})),
+            error_feedback={slot: tensors(r) for slot, r in
+                            state.get("error_feedback", {}).items()} or None)
         opt.load_state_dict(torch_state)

@@ -2,7 +2,8 @@
 NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
 
 `python keras_worker.py MODE[,MODE...] [ARGS]`:
-  oracle                 SGD+momentum and Adam, K = 1, 2, 3, warm-up 0 and 2 (plain Pipe-SGD)
+  oracle                 SGD+momentum and Adam, K = 1, 2, 3, warm-up 0 and 2 (plain Pipe-SGD);
+                         on several ranks also reduced by collective="ring"
   staleness              the same with staleness_compensation="lookahead", K = 2, 3 (with one
                          rank equal to K=1 bit for bit); on TensorFlow one run_eagerly case
                          too; on torch one case of each other option
@@ -10,8 +11,9 @@ NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
   save K CKPT            SAVE_AT steps, then save the model (gradients in flight)
   resume K CKPT OUT      new processes: every rank loads CKPT, fits the rest, flushes
                          (each of these three runs plain Pipe-SGD, rank 0 saving and every
-                         rank loading its file, and "lookahead", each rank saving and loading
-                         its own: the files are named after the case, and the rank)
+                         rank loading its file, and "lookahead" and int8 with error feedback
+                         per ring hop, each rank saving and loading its own: the files are
+                         named after the case, and the rank)
   callbacks              the four callbacks together, different initial weights per rank
   errors                 bad input: a clear error on every rank, and no hang after it
   overlap                with reductions slowed by a fixed delay, K=2 steps beat K=1's
@@ -99,17 +101,18 @@ class AtLastBatch(keras.callbacks.Callback):
             self.result = self.call()
 
 
-def check_case(kind, depth, warmup, compensation=None, eagerly=False, predivide=1.0):
+def check_case(kind, depth, warmup, compensation=None, eagerly=False, predivide=1.0,
+               collective=None):
     """fit STEPS steps against the reference, then flush against it again.
 
     One process with nothing to send runs lookahead at depth 1 (its prediction is the
     next update); a predivide factor of 2 (exact) sends its gradients through the engine."""
     what = (f"{keras.backend.backend()} {kind} K={depth} W={warmup} {compensation}"
-            f"{' eagerly' if eagerly else ''} predivide {predivide}")
+            f"{' eagerly' if eagerly else ''} predivide {predivide} collective {collective}")
     keras_opt, ref_opt = make(kind)
     opt = phvd.DistributedOptimizer(keras_opt, pipeline_depth=depth, warmup_steps=warmup,
                                     bucket_cap_mb=1e-5, staleness_compensation=compensation,
-                                    gradient_predivide_factor=predivide)
+                                    gradient_predivide_factor=predivide, collective=collective)
     if phvd.size() == 1 and compensation == "lookahead" and predivide == 1.0:
         depth = 1
     model = build()
@@ -144,6 +147,10 @@ def check_oracle():
                 weights = check_case(kind, depth, warmup)
                 if depth == 1:
                     SYNC[kind] = weights
+    if phvd.size() > 1:
+        # Two ranks' float32 average is the same sum in either order: ring matches exactly.
+        check_case("adam", 2, 1, collective="ring")
+        check_case("sgd", 3, 0, collective="ring")
 
 
 def check_staleness():
@@ -175,33 +182,46 @@ def case_file(path, compensation, rank=None):
     return path.with_name(f"{compensation}{'' if rank is None else f'-rank{rank}'}-{path.name}")
 
 
+# label -> the optimizer's options. Plain: Horovod's pattern (rank 0 saves, every rank loads
+# it). Lookahead and int8 with error feedback: each rank saves and loads its own (its
+# prediction used its own gradients; its residuals are what its own encodes lost).
+CHECKPOINT_CASES = {
+    "None": {"staleness_compensation": None},
+    "lookahead": {"staleness_compensation": "lookahead"},
+    "int8": {"staleness_compensation": None, "compression": phvd.Compression.int8_ef,
+             "collective": "ring"},
+}
+
+
 def check_checkpoint(mode, depth, path, out=None):
-    for compensation in (None, "lookahead"):
-        # Plain: Horovod's pattern (rank 0 saves, every rank loads it). Lookahead: each rank
-        # saves and loads its own (its prediction used its own gradients).
-        own = compensation is not None and mode != "full"
-        checkpoint_case(mode, int(depth), compensation,
-                        case_file(path, compensation, phvd.rank() if own else None),
-                        out and case_file(out, compensation))
+    for label in CHECKPOINT_CASES:
+        own = label != "None" and mode != "full"
+        checkpoint_case(mode, int(depth), label,
+                        case_file(path, label, phvd.rank() if own else None),
+                        out and case_file(out, label))
 
 
-def checkpoint_case(mode, depth, compensation, path, out):
+def checkpoint_case(mode, depth, label, path, out):
+    options = CHECKPOINT_CASES[label]
     if mode == "resume":
         model = keras.models.load_model(path)
         assert isinstance(model.optimizer, keras.optimizers.Adam)
-        assert model.optimizer.get_config()["staleness_compensation"] == compensation
+        config = model.optimizer.get_config()
+        assert config["staleness_compensation"] == options["staleness_compensation"]
+        assert config["compression"] == options.get("compression", phvd.Compression.none).name
+        assert (config["collective"] or {}).get("algorithm") == options.get("collective")
         assert model.optimizer.in_flight == depth - 1, "the gradients in flight must be restored"
         fit(model, SAVE_AT, STEPS)
     else:
         opt = phvd.DistributedOptimizer(keras.optimizers.Adam(0.01), pipeline_depth=depth,
-                                        bucket_cap_mb=1e-5, staleness_compensation=compensation)
+                                        bucket_cap_mb=1e-5, **options)
         model = compiled(opt)
         if mode == "save":
             # Saved during fit, as ModelCheckpoint does: the model holds predicted weights.
-            saving = phvd.rank() == 0 or compensation is not None
+            saving = phvd.rank() == 0 or label != "None"
             fit(model, 0, SAVE_AT, [AtLastBatch(lambda: saving and model.save(path))])
             assert opt.in_flight == depth - 1
-            phvd.allreduce(0, f"saved.{compensation}")   # a barrier: the files exist for all
+            phvd.allreduce(0, f"saved.{label}")   # a barrier: the files exist for all
             return
         fit(model, 0, STEPS)
         out = path
@@ -290,7 +310,8 @@ def check_errors():
                               ("compression", phvd.Compression.fp16 if other
                                else phvd.Compression.none),
                               ("bucket_cap_mb", 1 if other else 25),
-                              ("staleness_compensation", None if other else "lookahead")]:
+                              ("staleness_compensation", None if other else "lookahead"),
+                              ("collective", "ring" if other else None)]:
             model = compiled(phvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
                                                        **{option: value}))
             expect_error(ValueError, f"option {option} is", lambda: fit(model, 0, 2))
@@ -303,6 +324,11 @@ def check_errors():
         model.compile(optimizer=phvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
                       loss="mse", jit_compile=True)
         expect_error(ValueError, "jit_compile=False", lambda: fit(model, 0, 2))
+    expect_error(ValueError, 'Pass collective="ring"',
+                 lambda: phvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                   compression=phvd.Compression.int8))
+    expect_error(ValueError, "unknown collective 'rign'",
+                 lambda: phvd.DistributedOptimizer(keras.optimizers.SGD(0.1), collective="rign"))
     # After all of that the ranks still agree: a normal run works.
     model = compiled(phvd.DistributedOptimizer(keras.optimizers.SGD(0.1)))
     fit(model, 0, 4)
