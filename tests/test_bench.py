@@ -275,6 +275,45 @@ def test_report_ratios_from_known_times(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_report_predicts_per_hop_codecs_with_their_measured_codec_work(tmp_path):
+    # ring at 2 ranks: every byte encoded and decoded once, half of them decode-added:
+    # 1 + 0.5 * 2 + 1 = 3 ns per gradient byte, 150 ms for 50 MB, on the compute side.
+    raw = {"format": "pipe_horovod.bench/1",
+           "meta": {"engine": "torch", "workers": 2, "model": "mlp", "model_bytes": 50e6,
+                    "params": 12_500_000, "batch_size": 32, "steps": 4, "warmup": 1,
+                    "rounds": 1, "threads": 1, "cpu_count": 2, "versions": {}},
+           "configs": {
+               "ours-k2-int8-none": _cfg("train", [_block(0.240, 0.0, 0.22, 0.01)], "int8", 2),
+               "compute": _cfg("train", [_block(0.080, None, 0.07, 0.01)]),
+               "allreduce": _cfg("allreduce", [_block(0.115, 0.115, cores=0.5)]),
+           },
+           "sweep": None, "codec_s": {"fp16": 0.0, "bf16": 0.0}, "process": [],
+           "hop_codec_s_per_byte": {"int8": [1e-9, 2e-9, 1e-9]}}
+    path = tmp_path / "raw.json"
+    path.write_text(json.dumps(raw))
+    text, paths = report.write_report([str(path)], str(tmp_path), "r")
+    summary = json.loads(open(paths["json"]).read())
+    assert summary["timing_model"]["compressions"]["int8"]["codec_s"] == pytest.approx(0.15)
+    assert summary["timing_model"]["compressions"]["int8"]["wire_ratio"] > 0.25
+    row = summary["configs"]["ours-k2-int8-none"]
+    assert row["predicted_s"] == pytest.approx(0.07 + 0.01 + 0.15)
+    assert row["prediction_error"] == pytest.approx(abs(0.23 - 0.24) / 0.24)
+    assert "int8 150.0 ms" in text
+    # Measured where it matters: a plain step took 0.20 s instead of 0.08 while ring/int8 ran.
+    raw["configs"]["contention-int8"] = _cfg("contention", [_block(0.21, 0.01, 0.20)], "int8")
+    path.write_text(json.dumps(raw))
+    text, paths = report.write_report([str(path)], str(tmp_path), "r")
+    summary = json.loads(open(paths["json"]).read())
+    assert summary["configs"]["ours-k2-int8-none"]["predicted_s"] == pytest.approx(0.20)
+    assert summary["configs"]["contention-int8"]["predicted_s"] is None
+    # ... and that allreduce took 0.21 s beside compute: the row's measured comm
+    row = summary["configs"]["ours-k2-int8-none"]
+    assert row["comm_s"] == pytest.approx(0.21)
+    assert row["predicted_measured_comm_s"] == pytest.approx(max(0.07 + 0.01 + 0.12, 0.21))
+    assert "int8 120.0 ms (wire x0.25, from contention-int8)" in text
+
+
+@pytest.mark.timeout(60)
 def test_report_takes_alternating_k2_steps_by_period_and_charges_compensation(tmp_path):
     # A comm-bound K=2 run alternates fast and slow steps: their median (0.05) is below
     # the link's bound; the mean of each 2-step period is not. Lookahead's 50 ms a step

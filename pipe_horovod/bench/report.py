@@ -176,6 +176,11 @@ def summarize(raw):
                                 ("bf16", "allreduce-bf16")):
         if ar_name in stats:
             comm[codec_name] = stats[ar_name]["step_s"] + codec.get(codec_name, 0.0)
+    # A per-hop codec's allreduce as training runs it: beside compute, on the same cores
+    # (`contention-<codec>`'s step: the allreduce launched, a plain step, its wait).
+    for name, cfg in stats.items():
+        if name.startswith("contention-"):
+            comm[cfg["compression"]] = cfg["step_s"]
     ideal = {c: max(compute_s, t) for c, t in comm.items()} if compute_s else {}
     # With every worker on one machine, compute and communication threads (and, when
     # emulated, the kernel's network path) share cpu_count cores: a step cannot take less
@@ -195,6 +200,16 @@ def summarize(raw):
     predictions = None
     bf16_ratio = 1.0 if meta.get("horovod_bf16_as_float32") else 0.5
     wire_ratio = {"none": 1.0, "fp16": 0.5, "bf16": bf16_ratio}
+    # Per-hop codecs (ring in pipe_horovod.collectives) run on a thread of the worker, on
+    # the cores compute uses: what they take from compute is charged to the compute side,
+    # as the Horovod-style codecs' encode is (hop_codec: seconds per gradient byte).
+    hop_costs = raw.get("hop_codec_s_per_byte") or {}
+    hop_codec = {name: timing.hop_codec_time(p, model_bytes, "ring", costs) / model_bytes
+                 for name, costs in hop_costs.items()}
+    hop_source = {name: "codec work measured alone" for name in hop_codec}
+    if hop_codec:
+        from pipe_horovod.compression import hops
+        wire_ratio.update({name: hops.wire_ratio(name) for name in hop_codec})
     # What communication takes from compute on shared cores: the `contention`
     # configuration's compute time (while a model-sized allreduce runs) minus the
     # `compute` configuration's, per byte on the wire; scaled to each codec's bytes.
@@ -203,9 +218,20 @@ def summarize(raw):
     if cont and compute and cont["fwdbwd_s"] is not None:
         cpu_per_byte = max(0.0, cont["fwdbwd_s"] - compute_s) / model_bytes
         comm_cpu = {c: cpu_per_byte * model_bytes * wire_ratio[c] for c in wire_ratio}
+    # Better, where measured: compute's slowdown while ring runs with that codec per hop
+    # (`contention-<codec>`: codec, the collective's Python, the network stack), less the
+    # network stack's share that comm_cpu charges already.
+    for name in hop_codec:
+        hop_cont = stats.get(f"contention-{name}")
+        if hop_cont and compute and hop_cont["fwdbwd_s"] is not None:
+            slowdown = hop_cont["fwdbwd_s"] - compute_s - comm_cpu.get(name, 0.0)
+            hop_codec[name] = max(0.0, slowdown) / model_bytes
+            hop_source[name] = f"contention-{name}"
     if network is not None and compute:
         compressions = {"fp16": (0.5, codec.get("fp16", 0.0) / model_bytes),
-                        "bf16": (bf16_ratio, codec.get("bf16", 0.0) / model_bytes)}
+                        "bf16": (bf16_ratio, codec.get("bf16", 0.0) / model_bytes),
+                        **{name: (wire_ratio[name], per_byte)
+                           for name, per_byte in hop_codec.items()}}
         depths = sorted({s["pipeline_depth"] for s in stats.values()
                          if (s["pipeline_depth"] or 0) >= 2}) or [2]
         workload = timing.Workload.aggregate(compute["fwdbwd_s"], compute["opt_s"], model_bytes)
@@ -227,7 +253,9 @@ def summarize(raw):
                                       bucketing=bucketings.get(system, timing.OURS))
                     for d in depths}
         model_info["comm_cpu_s_per_byte"] = cpu_per_byte
-        model_info["compressions"] = {k: {"wire_ratio": v[0], "codec_s": v[1] * model_bytes}
+        model_info["compressions"] = {k: {"wire_ratio": v[0], "codec_s": v[1] * model_bytes,
+                                          **({"source": hop_source[k]} if k in hop_source
+                                             else {})}
                                       for k, v in compressions.items()}
 
     for name, s in stats.items():
@@ -258,7 +286,8 @@ def summarize(raw):
         if s["kind"] == "train" and name != "compute" and compute and s["comm_s"] is not None:
             s["predicted_measured_comm_s"] = timing.step_time(
                 compute["fwdbwd_s"], compute["opt_s"] + charged, s["comm_s"],
-                s["pipeline_depth"] or 1, comm_cpu_s=comm_cpu.get(c, 0.0))
+                s["pipeline_depth"] or 1,
+                comm_cpu_s=comm_cpu.get(c, 0.0) + hop_codec.get(c, 0.0) * model_bytes)
         s["prediction_error_measured_comm"] = (
             abs(s["predicted_measured_comm_s"] - s["step_s"]) / s["step_s"]
             if s["predicted_measured_comm_s"] is not None and s["step_s"] else None)
@@ -482,9 +511,12 @@ def markdown(summary, heading="##"):
     if "overlap" in model:
         codecs = ""
         if summary["codec_s"]:
-            codecs = "; codec costs measured in the worker (encode+decode of the model): " + \
-                ", ".join(f"{k} {v['codec_s'] * 1e3:.1f} ms (wire x{v['wire_ratio']})"
-                          for k, v in model["compressions"].items())
+            codecs = ("; codec costs measured in the worker (encode+decode of the model; "
+                      "per hop (bf16hop, int8): what ring with the codec takes from compute, "
+                      "charged to compute): " +
+                      ", ".join(f"{k} {v['codec_s'] * 1e3:.1f} ms (wire x{v['wire_ratio']:.3g}"
+                                f"{', from ' + v['source'] if 'source' in v else ''})"
+                                for k, v in model["compressions"].items()))
         if model.get("workload"):
             lines.append("- step prediction: `timing.predict` (ring allreduce, overlap-aware) "
                          "of a per-layer `Workload`: " + model["workload"] + codecs)
@@ -603,7 +635,7 @@ def plot(summaries, path):
         if mean:
             ax.scatter(*zip(*mean), marker="x", color="#55a868", zorder=3,
                        label="wall time / steps (throughput)")
-        styles = {"none": "-", "fp16": "--", "bf16": ":"}
+        styles = {"none": "-", "fp16": "--", "bf16": ":", "bf16hop": "-.", "int8": (0, (1, 3))}
         for codec, ideal in summary["ideal_s"].items():
             label = "Pipe-SGD ideal max(compute, comm)" + ("" if codec == "none"
                                                            else f" with {codec}")

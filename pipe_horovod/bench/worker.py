@@ -17,6 +17,8 @@ C ..., so a slow minute on a shared machine hits every configuration alike:
   compute                forward + backward + local SGD step, no communication
   contention             compute while a model-sized allreduce runs: how much the
                          communication slows compute on shared cores (timing model input)
+  contention-int8|-bf16hop  the same while ring reduces with that codec per hop (its
+                         codec and Python run on the cores compute uses)
   allreduce              one allreduce of a model-sized flat float32 buffer
                          (plus allreduce-fp16 / -bf16 when those codecs run)
 
@@ -63,7 +65,8 @@ from pipe_horovod.commands.model import _number
 
 DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16",
                    "compute", "contention", "allreduce"]
-_CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|contention|allreduce(?:-fp16|-bf16)?"
+_CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|contention(?:-int8|-bf16hop)?"
+                     r"|allreduce(?:-fp16|-bf16)?"
                      r"|tf-keras-mwms"
                      r"|ours-k([1-9][0-9]*)(?:-(?:fp16|bf16|bf16hop|int8))?"
                      r"(?:-(none|momentum|dc|predict|lookahead))?)$")
@@ -171,7 +174,7 @@ def skip_reason(name, engine_name, size):
         problem = _torch_distributed_missing()
         if problem:
             return problem
-    if (name.startswith("allreduce") or name == "contention") and size < 2:
+    if name.startswith(("allreduce", "contention")) and size < 2:
         return "one process: there is nothing to communicate"
     return None
 
@@ -274,23 +277,38 @@ class TrainRunner:
 
 
 class AllreduceRunner:
-    """One allreduce of a flat buffer as large as the model (the communication alone)."""
+    """One allreduce of a flat buffer as large as the model (the communication alone):
+    the engine's, or with `per_hop` (a codec name) pipe_horovod.collectives' ring."""
 
     kind = "allreduce"
 
-    def __init__(self, name, eng, numel, dtype):
+    def __init__(self, name, eng, numel, dtype, per_hop=None):
         import torch
 
-        self.name, self.eng = name, eng
+        self.name, self.eng, self.per_hop, self.residual = name, eng, per_hop, None
         self.buf = torch.randn(numel, generator=torch.Generator().manual_seed(eng.rank()))
         self.buf = self.buf.to(dtype)
         self.tag = f"bench.{name}"
 
-    def step(self):
-        from pipe_horovod import engine
+    def launch(self):
+        from pipe_horovod import collectives, engine
+        from pipe_horovod.compression import Compression
+        from pipe_horovod.compression.hops import PER_HOP
 
+        if self.per_hop is None:
+            return self.eng.allreduce_async(self.buf, self.tag, engine.Average)
+        # as the training configurations run it (int8: with error feedback)
+        codec = Compression.by_name(PER_HOP[self.per_hop][0])
+        if getattr(codec, "error_feedback", False) and self.residual is None:
+            import torch
+            self.residual = torch.zeros(self.buf.numel())
+        return collectives.allreduce_async(self.buf, self.tag, engine.Average,
+                                           collective="ring", compression=codec,
+                                           residual=self.residual)
+
+    def step(self):
         t0 = time.perf_counter()
-        self.eng.wait(self.eng.allreduce_async(self.buf, self.tag, engine.Average))
+        self.eng.wait(self.launch())
         dt = time.perf_counter() - t0
         return {"step_s": dt, "fwdbwd_s": None, "opt_s": None, "exposed_s": dt}
 
@@ -314,11 +332,9 @@ class ContentionRunner:
         self.name, self.train, self.allreduce = name, train, allreduce
 
     def step(self):
-        from pipe_horovod import engine
-
         eng = self.allreduce.eng
         t0 = time.perf_counter()
-        handle = eng.allreduce_async(self.allreduce.buf, self.allreduce.tag, engine.Average)
+        handle = self.allreduce.launch()
         compute_s = self.train.step()["step_s"]
         t1 = time.perf_counter()
         eng.wait(handle)
@@ -337,9 +353,11 @@ def make_runner(name, args, eng):
         dtype = {"none": torch.float32, "fp16": torch.float16,
                  "bf16": torch.bfloat16}[compression_of(name)]
         return AllreduceRunner(name, eng, numel, dtype)
-    if name == "contention":
+    if name.startswith("contention"):
+        per_hop = compression_of(name)
         return ContentionRunner(name, make_runner("compute", args, eng),
-                                AllreduceRunner(name, eng, model_numel(args), torch.float32))
+                                AllreduceRunner(name, eng, model_numel(args), torch.float32,
+                                                None if per_hop == "none" else per_hop))
 
     torch.manual_seed(args.seed)            # every configuration starts from the same weights
     model, shape, classes = models.bench_model(args)
@@ -364,10 +382,11 @@ def make_runner(name, args, eng):
         return TrainRunner(name, "horovod", model, opt, data, target)
     import pipe_horovod.torch as phvd
 
-    codec = compression_of(name)
-    # Per-hop codecs ride pipe_horovod.collectives' ring (issue 10).
-    per_hop = {"int8": ("int8_ef", "ring"), "bf16hop": ("bf16", "ring")}
-    codec, collective = per_hop.get(codec, (codec, None))
+    from pipe_horovod.compression.hops import PER_HOP
+
+    codec, collective = compression_of(name), None
+    if codec in PER_HOP:                  # per-hop codecs ride collectives' ring (issue 10)
+        codec, collective = PER_HOP[codec][0], "ring"
     compression = phvd.Compression.by_name(codec)
     explicit, option = staleness_of(name)
     extra = ({"staleness_compensation": option}
@@ -428,6 +447,20 @@ def codec_seconds(numel, bucket_cap_mb, reps=5):
             times.append(time.perf_counter() - t0)
         out[codec] = sorted(times)[len(times) // 2]
     return out
+
+
+def hop_codec_costs(names):
+    """{per-hop codec: (encode, decode-add, decode) s per float32 byte} at ring's piece
+    size, measured by every worker at once as the collectives' own benchmark does: the
+    report charges the codec work of a training step with it."""
+    import torch
+
+    from pipe_horovod.collectives.layout import PIECE_BYTES
+    from pipe_horovod.compression import Compression
+    from pipe_horovod.compression.hops import PER_HOP, measure_costs
+
+    return {name: measure_costs(Compression.by_name(PER_HOP[name][0]).hop(torch.float32),
+                                PIECE_BYTES // 4) for name in names}
 
 
 def sweep_sizes(max_bytes, min_bytes=1024):
@@ -577,6 +610,8 @@ def run_benchmark(args):
     codecs = None
     if any(compression_of(n) != "none" for n in configs):
         codecs = codec_seconds(numel, args.bucket_cap_mb)
+    per_hop = sorted({compression_of(n) for n in configs} & {"int8", "bf16hop"})
+    hop_costs = hop_codec_costs(per_hop) if per_hop else None
 
     raw = {
         "format": "pipe_horovod.bench/1",
@@ -601,6 +636,7 @@ def run_benchmark(args):
         "configs": results,
         "sweep": sweep,
         "codec_s": codecs,
+        "hop_codec_s_per_byte": hop_costs,
         "process": eng.allgather_object({"cpu_s": _cpu_s(), "threads": _threads()}),
     }
     for runner in runners.values():

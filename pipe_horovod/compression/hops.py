@@ -107,6 +107,20 @@ class Int8Hop:
         dst.copy_(values).mul_(scale)
 
 
+# Per-hop codecs as the benchmark and the planner name them: (the Compression a user
+# trains with, wire bytes per float32 byte before the int8 scales).
+PER_HOP = {"bf16hop": ("bf16", 0.5), "int8": ("int8_ef", 0.25)}
+
+
+def wire_ratio(name):
+    """Bytes on the wire per float32 gradient byte of a per-hop codec run by ring, which
+    cuts messages into blocks of at most PIECE_BYTES: int8 adds one scale per block."""
+    from ..collectives.layout import PIECE_BYTES
+
+    codec, ratio = PER_HOP[name]
+    return ratio + (SCALE_BYTES / PIECE_BYTES if codec.startswith("int8") else 0.0)
+
+
 def measure_costs(hop, numel=1 << 18, seconds=0.02, span_bytes=32 << 20):
     """(encode, decode-add, decode) seconds per accumulator (float32) byte of `hop` on this
     machine, for blocks of `numel` elements: the collectives' codec works block by block
