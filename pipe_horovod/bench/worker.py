@@ -92,7 +92,8 @@ def parse_configs(value):
                     "ours-kK, ours-kK-fp16, ours-kK-bf16, ours-kK-int8, ours-kK-bf16hop "
                     "(K = pipeline depth 1..16; any of "
                     "them -none, -momentum, -dc, -predict, -lookahead: that "
-                    "staleness_compensation), compute, contention, allreduce, tf-keras-mwms "
+                    "staleness_compensation), compute, contention, contention-int8, "
+                    "contention-bf16hop, allreduce, tf-keras-mwms "
                     "(--framework keras)")
             if name not in names:
                 names.append(name)
