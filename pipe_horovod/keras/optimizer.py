@@ -192,7 +192,7 @@ class _PipelinedKeras:
         state["error_feedback"] = {
             int(slot): {n: a.reshape(-1) for n, a in
                         load(f"pipe_horovod.error_feedback.{slot}", only).items()}
-            for slot, only in state.get("error_feedback", {}).items()}
+            for slot, only in (state.get("error_feedback") or {}).items()}   # older: null
         self._path.restore(in_flight, state)
 
 

@@ -248,7 +248,7 @@ class TensorFlowPath:
                               for k in state.get("kept", [])] or None,
                              {slot: {n: torch.from_numpy(np.array(a, copy=True))
                                      for n, a in residuals.items()}
-                              for slot, residuals in state.get("error_feedback", {}).items()}
+                              for slot, residuals in (state.get("error_feedback") or {}).items()}
                              or None)
         real = state.get("real")
         if real and self.lookahead:

@@ -137,5 +137,5 @@ class TorchPath:
             real_weights=tensors(real) if real else None,
             mean_square=tensors(state.get("mean_square", {})),
             error_feedback={slot: tensors(r) for slot, r in
-                            state.get("error_feedback", {}).items()} or None)
+                            (state.get("error_feedback") or {}).items()} or None)
         opt.load_state_dict(torch_state)
