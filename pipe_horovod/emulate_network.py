@@ -244,11 +244,11 @@ class Topology:
         peak bucket drains at 1.02x the rate and holds one GSO super-packet, so after
         an idle moment at most PEAK_BUCKET bytes go early, as on a wire that cannot
         bank time (docs/benchmarks.md, "A link that cannot bank idle time")."""
-        bits = _rate_bytes(self.rate) * 8
-        burst = max(int(bits / 8 * 0.002), 64 * 1024)
+        rate = _rate_bytes(self.rate)
+        burst = max(int(rate * 0.002), 64 * 1024)
         _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
               "rate", _tc_rate(self.rate), "burst", str(burst), "latency", self.latency,
-              "peakrate", f"{int(bits * PEAK_OVER_RATE)}bit", "mtu", str(PEAK_BUCKET)])
+              "peakrate", f"{int(rate * 8 * PEAK_OVER_RATE)}bit", "mtu", str(PEAK_BUCKET)])
 
 
 class Star(Topology):

@@ -286,25 +286,25 @@ class AllreduceRunner:
     def __init__(self, name, eng, numel, dtype, per_hop=None):
         import torch
 
-        self.name, self.eng, self.per_hop, self.residual = name, eng, per_hop, None
-        self.buf = torch.randn(numel, generator=torch.Generator().manual_seed(eng.rank()))
-        self.buf = self.buf.to(dtype)
-        self.tag = f"bench.{name}"
-
-    def launch(self):
-        from pipe_horovod import collectives, engine
         from pipe_horovod.compression import Compression
         from pipe_horovod.compression.hops import PER_HOP
 
-        if self.per_hop is None:
-            return self.eng.allreduce_async(self.buf, self.tag, engine.Average)
+        self.name, self.eng = name, eng
+        self.buf = torch.randn(numel, generator=torch.Generator().manual_seed(eng.rank()))
+        self.buf = self.buf.to(dtype)
+        self.tag = f"bench.{name}"
         # as the training configurations run it (int8: with error feedback)
-        codec = Compression.by_name(PER_HOP[self.per_hop][0])
-        if getattr(codec, "error_feedback", False) and self.residual is None:
-            import torch
-            self.residual = torch.zeros(self.buf.numel())
+        self.codec = None if per_hop is None else Compression.by_name(PER_HOP[per_hop][0])
+        self.residual = (torch.zeros(numel) if getattr(self.codec, "error_feedback", False)
+                         else None)
+
+    def launch(self):
+        from pipe_horovod import collectives, engine
+
+        if self.codec is None:
+            return self.eng.allreduce_async(self.buf, self.tag, engine.Average)
         return collectives.allreduce_async(self.buf, self.tag, engine.Average,
-                                           collective="ring", compression=codec,
+                                           collective="ring", compression=self.codec,
                                            residual=self.residual)
 
     def step(self):
