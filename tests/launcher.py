@@ -53,6 +53,32 @@ def run(launcher, np, script, *args, timeout=120, env=None, expect_ok=True):
                        timeout=timeout, env=env, expect_ok=expect_ok)
 
 
+def _descendants(pid):
+    """Every process below `pid`, read from /proc before any is killed (a killed parent's
+    children are re-parented, and a worker in its own session escapes killpg)."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill(pid):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_command(cmd, np, timeout=120, env=None, expect_ok=True):
     """Run a launch command line in its own process group, killed on timeout.
 
@@ -72,6 +98,8 @@ def run_command(cmd, np, timeout=120, env=None, expect_ok=True):
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        for pid in [proc.pid, *_descendants(proc.pid)]:   # torchrun's workers: own sessions
+            _kill(pid)
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s; output:\n{out}")
