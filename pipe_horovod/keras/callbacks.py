@@ -43,6 +43,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if optimizer is not None:
             if not optimizer.built:
                 optimizer.build(model.trainable_variables)
+            if hasattr(optimizer, "_join"):      # a pipelined optimizer: every rank is here
+                optimizer._join()
             root = engine.rank() == self.root_rank
             store = {}
             if root:

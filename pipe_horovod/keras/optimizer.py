@@ -41,15 +41,27 @@ class _PipelinedKeras:
 
     def _setup_pipeline(self, options):
         self._pipe_options = options
-        self._path = None                        # the backend's data path, made at build()
+        self._path = None                        # the backend's data path, made at _join()
+        self._pipe_variables = None              # what build() got
+        self._pending = None                     # pipe_horovod state loaded before _join()
 
     # --- building ----------------------------------------------------------
+    # Keras builds an optimizer wherever it first needs its variables: in fit, but also
+    # inside load_model, which Horovod's resume pattern runs on rank 0 alone. So build()
+    # stays local, and what every rank must do together (compare the models, open the
+    # collectives' group, make the data path) waits for _join(): at on_train_begin in
+    # BroadcastGlobalVariablesCallback, else at the first apply().
     def build(self, variables):
         if self.built:
             return
         super().build(variables)
-        variables = list(variables)
-        options = self._pipe_options
+        self._pipe_variables = list(variables)
+
+    def _join(self):
+        """The collective half of building; every rank calls it at the same point."""
+        if self._path is not None:
+            return
+        variables, options = self._pipe_variables, self._pipe_options
         description = {f"variable {i} ({v.name})": f"shape {tuple(v.shape)} {v.dtype}"
                        for i, v in enumerate(variables)}
         description.update({f"option {k}": repr(v) for k, v in options.items()
@@ -59,7 +71,7 @@ class _PipelinedKeras:
             compare_across_ranks(lambda obj: engine.current().allgather_object(
                 obj, process_set=ps), description)
         if options["collective"] is not None:
-            communicator(engine.current())       # collective: every rank builds here
+            communicator(engine.current())
         if _backend() == "torch":
             from .torch_path import TorchPath
             self._path = TorchPath(self, variables, options)
@@ -68,6 +80,9 @@ class _PipelinedKeras:
             self._path = TensorFlowPath(self, variables, options)
             _built.add(self)
             engine.current().before_shutdown(__name__, _report_unapplied)
+        if self._pending is not None:
+            self._restore(self._pending)
+            self._pending = None
 
     def _base_apply(self, grads, variables):
         """The user's optimizer's own update (one iteration)."""
@@ -82,6 +97,7 @@ class _PipelinedKeras:
             with keras_backend.name_scope(self.name, caller=self):
                 self.build(variables)
             self.built = True
+        self._join()
         return self._path.apply(list(grads), variables)
 
     def finalize_variable_values(self, var_list):
@@ -99,8 +115,10 @@ class _PipelinedKeras:
         training, and before evaluating or saving weights that must hold
         every computed gradient.
         """
-        if self._path is not None:
-            self._path.flush()
+        if self._path is None and self._pending is None:
+            return                               # nothing computed, nothing loaded
+        self._join()
+        self._path.flush()
 
     @property
     def timings(self):
@@ -112,7 +130,9 @@ class _PipelinedKeras:
     @property
     def in_flight(self):
         """How many computed gradients are not applied yet."""
-        return 0 if self._path is None else self._path.in_flight()
+        if self._path is None:
+            return 0 if self._pending is None else _saved_state(self._pending)["entries"]
+        return self._path.in_flight()
 
     # --- serialization -----------------------------------------------------
     def get_config(self):
@@ -145,6 +165,8 @@ class _PipelinedKeras:
     def save_own_variables(self, store):
         super().save_own_variables(store)
         if self._path is None:
+            for key, value in (self._pending or {}).items():
+                store[key] = value               # loaded, not joined yet: passed on whole
             return
         state = self._path.state()
         in_flight, kept = state.pop("in_flight"), state.pop("kept", [])
@@ -176,9 +198,16 @@ class _PipelinedKeras:
         keys = list(store.keys())
         own = {key: store[key] for key in keys if not key.startswith("pipe_horovod")}
         super().load_own_variables(own)
-        if "pipe_horovod" not in keys or self._path is None:
+        if "pipe_horovod" not in keys:
             return
-        state = json.loads(bytes(np.asarray(store["pipe_horovod"])).decode())
+        pipe = {key: np.array(store[key]) for key in keys if key.startswith("pipe_horovod")}
+        if self._path is None:
+            self._pending = pipe                 # the data path is made at _join()
+        else:
+            self._restore(pipe)
+
+    def _restore(self, store):
+        state = _saved_state(store)
         names = self._path.names
 
         def load(prefix, only=None):
@@ -194,6 +223,10 @@ class _PipelinedKeras:
                         load(f"pipe_horovod.error_feedback.{slot}", only).items()}
             for slot, only in (state.get("error_feedback") or {}).items()}   # older: null
         self._path.restore(in_flight, state)
+
+
+def _saved_state(store):
+    return json.loads(bytes(np.asarray(store["pipe_horovod"])).decode())
 
 
 def _config_value(key, value):

@@ -9,11 +9,12 @@ NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
                          too; on torch one case of each other option
   full K OUT             all STEPS steps, then flush; weights to OUT (.npz)
   save K CKPT            SAVE_AT steps, then save the model (gradients in flight)
-  resume K CKPT OUT      new processes: every rank loads CKPT, fits the rest, flushes
-                         (each of these three runs plain Pipe-SGD, rank 0 saving and every
-                         rank loading its file, and "lookahead" and int8 with error feedback
-                         per ring hop, each rank saving and loading its own: the files are
-                         named after the case, and the rank)
+  resume K CKPT OUT      new processes: load CKPT, fit the rest, flush (each of these three
+                         runs plain Pipe-SGD in Horovod's pattern: rank 0 saves, rank 0 alone
+                         loads and BroadcastGlobalVariablesCallback gives the others its
+                         state; and "lookahead" and int8 with error feedback per ring hop,
+                         each rank saving and loading its own: the files are named after the
+                         case, and the rank)
   callbacks              the four callbacks together, different initial weights per rank
   errors                 bad input: a clear error on every rank, and no hang after it
   overlap                with reductions slowed by a fixed delay, K=2 steps beat K=1's
@@ -182,8 +183,8 @@ def case_file(path, compensation, rank=None):
     return path.with_name(f"{compensation}{'' if rank is None else f'-rank{rank}'}-{path.name}")
 
 
-# label -> the optimizer's options. Plain: Horovod's pattern (rank 0 saves, every rank loads
-# it). Lookahead and int8 with error feedback: each rank saves and loads its own (its
+# label -> the optimizer's options. Plain: Horovod's pattern (rank 0 saves, rank 0 alone loads
+# it, the broadcast callback gives the others its state). Lookahead and int8 with error feedback: each rank saves and loads its own (its
 # prediction used its own gradients; its residuals are what its own encodes lost).
 CHECKPOINT_CASES = {
     "None": {"staleness_compensation": None},
@@ -203,7 +204,14 @@ def check_checkpoint(mode, depth, path, out=None):
 
 def checkpoint_case(mode, depth, label, path, out):
     options = CHECKPOINT_CASES[label]
-    if mode == "resume":
+    if mode == "resume" and label == "None" and phvd.rank() != 0:
+        # Rank 0 alone loads: its load_model must not wait for the others (it builds the
+        # optimizer), and the callback must bring them everything it loaded.
+        opt = checkpointed_optimizer(depth, options)
+        model = compiled(opt, build(seed=1))     # other weights: the broadcast must fix them
+        fit(model, SAVE_AT, STEPS, [phvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+        assert opt.in_flight == depth - 1
+    elif mode == "resume":
         model = keras.models.load_model(path)
         assert isinstance(model.optimizer, keras.optimizers.Adam)
         config = model.optimizer.get_config()
@@ -211,10 +219,10 @@ def checkpoint_case(mode, depth, label, path, out):
         assert config["compression"] == options.get("compression", phvd.Compression.none).name
         assert (config["collective"] or {}).get("algorithm") == options.get("collective")
         assert model.optimizer.in_flight == depth - 1, "the gradients in flight must be restored"
-        fit(model, SAVE_AT, STEPS)
+        fit(model, SAVE_AT, STEPS, [phvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+            if label == "None" else [])
     else:
-        opt = phvd.DistributedOptimizer(keras.optimizers.Adam(0.01), pipeline_depth=depth,
-                                        bucket_cap_mb=1e-5, **options)
+        opt = checkpointed_optimizer(depth, options)
         model = compiled(opt)
         if mode == "save":
             # Saved during fit, as ModelCheckpoint does: the model holds predicted weights.
@@ -226,8 +234,15 @@ def checkpoint_case(mode, depth, label, path, out):
         fit(model, 0, STEPS)
         out = path
     model.optimizer.flush()
+    everyone = phvd.allgather_object(weights_of(model))
+    assert all(np.array_equal(a, b) for theirs in everyone for a, b in zip(theirs, everyone[0]))
     if phvd.rank() == 0:
         np.savez(out, *weights_of(model), iterations=int(model.optimizer.iterations.numpy()))
+
+
+def checkpointed_optimizer(depth, options):
+    return phvd.DistributedOptimizer(keras.optimizers.Adam(0.01), pipeline_depth=depth,
+                                     bucket_cap_mb=1e-5, **options)
 
 
 def check_callbacks():
