@@ -41,37 +41,21 @@ class _PipelinedKeras:
 
     def _setup_pipeline(self, options):
         self._pipe_options = options
-        self._path = None                        # the backend's data path, made at _join()
-        self._pipe_variables = None              # what build() got
-        self._pending = None                     # pipe_horovod state loaded before _join()
+        self._path = None                        # the backend's data path, made by build()
+        self._joined = False
 
     # --- building ----------------------------------------------------------
-    # Keras builds an optimizer wherever it first needs its variables: in fit, but also
-    # inside load_model, which Horovod's resume pattern runs on rank 0 alone. So build()
-    # stays local, and what every rank must do together (compare the models, open the
-    # collectives' group, make the data path) waits for _join(): at on_train_begin in
-    # BroadcastGlobalVariablesCallback, else at the first apply().
+    # Keras builds an optimizer wherever it first needs its variables: before the first
+    # step (on torch, before the first backward, whose hooks the data path needs), but
+    # also inside load_model, which Horovod's resume pattern runs on rank 0 alone. So
+    # build() makes the data path locally, and what every rank must do together (compare
+    # the models, open the collectives' group) waits for _join(): at on_train_begin in
+    # BroadcastGlobalVariablesCallback, else at the first apply() or flush().
     def build(self, variables):
         if self.built:
             return
         super().build(variables)
-        self._pipe_variables = list(variables)
-
-    def _join(self):
-        """The collective half of building; every rank calls it at the same point."""
-        if self._path is not None:
-            return
-        variables, options = self._pipe_variables, self._pipe_options
-        description = {f"variable {i} ({v.name})": f"shape {tuple(v.shape)} {v.dtype}"
-                       for i, v in enumerate(variables)}
-        description.update({f"option {k}": repr(v) for k, v in options.items()
-                            if k != "process_set"})
-        ps = options["process_set"]
-        if ps is None or ps.included():
-            compare_across_ranks(lambda obj: engine.current().allgather_object(
-                obj, process_set=ps), description)
-        if options["collective"] is not None:
-            communicator(engine.current())
+        variables, options = list(variables), self._pipe_options
         if _backend() == "torch":
             from .torch_path import TorchPath
             self._path = TorchPath(self, variables, options)
@@ -80,9 +64,23 @@ class _PipelinedKeras:
             self._path = TensorFlowPath(self, variables, options)
             _built.add(self)
             engine.current().before_shutdown(__name__, _report_unapplied)
-        if self._pending is not None:
-            self._restore(self._pending)
-            self._pending = None
+
+    def _join(self):
+        """The collective half of building; every rank calls it at the same point."""
+        if self._joined:
+            return
+        self._joined = True
+        options = self._pipe_options
+        description = {f"variable {i} ({v.name})": f"shape {tuple(v.shape)} {v.dtype}"
+                       for i, v in enumerate(self._path.variables)}
+        description.update({f"option {k}": repr(v) for k, v in options.items()
+                            if k != "process_set"})
+        ps = options["process_set"]
+        if ps is None or ps.included():
+            compare_across_ranks(lambda obj: engine.current().allgather_object(
+                obj, process_set=ps), description)
+        if options["collective"] is not None:
+            communicator(engine.current())
 
     def _base_apply(self, grads, variables):
         """The user's optimizer's own update (one iteration)."""
@@ -115,8 +113,8 @@ class _PipelinedKeras:
         training, and before evaluating or saving weights that must hold
         every computed gradient.
         """
-        if self._path is None and self._pending is None:
-            return                               # nothing computed, nothing loaded
+        if self._path is None:
+            return                               # not built: nothing computed or loaded
         self._join()
         self._path.flush()
 
@@ -130,9 +128,7 @@ class _PipelinedKeras:
     @property
     def in_flight(self):
         """How many computed gradients are not applied yet."""
-        if self._path is None:
-            return 0 if self._pending is None else _saved_state(self._pending)["entries"]
-        return self._path.in_flight()
+        return 0 if self._path is None else self._path.in_flight()
 
     # --- serialization -----------------------------------------------------
     def get_config(self):
@@ -165,8 +161,6 @@ class _PipelinedKeras:
     def save_own_variables(self, store):
         super().save_own_variables(store)
         if self._path is None:
-            for key, value in (self._pending or {}).items():
-                store[key] = value               # loaded, not joined yet: passed on whole
             return
         state = self._path.state()
         in_flight, kept = state.pop("in_flight"), state.pop("kept", [])
@@ -200,14 +194,7 @@ class _PipelinedKeras:
         super().load_own_variables(own)
         if "pipe_horovod" not in keys:
             return
-        pipe = {key: np.array(store[key]) for key in keys if key.startswith("pipe_horovod")}
-        if self._path is None:
-            self._pending = pipe                 # the data path is made at _join()
-        else:
-            self._restore(pipe)
-
-    def _restore(self, store):
-        state = _saved_state(store)
+        state = json.loads(bytes(np.asarray(store["pipe_horovod"])).decode())
         names = self._path.names
 
         def load(prefix, only=None):
@@ -223,10 +210,6 @@ class _PipelinedKeras:
                         load(f"pipe_horovod.error_feedback.{slot}", only).items()}
             for slot, only in (state.get("error_feedback") or {}).items()}   # older: null
         self._path.restore(in_flight, state)
-
-
-def _saved_state(store):
-    return json.loads(bytes(np.asarray(store["pipe_horovod"])).decode())
 
 
 def _config_value(key, value):

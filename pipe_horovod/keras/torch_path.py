@@ -89,7 +89,7 @@ class TorchPath:
             warmup_steps=options["warmup_steps"], bucket_cap_mb=options["bucket_cap_mb"],
             groups=options["groups"],
             staleness_compensation=options["staleness_compensation"],
-            collective=options["collective"])
+            collective=options["collective"], _join_ranks=optimizer._join)
 
     def apply(self, grads, variables):
         opt = self.torch_optimizer

@@ -100,6 +100,7 @@ class _PipelinedOptimizer(_Compensation):
         self._parameter_names = self._name_of    # Horovod's attribute, read by its tests
         self._params, self._param_of, self._passes, self._hook_handles = [], {}, {}, []
         self._replaced_by = None                 # name of a parameter a newer wrapper took
+        self._join_ranks = None                  # called before the first reduction (Keras)
         # The hooks hold this optimizer weakly; once it is collected, this removes them.
         weakref.finalize(self, _remove_hooks, self._hook_handles)
         self._track([p for group in self.param_groups for p in group["params"]])
@@ -176,6 +177,9 @@ class _PipelinedOptimizer(_Compensation):
                 f"backward_passes_per_step={self._passes_per_step} times before step(); "
                 "call step() after each backward, or raise backward_passes_per_step to "
                 "accumulate locally")
+        if self._join_ranks is not None:        # the first gradient: every rank is here
+            join, self._join_ranks = self._join_ranks, None
+            join()
         self._hooks_fired = True
         self._passes[param] += 1
         if not self._order_agreed:
@@ -687,7 +691,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=None, *, pipeline_depth=None,
                          warmup_steps=0, bucket_cap_mb=25, grad_scaler=None, collective=None,
-                         staleness_compensation=staleness.DEFAULT):
+                         staleness_compensation=staleness.DEFAULT, _join_ranks=None):
     """Wrap `optimizer` so its gradients are averaged across ranks, pipelined.
 
     The arguments up to `process_set` are Horovod's, in Horovod's order and
@@ -746,8 +750,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if process_set is not None and process_set.process_set_id is None:
         raise ValueError(f"{process_set} is not registered: pass it to init(process_sets=[...]) "
                          "or add_process_set() first")
-    if os.environ.get("HOROVOD_ELASTIC") != "1" and (process_set is None
-                                                       or process_set.included()):
+    # _join_ranks: the Keras adapter's, which may build this on one rank alone (inside
+    # load_model): it compares its own model and opens the group, called before the
+    # first gradient is reduced, when every rank is there.
+    if _join_ranks is None and os.environ.get("HOROVOD_ELASTIC") != "1" and (
+            process_set is None or process_set.included()):
         # Not under horovodrun's elastic mode: there a worker that joins wraps its
         # optimizer while the others synchronize state, so a collective here would
         # deadlock; elastic's sync gives it rank 0's state instead.
@@ -764,7 +771,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                             warmup_steps, bucket_cap_mb, grad_scaler,
                             float(gradient_predivide_factor), bucket_groups,
                             bool(sparse_as_dense), process_set, compensation, collective)
-    if collective is not None:
+    if _join_ranks is not None:
+        wrapped._join_ranks = _join_ranks
+    elif collective is not None:
         communicator(eng)            # collective: every rank is here, after the comparison
     return wrapped
 
