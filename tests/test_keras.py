@@ -20,6 +20,7 @@ MODES = {"local": "oracle,staleness,errors,callbacks,overlap",
          "torch": "oracle,staleness,errors,callbacks", "horovod": "oracle,callbacks"}
 EXTRA_MODES = {("horovod", "torch"): ",staleness", ("torch", "tensorflow"): ",overlap"}
 ONLY_MODES = {("local", "tensorflow"): "oracle"}
+LAST_MODE = ",api"           # rank 0 alone builds optimizers there: nothing may follow
 
 
 def needs(engine_name):
@@ -31,15 +32,16 @@ def needs(engine_name):
 
 @pytest.mark.parametrize("backend", ["tensorflow", "torch"])
 @pytest.mark.parametrize("engine_name, np_", [("local", 1), ("torch", 2), ("horovod", 2)])
-def test_fit_matches_the_reference(backend, engine_name, np_):
+def test_fit_matches_the_reference(tmp_path, backend, engine_name, np_):
     """Weights after fit and after flush, K = 1, 2, 3, warm-up 0 and 2, SGD and Adam, plain
     and with lookahead (on torch: the other staleness options too); the callbacks; bad input
-    raising on every rank; K=2 hiding a slow reduction."""
+    raising on every rank; K=2 hiding a slow reduction; Horovod's value collectives and
+    load_model."""
     needs(engine_name)
-    modes = ONLY_MODES.get((engine_name, backend),
-                           MODES[engine_name] + EXTRA_MODES.get((engine_name, backend), ""))
+    modes = ONLY_MODES.get((engine_name, backend), MODES[engine_name] + EXTRA_MODES.get(
+        (engine_name, backend), "") + LAST_MODE)
     launcher.run(engine_name, np_, "keras_worker.py", modes, timeout=600,
-                 env={"KERAS_BACKEND": backend})
+                 env={"KERAS_BACKEND": backend, "PIPE_HOROVOD_TEST_DIR": str(tmp_path)})
 
 
 def test_dlpack_transfer_matches_the_reference():
@@ -88,13 +90,22 @@ def test_wrapping_before_init_is_a_clear_error():
         phvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
 
 
-@pytest.mark.parametrize("engine_name", ["horovod", "torch"])
-def test_horovod_keras_script_runs_with_only_its_import_changed(tmp_path, engine_name):
-    """Horovod's own Keras arguments and callbacks, a tf.data pipeline, rank-0
-    checkpoints and no flush(): it runs, every rank ends with the same weights."""
-    needs(engine_name)
+def test_horovod_keras_script_runs_with_only_its_import_changed(tmp_path):
+    """Under horovodrun, Horovod's own Keras arguments and callbacks, a tf.data pipeline,
+    rank-0 checkpoints and no flush(): it runs, every rank ends with the same weights.
+    Launched again for one more epoch, it resumes as Horovod's Keras ImageNet example
+    does (hvd.broadcast of the epoch, hvd.load_model on rank 0 alone). (The torch engine
+    runs the same TensorFlow path in test_fit_matches_the_reference.)"""
+    needs("horovod")
     pytest.importorskip("sklearn")
-    _, out = launcher.run(engine_name, 2, "horovod_keras_script.py", tmp_path, timeout=300,
-                          env={"KERAS_BACKEND": "tensorflow"})
-    assert (tmp_path / "checkpoint-2.keras").exists() and (tmp_path / "weights.npy").exists()
+    env = {"KERAS_BACKEND": "tensorflow"}
+    _, out = launcher.run("horovod", 2, "horovod_keras_script.py", tmp_path, 2, timeout=300,
+                          env=env)
+    assert (tmp_path / "checkpoint-2.keras").exists() and (tmp_path / "weights-2.npy").exists()
+    assert "resumed_from=0" in out
     assert "1 computed gradient(s) were not applied" in out   # told, not silently lost
+    _, out = launcher.run("horovod", 2, "horovod_keras_script.py", tmp_path, 3, timeout=300,
+                          env=env)
+    assert "resumed_from=2" in out and (tmp_path / "checkpoint-3.keras").exists()
+    assert not np.array_equal(np.load(tmp_path / "weights-3.npy"),
+                              np.load(tmp_path / "weights-2.npy")), "it trained on"

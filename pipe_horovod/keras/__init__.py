@@ -7,32 +7,33 @@
     model.fit(..., callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                               hvd.callbacks.PipelineFlushCallback()])
 
-Backends: TensorFlow (graph mode or eager; not XLA) and torch.
+Backends: TensorFlow (graph mode or eager; not XLA) and torch. The rest of
+horovod.tensorflow.keras's names are here too (identity, build flags,
+process sets, timeline, load_model, the value collectives), each
+delegating to the one pipe_horovod implementation; its `elastic` module is
+not (elastic training is
+PyTorch-only here: pipe_horovod.torch.elastic).
 """
-import numpy as np
-
 from ..compression import Compression
-from ..engine import (Average, Sum, allgather_object, barrier, broadcast_object,
-                      global_process_set, init, is_initialized, local_rank, local_size, rank,
-                      shutdown, size)
+from ..torch.mpi_ops import (Adasum, Average, ProcessSet, Sum, add_process_set,
+                             allgather_object, barrier, broadcast_object, ccl_built, cross_rank,
+                             cross_size, cuda_built, ddl_built, global_process_set, gloo_built,
+                             gloo_enabled, init, is_homogeneous, is_initialized, local_rank,
+                             local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+                             nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
+                             start_timeline, stop_timeline)
 from . import callbacks
 from .callbacks import broadcast_variables
+from .functions import allgather, allreduce, broadcast, broadcast_global_variables, reducescatter
 from .optimizer import DistributedOptimizer
+from .saving import load_model
 
-
-def allreduce(value, name=None, op=Average):
-    """The reduction of a number or NumPy array over every rank (for metrics, counts).
-
-    Unnamed calls get names in call order, so every rank must make them in the same order."""
-    import torch
-
-    from .. import engine
-
-    tensor = torch.from_numpy(np.array(value, copy=True))
-    return engine.wait(engine.allreduce_async(tensor, name, op)).numpy()
-
-
-__all__ = ["Average", "Sum", "Compression", "DistributedOptimizer", "allgather_object",
-           "allreduce", "barrier", "broadcast_object",
-           "broadcast_variables", "callbacks", "global_process_set", "init", "is_initialized",
-           "local_rank", "local_size", "rank", "shutdown", "size"]
+__all__ = [
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "ProcessSet", "Sum",
+    "add_process_set", "allgather", "allgather_object", "allreduce", "barrier", "broadcast",
+    "broadcast_global_variables", "broadcast_object", "broadcast_variables", "callbacks",
+    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set",
+    "gloo_built", "gloo_enabled", "init", "is_homogeneous", "is_initialized", "load_model",
+    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "nccl_built", "rank", "reducescatter", "remove_process_set", "rocm_built", "shutdown",
+    "size", "start_timeline", "stop_timeline"]

@@ -18,6 +18,10 @@ NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
   callbacks              the four callbacks together, different initial weights per rank
   errors                 bad input: a clear error on every rank, and no hang after it
   overlap                with reductions slowed by a fixed delay, K=2 steps beat K=1's
+  api                    horovod.tensorflow.keras's allreduce, allgather, broadcast,
+                         reducescatter, and load_model (on rank 0 alone) of a plain and a
+                         pipelined checkpoint; files in $PIPE_HOROVOD_TEST_DIR. Last in a
+                         launch (rank 0 alone builds optimizers)
 """
 import os
 import sys
@@ -263,11 +267,11 @@ def check_callbacks():
     assert history.history["lr"][-1] == np.float32(lr)
     # The same weights everywhere, and the averaged metrics agree across ranks.
     mine = np.concatenate([w.ravel() for w in weights_of(model)])
-    total = phvd.allreduce(mine, "weights", phvd.Sum)
+    total = phvd.allreduce(mine, "weights", op=phvd.Sum)
     assert np.array_equal(total, mine * phvd.size()), "ranks ended with different weights"
     for key in ("loss", "val_loss"):
         values = np.array(history.history[key])
-        assert np.array_equal(phvd.allreduce(values, key, phvd.Sum), values * phvd.size()), key
+        assert np.array_equal(phvd.allreduce(values, key, op=phvd.Sum), values * phvd.size()), key
     # Validation ran on flushed weights: evaluating now gives the last val_loss (same data).
     loss = phvd.allreduce(model.evaluate(x, y, batch_size=BATCH, verbose=0), "eval")
     assert abs(loss - history.history["val_loss"][-1]) <= 1e-5 * abs(loss), (
@@ -427,6 +431,68 @@ def check_overlap():
     assert ratio <= 0.8, f"K=2 did not hide the reduction delay: {seconds}"
 
 
+class MySGD(keras.optimizers.SGD):
+    """A user's own optimizer class, unregistered: load_model finds it by custom_optimizers."""
+
+
+def check_api(tmp):
+    """horovod.tensorflow.keras's value collectives and load_model (run it last in a launch:
+    rank 0 alone builds optimizers here, which numbers the later ones differently)."""
+    r, n = phvd.rank(), phvd.size()
+    assert phvd.allreduce(r + 1.0, "api.sum", op=phvd.Sum) == n * (n + 1) / 2
+    assert phvd.allreduce(np.full(3, r, "float32"), "api.avg").tolist() == [(n - 1) / 2] * 3
+    assert phvd.allreduce(keras.ops.ones((2,)), "api.tensor").tolist() == [1.0, 1.0]
+    assert phvd.allreduce(2.0, "api.scaled", op=phvd.Sum, prescale_factor=2.0,
+                          postscale_factor=3.0) == 12.0 * n
+    expect_error(TypeError, "op=", lambda: phvd.allreduce(1.0, "api.bad", phvd.Sum))
+    gathered = phvd.allgather(np.full((r + 1, 2), r, "int64"), "api.gather")
+    assert gathered.tolist() == [[k, k] for k in range(n) for _ in range(k + 1)], gathered
+    # Horovod's Keras ImageNet example: every rank resumes from rank 0's epoch.
+    assert int(phvd.broadcast(5 if r == 0 else 0, 0, name="resume_from_epoch")) == 5
+    rows = np.arange(2 * n, dtype="float32").reshape(n, 2) + r
+    assert phvd.reducescatter(rows, "api.scatter").tolist() == [[2 * r + (n - 1) / 2,
+                                                                 2 * r + 1 + (n - 1) / 2]]
+    assert 0 <= phvd.cross_rank() < phvd.cross_size() and phvd.gloo_built() in (True, False)
+    expect_error(RuntimeError, "BroadcastGlobalVariablesCallback",
+                 lambda: phvd.broadcast_global_variables(0))
+    expect_error(ValueError, "Keras 3 does not have",
+                 lambda: phvd.load_model(tmp / "none.keras", legacy_opts=True))
+    if r == 0:                               # alone, as in Horovod's resume pattern
+        check_load_model(tmp)
+    phvd.barrier()
+
+
+def check_load_model(tmp):
+    # A plain optimizer (a checkpoint from before pipe_horovod): wrapped, its state kept.
+    model = build()
+    model.compile(optimizer=MySGD(0.05, momentum=0.9), loss="mse", metrics=["mae"])
+    x, y = fit_data(0, 0, 3)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    model.save(tmp / "plain.keras")
+    expect_error(TypeError, "MySGD", lambda: phvd.load_model(tmp / "plain.keras"))
+    plain = keras.models.load_model(tmp / "plain.keras", custom_objects={"MySGD": MySGD})
+    loaded = phvd.load_model(tmp / "plain.keras", custom_optimizers=[MySGD])
+    opt = loaded.optimizer
+    assert isinstance(opt, MySGD) and hasattr(opt, "flush"), type(opt).__mro__
+    assert opt.get_config()["optimizer"]["config"] == plain.optimizer.get_config()
+    assert len(opt.variables) == len(plain.optimizer.variables)
+    for a, b in zip(opt.variables, plain.optimizer.variables):
+        assert np.array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)), a.name
+    assert loaded.evaluate(x, y, verbose=0) == plain.evaluate(x, y, verbose=0), "loss, metrics"
+    # A pipe_horovod checkpoint comes back as saved; another codec would change it.
+    loaded.save(tmp / "pipelined.keras")
+    again = phvd.load_model(tmp / "pipelined.keras", custom_optimizers=[MySGD])
+    assert again.optimizer.get_config() == opt.get_config()
+    if phvd.size() == 1:                     # training on: the same steps
+        later = fit_data(0, 3, 6)
+        for m in (plain, loaded):
+            m.fit(*later, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        loaded.optimizer.flush()
+        assert all(np.array_equal(a, b) for a, b in zip(weights_of(loaded), weights_of(plain)))
+    expect_error(ValueError, "saved with compression none", lambda: phvd.load_model(
+        tmp / "pipelined.keras", custom_optimizers=[MySGD], compression=phvd.Compression.fp16))
+
+
 def main():
     phvd.init()
     mode, args = sys.argv[1], sys.argv[2:]
@@ -434,7 +500,8 @@ def main():
         check_checkpoint(mode, *args)
     else:
         checks = {"oracle": check_oracle, "staleness": check_staleness,
-                  "callbacks": check_callbacks, "errors": check_errors, "overlap": check_overlap}
+                  "callbacks": check_callbacks, "errors": check_errors, "overlap": check_overlap,
+                  "api": lambda: check_api(Path(os.environ["PIPE_HOROVOD_TEST_DIR"]))}
         for name in mode.split(","):             # several in one launch: TF starts slowly
             checks[name]()
     print(f"WORKER_OK rank={phvd.rank()}", flush=True)
