@@ -11,8 +11,7 @@ Backends: TensorFlow (graph mode or eager; not XLA) and torch. The rest of
 horovod.tensorflow.keras's names are here too (identity, build flags,
 process sets, timeline, load_model, the value collectives), each
 delegating to the one pipe_horovod implementation; its `elastic` module is
-not (elastic training is
-PyTorch-only here: pipe_horovod.torch.elastic).
+not (elastic training is PyTorch-only here: pipe_horovod.torch.elastic).
 """
 from ..compression import Compression
 from ..torch.mpi_ops import (Adasum, Average, ProcessSet, Sum, add_process_set,
