@@ -53,8 +53,9 @@ def test_fit_matches_the_reference(tmp_path, backend, engine_name, np_):
 def test_save_load_continue_is_bit_identical(tmp_path, backend, engine_name):
     """model.save with gradients in flight (K=3: two), load_model in new processes, fit on;
     plain Pipe-SGD in Horovod's pattern (rank 0 alone loads; BroadcastGlobalVariablesCallback
-    gives the others its weights, slots and gradients in flight), with lookahead (its real weights and kept gradients saved too) and int8
-    per ring hop with error feedback (each rank's residuals saved too)."""
+    gives the others its weights, slots and gradients in flight), with lookahead (its real
+    weights and kept gradients saved too) and int8 per ring hop with error feedback (each
+    rank's residuals saved too)."""
     needs(engine_name)
     env = {"KERAS_BACKEND": backend}
     full, resumed, ckpt = tmp_path / "full.npz", tmp_path / "resumed.npz", tmp_path / "m.keras"

@@ -188,8 +188,9 @@ def case_file(path, compensation, rank=None):
 
 
 # label -> the optimizer's options. Plain: Horovod's pattern (rank 0 saves, rank 0 alone loads
-# it, the broadcast callback gives the others its state). Lookahead and int8 with error feedback: each rank saves and loads its own (its
-# prediction used its own gradients; its residuals are what its own encodes lost).
+# it, the broadcast callback gives the others its state). Lookahead and int8 with error
+# feedback: each rank saves and loads its own (its prediction used its own gradients; its
+# residuals are what its own encodes lost).
 CHECKPOINT_CASES = {
     "None": {"staleness_compensation": None},
     "lookahead": {"staleness_compensation": "lookahead"},
