@@ -323,7 +323,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     Compression.int8 and int8_ef (error feedback, whose residuals checkpoints
     carry, per rank) become possible; as in the PyTorch adapter.
     Every rank must build the same model: differences are raised as
-    ValueError on every rank when the optimizer is built.
+    ValueError on every rank at the first step (or at
+    BroadcastGlobalVariablesCallback's on_train_begin), not when the
+    optimizer is built, which Horovod's resume does on rank 0 alone.
     """
     _check_optimizer(optimizer)
     if backward_passes_per_step != 1:
