@@ -59,8 +59,8 @@ def test_save_load_continue_is_bit_identical(tmp_path, backend, engine_name):
     needs(engine_name)
     env = {"KERAS_BACKEND": backend}
     full, resumed, ckpt = tmp_path / "full.npz", tmp_path / "resumed.npz", tmp_path / "m.keras"
-    launcher.run(engine_name, 2, "keras_worker.py", "full", 3, full, env=env, timeout=300)
-    launcher.run(engine_name, 2, "keras_worker.py", "save", 3, ckpt, env=env, timeout=300)
+    launcher.run(engine_name, 2, "keras_worker.py", "full,save", 3, full, ckpt, env=env,
+                 timeout=300)
     launcher.run(engine_name, 2, "keras_worker.py", "resume", 3, ckpt, resumed, env=env,
                  timeout=300)
     for case in ("None", "lookahead", "int8"):

@@ -9,6 +9,7 @@ NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
                          too; on torch one case of each other option
   full K OUT             all STEPS steps, then flush; weights to OUT (.npz)
   save K CKPT            SAVE_AT steps, then save the model (gradients in flight)
+  full,save K OUT CKPT   both, in one launch (TensorFlow starts slowly), other optimizers
   resume K CKPT OUT      new processes: load CKPT, fit the rest, flush (each of these three
                          runs plain Pipe-SGD in Horovod's pattern: rank 0 saves, rank 0 alone
                          loads and BroadcastGlobalVariablesCallback gives the others its
@@ -497,7 +498,11 @@ def check_load_model(tmp):
 def main():
     phvd.init()
     mode, args = sys.argv[1], sys.argv[2:]
-    if mode in ("full", "save", "resume"):
+    if mode == "full,save":
+        depth, out, path = args
+        check_checkpoint("full", depth, out)
+        check_checkpoint("save", depth, path)
+    elif mode in ("full", "save", "resume"):
         check_checkpoint(mode, *args)
     else:
         checks = {"oracle": check_oracle, "staleness": check_staleness,
