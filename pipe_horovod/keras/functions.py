@@ -7,6 +7,7 @@ either Keras backend and under every engine, and check their arguments as
 Horovod does. Unnamed calls get names in call order, so every rank must
 make them in the same order (Horovod's rule).
 """
+import keras
 import numpy as np
 import torch
 
@@ -17,7 +18,6 @@ from ..torch import mpi_ops
 
 def _tensor(value):
     """A torch copy of a Python number, list, NumPy array or Keras/backend tensor."""
-    import keras
     return torch.from_numpy(np.array(keras.ops.convert_to_numpy(value), copy=True))
 
 
