@@ -13,14 +13,18 @@ NP ?= 2
 
 install: $(STAMP)
 
-$(STAMP): Makefile setup.py scripts/install_openmpi.sh scripts/install_horovod.sh scripts/cxx17
+# pyproject.toml declares the versions the package supports; constraints.txt
+# pins the ones installed here, so every run of the suite sees the same stack.
+# TensorFlow is not a requirement of the package (users bring the flavour they
+# run): CI takes the CPU one.
+$(STAMP): Makefile pyproject.toml constraints.txt scripts/install_openmpi.sh scripts/install_horovod.sh scripts/cxx17
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	bash scripts/install_openmpi.sh
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip setuptools wheel
-	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[test,keras]'
-	PYTHON=$(PY) bash scripts/install_horovod.sh
+	$(PY) -m pip install -c constraints.txt --upgrade pip setuptools wheel
+	$(PY) -m pip install -c constraints.txt torch
+	$(PY) -m pip install -c constraints.txt -e '.[test,keras]' tensorflow-cpu
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt PYTHON=$(PY) bash scripts/install_horovod.sh
 	touch $@
 
 # The main job: the digits CNN on $(NP) horovodrun workers, synchronous then

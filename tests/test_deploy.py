@@ -212,8 +212,13 @@ def test_dockerfile_stages_arguments_and_files():
     for want in ("TORCH_VERSION", "TENSORFLOW_VERSION", "KERAS_VERSION", "HOROVOD_VERSION",
                  "USER_NAME"):
         assert want in stage_args, want
-    # Versions the repository pins elsewhere: one truth for the image and `make`.
-    assert f"torch=={defaults['TORCH_VERSION']}" in (REPO / "setup.py").read_text()
+    # Versions `make` installs (constraints.txt): one truth for the image and CI.
+    pins = dict(line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    for package, arg in (("torch", "TORCH_VERSION"), ("tensorflow-cpu", "TENSORFLOW_VERSION"),
+                         ("keras", "KERAS_VERSION"), ("horovod", "HOROVOD_VERSION"),
+                         ("scikit-learn", "SCIKIT_LEARN_VERSION")):
+        assert pins.get(package) == defaults[arg], (package, pins.get(package), arg)
     assert f'HOROVOD_VERSION:-{defaults["HOROVOD_VERSION"]}' in (
         REPO / "scripts" / "install_horovod.sh").read_text()
 
