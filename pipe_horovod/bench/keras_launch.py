@@ -56,10 +56,11 @@ def check(args, configs):
             continue
         raise UsageError(f"configuration {name!r} is not part of the Keras benchmark; choose "
                          f"from ours-kK, compute, allreduce, {mwms_worker.NAME}")
-    for module in ("tensorflow", "keras"):
-        if importlib.util.find_spec(module) is None:
-            raise UsageError(f"--framework keras needs {module}: pip install "
-                             "'pipe_horovod[keras]'")
+    if importlib.util.find_spec("keras") is None:
+        raise UsageError("--framework keras needs Keras 3: pip install 'pipe_horovod[keras]'")
+    if importlib.util.find_spec("tensorflow") is None:
+        raise UsageError("--framework keras runs Keras on TensorFlow, which is not installed: "
+                         "pip install tensorflow (or tensorflow-cpu)")
     if mwms_worker.NAME in configs and importlib.util.find_spec("tf_keras") is None:
         raise UsageError("the tf-keras + MultiWorkerMirroredStrategy baseline needs tf-keras: "
                          "pip install --no-deps tf-keras==2.21.0 (without --no-deps its "

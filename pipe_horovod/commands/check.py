@@ -62,6 +62,22 @@ def report():
     }
 
 
+# How to install each framework that `report` finds missing.
+INSTALL_FRAMEWORK = {
+    "torch": "pip install 'torch>=2.1'",
+    "keras": "pip install 'pipe_horovod[keras]' (Keras 3; its torch backend needs nothing more)",
+    "tensorflow": "only for Keras's TensorFlow backend: pip install tensorflow (or tensorflow-cpu, "
+                  "or tensorflow[and-cuda]), 2.16 or newer",
+}
+
+
+def missing(info):
+    """One line per engine and framework this installation lacks: what it is, how to get it."""
+    return ([missing_package(name) for name, usable in info["engines"].items() if not usable]
+            + [f"{name} is not installed: {how}" for name, how in INSTALL_FRAMEWORK.items()
+               if not info["frameworks"][name]])
+
+
 def add_arguments(parser):
     parser.add_argument("--engine", choices=sorted(ENGINES), help="fail unless this engine is usable")
     parser.add_argument("--controller", choices=["gloo", "mpi"],
@@ -81,6 +97,11 @@ def run(args):
         for item, value in items.items():
             version = "" if isinstance(value, bool) else f" {value or ''}"
             print(f"    {mark(value)} {item}{version}")
+    lacking = missing(info)
+    if lacking:
+        print("missing:")
+        for line in lacking:
+            print(f"    {line}")
     problems = []
     if args.engine and not info["engines"][args.engine]:
         problems.append(missing_package(args.engine))

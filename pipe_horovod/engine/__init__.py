@@ -12,14 +12,14 @@ import os
 from .base import (Adasum, Average, Engine, EngineError, Handle, HorovodInternalError,
                    HostsUpdatedInterrupt, Max, Min, Product, ReduceOp, Sum)
 from .faults import RankLostError, WaitError, WaitTimeoutError, resolve_timeout
+from .horovod_install import how_to_install, without_horovod
 from .process_sets import ProcessSet, global_process_set
 
 ENGINES = {
     # name -> (module, class, package it needs, how to get that package)
     "horovod": ("horovod", "HorovodEngine", "horovod.torch",
-                "run `make install` (builds Horovod 0.28.1 with PyTorch ops) or see README.md"),
-    "torch": ("torch_dist", "TorchDistEngine", "torch.distributed",
-              "pip install torch==2.13.0"),
+                f"{without_horovod()}; or {how_to_install()}"),
+    "torch": ("torch_dist", "TorchDistEngine", "torch.distributed", "pip install 'torch>=2.1'"),
     "local": ("local", "LocalEngine", None, None),
 }
 
