@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from ..torch import optimizer as torch_optimizer
-from ..torch.compensation import _copy_into
 from .paths import momentum_attribute, variable_names
 
 
@@ -54,15 +53,17 @@ class _KerasUpdate(torch.optim.Optimizer):
             setattr(self._keras, self._attribute, saved)
 
     @contextlib.contextmanager
-    def _pipe_horovod_state_restored(self, copies):
-        """torch/compensation.py's _state_restored, for state kept in Keras variables."""
+    def _pipe_horovod_state_restored(self):
+        """torch/lookahead.py's `stepped`, for state kept in Keras variables: saved in
+        temporaries while the prediction's update runs, put back afterwards."""
         variables = self._keras.variables
-        saved = [_copy_into(copies, i, v.value) for i, v in enumerate(variables)]
+        saved = [v.value.clone() for v in variables]
         try:
             yield
         finally:
             for v, value in zip(variables, saved):
                 v.assign(value)
+            del saved
 
 
 class TorchPath:

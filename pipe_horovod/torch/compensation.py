@@ -3,7 +3,16 @@ pipe_horovod/pipeline/staleness.py (what the options keep, predict, correct).
 
 A mixin of _PipelinedOptimizer: it reads the optimizer's parameters, its
 state and the step machine's FIFO, and calls `_inner_step` for the
-optimizer steps a prediction runs.
+optimizer steps a prediction runs where it cannot be computed in one pass.
+
+"lookahead" keeps only the real weights while the parameters hold the
+prediction. This rank's own gradient of the step in flight is the `.grad`
+autograd made for it (the bucket got a copy), taken by reference when the
+step is pushed and used as scratch by the prediction right after the real
+update (torch/lookahead.py); so at pipeline_depth=2 nothing but the real
+weights outlives step(). Where backward accumulated straight into the
+bucket (zero_grad(set_to_none=False)) the reduction overwrites it, so a
+copy is kept; at depth K >= 3 the K-2 older steps' gradients are kept too.
 """
 import contextlib
 import time
@@ -11,6 +20,7 @@ import time
 import torch
 
 from ..pipeline import staleness
+from . import lookahead
 
 
 class _Compensation:
@@ -22,15 +32,17 @@ class _Compensation:
         self._predicted = False
         self._previous = {}                      # "predict": the weights before this step's update
         self._mean_square = {}                   # "dc": running mean of g*g per parameter
-        self._state_copies = {}                  # "lookahead": the optimizer state, saved
+        # "lookahead": the user's optimizer class, whose rule torch/lookahead.py may know.
+        self._rule_class = next(c for c in type(self).__mro__[1:]
+                                if not issubclass(c, _Compensation))
 
     def _keep(self):
         """What this step must keep for its compensation until it is applied."""
         kind = self._compensation
         if kind == "lookahead" and not self._machine.solo:   # solo: the entry is local already
-            # Bucketed gradients were kept as their buckets launched; sparse ones here.
-            return {"local": {name: self._step_local[name] if name in self._step_local
-                              else self._kept_copy("local", name, p.grad)
+            # Autograd's `.grad` by reference (step() points `.grad` elsewhere before the
+            # next backward), or the copy taken where backward wrote into the bucket.
+            return {"local": {name: self._step_local.get(name, p.grad)
                               for name, p in self._param_of.items()}}
         if kind == "dc":
             return {"weights": {name: self._kept_copy("weights", name, p.detach())
@@ -44,7 +56,9 @@ class _Compensation:
             return torch.zeros_like(p)
         if tensor.is_sparse:
             return tensor.detach().clone()
-        return _copy_into(self._kept_buffers, (self._machine.slot, kind, name), tensor)
+        # A local gradient at depth 2 is used up within its step: one buffer, not one a slot.
+        slot = 0 if kind == "local" and self._pipeline_depth == 2 else self._machine.slot
+        return _copy_into(self._kept_buffers, (slot, kind, name), tensor)
 
     def _copy_params(self, into):
         with torch.no_grad():
@@ -71,36 +85,79 @@ class _Compensation:
         if self._compensation not in ("predict", "lookahead") or not ahead:
             return
         with self._charged():
-            self._predict_ahead(ahead)
-        self._predicted = True
+            self._predicted = self._predict_ahead(ahead)
 
     def _predict_ahead(self, ahead):
-        self._copy_params(self._real)
         if self._compensation == "predict":
+            self._copy_params(self._real)
             with torch.no_grad():
                 for name, p in self._param_of.items():
                     p.copy_(staleness.extrapolated(self._real[name], self._previous[name],
                                                    len(ahead)))
-        else:
-            applied = {name: p.grad for name, p in self._param_of.items()}
-            with _state_restored(self, self._state_copies):
-                for entry in ahead:
-                    self._bare_step(entry.kept.get("local") or entry.gradients(), entry.scale)
-            for name, p in self._param_of.items():
-                p.grad = applied[name]           # zero_grad(set_to_none=False) zeroes these
+            return True
+        return self._look_ahead(ahead)
 
-    def _bare_step(self, grads, scale):
-        """One step of the wrapped optimizer with `grads`, without the user's step hooks."""
-        unscale = 1.0 / scale if scale is not None else 1.0
-        for name, p in self._param_of.items():
-            grad = grads.get(name)
-            p.grad = None if grad is None else (grad.view_as(p) if not grad.is_sparse else grad)
-            if p.grad is not None and unscale != 1.0:
-                p.grad = p.grad * unscale
-        if scale is not None and not all(torch.isfinite(_values(p.grad)).all()
-                                         for p in self._params if p.grad is not None):
-            return      # an overflow GradScaler will skip predicts nothing (no scaler: no check)
-        self._inner_step()
+    def _look_ahead(self, ahead):
+        """This rank's own gradients of the steps in flight (oldest first), applied by the
+        wrapped optimizer's rule from its current state: in one pass where
+        torch/lookahead.py knows the rule, else by its own step on saved state. A step
+        whose gradient overflowed (GradScaler) predicts nothing. Returns whether the
+        parameters hold a prediction."""
+        steps = []
+        for entry in ahead:
+            kept = entry.kept.get("local")
+            grads = kept if kept is not None else entry.gradients()
+            if entry.scale is not None and not all(
+                    torch.isfinite(_values(g)).all() for g in grads.values() if g is not None):
+                continue
+            steps.append((grads, entry.scale))
+        # The oldest entry pops at the next step: its gradient predicts nothing more.
+        fifo = self._machine.fifo
+        last = len(fifo) + 1 >= fifo.threshold(fifo.steps)
+        if last:
+            next(iter(fifo)).kept.pop("local", None)
+        if not steps:
+            return False
+        # One pass uses the gradient as scratch: only where nothing needs it afterwards
+        # (solo: the FIFO's own gradients; depth >= 3: later predictions).
+        if len(ahead) == 1 and len(steps) == 1 and last and not self._machine.solo:
+            (grads, scale), = steps
+            owned = {p: self._owned(name, p, grads.get(name), scale)
+                     for name, p in self._param_of.items()}
+            reals = {p: self._real_buffer(name, p) for name, p in self._param_of.items()}
+            if None not in owned.values() and lookahead.predict(
+                    self._rule_class, self.param_groups, self.state, owned, reals):
+                return True
+            steps = [({n: owned[p] for n, p in self._param_of.items()}, None)]
+        self._copy_params(self._real)
+        per_param = [{p: self._stepped_grad(name, p, grads.get(name), scale)
+                      for name, p in self._param_of.items()} for grads, scale in steps]
+        lookahead.stepped(self, per_param, self._inner_step)
+        return True
+
+    def _real_buffer(self, name, p):
+        """The buffer the real weights are kept in while `p` holds the prediction."""
+        buf = self._real.get(name)
+        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype:
+            buf = self._real[name] = torch.empty_like(p)
+        return buf
+
+    def _owned(self, name, p, grad, scale):
+        """The local gradient as a tensor the prediction may overwrite, unscaled (None:
+        a sparse parameter this rank did not use)."""
+        if grad is None:
+            return None if name in self._sparse else torch.zeros_like(p)
+        grad = grad.view_as(p) if not grad.is_sparse else grad
+        if scale is not None:
+            grad.mul_(1.0 / scale)
+        return grad
+
+    def _stepped_grad(self, name, p, grad, scale):
+        """The local gradient as `.grad` for a step of the wrapped optimizer (not modified)."""
+        if grad is None:                         # unused on this rank: a zero gradient
+            return None if name in self._sparse else torch.zeros_like(p)
+        grad = grad.view_as(p) if not grad.is_sparse else grad
+        return grad * (1.0 / scale) if scale is not None else grad
 
     def _compensate_delay(self, then):
         """DC-ASGD's g + lambda_t g*g (w_now - w_then), with w_then kept at compute time."""
@@ -148,34 +205,6 @@ class _Compensation:
         finally:
             for group, key, value in saved:
                 group[key] = value
-
-
-@contextlib.contextmanager
-def _state_restored(opt, copies):
-    """Run steps of `opt` whose effect on its state (momentum, Adam's moments and step
-    count) is undone afterwards; the parameters keep theirs. The state is saved in
-    `copies`, persistent buffers reused every step (fresh large tensors page-fault).
-
-    A wrapped optimizer whose state lives outside `opt.state` (the Keras adapter's
-    stand-in: Keras variables) does this itself, in a context manager method
-    `_pipe_horovod_state_restored(copies)`."""
-    own = getattr(opt, "_pipe_horovod_state_restored", None)
-    if own is not None:
-        with own(copies):
-            yield
-        return
-    saved = {p: {k: (v, _copy_into(copies, (p, k), v) if torch.is_tensor(v) else v)
-                 for k, v in state.items()}
-             for p, state in opt.state.items()}
-    try:
-        yield
-    finally:
-        for p in list(opt.state):
-            if p not in saved:
-                del opt.state[p]                 # state the simulated steps created
-        for p, state in saved.items():
-            opt.state[p] = {k: (v.copy_(copy) if torch.is_tensor(v) else v)
-                            for k, (v, copy) in state.items()}
 
 
 def _copy_into(copies, key, tensor):

@@ -41,6 +41,7 @@ from ..compression import Compression
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
                         check_reduction, check_staleness, compare_across_ranks,
                         report_unapplied, resolve_depth, staleness)
+from . import lookahead
 from .compensation import _Compensation, _momentum_key, _values
 
 _instances = itertools.count()
@@ -164,7 +165,7 @@ class _PipelinedOptimizer(_Compensation):
         self._reset_step()
 
     def _reset_step(self):
-        self._step_local = {}                    # "lookahead": this step's own gradients
+        self._step_local = {}                    # "lookahead": copies of gradients in buckets
         self._machine.begin_step()
         self._hooks_fired = False
         for p in self._params:
@@ -202,8 +203,10 @@ class _PipelinedOptimizer(_Compensation):
                     part.zero_()
             elif grad.data_ptr() != part.data_ptr() or not grad.is_contiguous():
                 part.copy_(grad.reshape(-1))     # else: backward accumulated in place already
-            if self._compensation == "lookahead":
-                # This rank's own gradient, before the reduction overwrites the buffer.
+            if self._compensation == "lookahead" and grad is not None and \
+                    not grad.is_sparse and grad.data_ptr() == part.data_ptr():
+                # Backward wrote this rank's own gradient into the bucket: the reduction
+                # will overwrite it, so the prediction gets a copy (else: `.grad` itself).
                 self._step_local[name] = self._kept_copy("local", name, part)
 
     # --- the step ---------------------------------------------------------
@@ -612,6 +615,22 @@ def _report_unapplied():
     report_unapplied(sum(len(opt._fifo) for opt in _wrapped_here()))
 
 
+def _say_how_lookahead_predicts(optimizer):
+    """Warn (once, at wrap time) where the lookahead prediction is not one pass."""
+    if lookahead.has_rule(type(optimizer), optimizer.param_groups) or hasattr(
+            optimizer, "_pipe_horovod_state_restored"):     # the Keras stand-in: Keras's own
+        return
+    flags = sorted({flag for group in optimizer.param_groups
+                    for flag in ("fused", "capturable", "differentiable") if group.get(flag)})
+    what = type(optimizer).__name__ + (f" ({', '.join(flags)})" if flags else "")
+    warnings.warn(
+        f"staleness_compensation='lookahead' has no one-pass prediction for {what} "
+        "(pipe_horovod/torch/lookahead.py knows SGD, Adam and AdamW without fused, capturable "
+        "or differentiable): each step() runs its step once more on a temporary copy of its "
+        "state (exact, but one more step and transient memory the size of that state); "
+        "staleness_compensation=None turns the prediction off", stacklevel=3)
+
+
 def _describe(named, param_names, options):
     description = {f"parameter {name!r}": f"shape {tuple(p.shape)} {p.dtype}"
                                           f"{'' if p.requires_grad else ' (frozen)'}"
@@ -724,6 +743,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     collective = check_collective(collective, compression)
     check_reduction(op, gradient_predivide_factor)
     compensation = check_staleness(staleness_compensation)
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError(
+            "LBFGS evaluates its closure (forward and backward) several times inside one "
+            "step(), and a DistributedOptimizer reduces one gradient per step() (as Horovod's "
+            "does), so LBFGS cannot be wrapped at any pipeline_depth; train with a first-order "
+            "optimizer (SGD, Adam, ...)")
     if compensation == "momentum":
         for i, group in enumerate(optimizer.param_groups):
             if _momentum_key(group) is None:
@@ -762,6 +787,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                              _describe(named, [n for n, _ in named], options))
     announce_depth(pipeline_depth, warmup_steps, depth_source, process_set, _announced)
 
+    if compensation == "lookahead" and pipeline_depth > 1:
+        _say_how_lookahead_predicts(optimizer)
     cls = type(type(optimizer).__name__, (_PipelinedOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
     # Adopt the user's optimizer as unpickling would: hyperparameters, state and
