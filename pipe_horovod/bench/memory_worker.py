@@ -1,0 +1,173 @@
+"""One rank of `pipe-horovod memory`: live tensor memory of each configuration, side by side.
+
+Each configuration trains the same MLP for a few steps on this rank's own
+synthetic batches, then counts the bytes of every distinct tensor storage
+reachable from Python (the parameters, `.grad`, the optimizer's state, the
+buckets, what a staleness compensation keeps), in units of the parameters'
+bytes; on CUDA also torch.cuda.max_memory_allocated over those steps. Rank 0
+prints one JSON line per (optimizer, configuration), with the seconds the
+compensation took per step and what one step of the bare optimizer takes on
+the same parameters.
+
+Configurations: horovod (Horovod's DistributedOptimizer; engine horovod
+only), ddp (DistributedDataParallel; under engine horovod in a gloo group
+of its own at $PIPE_HOROVOD_MEMORY_DDP), ours-k1, ours-k2 (plain Pipe-SGD),
+ours-k2-default (K=2 with the default lookahead). `--device cuda` runs one
+process (engine local, the gradients sent through the pipeline by a
+predivide factor of 2) with "plain" (the bare optimizer) in place of
+horovod and ddp.
+"""
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+
+import pipe_horovod.torch as phvd
+from pipe_horovod import engine
+
+CONFIGS = ("horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-default")
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
+}
+DDP_ENV = "PIPE_HOROVOD_MEMORY_DDP"
+WARM_STEPS = 2           # steps before the compensation is timed
+
+
+def live_bytes(device):
+    """Bytes of the distinct storages of every tensor on `device` reachable from Python."""
+    gc.collect()
+    seen = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type == device.type:
+                storage = obj.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, ReferenceError):
+            continue
+    return sum(seen.values())
+
+
+def model_for(width, device):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width)).to(device)
+
+
+def build(config, make, model, one_process):
+    params = list(model.parameters())
+    base = make(params)
+    extra = {"gradient_predivide_factor": 2.0} if one_process else {}
+    if config in ("plain",):
+        return model, base
+    if config == "horovod":
+        import horovod.torch as hvd
+        return model, hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    if config == "ddp":
+        ddp = nn.parallel.DistributedDataParallel(model)
+        return ddp, make(list(ddp.parameters()))
+    depth = 1 if config == "ours-k1" else 2
+    compensation = "lookahead" if config == "ours-k2-default" else None
+    return model, phvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                            pipeline_depth=depth,
+                                            staleness_compensation=compensation, **extra)
+
+
+def measure(config, kind, width, steps, device, one_process):
+    rank = 0 if one_process else phvd.rank()
+    base_bytes = live_bytes(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        cuda_base = torch.cuda.memory_allocated()
+    model = model_for(width, device)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    net, opt = build(config, OPTIMIZERS[kind], model, one_process)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(8, width, generator=g).to(device)
+    timings = getattr(opt, "timings", None)
+    warm = None
+    for t in range(steps):
+        if t == WARM_STEPS and timings:          # the first predictions build state: skip them
+            warm = dict(timings)
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        opt.step()
+    if hasattr(opt, "flush") and config.startswith("ours"):
+        live = live_bytes(device) - base_bytes    # before flush: the pipeline is full
+        opt.flush()
+    else:
+        live = live_bytes(device) - base_bytes
+    row = {"optimizer": kind, "config": config, "live": live / size,
+           "param_mb": size / 2**20}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        row["cuda_peak"] = (torch.cuda.max_memory_allocated() - cuda_base) / size
+    if warm is not None and timings["steps"] > warm["steps"]:
+        row["compensation_ms"] = 1e3 * ((timings["compensation_s"] - warm["compensation_s"])
+                                        / (timings["steps"] - warm["steps"]))
+    del net, opt, model
+    return row
+
+
+def bare_step_ms(kind, width, device, repeat=5):
+    """One step of the bare optimizer on the same parameters (state built first)."""
+    model = model_for(width, device)
+    opt = OPTIMIZERS[kind](list(model.parameters()))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--optimizers", default="sgd-momentum,adam")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    one_process = device.type == "cuda"
+    if one_process:
+        phvd.init("local")
+        configs = ["plain"] + [c for c in args.configs.split(",") if c.startswith("ours")]
+    else:
+        phvd.init()
+        configs = args.configs.split(",")
+        name = engine.current().name
+        if name != "horovod":
+            configs = [c for c in configs if c != "horovod"]
+        if "ddp" in configs and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group(
+                "gloo", init_method=f"tcp://{os.environ[DDP_ENV]}", rank=phvd.rank(),
+                world_size=phvd.size())
+    for kind in args.optimizers.split(","):
+        step_ms = bare_step_ms(kind, args.width, device)
+        for config in configs:
+            row = measure(config, kind, args.width, args.steps, device, one_process)
+            row["engine"] = "local" if one_process else engine.current().name
+            row["optimizer_step_ms"] = step_ms
+            if one_process or phvd.rank() == 0:
+                print("MEMORY " + json.dumps(row), flush=True)
+    phvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
