@@ -8,8 +8,10 @@ computed or what is applied, and is a no-op for K=1 and during warm-up:
 
 * ``"lookahead"`` (ours; the best in docs/convergence.md): every rank computes its
   gradient at the weights the updates still in flight will produce,
-  estimated by running the wrapped optimizer on a copy of its state with
-  this rank's own gradients of those steps, which it already has. With
+  estimated by the wrapped optimizer's rule applied, from its current
+  state, to this rank's own gradients of those steps, which it already
+  has (PyTorch: in closed form for SGD/Adam/AdamW, torch/lookahead.py;
+  otherwise its own step on a temporary copy of the state). With
   one rank this is exactly synchronous SGD; with several, the point
   differs from it only by the learning rate times the gap between one
   rank's gradient and the average. Weight prediction as in PipeMare
