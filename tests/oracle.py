@@ -71,7 +71,8 @@ def reference(model, optimizer, loss_fn, data, size, steps, pipeline_depth, warm
         if compensation == "lookahead" and in_flight:
             saved = copy.deepcopy(optimizer.state_dict())
             for _, _, per_rank in in_flight:
-                if not all(torch.isfinite(g).all() for g in per_rank[rank]):
+                if not all(torch.isfinite(g.coalesce().values() if g.is_sparse else g).all()
+                           for g in per_rank[rank]):
                     continue               # an overflowed gradient predicts nothing
                 for p, g in zip(params, per_rank[rank]):
                     p.grad = g.clone()
