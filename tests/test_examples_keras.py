@@ -57,7 +57,8 @@ def test_keras_digits_runs_and_reports(tmp_path, launch, np, backend):
     assert isinstance(result["accuracy"], float) and 0.3 < result["accuracy"] <= 1.0, result
     assert result["train_time_s"] > 0
     assert [h["epoch"] for h in result["history"]] == list(range(1, epochs + 1))
-    assert result["history"][-1]["accuracy"] == pytest.approx(result["accuracy"], abs=1e-6)
+    # The last validation ran on the flushed weights, batched as the final evaluate is.
+    assert result["history"][-1]["accuracy"] == result["accuracy"]
     assert result["timings"]["in_flight"] == 0, "PipelineFlushCallback must leave none in flight"
     # Rank 0 alone prints one parseable line per epoch (stdout is a pipe: no progress bar).
     lines = re.findall(r"^epoch\s+(\d+)/(\d+)\s+train loss.*held-out accuracy [\d.]+%$",

@@ -15,6 +15,7 @@ import torch
 
 import launcher
 import pipe_horovod.torch as hvd
+from tolerance import gamma, relative_error
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -101,8 +102,10 @@ def test_one_process_sync_batch_norm_is_batch_norm(local):
     torch.manual_seed(0)
     ours, plain = hvd.SyncBatchNorm(4), torch.nn.BatchNorm2d(4)
     x = torch.randn(5, 4, 3, 3)
-    assert torch.allclose(ours(x), plain(x), atol=1e-6)
-    assert torch.allclose(ours.running_var, plain.running_var)
+    # Per channel, the mean and the variance are sums of n terms, then a few more roundings.
+    rtol = 2 * gamma(2 * x[:, 0].numel() + 4, x.dtype)
+    assert relative_error(ours(x), plain(x)) <= rtol
+    assert relative_error(ours.running_var, plain.running_var) <= rtol
 
 
 def test_autograd_in_one_process(local):

@@ -20,8 +20,9 @@ from optimizer_worker import (CNN, MLP, assert_close, conv_data, data_for, fresh
                               make_optimizer, train)
 import pipe_horovod.torch as phvd  # noqa: E402
 from pipe_horovod import engine as phvd_engine  # noqa: E402
+from tolerance import THREADS  # noqa: E402
 
-torch.set_num_threads(1)
+torch.set_num_threads(THREADS)
 STEPS, SAVE_AT = 12, 5
 OPTIONS = ("lookahead", "predict", "dc", "momentum")
 
