@@ -18,6 +18,8 @@ from .checks import (check_name, check_op, check_reducible, check_root, check_ro
 from .faults import (DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, HorovodInternalError,  # noqa: F401
                      HostsUpdatedInterrupt, RankLostError, WaitTimeoutError,
                      describe_lost, lost_ranks, wait_until, whoami)
+from .mismatch import MismatchError, from_library
+from .stall import STATUS_AFTER_S, Stall, StepMismatchError
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from .process_sets import ProcessSet, check_new_sets, global_process_set
 from .timeline import Timeline
@@ -84,6 +86,8 @@ class Engine:
         self.timeout_s = timeout_s  # how long a wait may block (faults.py)
         self._peers = None        # [(host, pid)] by rank: who to look for when a collective fails
         self._failed = False      # a collective failed: shutdown waits for nothing more
+        self._board = None        # where ranks post what they do when a wait stalls (stall.py)
+        self.step = None          # the step count of the pipeline (set by the step machine)
 
     # --- identity -------------------------------------------------------
     def rank(self):
@@ -167,15 +171,18 @@ class Engine:
         return self._process_sets[ps.process_set_id][1]
 
     # --- bookkeeping of operations in flight ---------------------------
-    def _claim(self, kind, name):
+    def _claim(self, kind, name, ps=None):
         """The name an operation runs under: `name`, or an automatic one for None.
 
-        Automatic names count per kind, so they agree across ranks that start
-        unnamed operations in the same order (Horovod's own rule)."""
+        Automatic names count per kind and process set, so they agree across
+        the ranks of a set that start unnamed operations in the same order
+        (Horovod's rule, kept when only some ranks use another set)."""
         check_name(name, kind)
         if name is None:
-            self._unnamed[kind] += 1
-            name = f"{kind}.noname.{self._unnamed[kind]}"
+            set_id = 0 if ps is None else ps.process_set_id
+            self._unnamed[kind, set_id] += 1
+            where = "" if not set_id else f"set{set_id}."
+            name = f"{kind}.noname.{where}{self._unnamed[kind, set_id]}"
         if name in self._names:
             raise ValueError(
                 f"tensor name {name!r} is already in flight; wait for it first or use a "
@@ -205,8 +212,8 @@ class Engine:
         check_scale(prescale_factor, "prescale_factor")
         check_scale(postscale_factor, "postscale_factor")
         started = self._clock()
-        name = self._claim("allreduce", name)
         ps = self._resolve(process_set)
+        name = self._claim("allreduce", name, ps)
         self._check_adasum(op, ps, [tensor])
         backend = self._start_allreduce(tensor, name, op, ps, prescale_factor, postscale_factor)
         return self._track("allreduce", name, tensor, op, backend, started)
@@ -221,8 +228,8 @@ class Engine:
         check_scale(prescale_factor, "prescale_factor")
         check_scale(postscale_factor, "postscale_factor")
         started = self._clock()
-        name = self._claim("grouped_allreduce", name)
         ps = self._resolve(process_set)
+        name = self._claim("grouped_allreduce", name, ps)
         self._check_adasum(op, ps, tensors)
         backend = self._start_grouped_allreduce(tensors, name, op, ps, prescale_factor,
                                                 postscale_factor)
@@ -254,8 +261,8 @@ class Engine:
         check_scale(prescale_factor, "prescale_factor")
         check_scale(postscale_factor, "postscale_factor")
         started = self._clock()
-        name = self._claim("reducescatter", name)
         ps = self._resolve(process_set)
+        name = self._claim("reducescatter", name, ps)
         backend = self._start_reducescatter(tensor, name, op, ps, prescale_factor,
                                             postscale_factor)
         return self._track("reducescatter", name, tensor, op, backend, started)
@@ -271,8 +278,8 @@ class Engine:
         check_scale(prescale_factor, "prescale_factor")
         check_scale(postscale_factor, "postscale_factor")
         started = self._clock()
-        name = self._claim("grouped_reducescatter", name)
         ps = self._resolve(process_set)
+        name = self._claim("grouped_reducescatter", name, ps)
         backend = self._start_grouped_reducescatter(tensors, name, op, ps, prescale_factor,
                                                     postscale_factor)
         return self._track("grouped_reducescatter", name, tensors, op, backend, started)
@@ -283,8 +290,8 @@ class Engine:
         check_tensor(tensor, "allgather")
         check_rows(tensor, "allgather")
         started = self._clock()
-        name = self._claim("allgather", name)
         ps = self._resolve(process_set)
+        name = self._claim("allgather", name, ps)
         return self._track("allgather", name, tensor, None,
                            self._start_allgather(tensor, name, ps), started)
 
@@ -293,8 +300,8 @@ class Engine:
         for tensor in tensors:
             check_rows(tensor, "grouped_allgather")
         started = self._clock()
-        name = self._claim("grouped_allgather", name)
         ps = self._resolve(process_set)
+        name = self._claim("grouped_allgather", name, ps)
         return self._track("grouped_allgather", name, tensors, None,
                            self._start_grouped_allgather(tensors, name, ps), started)
 
@@ -302,8 +309,8 @@ class Engine:
         """Overwrite `tensor` in place with global rank `root`'s value."""
         check_tensor(tensor, "broadcast")
         started = self._clock()
-        name = self._claim("broadcast", name)
         ps = self._resolve(process_set)
+        name = self._claim("broadcast", name, ps)
         self._check_root_in(root, ps)
         return self._track("broadcast", name, tensor, None,
                            self._start_broadcast(tensor, root, name, ps), started)
@@ -314,8 +321,8 @@ class Engine:
         check_tensor(tensor, "alltoall")
         check_rows(tensor, "alltoall")
         started = self._clock()
-        name = self._claim("alltoall", name)
         ps = self._resolve(process_set)
+        name = self._claim("alltoall", name, ps)
         splits = check_splits(splits, tensor.shape[0], len(ps.ranks))
         return self._track("alltoall", name, tensor, None,
                            self._start_alltoall(tensor, splits, name, ps), started)
@@ -325,8 +332,8 @@ class Engine:
         `start(process_set)` returns its Work; names, poll/wait, the timeline and
         shutdown's completion of what is in flight then apply as to the library's own."""
         started = self._clock()
-        name = self._claim(kind, name)
         ps = self._resolve(process_set)
+        name = self._claim(kind, name, ps)
         return self._track(kind, name, tensor, op, start(ps), started)
 
     def _known(self, handle):
@@ -354,8 +361,9 @@ class Engine:
         """
         handle = self._known(handle)
         try:
-            if math.isfinite(self.timeout_s) and not wait_until(
-                    lambda: self._poll_backend(handle), time.monotonic() + self.timeout_s):
+            if math.isfinite(self.timeout_s) and not self._wait_for(
+                    lambda: self._poll_backend(handle), f"{handle.kind} {handle.name!r}",
+                    lambda: self._matched(handle)):
                 raise WaitTimeoutError(
                     f"{handle.kind} {handle.name!r} did not complete within {self.timeout_s:g} s "
                     f"({TIMEOUT_VARIABLE}, or init(timeout=...)): a rank has not started it")
@@ -363,7 +371,10 @@ class Engine:
                 result = handle.backend.wait()
             else:
                 result = self._wait(handle)
-        except EngineError:
+        except (EngineError, MismatchError):
+            raise
+        except StepMismatchError:
+            self._failed = True          # the others will not start what is in flight
             raise
         except RuntimeError as exc:
             raise self._diagnose(exc, f"{handle.kind} {handle.name!r}") from exc
@@ -377,6 +388,36 @@ class Engine:
     def in_flight(self):
         return len(self._in_flight)
 
+    def _wait_for(self, poll, what, matched=lambda: False):
+        """True once `poll()` is, False past `timeout_s`; a wait that lasts STATUS_AFTER_S
+        is inspected as a stall (stall.py), which may raise StepMismatchError."""
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        if wait_until(poll, min(deadline, start + STATUS_AFTER_S)):
+            return True
+        if self._board is None:
+            return wait_until(poll, deadline)
+        stall = Stall(self, what, start)
+        done = False
+        try:
+            while time.monotonic() < deadline:
+                stall.tick(matched)
+                if wait_until(poll, min(deadline, time.monotonic() + STATUS_AFTER_S)):
+                    done = True
+                    return True
+            return False
+        finally:
+            stall.end(failed=not done)
+
+    def _matched(self, handle):
+        """Whether every rank has started `handle` (engines that know say so)."""
+        return False
+
+    def _missing(self, what):
+        """Which ranks have not started which collectives this rank waits on, as a clause
+        for messages (engines that know say so)."""
+        return ""
+
     # --- faults -----------------------------------------------------------
     def learn_peers(self):
         """Gather every rank's host and process id (engine.init calls it, once the library
@@ -386,10 +427,19 @@ class Engine:
 
     def _diagnose(self, exc, what):
         """The error to raise for `exc`, a failure of the library while running `what`."""
+        refused = from_library(exc, what)
+        if refused is not None:          # ranks disagreed (Horovod's check): nobody is lost
+            return refused
         self._failed = True
+        stopped = self._who_ended(exc, what, "has been shut down" in str(exc))
+        if stopped is not None:
+            return stopped
         if self._peers is None:
             return exc
         gone = lost_ranks(self._peers, self.rank())
+        stopped = self._who_ended(exc, what, bool(gone) and not isinstance(exc, WaitTimeoutError))
+        if stopped is not None:          # gone, but it had ended normally first
+            return stopped
         if isinstance(exc, WaitTimeoutError):
             return WaitTimeoutError(f"{exc}; {describe_lost(self._peers, self.rank(), gone)}")
         if not gone:
@@ -397,6 +447,20 @@ class Engine:
         return RankLostError(f"{what} failed on rank {self.rank()}: "
                              f"{describe_lost(self._peers, self.rank(), gone)} "
                              f"({type(exc).__name__}: {str(exc).strip()})")
+
+    def _who_ended(self, exc, what, look):
+        """A failure because another rank ended (Horovod's "has been shut down", or a
+        peer that exited) as the StepMismatchError naming that rank and its step, read
+        from the status board; None when no rank says it ended (it was lost)."""
+        if self._board is None or not look:
+            return None
+        me = self.rank()
+        others = self._board.read([r for r in range(self.size()) if r != me])
+        ended = [r for r, status in others.items() if status and status["state"] == "ended"]
+        if not ended:
+            return None
+        stall = Stall(self, what, time.monotonic())
+        return stall._error(others, time.time(), ended)
 
     def _guarded(self, what, call, *args):
         """`call(*args)`, a blocking collective, with a library failure diagnosed."""
@@ -424,6 +488,31 @@ class Engine:
         check_name(name, "allgather_object")
         return self._guarded("allgather_object", self._allgather_object, obj, name,
                              self._resolve(process_set))
+
+    def gather_despite_join(self, obj, *, name, process_set=None):
+        """Every rank's picklable `obj` in set order, None for a rank that has joined.
+
+        Built on Sum allreduces, which a joined rank answers with zeros
+        (Horovod's join, and the torch engine's), where an allgather fails
+        ("Allgather is not supported with Join"): the pipeline agrees its
+        bucket order this way at the first step, which a rank with an empty
+        shard never takes."""
+        import pickle
+
+        import torch
+
+        ps = self._resolve(process_set)
+        me = ps.ranks.index(self.rank())
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = torch.zeros(len(ps.ranks), dtype=torch.int64)
+        sizes[me] = data.numel() + 1                     # 0: a joined rank's zeros
+        sizes = self.wait(self.allreduce_async(sizes, f"{name}.sizes", Sum, process_set=ps))
+        table = torch.zeros(len(ps.ranks), int(sizes.max()), dtype=torch.int32)
+        table[me, :data.numel()] = data                  # int32: Horovod sums no bytes
+        table = self.wait(self.allreduce_async(table, f"{name}.data", Sum, process_set=ps))
+        return [None if n == 0 else pickle.loads(table[r, :n - 1].to(torch.uint8).numpy()
+                                                 .tobytes())
+                for r, n in enumerate(sizes.tolist())]
 
     def barrier(self, *, process_set=None):
         """Return once every rank of the set has called barrier."""
@@ -487,6 +576,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if self._board is not None:      # the others' waits can now say who stopped, when
+            self._board.post(self.rank(), state="ended", step=self.step)
         try:
             if self._failed:             # the others cannot complete anything now
                 return

@@ -61,6 +61,7 @@ from .adasum import combine as adasum_combine
 from .base import (DEFAULT_TIMEOUT_S, Adasum, Average, Engine, EngineError, Max, Min, Product,
                    Sum, Work, scale_, shard_sizes)
 from .process_sets import check_new_sets
+from .stall import http_board
 
 _HOROVOD_OPS = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
                 Product: "Product"}
@@ -133,6 +134,10 @@ class HorovodEngine(Engine):
         os.environ.setdefault("HOROVOD_CACHE_CAPACITY", "0")
         hvd.init(comm, process_sets=list(self._made_by_init.values()))
         self._register_process_sets(sets, hvd.global_process_set)
+        addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+        if addr and self.size() > 1:            # horovodrun's key-value server (stall.py)
+            self._board = http_board(addr, os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"],
+                                     self.size())
 
     def rank(self):
         return self.hvd.rank()

@@ -1,32 +1,30 @@
-"""torch.distributed: gloo on CPU, nccl on GPU, with async work handles.
+"""torch.distributed: gloo on CPU, nccl on GPU, with Horovod's name matching.
 
-Unlike Horovod, torch.distributed matches collectives by call order, not by
-name: callers (the pipeline core) must start operations in the same order
-on every rank. Average is a Sum divided on `wait` (gloo's AVG refuses
-integer tensors). Horovod's other collectives map onto torch's:
+torch.distributed matches collectives by call order; Horovod by name, after
+comparing every rank's shape, dtype, op and root. So every async collective
+here goes through a negotiation thread (negotiation.py): it starts once
+every rank of the set has started that name, in an order all ranks agree
+on, and a disagreement is Horovod's error on every rank (mismatch.py)
+instead of a gloo abort or a half-written broadcast. Average is a Sum
+divided on `wait` (gloo's AVG refuses integer tensors). Horovod's other
+collectives map onto torch's:
 
 - allgather with first dimensions that differ across ranks (gloo's
-  all_gather wants equal sizes): one small all_gather of every rank's shape,
-  which also turns a dtype or trailing-shape mismatch into a ValueError on
-  every rank instead of a hang, then an all_gather padded to the longest;
-- alltoall: the same shape exchange carries every rank's splits, then
+  all_gather wants equal sizes): every rank's row count is in the
+  negotiated records, so one all_gather padded to the longest;
+- alltoall: a small all_gather of every rank's splits, then
   all_to_all_single with uneven splits;
 - reducescatter: an allreduce of a copy, of which each rank keeps its rows
   (Horovod's uneven split; twice the bytes of a true reduce-scatter, but
   every backend and row count works);
 - Adasum: an all_gather and the combination rule of engine/adasum.py;
-- process sets: torch.distributed.new_group;
-- join: a collective every rank must reach after the same collectives; it
-  returns the rank that arrived last (by wall clock). Unlike Horovod, a
-  joined rank does not stand in for the others' later allreduces:
-  torch.distributed has no names to answer them by.
+- process sets: torch.distributed.new_group (two per set: one for the
+  blocking calls of the caller's thread, one for the negotiation thread);
+- join: Horovod's: a joined rank stands in with zeros for the others'
+  allreduces until every rank joined, and returns the rank that joined last.
 
-Unlike Horovod, torch.distributed does not compare tensors across ranks:
-an allreduce whose shape differs between ranks hangs under gloo, and a
-broadcast of different sizes goes through wrong. TORCH_DISTRIBUTED_DEBUG=
-DETAIL (set before the engine starts) makes torch check every collective
-and raise a readable mismatch error, at some cost per call; allgather and
-alltoall always check, as part of their shape exchange.
+Blocking calls (barrier, object collectives) stay matched by call order,
+which is also Horovod's behaviour for a single blocking call per rank.
 
 Launched by Open MPI's `mpirun` instead of torchrun (PIPE_HOROVOD_ENGINE=torch),
 the ranks come from mpirun's OMPI_COMM_WORLD_* variables and the rendezvous
@@ -39,15 +37,16 @@ import os
 import time
 
 from .adasum import combine as adasum_combine
-from .base import DEFAULT_TIMEOUT_S, Adasum, Average, Done, Engine, EngineError, Max, Min, \
-    Product, Sum, Then, Work, scale_, shard_sizes
+from .base import DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, Adasum, Average, Done, Engine, \
+    EngineError, Max, Min, Product, Sum, Then, WaitTimeoutError, Work, WorkList, scale_, \
+    shard_sizes
+from .stall import torch_board
+from .mismatch import DTYPES, encode
+from .negotiation import Negotiator, Request, key_of
 
 # How Horovod's ops map onto torch.distributed's (Average: SUM, divided on wait).
 _OPS = {Average: "SUM", Sum: "SUM", Min: "MIN", Max: "MAX", Product: "PRODUCT"}
-# Small codes for dtypes in the shape exchange (any code works if it is the same everywhere).
-_DTYPES = ("float32", "float64", "float16", "bfloat16", "uint8", "int8", "int16", "int32",
-           "int64", "bool", "complex64", "complex128")
-_TRAILING = 8   # trailing dimensions compared one by one; further ones by their product
+_OP_NAMES = {"Average": "SUM", "Sum": "SUM", "Min": "MIN", "Max": "MAX", "Product": "PRODUCT"}
 
 
 class _Pending(Work):
@@ -64,6 +63,23 @@ class _Pending(Work):
         for work in self.works:
             work.wait()
         return self.finish()
+
+
+class _Negotiated(Work):
+    """A collective waiting for every rank to start it, then running (negotiation.py)."""
+
+    def __init__(self, request):
+        self.request = request
+
+    def poll(self):
+        request = self.request
+        return request.error is not None or (request.work is not None and request.work.poll())
+
+    def wait(self):
+        request = self.request
+        if request.error is not None:
+            raise request.error
+        return request.work.wait()
 
 
 def env_from_mpirun(environ):
@@ -90,15 +106,22 @@ def env_from_mpirun(environ):
                    LOCAL_WORLD_SIZE=local_size)
 
 
+_FAILED_KEY = "pipe_horovod.failed"     # ranks whose collectives failed: they skip teardown
+
+
 def _wait_for_everyone(store, key, size, timeout_s=60.0):
-    """Count this rank on `store` and wait, bounded, until `size` ranks have."""
+    """Count this rank on `store` and wait, bounded, until `size` ranks have.
+    False when a rank failed (it will never count itself)."""
     store.add(key, 1)
     deadline = time.monotonic() + timeout_s
     try:
         while store.add(key, 0) < size and time.monotonic() < deadline:
+            if store.add(_FAILED_KEY, 0):
+                return False
             time.sleep(0.01)
     except RuntimeError:
         pass        # the store's host (rank 0 under plain env://) has left: everyone is done
+    return True
 
 
 class TorchDistEngine(Engine):
@@ -130,6 +153,11 @@ class TorchDistEngine(Engine):
             raise ValueError(f"the torch engine spans every rank torchrun started; comm={comm!r} "
                              "(a sub-communicator) is not supported: use process_sets")
         self._set_ids = 0
+        self._negotiators = {}          # process_set_id -> Negotiator (sets this rank is in)
+        self._join_device = "cpu"
+        self._negotiate_on(0, list(range(self.size())))
+        if self.size() > 1:
+            self._board = torch_board(dist.distributed_c10d._get_default_store(), self.size())
         self._register_process_sets(process_sets)
 
     def rank(self):
@@ -173,9 +201,49 @@ class TorchDistEngine(Engine):
                 "mpi_threads_supported": False if "mpi" in backend else None,
                 "gloo_enabled": "gloo" in backend}
 
+    # --- negotiation -------------------------------------------------------
+    def _negotiate_on(self, set_id, ranks):
+        """Make set `set_id`'s negotiation group (collective: every rank calls it)."""
+        group = self.dist.new_group(ranks)
+        if self.rank() in ranks:
+            self._negotiators[set_id] = Negotiator(self.torch, self.dist, group, ranks,
+                                                   self.rank(), self._stand_in)
+
+    def _negotiate(self, kind, name, tensor, process_set, run, op=None, root=-1,
+                   prescale_factor=1.0, postscale_factor=1.0):
+        """Start `run(records)` once every rank of the set started `name` alike."""
+        row = encode(key_of(name), kind, tensor, op, root, prescale_factor, postscale_factor,
+                     name)
+        negotiator = self._negotiators[process_set.process_set_id]
+        return _Negotiated(negotiator.submit(Request(name, row, run)))
+
+    def _group(self, process_set):
+        return self._negotiators[process_set.process_set_id].group
+
+    def _stand_in(self, record):
+        """A joined rank's part in an allreduce it never started: zeros (Horovod's join)."""
+        torch = self.torch
+        dtype = getattr(torch, DTYPES[record.dtype])
+        zeros = torch.zeros(record.shape, dtype=dtype, device=self._join_device)
+        group = self._negotiators[0].group
+        if record.op == "Adasum":
+            parts = [torch.empty_like(zeros) for _ in range(self.size())]
+            work = self.dist.all_gather(parts, zeros, group=group, async_op=True)
+        else:
+            work = self.dist.all_reduce(zeros, op=getattr(self.dist.ReduceOp,
+                                                          _OP_NAMES[record.op]),
+                                        group=group, async_op=True)
+        return _Pending([work], lambda: zeros)
+
     # --- reductions -----------------------------------------------------
     def _start_allreduce(self, tensor, name, op, process_set, prescale_factor, postscale_factor):
-        group, size = self._library_set(process_set), len(process_set.ranks)
+        return self._negotiate("allreduce", name, tensor, process_set,
+                               lambda records: self._run_allreduce(
+                                   tensor, op, process_set, prescale_factor, postscale_factor),
+                               op, -1, prescale_factor, postscale_factor)
+
+    def _run_allreduce(self, tensor, op, process_set, prescale_factor, postscale_factor):
+        group, size = self._group(process_set), len(process_set.ranks)
         scale_(tensor, prescale_factor)
         if op is Adasum:
             parts = [self.torch.empty_like(tensor) for _ in range(size)]
@@ -199,36 +267,23 @@ class TorchDistEngine(Engine):
         rows = shard_sizes(tensor.shape[0], len(process_set.ranks))
         me = process_set.ranks.index(self.rank())
         first = sum(rows[:me])
-        full = self._start_allreduce(tensor.clone(), name, op, process_set, prescale_factor,
-                                     postscale_factor)
-        return Then(full, lambda out: out.narrow(0, first, rows[me]).clone())
+
+        def run(records):
+            full = self._run_allreduce(tensor.clone(), op, process_set, prescale_factor,
+                                       postscale_factor)
+            return Then(full, lambda out: out.narrow(0, first, rows[me]).clone())
+
+        return self._negotiate("reducescatter", name, tensor, process_set, run, op, -1,
+                               prescale_factor, postscale_factor)
 
     # --- data movement --------------------------------------------------
-    def _shapes(self, tensor, process_set, what, extra=()):
-        """Every rank's row count (and `extra` ints), after checking that all ranks
-        agree on dtype and trailing shape. One small blocking all_gather."""
-        torch = self.torch
-        trailing = list(tensor.shape[1:])
-        dtype = str(tensor.dtype).replace("torch.", "")
-        code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-        head = [tensor.dim(), code, math.prod(trailing)]
-        # On the data's device: a group with only NCCL cannot move CPU tensors.
-        mine = torch.tensor(head + (trailing + [-1] * _TRAILING)[:_TRAILING]
-                            + [tensor.shape[0], *extra], dtype=torch.int64, device=tensor.device)
-        everyone = [torch.empty_like(mine) for _ in process_set.ranks]
-        self.dist.all_gather(everyone, mine, group=self._library_set(process_set))
-        table = torch.stack(everyone)
-        agree = len(head) + _TRAILING
-        if not bool((table[:, :agree] == table[0, :agree]).all()):
-            described = {r: f"{tuple(row[len(head):len(head) + row[0] - 1])} code {row[1]}"
-                         for r, row in zip(process_set.ranks, table.tolist())}
-            raise ValueError(f"{what}: ranks disagree on the tensor's dtype or its shape beyond "
-                             f"dimension 0 (rank: trailing shape, dtype code): {described}")
-        return table[:, agree:].tolist()
-
     def _start_allgather(self, tensor, name, process_set):
+        return self._negotiate("allgather", name, tensor, process_set,
+                               lambda records: self._run_allgather(tensor, records, process_set))
+
+    def _run_allgather(self, tensor, records, process_set):
         torch = self.torch
-        rows = [row[0] for row in self._shapes(tensor, process_set, "allgather")]
+        rows = [record.shape[0] for record in records]
         longest = max(rows)
         if longest == 0:
             return Done(tensor.new_empty((0, *tensor.shape[1:])))
@@ -237,27 +292,38 @@ class TorchDistEngine(Engine):
             send = tensor.new_zeros((longest, *tensor.shape[1:]))
             send[:tensor.shape[0]] = tensor
         parts = [torch.empty_like(send) for _ in rows]
-        work = self.dist.all_gather(parts, send, group=self._library_set(process_set),
-                                    async_op=True)
+        work = self.dist.all_gather(parts, send, group=self._group(process_set), async_op=True)
         return _Pending([work], lambda: torch.cat([p[:n] for p, n in zip(parts, rows)]))
 
     def _start_broadcast(self, tensor, root, name, process_set):
-        work = self.dist.broadcast(tensor, src=root, group=self._library_set(process_set),
-                                   async_op=True)
-        return _Pending([work], lambda: tensor)
+        def run(records):
+            work = self.dist.broadcast(tensor, src=root, group=self._group(process_set),
+                                       async_op=True)
+            return _Pending([work], lambda: tensor)
+
+        return self._negotiate("broadcast", name, tensor, process_set, run, root=root)
 
     def _start_alltoall(self, tensor, splits, name, process_set):
+        return self._negotiate("alltoall", name, tensor, process_set,
+                               lambda records: self._run_alltoall(tensor, splits, process_set))
+
+    def _run_alltoall(self, tensor, splits, process_set):
+        """On the negotiation thread, where every rank runs the same calls in the same order,
+        so the blocking exchange of splits cannot interleave with anything else."""
         torch = self.torch
-        table = self._shapes(tensor, process_set, "alltoall", extra=splits)
+        group = self._group(process_set)
+        mine = torch.tensor(splits, dtype=torch.int64, device=tensor.device)
+        table = [torch.empty_like(mine) for _ in process_set.ranks]
+        self.dist.all_gather(table, mine, group=group)
         me = process_set.ranks.index(self.rank())
-        received = [row[1 + me] for row in table]
+        received = [int(row[me]) for row in table]
         out = tensor.new_empty((sum(received), *tensor.shape[1:]))
         counts = torch.tensor(received, dtype=torch.int32)
-        if all(row[0] == 0 for row in table):
+        if all(int(row.sum()) == 0 for row in table):
             return Done((out, counts))
         work = self.dist.all_to_all_single(out, tensor, output_split_sizes=received,
-                                           input_split_sizes=splits,
-                                           group=self._library_set(process_set), async_op=True)
+                                           input_split_sizes=splits, group=group,
+                                           async_op=True)
         return _Pending([work], lambda: (out, counts))
 
     # --- synchronous collectives ----------------------------------------
@@ -275,39 +341,84 @@ class TorchDistEngine(Engine):
         self.dist.barrier(group=self._library_set(process_set))
 
     def _join(self, device):
-        where = "cpu" if device < 0 else f"cuda:{device}"     # Horovod's meaning of device
-        stamp = self.torch.tensor([time.time()], dtype=self.torch.float64, device=where)
-        everyone = [self.torch.empty_like(stamp) for _ in range(self.size())]
-        self.dist.all_gather(everyone, stamp)
-        return int(self.torch.cat(everyone).argmax())
+        self._join_device = "cpu" if device < 0 else f"cuda:{device}"   # Horovod's meaning
+        negotiator = self._negotiators[0]
+        done = negotiator.start_join()
+        if not self._wait_for(done.is_set, "join"):
+            raise WaitTimeoutError(f"join did not complete within {self.timeout_s:g} s "
+                                   f"({TIMEOUT_VARIABLE}, or init(timeout=...)): a rank has not "
+                                   "joined")
+        return negotiator.joined_last()
+
+    # --- stalls (stall.py) ------------------------------------------------
+    def _matched(self, handle):
+        """Has every rank started `handle`'s collective (it runs: slow, not stalled)?"""
+        def started(work):
+            if isinstance(work, _Negotiated):
+                return work.request.work is not None or work.request.error is not None
+            if isinstance(work, WorkList):
+                return all(started(w) for w in work.works)
+            if isinstance(work, Then):
+                return started(work.work)
+            return True
+        return started(handle.backend)
+
+    def _missing(self, what):
+        missing = {}
+        for negotiator in self._negotiators.values():
+            for name, ranks in negotiator.waiting_on().items():
+                for rank in ranks:
+                    missing.setdefault(rank, []).append(name)
+        if not missing:
+            return ""
+        return "; missing ranks: " + ", ".join(f"{rank}: [{', '.join(names)}]"
+                                               for rank, names in sorted(missing.items()))
 
     # --- process sets ---------------------------------------------------
     def _add_library_set(self, process_set):
         self._set_ids += 1          # the same on every rank: sets are added collectively
-        return self._set_ids, self.dist.new_group(process_set.ranks)
+        library_set = self.dist.new_group(process_set.ranks)
+        self._negotiate_on(self._set_ids, process_set.ranks)
+        return self._set_ids, library_set
 
     def _remove_library_set(self, process_set, library_set):
+        negotiator = self._negotiators.pop(process_set.process_set_id, None)
+        if negotiator is not None:
+            negotiator.stop()
+            self.dist.destroy_process_group(negotiator.group)
         if self.rank() in process_set.ranks:
             self.dist.destroy_process_group(library_set)
 
     def _close(self):
-        # After a failed collective, a teardown's barrier would wait on the lost rank.
-        if self._owns_group and self.dist.is_initialized() and not self._failed:
-            tear_down(self.dist)
+        for negotiator in self._negotiators.values():
+            negotiator.stop()
+        # After a failed collective, a teardown's barrier would wait on the lost rank;
+        # the ranks still in theirs stop waiting for this one.
+        if self._owns_group and self.dist.is_initialized():
+            if self._failed:
+                try:
+                    self.dist.distributed_c10d._get_default_store().add(_FAILED_KEY, 1)
+                except RuntimeError:
+                    pass
+            else:
+                tear_down(self.dist, self.timeout_s)
 
 
-def tear_down(dist):
+def tear_down(dist, timeout_s=60.0):
     """Destroy the default process group without aborting a peer.
 
     Gloo aborts a process ("terminate called without an active exception",
     about 1 run in 8 with 3 ranks here) when a peer closes its connections
-    while this process is still inside its own teardown. So: a barrier (no
-    collective is left running), the teardown, then no rank leaves before
-    every rank has finished its teardown, counted on the rendezvous store,
-    which does not go through gloo.
+    while this process is still inside its own teardown. So: every rank
+    counted on the rendezvous store, which does not go through gloo (no
+    collective is left running; a rank whose collectives failed, e.g. one
+    that found this rank had ended early, says so there instead and this
+    one leaves without teardown), the teardown, then no rank leaves before
+    every rank has finished its teardown.
     """
     store = dist.distributed_c10d._get_default_store()
     size = dist.get_world_size()
-    dist.barrier()
+    if not _wait_for_everyone(store, "pipe_horovod.ending", size, timeout_s):
+        return
     dist.destroy_process_group()
     _wait_for_everyone(store, "pipe_horovod.torn_down", size)

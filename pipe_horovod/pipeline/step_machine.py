@@ -115,7 +115,9 @@ class StepMachine:
         included = ps is None or ps.included()
         self.size = self.engine.size() if ps is None else ps.size() if included else 1
         # Object collectives among the ranks that reduce (checks, agreement).
-        self.gather = (functools.partial(self.engine.allgather_object, process_set=ps)
+        # Through allreduces, which a rank that already joined (an empty shard) answers.
+        self.gather = (functools.partial(self.engine.gather_despite_join,
+                                         name=f"{self.prefix}.agree", process_set=ps)
                        if included else _alone)
         # One rank, no codec, no scaling: averaging is the identity, nothing to send.
         self.solo = not included or (self.size == 1 and self.compression is Compression.none
@@ -141,7 +143,8 @@ class StepMachine:
         order one rank observed in its first backward becomes everyone's.
         """
         everyone = self.gather((list(seen) + list(rest), extra))
-        return everyone[0][0], [e for _, e in everyone]
+        present = [entry for entry in everyone if entry is not None]    # None: joined
+        return present[0][0], [e for _, e in present]
 
     def buffer(self, bucket):
         """This step's persistent flat buffer for `bucket` (one per pipeline slot)."""
@@ -211,6 +214,7 @@ class StepMachine:
         """Push this step's `entry` (a StepGradient); return the entries to apply now,
         oldest first."""
         ready = self.fifo.push(entry)
+        self.engine.step = self.fifo.steps      # for the stall reports (engine/stall.py)
         self.begin_step()
         return ready
 

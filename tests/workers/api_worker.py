@@ -214,9 +214,11 @@ class Checks:
         check(got, [torch.cat(a), torch.cat(b)], "grouped_allgather")
         got = hvd.synchronize(hvd.grouped_allgather_async([a[self.r], b[self.r]]))
         check(got, [torch.cat(a), torch.cat(b)], "grouped_allgather_async")
-        if self.engine_name == "torch" and self.n > 1:
-            # Ranks disagreeing beyond dimension 0: a ValueError on every rank, not a hang.
-            expect_error(ValueError, "disagree", hvd.allgather, torch.ones(2, self.r + 1))
+        if self.n > 1:
+            # Ranks disagreeing beyond dimension 0: Horovod's error on every rank, every engine.
+            expect_error(ValueError, "Mismatched ALLGATHER tensor shapes: One rank sent a tensor "
+                         "with dimension 1 equal to 1, but another rank sent a tensor with "
+                         "dimension 1 equal to 2.", hvd.allgather, torch.ones(2, self.r + 1))
 
     def broadcast(self):
         root = self.n - 1

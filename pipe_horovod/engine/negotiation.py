@@ -1,0 +1,250 @@
+"""Horovod's name matching on torch.distributed: a negotiation thread per process set.
+
+torch.distributed pairs collectives by call order: two metrics reduced in
+a different order per rank are silently swapped, an allreduce whose shape
+differs aborts a rank inside gloo, and a broadcast of a different size
+half-overwrites the receiver. Horovod instead matches by name: a
+background loop tells a coordinator which names each rank has started, and
+a collective runs once every rank started it, after its shapes, dtypes,
+ops and roots were compared. This module does the same for the torch
+engine.
+
+Each process set has a negotiation thread and a process group of its own.
+A thread with requests not yet run takes part in a cycle: one all_gather
+of fixed-size records (mismatch.encode: name key, kind, dtype, op, root,
+shape, scale factors, device, the start of the name), the new requests of
+every rank. Every rank applies the cycles in the same order to the same
+table of who requested what, so every rank computes the same list of
+names now requested by all, compares their records (mismatch.compare) and
+runs them, in that order, on the set's group: the same collectives in the
+same order on every rank, whatever order the callers started them in.
+
+Cost: a collective waits for the next cycle (one small all_gather among
+the set, about 0.1 ms on loopback) before it runs; requests started while
+a cycle runs share the next one. A thread whose cycle made no progress
+(a name some rank has not started yet) backs off to STALL_POLL_S between
+cycles, so ranks that wait on each other do not spin a core.
+
+Join (Horovod's semantics): a rank that called join() takes part in every
+cycle until all ranks joined, and stands in for the others' allreduces
+with zeros (Average still divides by the set's size, as in Horovod's
+join); for any other collective it cannot stand in, and every rank gets
+Horovod's "... is not supported with Join at this time".
+"""
+import collections
+import hashlib
+import threading
+import time
+
+from . import mismatch
+from .faults import HorovodInternalError
+
+PER_CYCLE = 16          # requests announced per cycle; more wait for the next
+STALL_POLL_S = 0.005    # longest pause between two cycles that made no progress
+
+
+def key_of(name):
+    """The name's 64-bit key (the same on every rank)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little",
+                          signed=True)
+
+
+class Request:
+    """One collective this rank started: announced, then run by the thread, or refused."""
+
+    __slots__ = ("name", "key", "row", "run", "work", "error", "started")
+
+    def __init__(self, name, row, run):
+        self.name = name
+        self.key = row[0]
+        self.row = row
+        self.run = run          # run(records by member) -> Work, on the negotiation thread
+        self.work = None        # the running collective's Work, once every rank started it
+        self.error = None       # a MismatchError (or the thread's failure) instead
+        self.started = time.monotonic()
+
+
+class Negotiator:
+    """The negotiation thread of one process set (see the module docstring)."""
+
+    def __init__(self, torch, dist, group, ranks, me, stand_in):
+        self.torch, self.dist, self.group = torch, dist, group
+        self.ranks = list(ranks)        # global ranks of the set, in set order
+        self.me = self.ranks.index(me)
+        self.stand_in = stand_in        # stand_in(records) -> Work: a joined rank's zeros
+        self._lock = threading.Condition()
+        self._new = collections.deque()     # started, not yet announced
+        self._mine = {}                     # key -> Request, announced and not run yet
+        self._table = [dict() for _ in self.ranks]   # member -> {key: Record}, in order
+        self._joined = [None] * len(self.ranks)      # member -> cycle it joined in
+        self._join = None                   # this rank's join: [done event, last rank]
+        self._standing_in = []              # joined rank's zero tensors still on the wire
+        self._cycles = 0
+        self._stop = False
+        self.failure = None                 # what ended the thread, if it failed
+        self._thread = None
+
+    # --- the caller's side ---------------------------------------------------
+    def submit(self, request):
+        with self._lock:
+            if self.failure is not None:
+                request.error = self.failure
+                return request
+            self._new.append(request)
+            self._wake()
+        return request
+
+    def start_join(self):
+        """Take part in cycles as a joined rank; returns the Event set once every rank
+        joined (then `joined_last()`)."""
+        done = threading.Event()
+        with self._lock:
+            self._join = [done, None]
+            self._wake()
+        return done
+
+    def joined_last(self):
+        """The global rank that joined last, once the join completed."""
+        if self.failure is not None:
+            raise self.failure
+        return self._join_result
+
+    def waiting_on(self):
+        """{name: members that have not started it} for this rank's requests still
+        waiting, as of the last cycle (for the stall report)."""
+        with self._lock:
+            requests = list(self._mine.values()) + list(self._new)
+            return {r.name: [self.ranks[m] for m, table in enumerate(self._table)
+                             if m != self.me and r.key not in table and self._joined[m] is None]
+                    for r in requests}
+
+    def others_waiting(self):
+        """{global rank: [names it announced that this rank has not started]}."""
+        with self._lock:
+            mine = set(self._mine) | {r.key for r in self._new}
+            return {self.ranks[m]: [rec.name for key, rec in table.items() if key not in mine]
+                    for m, table in enumerate(self._table) if m != self.me}
+
+    def stop(self):
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+
+    def _wake(self):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, daemon=True,
+                                            name=f"pipe_horovod-negotiation-{id(self):x}")
+            self._thread.start()
+        self._lock.notify_all()
+
+    # --- the thread -------------------------------------------------------------
+    def _busy(self):
+        return bool(self._new or self._mine or self._join is not None)
+
+    def _loop(self):
+        pause = 0.0
+        while True:
+            with self._lock:
+                while not (self._stop or self._busy()):
+                    self._lock.wait()
+                if self._stop:
+                    return
+            try:
+                progressed = self._cycle()
+            except Exception as exc:        # a rank is gone: fail everything waiting
+                self._fail(exc)
+                return
+            self._standing_in = [w for w in self._standing_in if not w.poll()]
+            if progressed:
+                pause = 0.0
+            else:
+                pause = min(max(2 * pause, 50e-6), STALL_POLL_S)
+                time.sleep(pause)
+
+    def _fail(self, exc):
+        error = exc if isinstance(exc, HorovodInternalError) else HorovodInternalError(
+            f"negotiation of collectives failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        with self._lock:
+            self.failure = error
+            for request in list(self._mine.values()) + list(self._new):
+                request.error = error
+            self._mine.clear()
+            self._new.clear()
+            if self._join is not None:
+                self._join[0].set()
+
+    def _cycle(self):
+        """One all_gather of new requests, then run what every rank has requested."""
+        torch = self.torch
+        with self._lock:
+            batch = [self._new.popleft() for _ in range(min(PER_CYCLE, len(self._new)))]
+            for request in batch:
+                self._mine[request.key] = request
+            joining = self._join is not None
+        mine = torch.zeros(2 + PER_CYCLE * mismatch.WIDTH, dtype=torch.int64)
+        mine[0], mine[1] = len(batch), int(joining)
+        if batch:
+            mine[2:2 + len(batch) * mismatch.WIDTH] = torch.tensor(
+                [v for r in batch for v in r.row], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in self.ranks]
+        self.dist.all_gather(everyone, mine, group=self.group)
+        self._cycles += 1
+        table = torch.stack(everyone).tolist()
+        with self._lock:
+            for member, row in enumerate(table):
+                for i in range(row[0]):
+                    record = mismatch.Record(row[2 + i * mismatch.WIDTH:
+                                                 2 + (i + 1) * mismatch.WIDTH])
+                    self._table[member][record.key] = record
+                if row[1] and self._joined[member] is None:
+                    self._joined[member] = self._cycles
+            ready = self._ready()
+        for key in ready:
+            self._run(key)
+        if all(cycle is not None for cycle in self._joined):
+            self._finish_join()
+            return True
+        return bool(ready)
+
+    def _ready(self):
+        """Keys every member requested (or stands in for), in the lowest requester's order."""
+        active = [m for m, cycle in enumerate(self._joined) if cycle is None]
+        if not active:
+            return []
+        first = self._table[active[0]]
+        return [key for key in first
+                if all(key in self._table[m] for m in active)]
+
+    def _run(self, key):
+        records = [(self.ranks[m], self._table[m].get(key)) for m in range(len(self.ranks))]
+        present = [(rank, rec) for rank, rec in records if rec is not None]
+        error = mismatch.compare(present)
+        if error is None and len(present) < len(records) and present[0][1].kind != "ALLREDUCE":
+            error = mismatch.unsupported_with_join(present[0][1])
+        for table in self._table:
+            table.pop(key, None)
+        with self._lock:
+            request = self._mine.pop(key, None)
+        if error is not None:
+            if request is not None:
+                request.error = error
+            return
+        by_member = [rec for _, rec in records]
+        if request is None:                 # this rank joined: zeros in its place
+            self._standing_in.append(self.stand_in(present[0][1]))
+            return
+        try:
+            request.work = request.run(by_member)
+        except Exception as exc:            # refused locally (e.g. a bad alltoall split)
+            request.error = exc
+
+    def _finish_join(self):
+        last_cycle = max(self._joined)
+        last = max(m for m, cycle in enumerate(self._joined) if cycle == last_cycle)
+        self._joined = [None] * len(self.ranks)
+        with self._lock:
+            join, self._join = self._join, None
+        self._join_result = self.ranks[last]
+        if join is not None:
+            join[0].set()

@@ -1,0 +1,118 @@
+"""Issue 31, engine side: collectives that ranks start differently, and ranks that stop early.
+
+One launch runs every case in turn, on 2 ranks (the engine's checks leave it
+usable after each refusal). Each case prints "CASE <name> rank=<r>: <outcome>"
+with the exception's type and message, which the test compares exactly across
+ranks and engines; then:
+  order     two async allreduces started in the opposite order per rank pair by name;
+  refused   shape, dtype, op, broadcast size and root, allgather trailing shape:
+            Horovod's error on every rank, and a refused broadcast leaves the tensor as it was;
+  join      rank 1 joins at once: rank 0's Average divides by 2 (Horovod's join) and an
+            allgather is refused; then a DistributedOptimizer with an empty shard on
+            rank 1 and 4 steps on rank 0 joins and ends with the same weights on both engines;
+  deadlock  rank 0 waits for 'a', rank 1 for 'b': each raises StepMismatchError at
+            HOROVOD_STALL_CHECK_TIME_SECONDS (the test sets 2 s);
+  ended     rank 1 trains 3 steps and exits; rank 0, at its 5th step, raises
+            StepMismatchError naming rank 1 and its step count (last: rank 1 is gone).
+"""
+import sys
+import time
+
+import torch
+
+import pipe_horovod.torch as hvd
+
+
+def outcome(case, fn):
+    start = time.monotonic()
+    try:
+        result = fn()
+    except Exception as exc:
+        text = f"{type(exc).__name__}: {exc}"
+    else:
+        text = f"ok {result}"
+    # One write per line: the launcher merges both ranks' output.
+    sys.stdout.write(f"CASE {case} rank={hvd.rank()}: {text} [{time.monotonic() - start:.1f} s]\n")
+    sys.stdout.flush()
+
+
+def order(r):
+    a, b = torch.tensor([1.0 + r]), torch.tensor([10.0 + 10 * r])
+    if r == 0:
+        ha = hvd.allreduce_async(a, name="m.a", op=hvd.Sum)
+        hb = hvd.allreduce_async(b, name="m.b", op=hvd.Sum)
+    else:
+        hb = hvd.allreduce_async(b, name="m.b", op=hvd.Sum)
+        ha = hvd.allreduce_async(a, name="m.a", op=hvd.Sum)
+    return [hvd.synchronize(ha).item(), hvd.synchronize(hb).item()]
+
+
+def refused(r):
+    outcome("shape", lambda: hvd.allreduce(torch.ones(2 + r, 3), name="x.shape"))
+    outcome("dtype", lambda: hvd.allreduce(
+        torch.ones(4, dtype=(torch.float32, torch.float64)[r]), name="x.dtype"))
+    outcome("op", lambda: hvd.allreduce(torch.ones(4), name="x.op",
+                                        op=(hvd.Sum, hvd.Average)[r]))
+    mine = torch.full((4 + 2 * r,), float(r))
+    outcome("bsize", lambda: hvd.broadcast_(mine, 0, name="x.bsize"))
+    assert torch.equal(mine, torch.full((4 + 2 * r,), float(r))), mine   # untouched
+    outcome("broot", lambda: hvd.broadcast(torch.ones(3), r, name="x.broot"))
+    outcome("agshape", lambda: hvd.allgather(torch.ones(2, 3 + r), name="x.ag"))
+
+
+def join(r):
+    if r == 1:
+        outcome("join.last", hvd.join)
+    else:
+        outcome("join.average", lambda: hvd.allreduce(torch.ones(2), name="j.avg").tolist())
+        outcome("join.allgather", lambda: hvd.allgather(torch.ones(2), name="j.ag"))
+        outcome("join.last", hvd.join)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for _ in range((4, 0)[r]):                          # rank 1's shard is empty
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    outcome("join.empty", lambda: [hvd.join(), round(model.weight.sum().item(), 4)])
+
+
+def deadlock(r):
+    outcome("deadlock", lambda: hvd.allreduce(torch.ones(1), name="d.a" if r == 0 else "d.b"))
+
+
+def ended(r):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   pipeline_depth=1)
+
+    def train():
+        for _ in range((5, 3)[r]):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        return "trained"
+
+    outcome("ended", train)
+    if r == 1:
+        print(f"ENDING rank=1 at {time.time():.3f}", flush=True)
+    else:
+        print(f"RAISED rank=0 at {time.time():.3f}", flush=True)
+
+
+def main():
+    hvd.init()
+    r = hvd.rank()
+    outcome("order", lambda: order(r))
+    refused(r)
+    join(r)
+    deadlock(r)
+    ended(r)
+    print(f"WORKER_OK rank={r}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
