@@ -10,12 +10,16 @@ pipeline_depth=1 (sync) and ours at the default pipeline_depth=2 (Pipe-SGD
 with lookahead). Same seed, same initial weights, same batches.
 
 The model is an MLP on scikit-learn's digits (8x8 images, no download),
-wide enough that allreducing its gradient over 1 Gbit takes about as long
-as one worker's forward+backward (the digits CNN's 0.16 MB gradient would
-cross the link in ~1 ms): the regime Pipe-SGD is for, where sync pays
-compute + communication per step and the pipeline pays about the max. Each
-worker gets one torch thread (2 workers share 2 cores). The worker measures
-both at start (compute alone, allreduce alone) and the report prints them.
+2 hidden layers of 1536 (2.5M parameters, 9.9 MB of gradients), wide enough
+that allreducing its gradient over 1 Gbit (~90 ms) takes about as long as
+one worker's forward+backward of 256 images (~90-150 ms with one torch
+thread; the digits CNN's 0.16 MB gradient would cross the link in ~1 ms):
+the regime Pipe-SGD is for, where sync pays compute + communication per
+step and the pipeline about the max of the two. Each worker gets one torch
+thread (2 workers share 2 cores). The worker measures both at start
+(compute alone, allreduce alone) and the report prints them. 2x2048 (17 MB)
+shows the same with steps twice as long; 60 steps of 2x1536 keep this part
+of `make run` near a minute here.
 
 The configurations take turns in chunks of --eval-every steps (order
 rotated each chunk, so machine load falls on all alike); each has its own
@@ -56,7 +60,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--rate", default="1gbit", help="link rate of every worker (tc units)")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=2048, help="width of the MLP's hidden layers")
+    p.add_argument("--hidden", type=int, default=1536, help="width of the MLP's hidden layers")
     p.add_argument("--layers", type=int, default=2, help="hidden layers")
     p.add_argument("--batch-size", type=int, default=256, help="images per worker per step")
     p.add_argument("--steps", type=int, default=60, help="steps per configuration")
