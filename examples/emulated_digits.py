@@ -196,8 +196,8 @@ def worker(args):
             accuracy, loss = evaluate(run.model, x_te, y_te)
             run.history.append({"step": run.step, "time_s": run.clock,
                                 "accuracy": 100 * accuracy, "test_loss": loss})
-        progress(chunk + 1, chunks, "  ".join(
-            f"{n} {runs[n].history[-1]['accuracy']:.1f}%" for n in names))
+        progress(chunk + 1, chunks, " ".join(
+            f"{n.replace('ours-', '')} {runs[n].history[-1]['accuracy']:.1f}%" for n in names))
 
     if rank == 0 and args.result:
         result = {"meta": {"workers": size, "rate": args.rate, "hidden": args.hidden,
@@ -296,8 +296,10 @@ class _Display:
         if enabled and sys.stdout.isatty():
             from tqdm import tqdm
 
+            # A fixed size, as in compare_digits: ptys without one report 0 x 0.
+            columns, rows = shutil.get_terminal_size((100, 24))
             self.bar = tqdm(desc="emulated cluster", unit="turn", file=sys.stdout,
-                            dynamic_ncols=True)
+                            ncols=min(columns, 140), nrows=max(rows, 24))
             self.bar.set_postfix_str("starting workers")
 
     def poll(self):
