@@ -30,13 +30,19 @@ COMBOS=(
   "newest|3.13|torch==2.14.1 tensorflow==2.21.0 keras==3.15.1"
 )
 
-TESTS=(
+# Two pytest runs: collecting tests/test_keras.py imports TensorFlow, and after
+# TensorFlow >= 2.20 (loaded with RTLD_GLOBAL) the first torch.optim optimizer of
+# a CUDA torch imports triton, which segfaults (tensorflow#124205): the torch
+# tests must not share a process with it.
+TORCH_TESTS=(
   "tests/test_optimizer.py::test_single_process_matches_oracle"
   "tests/test_optimizer.py::test_matches_single_process_oracle[torch-2-features]"
   "tests/test_optimizer.py::test_digits_example_runs_under_each_launcher"
   "tests/test_staleness.py::test_every_option_matches_its_oracle_and_resumes_exactly[local-1]"
   "tests/test_staleness.py::test_lookahead_on_one_rank_is_synchronous_sgd"
   "tests/test_without_horovod.py"
+)
+KERAS_TESTS=(
   "tests/test_keras.py::test_fit_matches_the_reference[local-1-tensorflow]"
   "tests/test_keras.py::test_fit_matches_the_reference[local-1-torch]"
   "tests/test_keras.py::test_fit_matches_the_reference[torch-2-tensorflow]"
@@ -80,21 +86,35 @@ install() {
 
 # Runs the subset in combination $1; prints its one-line result.
 run_tests() {
-  local name=$1 venv="$root/$1" start status
+  local name=$1 venv="$root/$1" start status=0 part selection
   start=$(date +%s)
-  (cd "$repo" && "$venv/bin/python" -m pytest -p no:cacheprovider -q -o addopts="" \
-      --junitxml="$venv/junit.xml" "${TESTS[@]}") >"$venv/pytest.log" 2>&1
-  status=$?
-  "$venv/bin/python" - "$venv/junit.xml" "$name" "$(( $(date +%s) - start ))" "$status" <<'PYEOF'
+  : >"$venv/pytest.log"
+  for part in torch keras; do
+    if [ "$part" = torch ]; then selection=("${TORCH_TESTS[@]}"); else selection=("${KERAS_TESTS[@]}"); fi
+    rm -f "$venv/junit-$part.xml"
+    (cd "$repo" && "$venv/bin/python" -m pytest -p no:cacheprovider -q -o addopts="" \
+        --junitxml="$venv/junit-$part.xml" "${selection[@]}") >>"$venv/pytest.log" 2>&1 \
+      || status=$?
+  done
+  "$venv/bin/python" - "$name" "$(( $(date +%s) - start ))" "$status" \
+      "$venv/junit-torch.xml" "$venv/junit-keras.xml" <<'PYEOF'
 import importlib.metadata as md
+import os
 import platform
 import sys
 import xml.etree.ElementTree as ET
 
-path, name, seconds, status = sys.argv[1:]
-suite = ET.parse(path).getroot()
-suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+name, seconds, status, *paths = sys.argv[1:]
+n = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+for path in paths:
+    if not os.path.exists(path):        # pytest died (a crash): count the run as one error
+        n["tests"] += 1
+        n["errors"] += 1
+        continue
+    suite = ET.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    for k in n:
+        n[k] += int(suite.get(k, 0))
 passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
 
 
@@ -122,7 +142,7 @@ for combo in "${COMBOS[@]}"; do
   if [ ${#names[@]} -gt 0 ] && [[ ! " ${names[*]} " == *" $name "* ]]; then continue; fi
   if ! install "$name" "$want" "$reqs"; then overall=1; continue; fi
   [ "$install_only" = 1 ] && continue
-  echo "$name: running ${#TESTS[@]} test selections (log: $root/$name/pytest.log)"
+  echo "$name: running $(( ${#TORCH_TESTS[@]} + ${#KERAS_TESTS[@]} )) test selections (log: $root/$name/pytest.log)"
   line=$(run_tests "$name") || overall=1
   grep -q "pytest exit 0 |" <<<"$line" || { overall=1; tail -40 "$root/$name/pytest.log"; }
   results+=("$line")

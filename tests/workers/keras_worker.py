@@ -321,8 +321,12 @@ def check_errors():
     import torch
 
     backend = keras.backend.backend()
+    # Under TensorFlow a stand-in: a torch optimizer imports triton (CUDA torch wheels), which
+    # segfaults once TensorFlow >= 2.20 has loaded its LLVM globally (tensorflow#124205).
+    torch_sgd = (torch.optim.SGD([torch.zeros(1)], lr=0.1) if backend == "torch"
+                 else type("SGD", (), {"__module__": "torch.optim.sgd"})())
     expect_error(TypeError, "wraps a keras.optimizers.Optimizer",
-                 lambda: phvd.DistributedOptimizer(torch.optim.SGD([torch.zeros(1)], lr=0.1)))
+                 lambda: phvd.DistributedOptimizer(torch_sgd))
     legacy = type("SGD", (), {"__module__": "tf_keras.src.optimizers.sgd"})
     expect_error(TypeError, "Keras 2", lambda: phvd.DistributedOptimizer(legacy()))
     once = phvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
