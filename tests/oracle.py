@@ -31,13 +31,17 @@ def average(grads, size):
 
 
 def reference(model, optimizer, loss_fn, data, size, steps, pipeline_depth, warmup_steps,
-              scheduler=None, skip=(), compensation=None):
+              scheduler=None, skip=(), compensation=None, edit_grads=None, edit_weights=None):
     """Train `model` in place as the pipelined optimizer should, then flush.
 
     data(rank, step) -> list of (x, y) micro-batches. Gradients whose step is
     in `skip` are dropped at application, as GradScaler skips an overflow.
     `compensation` is the staleness compensation, written out from its
     formula (docs/convergence.md), each rank computing at its own point.
+    `edit_grads(params)` runs where the user's code between backward and step
+    would see the averaged gradient about to be applied (pipeline_depth=1: a
+    clip); `edit_weights(params)` after each step (a WGAN clamp), on the real
+    weights, before any rank's next point is computed from them.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     fifo = []                      # (step, averaged gradient, per-rank gradients, weights then)
@@ -58,6 +62,8 @@ def reference(model, optimizer, loss_fn, data, size, steps, pipeline_depth, warm
         else:
             for p, g in zip(params, grads):
                 p.grad = g.clone()
+        if edit_grads is not None:
+            edit_grads(params)
         with reduced_momentum(optimizer, compensation == "momentum" and pushed > warmup_steps,
                               pipeline_depth - 1):
             optimizer.step()
@@ -108,11 +114,15 @@ def reference(model, optimizer, loss_fn, data, size, steps, pipeline_depth, warm
             apply(step, grads, t + 1)
             stepped = step not in skip
         previous = before
-        # Predicted inside step(), so with the learning rate before the scheduler's step;
-        # a step GradScaler skips (no step() call) predicts nothing.
-        points = [point(r, fifo if stepped else []) for r in range(size)]
+        if edit_weights is not None:
+            with torch.no_grad():
+                edit_weights(params)
         if scheduler is not None:
             scheduler.step()
+        # Predicted at the next forward pass, so with the learning rate the scheduler set
+        # for the step that applies it; a step GradScaler skips (no step() call) predicts
+        # nothing.
+        points = [point(r, fifo if stepped else []) for r in range(size)]
     while fifo:
         step, grads, _ = fifo.pop(0)
         apply(step, grads, steps)

@@ -95,7 +95,7 @@ class TorchPath:
     def apply(self, grads, variables):
         opt = self.torch_optimizer
         opt.follow_keras()
-        if not opt._hooks_fired:
+        if not opt._between_backward_and_step():
             # Built after this backward (no hooks then): hand the gradients over now.
             for p in reversed(self.params):
                 if p.grad is not None:
@@ -121,7 +121,7 @@ class TorchPath:
         return {"steps": pipe["steps"], "in_flight": pipe["in_flight"], "kept": pipe["kept"],
                 "real": pipe["real_weights"], "mean_square": pipe["mean_square"],
                 "order": pipe["bucket_order"], "order_agreed": pipe["order_agreed"],
-                "error_feedback": pipe["error_feedback"]}
+                "error_feedback": pipe["error_feedback"], "due": pipe["prediction_due"]}
 
     def restore(self, in_flight, state):
         def tensors(arrays):
@@ -136,6 +136,7 @@ class TorchPath:
             order_agreed=state.get("order_agreed", False),
             kept=[{kind: tensors(t) for kind, t in k.items()} for k in state.get("kept", [])],
             real_weights=tensors(real) if real else None,
+            prediction_due=bool(state.get("due")),
             mean_square=tensors(state.get("mean_square", {})),
             error_feedback={slot: tensors(r) for slot, r in
                             (state.get("error_feedback") or {}).items()} or None)

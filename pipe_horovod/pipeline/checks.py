@@ -4,6 +4,7 @@ A model that differs between ranks would otherwise surface as a hang or a
 C++ error deep inside a collective; gathering every rank's description and
 comparing it on every rank makes all of them raise the same readable error.
 """
+import math
 import numbers
 
 
@@ -14,14 +15,27 @@ def _int_at_least(name, value, low):
         raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
+# Each step in flight holds a copy of the model's gradients, and a reduction needs K-1
+# steps of compute to hide it: Pipe-SGD's gain is reached at K=2 or 3 (DESIGN.md). A depth
+# beyond this is a typo (or steps per epoch), never a useful pipeline.
+MAX_PIPELINE_DEPTH = 64
+
+
 def check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket_cap_mb):
     _int_at_least("pipeline_depth", pipeline_depth, 1)
+    if pipeline_depth > MAX_PIPELINE_DEPTH:
+        raise ValueError(
+            f"pipeline_depth={pipeline_depth} would keep {pipeline_depth - 1} copies of the "
+            f"gradients in flight and apply each gradient {pipeline_depth - 1} steps late; "
+            f"depths above {MAX_PIPELINE_DEPTH} are refused: use 2 (the default) or 3, "
+            "enough to hide a reduction that takes up to two steps of compute")
     _int_at_least("warmup_steps", warmup_steps, 0)
     _int_at_least("backward_passes_per_step", backward_passes_per_step, 1)
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real):
         raise TypeError(f"bucket_cap_mb must be a number, got {type(bucket_cap_mb).__name__}")
-    if not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+    if not (bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
+        raise ValueError(f"bucket_cap_mb must be a finite number of megabytes > 0 (25 by "
+                         f"default, as DDP's), got {bucket_cap_mb}")
 
 
 def check_reduction(op, gradient_predivide_factor):

@@ -13,9 +13,19 @@ update (torch/lookahead.py); so at pipeline_depth=2 nothing but the real
 weights outlives step(). Where backward accumulated straight into the
 bucket (zero_grad(set_to_none=False)) the reduction overwrites it, so a
 copy is kept; at depth K >= 3 the K-2 older steps' gradients are kept too.
+
+The prediction is made at the first nn.Module forward pass with gradients
+enabled after step() (a global forward pre-hook, registered only while a
+prediction is due), not in step() itself: until then the parameters hold
+the real weights, the same on every rank, so what users do between steps
+(a WGAN clamp of `p.data`, `model.state_dict()`, `torch.save(model)`,
+evaluation under `torch.no_grad()`) sees and edits the real weights, and
+the prediction starts from the edited ones.
 """
 import contextlib
 import time
+import warnings
+import weakref
 
 import torch
 
@@ -70,13 +80,34 @@ class _Compensation:
                     buf.copy_(p)
 
     def _restore_real(self):
-        """Put the real weights back where the prediction was."""
+        """Put the real weights back where the prediction was (one still due is dropped)."""
+        _due.discard(self)
         if not self._predicted:
             return
         with self._charged(), torch.no_grad():
             for name, p in self._param_of.items():
                 p.copy_(self._real[name])
         self._predicted = False
+
+    def _predict_at_forward(self):
+        """Predict at the next forward pass with gradients (module docstring)."""
+        if self._compensation in ("predict", "lookahead") and len(self._machine.fifo):
+            _await_forward(self)
+
+    def _prediction_missed(self):
+        """A gradient arrived while the prediction was still due: no nn.Module forward ran
+        with gradients since step(), so this gradient is at the real weights."""
+        if self not in _due:
+            return
+        _due.discard(self)
+        if not _warned:
+            _warned.append(True)
+            warnings.warn(
+                f"staleness_compensation={self._compensation!r} predicts the weights at the "
+                "first nn.Module forward pass with gradients enabled after step(); this "
+                "backward followed no such forward (a model written without nn.Module?), so "
+                "its gradient was computed at the real weights, as with "
+                "staleness_compensation=None", stacklevel=4)
 
     def _predict(self):
         """Move the parameters to where the updates in flight will take them, for the next
@@ -205,6 +236,30 @@ class _Compensation:
         finally:
             for group, key, value in saved:
                 group[key] = value
+
+
+_due = weakref.WeakSet()     # wrapped optimizers whose prediction waits for a forward pass
+_forward_hook = []           # the global forward pre-hook's handle while any is due
+_warned = []
+
+
+def _await_forward(optimizer):
+    _due.add(optimizer)
+    if not _forward_hook:
+        _forward_hook.append(
+            torch.nn.modules.module.register_module_forward_pre_hook(_before_forward))
+
+
+def _before_forward(module, args):
+    """Every due prediction, at the first forward pass that records gradients; then the
+    hook removes itself, so later modules' calls take torch's fast path again."""
+    if not torch.is_grad_enabled():
+        return
+    for optimizer in sorted(_due, key=lambda opt: opt._number):
+        _due.discard(optimizer)
+        optimizer._predict()
+    if not _due and _forward_hook:
+        _forward_hook.pop().remove()
 
 
 def _copy_into(copies, key, tensor):

@@ -41,9 +41,10 @@ from ..compression import Compression
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
                         check_reduction, check_staleness, compare_across_ranks,
                         report_unapplied, resolve_depth, staleness)
-from . import lookahead
-from .compensation import _Compensation, _momentum_key, _values
+from . import edits, lookahead
+from .compensation import _Compensation, _due, _momentum_key, _values
 
+IN_FLIGHT = "pipe_horovod_in_flight"   # marks the param group a plain optimizer cannot load
 _instances = itertools.count()
 _live = weakref.WeakSet()          # wrapped optimizers, for the exit report
 _log = logging.getLogger("pipe_horovod")
@@ -100,6 +101,8 @@ class _PipelinedOptimizer(_Compensation):
         self._name_of = dict(name_of)
         self._parameter_names = self._name_of    # Horovod's attribute, read by its tests
         self._params, self._param_of, self._passes, self._hook_handles = [], {}, {}, []
+        self._grad_watch = edits.GradientWatch()
+        self._told_passes = False                # warned: fewer backward passes than declared
         self._replaced_by = None                 # name of a parameter a newer wrapper took
         self._join_ranks = None                  # called before the first reduction (Keras)
         # The hooks hold this optimizer weakly; once it is collected, this removes them.
@@ -111,6 +114,9 @@ class _PipelinedOptimizer(_Compensation):
         self._pending_apply = None               # the gradient synchronize() put into .grad
         self._synchronized = False
         self._should_synchronize = True
+        # "pending" while the synchronize() that ended a backward awaits its step();
+        # "discarded" once zero_grad() dropped it (torch/edits.py).
+        self._auto_synced = None
         self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0, "compensation_s": 0.0}
         self._pipeline_depth = pipeline_depth
         self._setup_compensation(compensation, pipeline_depth)
@@ -168,10 +174,17 @@ class _PipelinedOptimizer(_Compensation):
         self._step_local = {}                    # "lookahead": copies of gradients in buckets
         self._machine.begin_step()
         self._hooks_fired = False
+        self._end_queued = False                 # the end-of-backward callback is queued
+        self._backwards = 0                      # backward passes ended this step
+        self._sync_at_end = self._watching = False
+        self._most_passes = 0                    # backward passes seen by any parameter
+        self._grad_watch.clear()
         for p in self._params:
             self._passes[p] = 0
 
     def _on_grad_ready(self, param):
+        if self._auto_synced == "pending":
+            raise edits.backward_after_average(self._name_of[param])
         if self._passes[param] >= self._passes_per_step:
             raise RuntimeError(
                 f"the gradient of {self._name_of[param]!r} was computed more than "
@@ -181,12 +194,43 @@ class _PipelinedOptimizer(_Compensation):
         if self._join_ranks is not None:        # the first gradient: every rank is here
             join, self._join_ranks = self._join_ranks, None
             join()
+        if not self._hooks_fired:                # this step's first gradient
+            self._first_gradient()
         self._hooks_fired = True
+        if self._sync_at_end and not self._end_queued and \
+                torch._C._current_graph_task_id() != -1:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(_weak_end(self))
         self._passes[param] += 1
         if not self._order_agreed:
             self._observed.setdefault(param)
+        if self._passes[param] > self._most_passes:
+            self._most_passes = self._passes[param]
         if self._passes[param] == self._passes_per_step:
+            if self._watching:
+                self._grad_watch.record(param)
             self._machine.ready(self._name_of[param], self._fill_bucket)
+
+    def _first_gradient(self):
+        """At this step's first gradient: decide how edits of `.grad` are treated (torch/
+        edits.py) and settle a prediction still waiting for a forward pass."""
+        fifo = self._machine.fifo
+        self._sync_at_end = fifo.threshold(fifo.steps) == 1
+        self._watching = not (self._sync_at_end or self._machine.solo)
+        self._prediction_missed()
+
+    def _end_of_backward(self):
+        """Autograd's callback after a backward pass that reached this optimizer's
+        parameters, where this step's gradient is applied by this step: once the last of
+        backward_passes_per_step passes ends, wait for the average and leave it in `.grad`
+        (as DDP does), so edits before step() apply to it."""
+        self._end_queued = False
+        if not self._hooks_fired:
+            return
+        self._backwards += 1
+        if self._backwards >= self._passes_per_step:
+            self.synchronize()
+            self._auto_synced = "pending"
 
     def _fill_bucket(self, bucket, flat):
         """Copy the bucket's `.grad`s into its flat buffer, unless backward accumulated there."""
@@ -195,6 +239,8 @@ class _PipelinedOptimizer(_Compensation):
             part = flat[start:start + numel]
             if grad is None:                     # unused on this rank: contributes zero
                 part.zero_()
+            elif grad.dtype != part.dtype or grad.device != part.device:
+                raise _changed_after_wrapping(name, grad, part)
             elif grad.is_sparse:
                 self._seen_sparse[name] = grad.sparse_dim()
                 if self._sparse_as_dense or self._order_agreed:
@@ -219,9 +265,26 @@ class _PipelinedOptimizer(_Compensation):
         `skip_synchronize()`, exactly as with Horovod.
         """
         self._refuse_if_replaced()
+        if self._auto_synced == "pending" and not self._hooks_fired:
+            # backward() synchronized already (K=1): from here on as if this call had.
+            self._auto_synced = None
+            return
+        if self._synchronized and not self._hooks_fired:
+            warnings.warn("synchronize() called twice without step() in between: the second "
+                          "call does nothing (.grad holds the gradient step() will apply)",
+                          stacklevel=2)
+            return
         if not self._hooks_fired:
             raise RuntimeError("step() or synchronize() called without a backward pass since the "
                                "last step(); compute gradients before every step")
+        if self._most_passes < self._passes_per_step and not self._told_passes:
+            self._told_passes = True
+            warnings.warn(
+                f"step() after {self._most_passes} backward pass(es) with "
+                f"backward_passes_per_step={self._passes_per_step}: the gradient is reduced as "
+                "it is (their sum), but only at step(), without overlap; pass "
+                f"backward_passes_per_step={self._most_passes} if every step has "
+                f"{self._most_passes}", stacklevel=2)
         self._drop_unstepped()
         self._restore_real()                     # backward is done: update the real weights
         scale = self._grad_scaler.get_scale() if self._grad_scaler is not None else None
@@ -234,6 +297,9 @@ class _PipelinedOptimizer(_Compensation):
                                          if p.grad is not None}, scale=scale, kept=kept)
         else:
             machine.launch_rest(self._fill_bucket)
+            edited = self._grad_watch.edited() if self._watching else None
+            if edited is not None:
+                raise edits.edited_after_backward(self._name_of[edited], self._pipeline_depth)
             kept = self._keep()
             agreed = self._agree()
             entry = StepGradient(machine.launched + self._launch_sparse(), scale=scale,
@@ -258,8 +324,11 @@ class _PipelinedOptimizer(_Compensation):
             return None
         seen = [self._name_of[p] for p in self._observed]
         rest = [self._name_of[p] for p in reversed(self._params) if p not in self._observed]
-        order, sparse = self._machine.agree(seen, rest, self._seen_sparse)
-        for theirs in sparse:
+        dense = sorted(name for name, p in self._param_of.items()
+                       if p.grad is not None and not p.grad.is_sparse)
+        order, everyone = self._machine.agree(seen, rest, (self._seen_sparse, dense))
+        _check_sparse_agrees(everyone)
+        for theirs, _ in everyone:
             self._sparse.update(theirs)
         self._order_agreed = True
         self._observed, self._seen_sparse = {}, {}
@@ -334,16 +403,17 @@ class _PipelinedOptimizer(_Compensation):
                 loss = closure()
         self._refuse_if_replaced()
         if self._should_synchronize:
-            if self._synchronized and not self._hooks_fired:
+            if self._synchronized and not self._hooks_fired and self._auto_synced is None:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                               "context after optimizer.synchronize(); the gradient was not "
                               "reduced twice, but wrap step() in optimizer.skip_synchronize() "
                               "when you call synchronize() yourself", stacklevel=2)
-            else:
+            elif not self._synchronized or self._hooks_fired:
                 self.synchronize()
         elif not self._synchronized or self._hooks_fired:
             raise RuntimeError("step() inside skip_synchronize() needs a synchronize() first")
         self._synchronized = False
+        self._auto_synced = None
         entry, self._pending_apply = self._pending_apply, None
         if self._compensation == "predict":
             with self._charged():
@@ -351,7 +421,7 @@ class _PipelinedOptimizer(_Compensation):
         if entry is not None:
             self._inner_step()
             self.timings["applied"] += 1
-        self._predict()
+        self._predict_at_forward()
         return loss
 
     @contextlib.contextmanager
@@ -369,7 +439,7 @@ class _PipelinedOptimizer(_Compensation):
         Call at the end of training and before evaluation or a checkpoint
         that must hold weights with every computed gradient applied.
         """
-        if self._hooks_fired:
+        if self._between_backward_and_step():
             raise RuntimeError("flush() called between backward and step(); call step() first")
         self._drop_unstepped()
         self._restore_real()
@@ -386,8 +456,9 @@ class _PipelinedOptimizer(_Compensation):
         if not self._synchronized:
             return
         self._synchronized = False
+        discarded, self._auto_synced = self._auto_synced == "discarded", None
         skipped, self._pending_apply = self._pending_apply, None
-        if skipped is not None and self._grad_scaler is None:
+        if skipped is not None and self._grad_scaler is None and not discarded:
             warnings.warn("synchronize() was not followed by step(): that gradient was not "
                           "applied, as after a GradScaler overflow (pass grad_scaler= to the "
                           "DistributedOptimizer when using one)", stacklevel=3)
@@ -415,7 +486,15 @@ class _PipelinedOptimizer(_Compensation):
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(): this step's gradients are "
                 "already being reduced; call step() first")
+        if self._auto_synced == "pending":       # the average backward left: dropped, as DDP
+            self._auto_synced = "discarded"
         return super().zero_grad(set_to_none=set_to_none)
+
+    def _between_backward_and_step(self):
+        """A backward pass has run, or ended with its average in `.grad`, and no step()
+        (one GradScaler may skip: dropped at the next synchronize() or flush())."""
+        return self._hooks_fired or (self._auto_synced == "pending"
+                                     and self._grad_scaler is None)
 
     def add_param_group(self, param_group):
         """Add a group (unfreezing layers, say) whose gradients are reduced like the rest.
@@ -452,7 +531,7 @@ class _PipelinedOptimizer(_Compensation):
         Waiting for in-flight reductions is local (every rank started them),
         so rank 0 alone may call this, as users write it.
         """
-        if self._hooks_fired:
+        if self._between_backward_and_step():
             raise RuntimeError("state_dict() called between backward and step(): this step's "
                                "gradient is not in the checkpoint yet; call step() first")
         state = super().state_dict()
@@ -465,8 +544,20 @@ class _PipelinedOptimizer(_Compensation):
             # and dc's running mean square: a resume continues both exactly.
             "real_weights": ({n: t.detach().clone() for n, t in self._real.items()}
                              if self._predicted else None),
+            "prediction_due": self in _due,
+            # "predict" extrapolates from the weights before the last update.
+            "previous_weights": ({n: t.detach().clone() for n, t in self._previous.items()}
+                                 if self in _due and self._compensation == "predict" else None),
             "mean_square": {n: t.detach().clone() for n, t in self._mean_square.items()},
         }
+        if len(self._fifo):
+            # A plain torch optimizer ignores unknown keys: loaded there, the gradients in
+            # flight would vanish without a word. This extra group makes its
+            # load_state_dict() fail instead ("different number of parameter groups").
+            state["param_groups"] = [*state["param_groups"], {"params": [], IN_FLIGHT: (
+                f"{len(self._fifo)} averaged gradient(s) in flight: load this state_dict into "
+                "pipe_horovod's DistributedOptimizer, or call flush() before state_dict() for "
+                "a checkpoint any torch optimizer loads")}]
         return state
 
     def load_state_dict(self, state_dict):
@@ -477,10 +568,12 @@ class _PipelinedOptimizer(_Compensation):
         checkpoint's, so loading on some ranks only, as Horovod's resume
         pattern does before broadcast_optimizer_state, never strands one.
         """
-        if self._hooks_fired:
+        if self._between_backward_and_step():
             raise RuntimeError("load_state_dict() called between backward and step(); "
                                "call step() first")
         state_dict = dict(state_dict)
+        state_dict["param_groups"] = [group for group in state_dict.get("param_groups", ())
+                                      if IN_FLIGHT not in group]
         pipe = state_dict.pop("pipe_horovod", None)
         super().load_state_dict(state_dict)
         if pipe is None:
@@ -505,6 +598,11 @@ class _PipelinedOptimizer(_Compensation):
         real = pipe.get("real_weights")
         self._real = here(real) if real else {}
         self._predicted = bool(real)
+        _due.discard(self)
+        if pipe.get("previous_weights"):
+            self._previous = here(pipe["previous_weights"])
+        if pipe.get("prediction_due"):
+            self._predict_at_forward()
         self._mean_square = here(pipe.get("mean_square", {}))
         self._order_agreed = pipe["order_agreed"]
         self._sparse = dict(pipe.get("sparse", {}))
@@ -521,8 +619,9 @@ class _PipelinedOptimizer(_Compensation):
         """
         self._machine.forget()
         self._predicted = False                  # the committed state brings its own weights
+        _due.discard(self)
         self._reset_step()
-        self._synchronized, self._pending_apply = False, None
+        self._synchronized, self._pending_apply, self._auto_synced = False, None, None
         self._observed, self._seen_sparse = {}, {}
         for p in self._params:
             p.grad = None
@@ -547,6 +646,17 @@ def _weak_hook(opt):
     return hook
 
 
+def _weak_end(opt):
+    """The end-of-backward callback, not keeping `opt` alive."""
+    ref = weakref.ref(opt)
+
+    def end():
+        owner = ref()
+        if owner is not None:
+            owner._end_of_backward()
+    return end
+
+
 def _remove_hooks(handles):
     for handle in handles:
         handle.remove()
@@ -568,7 +678,7 @@ def _take_over(params, new):
         if old is not None and old is not new and old._replaced_by is None:
             older.setdefault(id(old), (old, old._name_of[p]))
     for old, name in older.values():
-        if old._hooks_fired:
+        if old._between_backward_and_step():
             raise RuntimeError(f"wrapping parameter {name!r} again while the DistributedOptimizer "
                                "already wrapping it is between backward and step(); call its "
                                "step() first")
@@ -596,7 +706,7 @@ def _flush_before_join():
     response").
     """
     for opt in _wrapped_here():
-        if opt._hooks_fired:
+        if opt._between_backward_and_step():
             raise RuntimeError("join() called between backward and step(); call step() first")
         opt.flush()
 
@@ -629,6 +739,37 @@ def _say_how_lookahead_predicts(optimizer):
         "or differentiable): each step() runs its step once more on a temporary copy of its "
         "state (exact, but one more step and transient memory the size of that state); "
         "staleness_compensation=None turns the prediction off", stacklevel=3)
+
+
+def _changed_after_wrapping(name, grad, bucket):
+    return RuntimeError(
+        f"parameter {name!r} is {grad.dtype} on {grad.device} now but was {bucket.dtype} on "
+        f"{bucket.device} when the DistributedOptimizer was wrapped (model.half(), "
+        "model.to(...) or .data replaced after wrapping?): the reduction buffers have the old "
+        "type; convert the model first, then create its optimizer and DistributedOptimizer")
+
+
+def _check_sparse_agrees(everyone):
+    """Raise on every rank if a parameter's gradient is sparse on one rank and dense on another
+    (nn.Embedding(sparse=...) differing between ranks): they would be reduced differently."""
+    sparse_on = {}
+    for rank, (sparse, _) in enumerate(everyone):
+        for name in sparse:
+            sparse_on.setdefault(name, rank)
+    for rank, (_, dense) in enumerate(everyone):
+        for name in dense:
+            if name in sparse_on:
+                raise ValueError(
+                    f"the gradient of {name!r} is sparse on rank {sparse_on[name]} but dense on "
+                    f"rank {rank} (nn.Embedding(sparse=...) differs between ranks?); every rank "
+                    "must build the same model, or pass sparse_as_dense=True")
+
+
+def _describe_optimizer(optimizer):
+    """The wrapped optimizer's class and hyper-parameters, as the ranks compare them."""
+    groups = [{key: repr(value) for key, value in sorted(group.items()) if key != "params"}
+              for group in optimizer.param_groups]
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__} {groups}"
 
 
 def _describe(named, param_names, options):
@@ -760,6 +901,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {grad_scaler!r}")
     eng = engine.current()
     name_of, named = _named(optimizer, named_parameters)
+    meta = [name for name, p in named if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"parameter {meta[0]!r}{f' (and {len(meta) - 1} more)' if len(meta) > 1 else ''} "
+            "is on the meta device: it has a shape but no values (a model built under "
+            "torch.device('meta')); materialize it before wrapping its optimizer "
+            "(model.to_empty(device=...) and initialize it, or "
+            "model.load_state_dict(state, assign=True)), then create the optimizer")
     bucket_groups = _group_names(groups, num_groups, name_of)
     options = {"pipeline_depth": pipeline_depth, "warmup_steps": warmup_steps,
                "backward_passes_per_step": backward_passes_per_step,
@@ -767,7 +916,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                "op": op.value, "bucket_cap_mb": bucket_cap_mb,
                "gradient_predivide_factor": float(gradient_predivide_factor),
                "groups": bucket_groups, "staleness_compensation": compensation,
-               "collective": None if collective is None else collective.describe()}
+               "collective": None if collective is None else collective.describe(),
+               "optimizer": _describe_optimizer(optimizer)}
     if process_set is not None and not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
     if process_set is global_process_set:

@@ -9,11 +9,10 @@ every rank calls broadcast_parameters and broadcast_optimizer_state.
 The test compares the OUT files bit for bit.
 
 COMPENSATION (`none` or an option) follows DEPTH. Under `lookahead` each rank
-computes its next gradient at its own predicted weights, which rank 0's
-checkpoint cannot hold for the others: there `full` replaces every rank's
-parameters by rank 0's (its predicted point) at step 7, which is exactly
-what a resume from rank 0's checkpoint does (at DEPTH 2; at 3 rank 0's
-kept gradients would be needed as well).
+predicts its next point from its own gradient of the step in flight, which
+rank 0's checkpoint holds only for rank 0: there `full` gives every rank
+rank 0's optimizer state (that kept gradient) at step 7, which is exactly
+what a resume from rank 0's checkpoint does.
 """
 import sys
 
@@ -43,7 +42,7 @@ def main():
     if mode == "full":
         train(model, opt, data_for(), steps=SAVE_AT)
         if compensation == "lookahead":
-            phvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            phvd.broadcast_optimizer_state(opt, root_rank=0)
         train(model, opt, data_for(), steps=STEPS, start=SAVE_AT)
     elif mode == "save":
         train(model, opt, data_for(), steps=SAVE_AT)
