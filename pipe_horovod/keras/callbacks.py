@@ -4,6 +4,8 @@ PipelineFlushCallback is ours: a pipelined optimizer holds the last K-1
 gradients in flight, and whatever reads the weights (validation,
 ModelCheckpoint, EarlyStopping, evaluate after fit) should see them applied.
 """
+import warnings
+
 import keras
 import numpy as np
 import torch
@@ -40,6 +42,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         model = self.model
         broadcast_variables(model.variables, self.root_rank)
         optimizer = getattr(model, "optimizer", None)
+        _say_if_not_pipelined(optimizer)
         if optimizer is not None:
             if not optimizer.built:
                 optimizer.build(model.trainable_variables)
@@ -53,6 +56,23 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             if not root:
                 optimizer.load_own_variables(store)
         self.broadcast_done = True
+
+
+def _say_if_not_pipelined(optimizer):
+    """Warn (every rank) where the broadcast callback trains with an unwrapped optimizer:
+    legal, as with Horovod, but each rank then trains alone from the same start."""
+    from .optimizer import _PipelinedKeras
+
+    inner = getattr(optimizer, "inner_optimizer", None)      # LossScaleOptimizer
+    if optimizer is None or engine.size() == 1 or isinstance(optimizer, _PipelinedKeras) \
+            or isinstance(inner, _PipelinedKeras):
+        return
+    warnings.warn(
+        f"BroadcastGlobalVariablesCallback: the model's optimizer "
+        f"({type(optimizer).__name__}) is not a pipe_horovod DistributedOptimizer, so the "
+        f"{engine.size()} ranks start from rank 0's weights but never average their "
+        "gradients: each trains alone and their weights drift apart. Compile with "
+        "optimizer=hvd.DistributedOptimizer(optimizer)", stacklevel=2)
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

@@ -16,6 +16,7 @@ The data path depends on the backend:
 Both paths share pipeline.StepMachine with the PyTorch adapter.
 """
 import json
+import warnings
 import weakref
 
 import numpy as np
@@ -132,6 +133,13 @@ class _PipelinedKeras:
 
     # --- serialization -----------------------------------------------------
     def get_config(self):
+        if not _told_saving:                     # model.save: once per process
+            _told_saving.append(True)
+            warnings.warn(
+                "a model saved with a pipe_horovod DistributedOptimizer loads where "
+                "pipe_horovod.keras is imported and initialized (keras.models.load_model or "
+                "hvd.load_model); elsewhere load the weights alone with "
+                "keras.models.load_model(path, compile=False)", stacklevel=2)
         inner = _user_class(type(self))
         builtin = inner.__module__.startswith("keras.")
         return {"optimizer": {"module": "keras.optimizers" if builtin else inner.__module__,
@@ -210,6 +218,9 @@ class _PipelinedKeras:
                         load(f"pipe_horovod.error_feedback.{slot}", only).items()}
             for slot, only in (state.get("error_feedback") or {}).items()}   # older: null
         self._path.restore(in_flight, state)
+
+
+_told_saving = []
 
 
 def _config_value(key, value):
@@ -363,7 +374,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise ValueError("wrap the optimizer before it is built (before compile/fit), so "
                          "every rank builds the pipeline with it")
     cls = type(optimizer)
-    wrapped_cls = type(cls.__name__, (_PipelinedKeras, cls), {"__module__": cls.__module__})
+    # Saved under this module: Keras looks up classes of keras modules by name, so the
+    # user's module (keras.src.optimizers.sgd) would load as a plain SGD given our config
+    # ("Argument(s) not recognized"); here the error says what is missing.
+    wrapped_cls = type(cls.__name__, (_PipelinedKeras, cls), {"__module__": __name__})
     _register(wrapped_cls)
     optimizer.__class__ = wrapped_cls
     if name is not None:

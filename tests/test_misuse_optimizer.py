@@ -1,0 +1,49 @@
+"""Issue 31, the optimizer side: edits of `.grad` between backward and step, weight edits
+between steps, and the one-line checks of item 5, each asserted on every rank.
+
+One launch per launcher runs every case (tests/workers/misuse_optimizer_worker.py).
+"""
+import pytest
+
+import launcher
+
+LAUNCHES = [("local", 1), ("horovod", 2), ("torch", 2)]
+
+
+@pytest.mark.parametrize("engine_name, np", LAUNCHES)
+def test_misuse_is_honoured_or_named(engine_name, np):
+    if engine_name == "horovod":
+        reason = launcher.horovod_missing()
+        if reason:
+            pytest.skip(reason)
+    launcher.run(engine_name, np, "misuse_optimizer_worker.py", timeout=240)
+
+
+def test_keras_broadcast_callback_names_an_unwrapped_optimizer(monkeypatch):
+    keras = pytest.importorskip("keras")
+    from pipe_horovod.keras import callbacks
+
+    monkeypatch.setattr(callbacks.engine, "size", lambda: 2)
+    with pytest.warns(UserWarning, match="never average their gradients"):
+        callbacks._say_if_not_pipelined(keras.optimizers.SGD(0.1))
+
+
+def test_keras_saved_optimizer_names_pipe_horovod():
+    """Keras resolves a class of a keras module by name: saved under the user's module, a
+    file loaded without pipe_horovod became a plain SGD given our config ("Argument(s) not
+    recognized"); under ours, Keras's error says to import it. Saving says so once."""
+    keras = pytest.importorskip("keras")
+    import pipe_horovod.keras as hvd
+    from pipe_horovod.keras import optimizer
+
+    hvd.init("local")
+    try:
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+        assert type(opt).__module__ == "pipe_horovod.keras.optimizer"
+        optimizer._told_saving.clear()
+        with pytest.warns(UserWarning, match="loads where pipe_horovod.keras is imported"):
+            config = keras.saving.serialize_keras_object(opt)
+        assert config["module"] == "pipe_horovod.keras.optimizer"
+        assert config["registered_name"] == "pipe_horovod>DistributedOptimizer"
+    finally:
+        hvd.shutdown()

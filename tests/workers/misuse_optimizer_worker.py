@@ -1,0 +1,212 @@
+"""Launched on N ranks: issue 31's optimizer-side misuse, every case in one launch.
+
+Each case either matches the oracle (the use is honoured) or raises / warns with
+the message it names, on every rank. Cases that leave reductions in flight
+(an error raised inside step()) run last.
+"""
+import copy
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import oracle  # noqa: E402
+from optimizer_worker import MLP, STEPS, assert_close, data_for, fresh, train  # noqa: E402
+import pipe_horovod.torch as phvd  # noqa: E402
+from tolerance import THREADS  # noqa: E402
+
+torch.set_num_threads(THREADS)
+
+
+def wrap(model, depth, compensation="lookahead", lr=0.1, **kw):
+    return phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
+                                     named_parameters=model.named_parameters(),
+                                     pipeline_depth=depth, staleness_compensation=compensation,
+                                     **kw)
+
+
+def raises(kind, text, call):
+    try:
+        call()
+    except kind as e:
+        assert text in str(e), f"expected {text!r} in: {e}"
+        return str(e)
+    raise AssertionError(f"expected {kind.__name__} containing {text!r}")
+
+
+def warns(text, call):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    assert any(text in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+def clip(params):
+    torch.nn.utils.clip_grad_norm_(params, 0.05)
+
+
+def mask(params):
+    for p in params:
+        p.grad[..., ::2] = 0
+
+
+def check_grad_edits_at_depth_one():
+    """clip_grad_norm_ and a mask between backward() and step(), no synchronize(): applied
+    to the averaged gradient, as DDP does (the oracle edits the average)."""
+    size = phvd.size()
+    for edit in (clip, mask):
+        model, ref = fresh(MLP), fresh(MLP)
+        opt = wrap(model, 1)
+        for t in range(STEPS):
+            opt.zero_grad()
+            for x, y in data_for()(phvd.rank(), t):
+                F.cross_entropy(model(x), y).backward()
+            edit(list(model.parameters()))
+            opt.step()
+        oracle.reference(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+                         F.cross_entropy, data_for(), size, STEPS, 1, 0, edit_grads=edit)
+        assert_close(model, ref, f"{edit.__name__} between backward and step at K=1")
+
+
+def check_weight_edits_between_steps():
+    """A WGAN clamp of p.data after step() under the default lookahead lands on the real
+    weights (the oracle clamps them); state_dict() between steps holds the real weights,
+    the same on every rank."""
+    size = phvd.size()
+
+    def clamp(params):
+        for p in params:
+            p.clamp_(-0.05, 0.05)
+    model, ref = fresh(MLP), fresh(MLP)
+    opt = wrap(model, 2)
+    for t in range(STEPS):
+        opt.zero_grad()
+        for x, y in data_for()(phvd.rank(), t):
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+        for p in model.parameters():
+            p.data.clamp_(-0.05, 0.05)
+        saved = model.state_dict()
+        everyone = phvd.allgather_object({k: v.clone() for k, v in saved.items()})
+        for theirs in everyone:
+            for name, value in theirs.items():
+                assert torch.equal(value, saved[name]), f"step {t}: {name} differs between ranks"
+        assert max(v.abs().max().item() for v in saved.values()) <= torch.tensor(0.05).item()
+    opt.flush()
+    # One process alone applies each update at once (K=1: its prediction is exact).
+    oracle.reference(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+                     F.cross_entropy, data_for(), size, STEPS, 1 if size == 1 else 2, 0,
+                     compensation="lookahead", edit_weights=clamp)
+    assert_close(model, ref, "clamp between steps under the default lookahead")
+
+
+def check_options_and_models():
+    model = fresh(MLP)
+    for kw, text in (({"bucket_cap_mb": float("inf")}, "bucket_cap_mb must be a finite"),
+                     ({"bucket_cap_mb": float("nan")}, "bucket_cap_mb must be a finite"),
+                     ({"bucket_cap_mb": -1}, "bucket_cap_mb must be a finite"),
+                     ({"pipeline_depth": 1000}, "depths above 64 are refused")):
+        depth = kw.pop("pipeline_depth", 2)
+        raises(ValueError, text, lambda: wrap(model, depth, **kw))
+    with torch.device("meta"):
+        meta = MLP()
+    raises(ValueError, "is on the meta device", lambda: wrap(meta, 2))
+    if phvd.size() > 1:
+        # Per-rank hyper-parameters and optimizer class: compared at wrap time.
+        raises(ValueError, "option optimizer", lambda: wrap(model, 2, lr=0.1 + phvd.rank()))
+        other = (torch.optim.SGD(model.parameters(), lr=0.1) if phvd.rank() == 0
+                 else torch.optim.Adam(model.parameters(), lr=0.1))
+        raises(ValueError, "option optimizer", lambda: phvd.DistributedOptimizer(
+            other, named_parameters=model.named_parameters()))
+
+
+def check_calls():
+    """synchronize() twice warns; fewer backward passes than declared warns; a second
+    backward after K=1's average raises; a wrapper's state_dict with gradients in flight
+    fails to load into a plain optimizer, and loads after flush()."""
+    model = fresh(MLP)
+    (x, y), = data_for()(phvd.rank(), 0)
+    opt = wrap(model, 2, None)
+    F.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    warns("synchronize() called twice", opt.synchronize)
+    with opt.skip_synchronize():
+        opt.step()
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    plain = torch.optim.SGD(fresh(MLP).parameters(), lr=0.1, momentum=0.9)
+    raises(ValueError, "different number of parameter groups",
+           lambda: plain.load_state_dict(opt.state_dict()))
+    opt.flush()
+    plain.load_state_dict(opt.state_dict())
+    again = wrap(fresh(MLP), 2, None)
+    again.load_state_dict(opt.state_dict())
+
+    accumulating = wrap(model, 1, backward_passes_per_step=2)
+    accumulating.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    warns("backward_passes_per_step=2", accumulating.step)
+
+    opt1 = wrap(model, 1)
+    opt1.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    raises(RuntimeError, "computed again after backward() had averaged",
+           lambda: F.cross_entropy(model(x), y).backward())
+    opt1.zero_grad()                             # discards the average, as DDP would
+    F.cross_entropy(model(x), y).backward()
+    opt1.step()
+
+
+def check_errors_inside_step():
+    """Last: these raise with reductions in flight."""
+    size = phvd.size()
+    (x, y), = data_for()(phvd.rank(), 0)
+    model = fresh(MLP)
+    opt = wrap(model, 2)
+    for t in range(3):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        clip(list(model.parameters()))
+        if size == 1:                            # one process: nothing sent, the edit applies
+            opt.step()
+            continue
+        raises(RuntimeError, "changed between backward() and step()", opt.step)
+        break
+    if size > 1:
+        model = fresh(MLP)
+        opt = wrap(model, 2)
+        model.double()
+        raises(RuntimeError, "when the DistributedOptimizer was wrapped",
+               lambda: F.cross_entropy(model(x.double()), y).backward())
+
+        class Embed(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(10, 4, sparse=phvd.rank() == 0)
+
+            def forward(self, i):
+                return self.emb(i).sum()
+        embed = Embed()
+        opt = phvd.DistributedOptimizer(torch.optim.SGD(embed.parameters(), lr=0.1),
+                                        named_parameters=embed.named_parameters())
+        embed(torch.tensor([1, 2])).backward()
+        raises(ValueError, "is sparse on rank 0 but dense on rank 1", opt.step)
+
+
+def main():
+    phvd.init()
+    check_grad_edits_at_depth_one()
+    check_weight_edits_between_steps()
+    check_options_and_models()
+    check_calls()
+    check_errors_inside_step()
+    print(f"WORKER_OK rank={phvd.rank()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
