@@ -1,0 +1,118 @@
+"""Every code block of README.md that a user would run, run as written (issue 31).
+
+Python blocks are fragments of a training script: each runs unchanged in its own
+`python` process after a prelude that defines only the names it uses and does not
+define (a model, data, an optimizer), so a block that stops working as written
+fails here. `pipe-horovod plan`'s block runs and must print the table the README
+shows. Shell blocks that install, build or need a cluster (make, pip, docker) are
+not run here; test_deploy checks what a parser can of those.
+"""
+import re
+import textwrap
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import launcher
+
+README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+BLOCKS = re.findall(r"^( *)```(\w*)\n(.*?)^\1```", README, re.S | re.M)
+
+TORCH = """
+import torch, torch.nn.functional as F
+import pipe_horovod.torch as hvd
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+"""
+# Prelude per block, keyed by a line that identifies the block.
+PRELUDES = {
+    "import pipe_horovod.torch as hvd          # was:": TORCH + """
+loader = [(torch.randn(8, 4), torch.randint(0, 2, (8,))) for _ in range(3)]
+loss_fn = F.cross_entropy
+""",
+    "opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), grad_scaler":
+        TORCH + """
+hvd.init()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu")
+loss = model(torch.randn(8, 4)).square().mean()
+""",
+    'collective="ring"': TORCH + """
+hvd.init()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+""",
+    "import pipe_horovod.keras as hvd": """
+import numpy as np, keras
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+y = np.arange(32) % 3
+""",
+    "with pipe_horovod.Preemption() as preempt:": TORCH + """
+import sys, pipe_horovod
+hvd.init()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+start, steps = 0, 3
+""",
+}
+
+
+def _python_blocks():
+    return [textwrap.dedent(code) for _, lang, code in BLOCKS if lang == "python"]
+
+
+def _prelude(code):
+    found = [prelude for key, prelude in PRELUDES.items() if key in code]
+    assert len(found) == 1, f"README block without a prelude here (add one):\n{code}"
+    return found[0]
+
+
+def test_every_python_block_has_a_prelude():
+    assert len(_python_blocks()) == len(PRELUDES), "a README python block was added or removed"
+    for code in _python_blocks():
+        _prelude(code)
+
+
+# One process for every PyTorch block (each in a fresh namespace, the engine shut down
+# after it) and one for Keras: a process start costs more than a block here.
+RUNNER = """
+import sys, traceback
+for index, source in enumerate(BLOCKS):
+    try:
+        exec(compile(source, f"README block {index}", "exec"), {"__name__": "__main__"})
+    except SystemExit:
+        raise
+    except BaseException:
+        print(f"BLOCK_FAILED {index}\\n{traceback.format_exc()}", flush=True)
+        continue
+    finally:
+        import pipe_horovod
+        if pipe_horovod.engine.is_initialized():
+            pipe_horovod.engine.shutdown()
+    print(f"BLOCK_OK {index}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("framework", ["torch", "keras"])
+def test_python_blocks_run_as_written(framework, tmp_path):
+    blocks = [code for code in _python_blocks() if ("pipe_horovod.keras" in code) == (
+        framework == "keras")]
+    sources = [_prelude(code) + "\n" + code for code in blocks]
+    script = tmp_path / "blocks.py"
+    script.write_text(f"BLOCKS = {sources!r}\n{RUNNER}")
+    rc, out = launcher.run_command([sys.executable, script], 1, timeout=240, expect_ok=False)
+    done = set(map(int, re.findall(r"BLOCK_OK (\d+)", out)))
+    failed = [blocks[i] for i in range(len(blocks)) if i not in done]
+    assert rc == 0 and not failed, (f"README block(s) failed as written:\n"
+                                    + "\n---\n".join(failed) + f"\noutput:\n{out[-4000:]}")
+
+
+def test_plan_block_prints_the_readme_table():
+    command = next(code for _, lang, code in BLOCKS if code.startswith("pipe-horovod plan"))
+    shown = next(code for _, lang, code in BLOCKS if code.startswith("Plan: "))
+    argv = command.split()
+    out = subprocess.run([str(Path(sys.executable).parent / argv[0]), *argv[1:]],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == shown.strip()
