@@ -13,6 +13,7 @@ COMMANDS = {
     "bench": "Measure pipelined vs sync vs Horovod vs DDP step time.",
     "bench-collectives": "Bus bandwidth of each collective algorithm and per-hop codec.",
     "convergence": "Time to accuracy: sync vs pipelined (K=2) with each staleness option.",
+    "convergence-lm": "Validation loss of a char transformer with AdamW: sync vs default vs plain K=2.",
     "memory": "Live tensor memory per configuration (Horovod, DDP, ours K=1, K=2, default).",
 }
 
