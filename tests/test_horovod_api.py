@@ -75,6 +75,17 @@ def local():
     hvd.shutdown()
 
 
+def test_init_names_the_engine_by_keyword_or_by_comm():
+    with pytest.raises(ValueError, match="two engines: comm='torch' and engine='local'"):
+        hvd.init("torch", engine="local")
+    assert not hvd.is_initialized()
+    hvd.init(engine="local")
+    try:
+        assert hvd.is_initialized() and hvd.size() == 1
+    finally:
+        hvd.shutdown()
+
+
 def test_one_process_results(local, tmp_path):
     t = torch.arange(6.0).reshape(3, 2)
     for op in (hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product, hvd.Adasum):
