@@ -30,10 +30,10 @@ COMBOS=(
   "newest|3.13|torch==2.14.1 tensorflow==2.21.0 keras==3.15.1"
 )
 
-# Two pytest runs: collecting tests/test_keras.py imports TensorFlow, and after
-# TensorFlow >= 2.20 (loaded with RTLD_GLOBAL) the first torch.optim optimizer of
-# a CUDA torch imports triton, which segfaults (tensorflow#124205): the torch
-# tests must not share a process with it.
+# Two pytest runs, so a crash in one costs the other nothing: collecting
+# tests/test_keras.py imports TensorFlow, and a triton imported after
+# TensorFlow >= 2.20 segfaults (tensorflow#124205; tests/conftest.py imports
+# triton first, and the torch tests run apart from TensorFlow anyway).
 TORCH_TESTS=(
   "tests/test_optimizer.py::test_single_process_matches_oracle"
   "tests/test_optimizer.py::test_matches_single_process_oracle[torch-2-features]"
