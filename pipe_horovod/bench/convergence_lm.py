@@ -331,6 +331,43 @@ def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True):
     return hist, checksum
 
 
+def predict_unclipped():
+    """Issue 24's check of one difference between the adapters: Keras's lookahead predicts by
+    the optimizer's own apply(), which clips this rank's *local* gradient by
+    global_clipnorm, while the PyTorch prediction uses the unclipped local gradient (users
+    clip the averaged one after synchronize()). This makes Keras's prediction unclipped too
+    (the real update still clips), on whichever backend is in use, to measure what it does."""
+    import contextlib
+
+    import keras
+
+    @contextlib.contextmanager
+    def unclipped(opt):
+        saved, opt.global_clipnorm = opt.global_clipnorm, None
+        try:
+            yield
+        finally:
+            opt.global_clipnorm = saved
+
+    if keras.backend.backend() == "tensorflow":
+        from pipe_horovod.keras import tensorflow_path
+        look_ahead = tensorflow_path.TensorFlowPath._look_ahead
+
+        def patched(self, *args):
+            with unclipped(self.optimizer):          # read while tracing the prediction
+                return look_ahead(self, *args)
+        tensorflow_path.TensorFlowPath._look_ahead = patched
+    else:
+        from pipe_horovod.keras import torch_path
+        restored = torch_path._KerasUpdate._pipe_horovod_state_restored
+
+        @contextlib.contextmanager
+        def patched_restored(self):
+            with restored(self), unclipped(self._keras):
+                yield
+        torch_path._KerasUpdate._pipe_horovod_state_restored = patched_restored
+
+
 # ---------------------------------------------------------------------- worker
 
 def worker(args):
@@ -343,13 +380,16 @@ def worker(args):
         train_fn = train_torch
     else:
         os.environ["KERAS_BACKEND"] = "tensorflow" if args.framework == "keras-tf" else "torch"
-        import tensorflow as tf
-        tf.config.threading.set_intra_op_parallelism_threads(1)
-        tf.config.threading.set_inter_op_parallelism_threads(1)
+        if args.framework == "keras-tf":            # the torch backend needs no TensorFlow
+            import tensorflow as tf
+            tf.config.threading.set_intra_op_parallelism_threads(1)
+            tf.config.threading.set_inter_op_parallelism_threads(1)
         import torch
         torch.set_num_threads(1)
         import pipe_horovod.keras as hvd
         train_fn = functools.partial(train_keras, flush=not args.no_flush)
+        if args.predict_unclipped:
+            predict_unclipped()
     from pipe_horovod.bench.worker import Progress, write_json
 
     hvd.init()
@@ -360,6 +400,7 @@ def worker(args):
     evals = -(-s.steps // s.eval_every)
     progress = Progress(args.progress, len(seeds) * len(configs) * evals, rank == 0)
     raw = {"format": FORMAT, "framework": args.framework, "flush": not args.no_flush,
+           "predict_unclipped": args.predict_unclipped,
            "settings": asdict(s), "workers": size, "configs": configs, "seeds": seeds,
            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": []}
     for seed in seeds:
@@ -413,7 +454,8 @@ def markdown(raws, command):
     for raw in raws:
         rows = summarize(raw)
         sync = rows.get("sync", {}).get("final_mean")
-        name = raw["framework"] + ("" if raw.get("flush", True) else " (no flush)")
+        name = raw["framework"] + ("" if raw.get("flush", True) else " (no flush)") + (
+            " (prediction unclipped)" if raw.get("predict_unclipped") else "")
         for config, r in rows.items():
             delta = "" if sync is None or config == "sync" else f"{r['final_mean'] - sync:+.4f}"
             lines.append(f"| {name} | {LABELS[config]} | {r['final_mean']:.4f} ± "
@@ -447,11 +489,15 @@ def plot(raws, path):
 
 # ---------------------------------------------------------------------- launch
 
+def _suffix(args):
+    return ("-noflush" if args.no_flush else "") + ("-unclipped" if args.predict_unclipped else "")
+
+
 def launch(args, framework, s, out_dir):
     from pipe_horovod.commands.convergence import _env
     from pipe_horovod.emulate import read_progress
 
-    stem = f"{args.name}-{framework}" + ("-noflush" if args.no_flush else "")
+    stem = f"{args.name}-{framework}{_suffix(args)}"
     raw_path = os.path.join(out_dir, f"{stem}-raw.json")
     progress_path = os.path.join(out_dir, f"{stem}-progress.json")
     log_path = os.path.join(out_dir, f"{stem}.log")
@@ -465,6 +511,8 @@ def launch(args, framework, s, out_dir):
            "--out", raw_path, "--progress", progress_path]
     if args.no_flush:
         cmd.append("--no-flush")
+    if args.predict_unclipped:
+        cmd.append("--predict-unclipped")
     from tqdm import tqdm
     total = args.seeds * len(args.configs.split(",")) * -(-s.steps // s.eval_every)
     tty = sys.stderr.isatty()
@@ -510,6 +558,9 @@ def add_arguments(p):
     p.add_argument("--no-flush", action="store_true",
                    help="Keras: no PipelineFlushCallback (fit validates at the weights the "
                         "optimizer left in the model)")
+    p.add_argument("--predict-unclipped", action="store_true",
+                   help="Keras: the lookahead's prediction without global_clipnorm (issue 24's "
+                        "check; the real update still clips)")
     p.add_argument("--out", default="docs/convergence")
     p.add_argument("--name", default="lm", help="file stem of the outputs (default lm)")
     p.add_argument("--report-only", action="store_true",
@@ -526,7 +577,7 @@ def run(args, argv=None):
         argv if argv is not None else sys.argv[1:])])
     raws = []
     for framework in args.frameworks.split(","):
-        suffix = "-noflush" if args.no_flush else ""
+        suffix = _suffix(args)
         if args.report_only:
             with open(os.path.join(out_dir, f"{args.name}-{framework}{suffix}-raw.json")) as f:
                 raws.append(json.load(f))
