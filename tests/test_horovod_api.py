@@ -63,8 +63,9 @@ def test_signatures_match_horovod():
         if name == "allgather_object":      # ours adds process_set, after Horovod's parameters
             got = got[:len(want)]
         assert got == want, f"{name}: ours {got}, Horovod's {want}"
-    # Horovod's own two, then ours: how long any wait may block (PIPE_HOROVOD_TIMEOUT)
-    assert [p[0] for p in parameters(hvd.init)] == ["comm", "process_sets", "timeout"]
+    # Horovod's own two, then ours (keyword-only): the engine, and how long any wait may
+    # block (PIPE_HOROVOD_TIMEOUT)
+    assert [p[0] for p in parameters(hvd.init)] == ["comm", "process_sets", "engine", "timeout"]
 
 
 # --- the local engine, in this process -------------------------------------------
