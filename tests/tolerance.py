@@ -28,8 +28,7 @@ on its gradient: the forward pass (a dot product of each layer's fan-in), the
 backward pass (about as many), the sum over the batch of a weight's gradient, the sum
 over ranks of the average, and the optimizer's rule. `training_rtol` counts that chain
 and assumes the trajectory does not amplify a perturbation (its condition is about 1:
-short runs at small learning rates, as in these tests). A test whose trajectory does
-amplify says so with `condition=`, and says why.
+short runs at small learning rates, as in these tests).
 """
 import os
 
@@ -69,6 +68,16 @@ def gamma(n: int, dtype) -> float:
     return nu / (1 - nu)
 
 
+LAMBDA = 6.0
+
+
+def probable_gamma(n: int, dtype, lam: float = LAMBDA) -> float:
+    """Higham and Mary's gamma~_n(lam): n rounded operations in `dtype` stay within it with
+    probability at least 1 - 2 exp(-lam^2 (1 - u)^2 / 2)."""
+    u = unit_roundoff(dtype)
+    return float(np.expm1(lam * np.sqrt(n) * u + n * u * u / (1 - u)))
+
+
 def fan_ins(model) -> list:
     """Each layer's dot-product length in a torch model (Linear: in_features; Conv: the
     kernel's size times its input channels per group; Embedding: a lookup, 1), and the
@@ -87,16 +96,6 @@ def fan_ins(model) -> list:
     return sizes + [outputs]
 
 
-LAMBDA = 6.0
-
-
-def probable_gamma(n: int, dtype, lam: float = LAMBDA) -> float:
-    """Higham and Mary's gamma~_n(lam): n rounded operations in `dtype` stay within it with
-    probability at least 1 - 2 exp(-lam^2 (1 - u)^2 / 2)."""
-    u = unit_roundoff(dtype)
-    return float(np.expm1(lam * np.sqrt(n) * u + n * u * u / (1 - u)))
-
-
 def training_ops(*, steps: int, fan_ins, batch: int, ranks: int, optimizer: str,
                  predicted: int = 0) -> int:
     """The rounded operations on the longest chain a weight depends on after `steps` updates:
@@ -109,19 +108,12 @@ def training_ops(*, steps: int, fan_ins, batch: int, ranks: int, optimizer: str,
 
 
 def training_rtol(dtype="float32", *, steps: int, fan_ins, batch: int, ranks: int,
-                  optimizer: str, predicted: int = 0, condition: float = 1.0) -> float:
+                  optimizer: str, predicted: int = 0) -> float:
     """How far two float runs of the same training may differ, relative to the largest
-    weight: 2 * gamma~_n of the chain `training_ops` counts, times the trajectory's
-    condition (1 unless a test argues otherwise)."""
+    weight: 2 * gamma~_n of the chain `training_ops` counts."""
     n = training_ops(steps=steps, fan_ins=fan_ins, batch=batch, ranks=ranks,
                      optimizer=optimizer, predicted=predicted)
-    return 2 * condition * probable_gamma(n, dtype)
-
-
-def sum_rtol(terms: int, dtype="float32") -> float:
-    """Two sums of the same `terms` numbers in different orders (an allreduce against a
-    reference's loop), relative to the sum of their magnitudes."""
-    return 2 * gamma(max(terms - 1, 1), dtype)
+    return 2 * probable_gamma(n, dtype)
 
 
 def relative_error(got, want) -> float:
