@@ -494,16 +494,11 @@ def _suffix(args):
 
 
 def launch(args, framework, s, out_dir):
-    from pipe_horovod.commands.convergence import _env
+    from pipe_horovod.commands.convergence import _env, run_files
     from pipe_horovod.emulate import read_progress
 
-    stem = f"{args.name}-{framework}{_suffix(args)}"
-    raw_path = os.path.join(out_dir, f"{stem}-raw.json")
-    progress_path = os.path.join(out_dir, f"{stem}-progress.json")
-    log_path = os.path.join(out_dir, f"{stem}.log")
-    for p in (raw_path, progress_path):
-        if os.path.exists(p):
-            os.remove(p)
+    raw_path, progress_path, log_path = run_files(out_dir,
+                                                  f"{args.name}-{framework}{_suffix(args)}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            str(args.workers), "-m", "pipe_horovod.bench.convergence_lm", "--worker",
            "--framework", framework, "--configs", args.configs, "--seeds", str(args.seeds),

@@ -199,14 +199,20 @@ class Progress:
             self.bar.close()
 
 
-def run_task(args, task, out, command):
-    """Train every config x seed of one task; returns the raw result (with launch info)."""
-    raw_path = os.path.join(out, f"{args.name}-{task.name}-raw.json")
-    progress_path = os.path.join(out, f"{args.name}-{task.name}-progress.json")
-    log_path = os.path.join(out, f"{args.name}-{task.name}.log")
+def run_files(out, stem):
+    """A launch's raw result, progress and log paths under `out`; a previous launch's result
+    and progress are removed, so a launch that writes none cannot pass for one that did."""
+    raw_path = os.path.join(out, f"{stem}-raw.json")
+    progress_path = os.path.join(out, f"{stem}-progress.json")
     for stale in (raw_path, progress_path):
         if os.path.exists(stale):
             os.remove(stale)
+    return raw_path, progress_path, os.path.join(out, f"{stem}.log")
+
+
+def run_task(args, task, out, command):
+    """Train every config x seed of one task; returns the raw result (with launch info)."""
+    raw_path, progress_path, log_path = run_files(out, f"{args.name}-{task.name}")
     epochs = args.epochs or task.epochs
     worker = ["--task", task.name, "--configs", ",".join(args.configs),
               "--seeds", str(args.seeds), "--first-seed", str(args.first_seed),
