@@ -63,7 +63,6 @@ class _KerasUpdate(torch.optim.Optimizer):
         finally:
             for v, value in zip(variables, saved):
                 v.assign(value)
-            del saved
 
 
 class TorchPath:
