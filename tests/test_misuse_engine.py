@@ -86,6 +86,21 @@ def test_misuse_is_refused_alike_on_every_rank(engine_name):
     assert got["join.allgather", 0][0] == (
         "MismatchError: Allgather is not supported with Join at this time. Specify "
         "sparse_to_dense=True if using DistributedOptimizer (allgather 'j.ag')")
+    # K=2, rank 1 alone clips .grad at its third step: it raises the edit's error; rank 0
+    # raises it too, naming rank 1, at its first wait for a gradient rank 1 never sent.
+    edit = ("RuntimeError: the gradient of 'bias' was changed between backward() and step() "
+            "(a clip, a scaling, a mask or GradScaler.unscale_ of .grad), but at "
+            "pipeline_depth=2 backward() sent it already")
+    fix = "then `with optimizer.skip_synchronize(): optimizer.step()`"
+    text, took = got["edited", 1]
+    assert text.startswith(edit) and fix in text and took < 1.0, (text, took)
+    text, took = got["edited", 0]
+    assert re.fullmatch(
+        r"StepMismatchError: waiting for the gradients of step 3, bucket 0 \(2 parameter\(s\): "
+        r"bias, weight\): rank 1 raised an error after 2 step\(s\) and stopped taking part, "
+        r"while rank 0 waits in allreduce 'pipe\d+\.0\.5\.1': " + re.escape(edit) + ".*",
+        text), text
+    assert fix in text and took < 1.0 + 3.0, (text, took)   # STATUS_AFTER_S + 3 short steps
     # Rank 1 trains 3 steps and exits; rank 0 is told so, within a second or two.
     assert got["ended", 1][0] == "ok trained"
     text, _ = got["ended", 0]

@@ -88,6 +88,8 @@ class Engine:
         self._failed = False      # a collective failed: shutdown waits for nothing more
         self._board = None        # where ranks post what they do when a wait stalls (stall.py)
         self.step = None          # the step count of the pipeline (set by the step machine)
+        self._refused = set()     # steps this rank refused (refuse()): others must read them
+        self._told = set()        # (rank, step) of others' refusals already raised here
 
     # --- identity -------------------------------------------------------
     def rank(self):
@@ -448,12 +450,61 @@ class Engine:
                              f"{describe_lost(self._peers, self.rank(), gone)} "
                              f"({type(exc).__name__}: {str(exc).strip()})")
 
+    def refuse(self, exc):
+        """`exc`, an error this rank raises at a step the others will not know of (they
+        would wait for this rank's next collective), posted to the status board: every
+        other rank's next stalled wait raises it too, naming this rank (stall.py). Returns
+        `exc`, so callers write `raise engine.refuse(...)`."""
+        if self._board is not None:
+            self._board.refuse(self.rank(), self.step, f"{type(exc).__name__}: {exc}")
+            self._refused.add(self.step)
+        return exc
+
+    def _refused_elsewhere(self, what):
+        """A StepMismatchError for the first other rank's refusal not raised here yet (nor
+        refused here at the same step: every rank stopped there, each with its own error)."""
+        if self._board is None:
+            return None
+        me = self.rank()
+        for rank, refusal in self._board.read(
+                [r for r in range(self.size()) if r != me], "refused").items():
+            if refusal is None or (rank, refusal.get("step")) in self._told or \
+                    refusal.get("step") in self._refused:
+                continue
+            self._told.add((rank, refusal.get("step")))
+            self._board.acknowledge(me, rank)
+            step = refusal.get("step")
+            after = "" if step is None else f" after {step} step(s)"
+            return StepMismatchError(
+                f"rank {rank} raised an error{after} and stopped taking part, while rank {me} "
+                f"waits in {what}: {refusal['error']}")
+        return None
+
+    def _linger_for_refusal(self, bound_s=2 * STATUS_AFTER_S + 1.0):
+        """A rank that refused a step leaves once every other rank has raised it (read it
+        off the board) or refused the same step itself, or after `bound_s`: its launcher
+        would stop the others before they could say why."""
+        if not self._refused or self._board is None:
+            return
+        me = self.rank()
+        others = [r for r in range(self.size()) if r != me]
+        deadline = time.monotonic() + bound_s
+        while others and time.monotonic() < deadline:
+            acks = self._board.read(others, f"told.{me}")
+            refusals = self._board.read(others, "refused")
+            others = [r for r in others if not acks[r] and not (
+                refusals[r] and refusals[r].get("step") in self._refused)]
+            time.sleep(0.05)
+
     def _who_ended(self, exc, what, look):
         """A failure because another rank ended (Horovod's "has been shut down", or a
         peer that exited) as the StepMismatchError naming that rank and its step, read
         from the status board; None when no rank says it ended (it was lost)."""
         if self._board is None or not look:
             return None
+        refused = self._refused_elsewhere(what)
+        if refused is not None:
+            return refused
         me = self.rank()
         others = self._board.read([r for r in range(self.size()) if r != me])
         ended = [r for r, status in others.items() if status and status["state"] == "ended"]
@@ -589,6 +640,7 @@ class Engine:
             self._in_flight.clear()
             self._names.clear()
             self._close()
+            self._linger_for_refusal()
 
     def _close(self):
         """Subclass hook: release the library (after in-flight work completed)."""

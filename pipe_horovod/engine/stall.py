@@ -15,6 +15,10 @@ status board every rank can read (the rendezvous store), and then:
 - every other rank waiting too, for HOROVOD_STALL_CHECK_TIME_SECONDS:
   nobody can progress (each waits for a collective another never starts),
   so StepMismatchError on every rank, with each rank's wait and step;
+- a rank that refused a step (an error raised on that rank alone, e.g. an edit
+  of `.grad` at pipeline_depth >= 2, torch/edits.py) posted the error with
+  `Engine.refuse`: the same error, naming that rank, at once (within
+  STATUS_AFTER_S), so every rank stops with the reason, not a timeout;
 - otherwise, at HOROVOD_STALL_CHECK_TIME_SECONDS, a warning naming the
   missing ranks and tensors (Horovod's words), then one per period; past
   HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (default 0: never), StepMismatchError.
@@ -75,22 +79,31 @@ class Board:
     def __init__(self, put, get, size):
         self._put, self._get, self.size = put, get, size
 
-    def post(self, rank, **status):
-        try:
-            self._put(f"pipe_horovod.status.{rank}", json.dumps(status))
-        except Exception:           # the store is gone (its host ended): nothing to tell
-            pass
-
-    def read(self, ranks):
+    def read(self, ranks, kind="status"):
         """{rank: status dict or None}."""
         out = {}
         for rank in ranks:
             try:
-                raw = self._get(f"pipe_horovod.status.{rank}")
+                raw = self._get(f"pipe_horovod.{kind}.{rank}")
                 out[rank] = None if raw is None else json.loads(raw)
             except Exception:
                 out[rank] = None
         return out
+
+    def refuse(self, rank, step, error):
+        """Rank `rank` raised `error` (text) at a step the others cannot know of: kept apart
+        from its status, which later waits overwrite."""
+        self.post(rank, kind="refused", step=step, error=error)
+
+    def acknowledge(self, rank, refuser):
+        """`rank` has raised `refuser`'s refusal (the refuser may leave now)."""
+        self.post(rank, kind=f"told.{refuser}", seen=True)
+
+    def post(self, rank, kind="status", **status):
+        try:
+            self._put(f"pipe_horovod.{kind}.{rank}", json.dumps(status))
+        except Exception:           # the store is gone (its host ended): nothing to tell
+            pass
 
 
 def torch_board(store, size):
@@ -157,6 +170,10 @@ class Stall:
         elapsed = time.monotonic() - self.start
         now = time.time()
         others = self.board.read([r for r in range(self.engine.size()) if r != self.me])
+        if not matched():
+            refused = self.engine._refused_elsewhere(self.what)
+            if refused is not None:
+                raise refused
         ended = [r for r, s in others.items() if s and s["state"] == "ended"]
         if ended and not matched():
             raise self._error(others, now, ended)

@@ -299,7 +299,9 @@ class _PipelinedOptimizer(_Compensation):
             machine.launch_rest(self._fill_bucket)
             edited = self._grad_watch.edited() if self._watching else None
             if edited is not None:
-                raise edits.edited_after_backward(self._name_of[edited], self._pipeline_depth)
+                # Posted for the other ranks, whose next wait raises it too (engine/stall.py).
+                raise machine.engine.refuse(
+                    edits.edited_after_backward(self._name_of[edited], self._pipeline_depth))
             kept = self._keep()
             agreed = self._agree()
             entry = StepGradient(machine.launched + self._launch_sparse(), scale=scale,

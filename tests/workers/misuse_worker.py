@@ -12,6 +12,9 @@ ranks and engines; then:
             rank 1 and 4 steps on rank 0 joins and ends with the same weights on both engines;
   deadlock  rank 0 waits for 'a', rank 1 for 'b': each raises StepMismatchError at
             HOROVOD_STALL_CHECK_TIME_SECONDS (the test sets 2 s);
+  edited    at pipeline_depth=2 rank 1 alone clips .grad between backward and step at its
+            third step: it raises there (torch/edits.py), and rank 0 raises the same error,
+            naming rank 1, at its next wait for a gradient rank 1 never sends;
   ended     rank 1 trains 3 steps and exits; rank 0, at its 5th step, raises
             StepMismatchError naming rank 1 and its step count (last: rank 1 is gone).
 """
@@ -82,6 +85,25 @@ def deadlock(r):
     outcome("deadlock", lambda: hvd.allreduce(torch.ones(1), name="d.a" if r == 0 else "d.b"))
 
 
+def edited(r):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   pipeline_depth=2)
+
+    def train():
+        for t in range(8):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            if t == 2 and r == 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+        return "trained"
+
+    outcome("edited", train)
+
+
 def ended(r):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -110,6 +132,7 @@ def main():
     refused(r)
     join(r)
     deadlock(r)
+    edited(r)
     ended(r)
     print(f"WORKER_OK rank={r}", flush=True)
 
