@@ -14,7 +14,13 @@
 # Knobs (environment):
 #   PYTHON                  the interpreter to install into (default: python)
 #   HOROVOD_VERSION         default 0.28.1
-#   HOROVOD_GPU_OPERATIONS  e.g. NCCL on a CUDA machine (the Docker image); unset: CPU ops
+#   HOROVOD_GPU_OPERATIONS  NCCL for GPU clusters (the Docker image); unset: CPU ops. NCCL
+#                           needs a CUDA build of torch and nothing else: nvcc comes from
+#                           PyPI (nvidia-cuda-nvcc pinned to torch's CUDA), NCCL from torch's
+#                           nvidia-nccl wheel; no GPU needed to build
+#   HOROVOD_BUILD_CUDA_CC_LIST  GPU compute capabilities (default 75,80,86,89,90,100,120;
+#                           fewer build faster; CUDA 13 starts at 75)
+#   HOROVOD_CUDA_HOME, HOROVOD_NCCL_HOME  an installed CUDA toolkit / NCCL instead of PyPI's
 #   PIPE_HOROVOD_MPI        1: require MPI (fail without mpicc), 0: build without it,
 #                           unset: MPI exactly when mpicc is found
 #   PIPE_HOROVOD_CACHE      the cache root (default ~/.cache/pipe_horovod)
@@ -36,11 +42,27 @@ case "$GPU_OPS" in
   *) echo "HOROVOD_GPU_OPERATIONS must be NCCL, MPI or GLOO (or unset for CPU ops), not '$GPU_OPS'" >&2; exit 1 ;;
 esac
 if [ "$with_mpi" = 1 ]; then controllers=mpi-gloo; else controllers=gloo; fi
+die() { echo "$*" >&2; exit 1; }
 
 torch_version=$("$PY" -c 'import torch; print(torch.__version__)')
 py_tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 cache_root=${PIPE_HOROVOD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pipe_horovod}
-key="horovod-${HOROVOD_VERSION}_torch-${torch_version//+/_}_${py_tag}_${controllers}${GPU_OPS:+_gpu-${GPU_OPS,,}}"
+
+# NCCL ops: nvcc from PyPI, pinned to the CUDA version torch was built for (or
+# the toolkit HOROVOD_CUDA_HOME names), and NCCL from torch's own nvidia-nccl
+# wheel (or HOROVOD_NCCL_HOME), so no system CUDA and no GPU are needed.
+cuda_tag=""
+if [ "$GPU_OPS" = NCCL ]; then
+  torch_cuda=$("$PY" -c 'import torch; print(torch.version.cuda or "")')
+  [ -n "$torch_cuda" ] || die "HOROVOD_GPU_OPERATIONS=NCCL needs a CUDA build of torch, but $PY has torch $torch_version (a CPU build): install torch from PyPI's default index"
+  cc_list=${HOROVOD_BUILD_CUDA_CC_LIST:-75,80,86,89,90,100,120}
+  for cc in ${cc_list//,/ }; do
+    [[ $cc =~ ^[0-9]+$ ]] && [ "$cc" -ge 75 ] \
+      || die "HOROVOD_BUILD_CUDA_CC_LIST=$cc_list: CUDA $torch_cuda compiles for compute capability 75 (Turing) and newer, not '$cc'"
+  done
+  cuda_tag="-cu${torch_cuda//./}-cc${cc_list//,/.}"
+fi
+key="horovod-${HOROVOD_VERSION}_torch-${torch_version//+/_}_${py_tag}_${controllers}${GPU_OPS:+_gpu-${GPU_OPS,,}}${cuda_tag}"
 wheel_dir="$cache_root/wheels/$key"
 
 # What the installed Horovod was built with, as "VERSION MPI=1 Gloo=1 NCCL=0".
@@ -104,6 +126,52 @@ It ran: ${build_env[*]} $PY -m pip wheel -v --no-deps --no-build-isolation --no-
 MSG
 }
 
+# Sets cuda_env to the variables Horovod's CMake needs for NCCL ops: a CUDA
+# home whose nvcc compiles C++17 (CUDA 13's headers need it; Horovod asks for
+# C++11), and an NCCL home with the unversioned library name CMake looks for.
+cuda_build_env() {
+  local major=${torch_cuda%%.*} toolkit home nccl got
+  if [ -n "${HOROVOD_CUDA_HOME:-}" ]; then
+    toolkit=$HOROVOD_CUDA_HOME
+  else
+    [ "$major" -ge 13 ] || die "torch is built for CUDA $torch_cuda: PyPI's CUDA $major toolkit is split over several packages this script does not assemble; set HOROVOD_CUDA_HOME to an installed CUDA $torch_cuda toolkit"
+    toolkit="$cache_root/cuda-$torch_cuda"
+    if [ ! -x "$toolkit/nvidia/cu$major/bin/nvcc" ]; then
+      echo "Fetching the CUDA $torch_cuda compiler from PyPI into $toolkit"
+      # nvvm and crt pinned too: pip would otherwise take newer ones whose PTX this ptxas rejects.
+      "$PY" -m pip install -q --target "$toolkit" "nvidia-cuda-nvcc==$torch_cuda.*" \
+          "nvidia-nvvm==$torch_cuda.*" "nvidia-cuda-crt==$torch_cuda.*" \
+          "nvidia-cuda-cccl==$torch_cuda.*" "nvidia-cuda-runtime==$torch_cuda.*" \
+        || die "could not install the CUDA $torch_cuda compiler from PyPI (nvidia-cuda-nvcc==$torch_cuda.*); behind a TLS proxy, give pip its CA (PIP_CERT)"
+    fi
+    toolkit="$toolkit/nvidia/cu$major"
+    ln -sfn lib "$toolkit/lib64"                         # nvcc looks for lib64/
+    ln -sfn libcudart.so.$major "$toolkit/lib/libcudart.so"
+  fi
+  [ -x "$toolkit/bin/nvcc" ] || die "no nvcc in $toolkit/bin (HOROVOD_CUDA_HOME)"
+  got=$("$toolkit/bin/nvcc" --version | grep -oE 'release [0-9]+\.[0-9]+' | cut -d' ' -f2)
+  [ "${got%%.*}" = "$major" ] || die "torch is built for CUDA $torch_cuda but $toolkit/bin/nvcc is CUDA $got: use a CUDA $major toolkit"
+  home="$tmp/cuda"
+  mkdir -p "$home/bin"
+  for d in include lib lib64 nvvm; do [ -e "$toolkit/$d" ] && ln -s "$toolkit/$d" "$home/$d"; done
+  printf '#!/bin/sh\nexec %s --compiler=%s "$@"\n' "$here/cxx17" "$toolkit/bin/nvcc" >"$home/bin/nvcc"
+  chmod +x "$home/bin/nvcc"
+  if [ -n "${HOROVOD_NCCL_HOME:-}" ]; then
+    nccl=$HOROVOD_NCCL_HOME
+  else
+    nccl=$("$PY" -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null) \
+      || die "no NCCL: torch's nvidia-nccl wheel is not installed in $PY; set HOROVOD_NCCL_HOME"
+    mkdir -p "$tmp/nccl/lib"
+    ln -s "$nccl/include" "$tmp/nccl/include"
+    ln -s "$nccl/lib/libnccl.so.2" "$tmp/nccl/lib/libnccl.so"
+    nccl="$tmp/nccl"
+  fi
+  [ -f "$nccl/include/nccl.h" ] || die "no nccl.h in $nccl/include (HOROVOD_NCCL_HOME)"
+  echo "  CUDA $got from $toolkit, NCCL $(grep -oE 'NCCL_(MAJOR|MINOR|PATCH) +[0-9]+' "$nccl/include/nccl.h" | grep -oE '[0-9]+$' | paste -sd.) from $nccl, compute capabilities $cc_list"
+  cuda_env=("HOROVOD_CUDA_HOME=$home" "CUDA_HOME=$home" "HOROVOD_NCCL_HOME=$nccl"
+            HOROVOD_NCCL_LINK=SHARED "HOROVOD_BUILD_CUDA_CC_LIST=$cc_list")
+}
+
 if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   log="$cache_root/logs/$key.log"
   mkdir -p "$wheel_dir" "$(dirname "$log")"
@@ -112,11 +180,13 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   tmp=$(mktemp -d)
   build_pid=""
   trap 'rm -rf "$tmp"; if [ -n "$build_pid" ]; then kill "$build_pid" 2>/dev/null || true; fi' EXIT
+  cuda_env=()
+  if [ "$GPU_OPS" = NCCL ]; then cuda_build_env; fi
   if [ "$with_mpi" = 1 ]; then mpi_flag=HOROVOD_WITH_MPI=1; else mpi_flag=HOROVOD_WITHOUT_MPI=1; fi
   # cxx17: Horovod's CMake asks for C++14, torch's headers need C++17.
   build_env=("CXX=$here/cxx17" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 "$mpi_flag"
              HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1
-             ${GPU_OPS:+"HOROVOD_GPU_OPERATIONS=$GPU_OPS"} "MAKEFLAGS=-j$(nproc)"
+             ${GPU_OPS:+"HOROVOD_GPU_OPERATIONS=$GPU_OPS"} ${cuda_env[@]+"${cuda_env[@]}"} "MAKEFLAGS=-j$(nproc)"
              HOROVOD_BUILD_ARCH_FLAGS=)
   # --no-cache-dir: pip would otherwise reuse its own cached build made with other controllers.
   # -v: CMake's and the compiler's output, for the log and the progress line.
