@@ -11,6 +11,7 @@ sets, automatic names, the timeline and the handles in flight are kept here.
 import collections
 import itertools
 import math
+import threading
 import time
 
 from .checks import (check_name, check_op, check_reducible, check_root, check_rows, check_scale,
@@ -57,6 +58,10 @@ def shard_sizes(numel, size):
     (how Horovod's reducescatter splits rows)."""
     base, extra = divmod(numel, size)
     return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+def _called(kind, name):
+    return kind if name is None else f"{kind} {name!r}"
 
 
 def scale_(tensor, factor):
@@ -514,13 +519,40 @@ class Engine:
         return stall._error(others, time.time(), ended)
 
     def _guarded(self, what, call, *args):
-        """`call(*args)`, a blocking collective, with a library failure diagnosed."""
+        """`call(*args)`, a blocking collective, with a library failure diagnosed.
+
+        The library blocks inside it, so it cannot inspect its own stall; once it has
+        lasted STATUS_AFTER_S (as any wait) a timer says on the status board that this
+        rank waits in it, so the other ranks' stalled waits count it (stall.py: a rank in a
+        barrier while another waits for its next gradient is a step mismatch). Shorter
+        calls cost a timer's start and cancel, never a write."""
+        board = None if self._closed else self._board
+        posted = []
+        if board is not None:
+            since, me, step = time.time(), self.rank(), self.step
+
+            def post():
+                board.post(me, state="waiting", what=what, step=step, since=since)
+                posted.append(True)
+            timer = threading.Timer(STATUS_AFTER_S, post)
+            timer.daemon = True
+            timer.start()
+        failed = True
         try:
-            return call(*args)
+            result = call(*args)
+            failed = False
+            return result
         except EngineError:
             raise
         except RuntimeError as exc:
             raise self._diagnose(exc, what) from exc
+        finally:
+            if board is not None:
+                timer.cancel()
+                timer.join()
+                if posted and not self._closed:
+                    board.post(me, state="failed" if failed else "running", what=what,
+                               step=self.step, since=since, at=time.time())
 
     # --- synchronous collectives ----------------------------------------
     def broadcast(self, tensor, root, *, process_set=None):
@@ -532,13 +564,14 @@ class Engine:
         check_name(name, "broadcast_object")
         ps = self._resolve(process_set)
         self._check_root_in(root, ps)
-        return self._guarded("broadcast_object", self._broadcast_object, obj, root, name, ps)
+        return self._guarded(_called("broadcast_object", name), self._broadcast_object, obj,
+                             root, name, ps)
 
     def allgather_object(self, obj, *, name=None, process_set=None):
         """Every rank's `obj`, in rank order (for cross-rank consistency checks)."""
         check_name(name, "allgather_object")
-        return self._guarded("allgather_object", self._allgather_object, obj, name,
-                             self._resolve(process_set))
+        return self._guarded(_called("allgather_object", name), self._allgather_object, obj,
+                             name, self._resolve(process_set))
 
     def gather_despite_join(self, obj, *, name, process_set=None):
         """Every rank's picklable `obj` in set order, None for a rank that has joined.

@@ -177,13 +177,19 @@ class Stall:
         ended = [r for r, s in others.items() if s and s["state"] == "ended"]
         if ended and not matched():
             raise self._error(others, now, ended)
-        gave_up = any(status and status["state"] == "failed" for status in others.values())
-        if (self.check_s is None or elapsed < self.check_s) and not gave_up:
+        def gave_up(status):        # during this wait: a rank that raised and went on before
+            # it started says nothing about it (its status stays until its next long wait)
+            return (status is not None and status["state"] == "failed"
+                    and status.get("at", 0.0) >= self.since)
+
+        if (self.check_s is None or elapsed < self.check_s) and \
+                not any(gave_up(status) for status in others.values()):
             return
 
         def stuck(status):          # waiting long enough that it is not just slow
-            return (status is not None and (status["state"] == "failed" or (
-                status["state"] == "waiting" and now - status["since"] >= self.check_s / 2)))
+            return gave_up(status) or (status is not None and status["state"] == "waiting"
+                                       and self.check_s is not None
+                                       and now - status["since"] >= self.check_s / 2)
 
         if all(stuck(status) for status in others.values()) and not matched():
             raise self._error(others, now, [])
@@ -203,7 +209,7 @@ class Stall:
             return
         if failed:
             self.board.post(self.me, state="failed", what=self.what, step=self.engine.step,
-                            since=self.since)
+                            since=self.since, at=time.time())
         else:
             self.board.post(self.me, state="running", step=self.engine.step)
 

@@ -15,12 +15,21 @@ ranks and engines; then:
   edited    at pipeline_depth=2 rank 1 alone clips .grad between backward and step at its
             third step: it raises there (torch/edits.py), and rank 0 raises the same error,
             naming rank 1, at its next wait for a gradient rank 1 never sends;
+  keras     Keras `fit` (KERAS_BACKEND: the test runs TensorFlow under torchrun, torch under
+            horovodrun) on 6 batches on rank 0 and 4 on rank 1, which then waits in the next
+            case's allgather_object: rank 0 raises StepMismatchError naming both ranks' waits
+            and steps at HOROVOD_STALL_CHECK_TIME_SECONDS (on TensorFlow inside its
+            UnknownError, the text of which the case prints);
   ended     rank 1 trains 3 steps and exits; rank 0, at its 5th step, raises
             StepMismatchError naming rank 1 and its step count (last: rank 1 is gone).
 """
+import importlib.util
+import re
 import sys
 import time
 
+if importlib.util.find_spec("triton") is not None:
+    import triton  # noqa: F401 -- before TensorFlow (tests/conftest.py says why)
 import torch
 
 import pipe_horovod.torch as hvd
@@ -104,6 +113,31 @@ def edited(r):
     outcome("edited", train)
 
 
+def keras_uneven(r):
+    import keras
+    import numpy as np
+
+    import pipe_horovod.keras as khvd
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    model.compile(optimizer=khvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    n = (6, 4)[r] * 2                                  # batches of 2: 6 steps on rank 0, 4 on 1
+    x, y = np.ones((n, 4), "float32"), np.ones((n, 1), "float32")
+    start = time.monotonic()
+    try:
+        model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[khvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+        text = "ok trained"
+    except Exception as exc:
+        # TensorFlow wraps the error of a hand-off in its own (UnknownError: Graph execution
+        # error: ... StepMismatchError: ...): print the outer type and the inner line.
+        inner = re.search(r"^(?:\S+: )?(StepMismatchError: .*)$", str(exc), re.M)
+        text = f"{type(exc).__name__}: {inner.group(1) if inner else exc}"
+    sys.stdout.write(f"CASE keras rank={r}: {text} [{time.monotonic() - start:.1f} s]\n")
+    sys.stdout.flush()
+
+
 def ended(r):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -133,6 +167,7 @@ def main():
     join(r)
     deadlock(r)
     edited(r)
+    keras_uneven(r)
     ended(r)
     print(f"WORKER_OK rank={r}", flush=True)
 
