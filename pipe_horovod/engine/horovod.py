@@ -61,7 +61,7 @@ from .adasum import combine as adasum_combine
 from .base import (DEFAULT_TIMEOUT_S, Adasum, Average, Engine, EngineError, Max, Min, Product,
                    Sum, Work, scale_, shard_sizes)
 from .process_sets import check_new_sets
-from .stall import http_board
+from .stall import http_board, torch_board
 
 _HOROVOD_OPS = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
                 Product: "Product"}
@@ -138,6 +138,38 @@ class HorovodEngine(Engine):
         if addr and self.size() > 1:            # horovodrun's key-value server (stall.py)
             self._board = http_board(addr, os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"],
                                      self.size())
+        elif self.size() > 1:                   # MPI (mpirun, horovodrun --mpi): no server
+            self._board = self._store_board()
+
+    def _store_board(self):
+        """A status board on a TCPStore that rank 0 hosts (its address in one broadcast at
+        init), for MPI launches, which have no key-value server. It lives as long as rank 0:
+        when rank 0 itself ended, the others read nothing and say what Horovod says."""
+        import datetime
+        import socket
+
+        import torch.distributed as dist
+
+        store, where = None, None
+        if self.rank() == 0:
+            try:
+                store = dist.TCPStore("0.0.0.0", 0, None, True,
+                                      timeout=datetime.timedelta(seconds=10),
+                                      wait_for_workers=False)
+                where = (socket.gethostname(), store.port)
+            except Exception:                   # no board: Horovod's own messages
+                store = None
+        where = self.hvd.broadcast_object(where, root_rank=0, name="pipe_horovod.board")
+        if where is None:
+            return None
+        if store is None:
+            host = "127.0.0.1" if where[0] == socket.gethostname() else where[0]
+            try:
+                store = dist.TCPStore(host, where[1], None, False,
+                                      timeout=datetime.timedelta(seconds=10))
+            except Exception:
+                return None
+        return torch_board(store, self.size())
 
     def rank(self):
         return self.hvd.rank()

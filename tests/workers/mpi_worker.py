@@ -1,9 +1,13 @@
 """Under an MPI launch (horovodrun --mpi, mpirun): the engine checks, then the
-optimizer against the single-process oracle, in one launch per launcher.
+optimizer against the single-process oracle, in one launch per launcher; last, on
+the horovod engine, rank 1 ends after 3 steps while rank 0 takes a 4th: rank 0
+raises StepMismatchError naming rank 1 and its step count (issue 31: the status
+board on MPI is a TCPStore rank 0 hosts), not Horovod's "has been shut down".
 
 `python mpi_worker.py ENGINE SIZE`: ENGINE is the engine the environment must pick.
 """
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -18,8 +22,42 @@ def main():
     want_mpi = engine.current().name == "horovod"
     assert engine.current().capabilities()["mpi_enabled"] is want_mpi, engine.current().capabilities()
     optimizer_worker.check_oracle()        # K in 1..3 on the engine already running
+    if want_mpi:
+        check_rank_that_ended()
     print(f"WORKER_OK rank={engine.rank()}", flush=True)
     engine.shutdown()
+
+
+def check_rank_that_ended():
+    import torch
+
+    import pipe_horovod.torch as hvd
+
+    rank = hvd.rank()
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), pipeline_depth=1)
+
+    def step():
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    for _ in range(3):
+        step()
+    if rank != 0:
+        return                               # ends: main() shuts the engine down
+    start = time.monotonic()
+    try:
+        step()
+    except hvd.HorovodInternalError as exc:
+        text = str(exc)
+    else:
+        raise AssertionError("rank 0 took a step that rank 1 never took")
+    took = time.monotonic() - start
+    assert "rank 1 ended while rank 0 waits in allreduce" in text, text
+    assert "rank 1 ended (shut down after 3 step(s))" in text and "hvd.join()" in text, text
+    assert took < 5.0, took                  # rank 1 ends at once: no stall time, no timeout
+    print(f"ENDED_NAMED rank=0 after {took:.2f} s", flush=True)
 
 
 if __name__ == "__main__":
