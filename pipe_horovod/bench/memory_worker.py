@@ -5,9 +5,10 @@ synthetic batches, then counts the bytes of every distinct tensor storage
 reachable from Python (the parameters, `.grad`, the optimizer's state, the
 buckets, what a staleness compensation keeps), in units of the parameters'
 bytes; on CUDA also torch.cuda.max_memory_allocated over those steps. Rank 0
-prints one JSON line per (optimizer, configuration), with the seconds the
-compensation took per step and what one step of the bare optimizer takes on
-the same parameters.
+prints one JSON line per (width, optimizer, configuration), with the median
+over steps of the milliseconds the compensation took (putting the real
+weights back in step() and the prediction at the next forward) and the
+median of one step of the bare optimizer on the same parameters.
 
 Configurations: horovod (Horovod's DistributedOptimizer; engine horovod
 only), ddp (DistributedDataParallel; under engine horovod in a gloo group
@@ -79,7 +80,7 @@ def build(config, make, model, one_process):
                                             staleness_compensation=compensation, **extra)
 
 
-def measure(config, kind, width, steps, device, one_process):
+def measure(config, kind, width, steps, device, one_process, twin=None):
     rank = 0 if one_process else phvd.rank()
     base_bytes = live_bytes(device)
     if device.type == "cuda":
@@ -92,13 +93,16 @@ def measure(config, kind, width, steps, device, one_process):
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(8, width, generator=g).to(device)
     timings = getattr(opt, "timings", None)
-    warm = None
+    charged, bare = [], []                       # compensation, bare step: seconds per step
     for t in range(steps):
-        if t == WARM_STEPS and timings:          # the first predictions build state: skip them
-            warm = dict(timings)
+        before = timings["compensation_s"] if timings else 0.0
         opt.zero_grad()
-        net(x).square().mean().backward()
-        opt.step()
+        net(x).square().mean().backward()        # the prediction: at this forward
+        opt.step()                               # the real weights back: in this step
+        if timings and t >= WARM_STEPS:          # the first predictions build state: skipped
+            charged.append(timings["compensation_s"] - before)
+            if twin is not None:                 # under the same load, side by side
+                bare.append(timed_step(twin, device))
     if hasattr(opt, "flush") and config.startswith("ours"):
         live = live_bytes(device) - base_bytes    # before flush: the pipeline is full
         opt.flush()
@@ -109,35 +113,38 @@ def measure(config, kind, width, steps, device, one_process):
     if device.type == "cuda":
         torch.cuda.synchronize()
         row["cuda_peak"] = (torch.cuda.max_memory_allocated() - cuda_base) / size
-    if warm is not None and timings["steps"] > warm["steps"]:
-        row["compensation_ms"] = 1e3 * ((timings["compensation_s"] - warm["compensation_s"])
-                                        / (timings["steps"] - warm["steps"]))
+    if charged and any(charged):
+        row["compensation_ms"] = 1e3 * statistics.median(charged)
+        if bare:
+            row["optimizer_step_ms"] = 1e3 * statistics.median(bare)
     del net, opt, model
     return row
 
 
-def bare_step_ms(kind, width, device, repeat=5):
-    """One step of the bare optimizer on the same parameters (state built first)."""
+def bare_optimizer(kind, width, device):
+    """The bare optimizer on a twin of the parameters, with gradients and state built."""
     model = model_for(width, device)
     opt = OPTIMIZERS[kind](list(model.parameters()))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
-    times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return opt
+
+
+def timed_step(opt, device):
+    """Seconds of one step of `opt`."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    opt.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--widths", default="2048", help="comma-separated MLP widths")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--optimizers", default="sgd-momentum,adam")
     parser.add_argument("--configs", default=",".join(CONFIGS))
@@ -158,14 +165,19 @@ def main(argv=None):
             torch.distributed.init_process_group(
                 "gloo", init_method=f"tcp://{os.environ[DDP_ENV]}", rank=phvd.rank(),
                 world_size=phvd.size())
-    for kind in args.optimizers.split(","):
-        step_ms = bare_step_ms(kind, args.width, device)
-        for config in configs:
-            row = measure(config, kind, args.width, args.steps, device, one_process)
-            row["engine"] = "local" if one_process else engine.current().name
-            row["optimizer_step_ms"] = step_ms
-            if one_process or phvd.rank() == 0:
-                print("MEMORY " + json.dumps(row), flush=True)
+    for width in [int(w) for w in args.widths.split(",")]:
+        for kind in args.optimizers.split(","):
+            twin = bare_optimizer(kind, width, device)
+            step_ms = 1e3 * statistics.median(timed_step(twin, device) for _ in range(9))
+            for config in configs:
+                row = measure(config, kind, width, args.steps, device, one_process,
+                              twin if device.type == "cpu" else None)
+                row["engine"] = "local" if one_process else engine.current().name
+                row["width"] = width
+                row.setdefault("optimizer_step_ms", step_ms)
+                if one_process or phvd.rank() == 0:
+                    print("MEMORY " + json.dumps(row), flush=True)
+            del twin
     phvd.shutdown()
 
 

@@ -4,10 +4,12 @@ One launch per engine (`horovodrun --gloo` for engine horovod, which also
 measures Horovod's DistributedOptimizer and DDP in a gloo group of its own;
 `torch.distributed.run --standalone` for engine torch) of
 `pipe_horovod.bench.memory_worker` on `--workers` processes. The table
-gives, per optimizer and configuration, the live tensor bytes after a few
-steps in units of the parameters' bytes (Horovod with Adam: 4.0), the
-compensation's milliseconds per step beside one step of the bare optimizer
-on the same parameters, and, with `--device cuda` (one process),
+gives, per model width, optimizer and configuration, the live tensor bytes
+after a few steps in units of the parameters' bytes (Horovod with Adam:
+4.0), the compensation's milliseconds per step (median over the steps after
+the first two) beside one step of the bare optimizer on a twin of the same
+parameters (on CPU timed right after each of those steps, under the same
+load), and, with `--device cuda` (one process),
 torch.cuda.max_memory_allocated in the same units.
 """
 import json
@@ -28,8 +30,11 @@ def add_arguments(parser):
     parser.add_argument("--engines", default="horovod,torch",
                         help="comma-separated: horovod (horovodrun), torch (torchrun)")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--width", type=int, default=2048,
-                        help="MLP width: two width x width layers (2048: 8.4 M parameters)")
+    parser.add_argument("--widths", default="2048",
+                        help="comma-separated MLP widths: two width x width layers each "
+                             "(2048: 8.4 M parameters)")
+    parser.add_argument("--configs", default=",".join(memory_worker.CONFIGS),
+                        help="comma-separated, from " + ", ".join(memory_worker.CONFIGS))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--optimizers", default="sgd-momentum,adam",
                         help=f"comma-separated, from {', '.join(memory_worker.OPTIMIZERS)}")
@@ -62,8 +67,9 @@ def _command(engine, workers, worker_args):
 
 
 def collect(engine, args):
-    worker_args = ["--width", str(args.width), "--steps", str(args.steps),
-                   "--optimizers", args.optimizers, "--device", args.device]
+    worker_args = ["--widths", args.widths, "--steps", str(args.steps),
+                   "--optimizers", args.optimizers, "--configs", args.configs,
+                   "--device", args.device]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
     env[memory_worker.DDP_ENV] = f"127.0.0.1:{_free_port()}"
@@ -83,15 +89,17 @@ def collect(engine, args):
 
 def table(rows):
     cuda = any("cuda_peak" in r for r in rows)
-    head = ["optimizer", "engine", "configuration", "live tensors (x params)"]
+    head = ["parameters (M)", "optimizer", "engine", "configuration", "live tensors (x params)"]
     head += ["CUDA peak (x params)"] if cuda else []
-    head += ["compensation ms/step", "optimizer step ms"]
+    head += ["compensation ms/step", "optimizer step ms", "compensation / step"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["optimizer"], r["engine"], r["config"], f"{r['live']:.2f}"]
+        cells = [f"{2 * r['width'] * (r['width'] + 1) / 1e6:.1f}", r["optimizer"],
+                 r["engine"], r["config"], f"{r['live']:.2f}"]
         cells += [f"{r['cuda_peak']:.2f}" if "cuda_peak" in r else "–"] if cuda else []
-        cells += [f"{r['compensation_ms']:.2f}" if r.get("compensation_ms") else "–",
-                  f"{r['optimizer_step_ms']:.2f}"]
+        ms = r.get("compensation_ms")
+        cells += [f"{ms:.2f}" if ms else "–", f"{r['optimizer_step_ms']:.2f}",
+                  f"{ms / r['optimizer_step_ms']:.2f}" if ms else "–"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -101,8 +109,8 @@ def run(args):
     rows = []
     for engine in engines:
         rows += collect(engine, args)
-    size = rows[0]["param_mb"]
-    print(f"Live tensor memory after {args.steps} steps, {args.workers} workers, MLP of "
-          f"{size:.1f} MiB of parameters (units: the parameters' bytes)")
+    sizes = ", ".join(f"{mb:.1f}" for mb in dict.fromkeys(r["param_mb"] for r in rows))
+    print(f"Live tensor memory after {args.steps} steps, {args.workers} workers, MLPs of "
+          f"{sizes} MiB of parameters (units: the parameters' bytes)")
     print(table(rows))
     return 0
