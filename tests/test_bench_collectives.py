@@ -1,4 +1,5 @@
-"""`pipe-horovod bench-collectives`: a tiny real run reports every configuration; busbw math.
+"""`pipe-horovod bench-collectives`: a tiny real run reports every configuration (with
+--unmatched: plain torch.distributed all_reduce beside the engine's); busbw math.
 
 No speed assertions (shared 2-core machines): the run is on loopback, two
 sizes, one repetition; the emulated-cluster figures live in docs/benchmarks.md.
@@ -79,6 +80,34 @@ def test_chain_run_predicts_lp_with_one_stream_and_no_mst():
     assert not any(t["target"].startswith("mst/none") for t in summary["targets"])
 
 
+def test_name_matching_compares_the_engine_with_plain_all_reduce():
+    sizes = [1024, 2**22]
+    seconds = {"native/none": 3e-3, "unmatched/none": 1e-3, "native-8/none": 1e-3,
+               "unmatched-8/none": 1.25e-3, "ring/none": 2e-3}
+    configs = list(seconds)
+    assert configs[:4] == collectives_worker.config_names((), (), unmatched=True)
+    assert collectives_worker.config_names((), ()) == ["native/none"]
+    times = {c: {str(n): [seconds[c] * (1 if n == 1024 else 4)] for n in sizes}
+             for c in configs}
+    raw = {"meta": {"workers": 2, "sizes": sizes, "configs": configs, "reps": 1,
+                    "engine": "torch"}, "times": [times] * 2}
+    summary = collectives_report.summarize(raw)
+    first = summary["name_matching"][0]
+    assert first["bytes"] == 1024
+    assert first["overhead_s"] == pytest.approx(2e-3)
+    assert first["ratio"] == pytest.approx(3.0)
+    assert first["in_flight"]["ratio"] == pytest.approx(0.8)
+    rows = {(r["config"], r["bytes"]): r for r in summary["rows"]}
+    assert all(rows[c, n]["predicted_s"] is None for c in configs[1:4] for n in sizes)
+    assert rows["ring/none", 2**22]["predicted_s"] is not None   # the others keep theirs
+    text = collectives_report.markdown(summary)
+    assert "| 1 KB | 1000 | 3000 | +2000 | 3.00x | 1250 | 1000 | -250 | 0.80x |" in text
+    assert "no prediction for" not in text
+    # without --unmatched: no table
+    plain = {**raw, "meta": {**raw["meta"], "configs": ["native/none", "ring/none"]}}
+    assert collectives_report.summarize(plain)["name_matching"] == []
+
+
 @pytest.mark.timeout(120)
 def test_local_torch_run_reports_every_algorithm_and_codec(tmp_path):
     env = dict(os.environ)
@@ -86,7 +115,7 @@ def test_local_torch_run_reports_every_algorithm_and_codec(tmp_path):
     env.pop("PIPE_HOROVOD_ENGINE", None)
     cmd = [sys.executable, "-m", "pipe_horovod.cli", "bench-collectives", "--no-progress",
            "--workers", "2", "--engine", "torch", "--sizes", "4KiB,64KiB", "--reps", "1",
-           "--out", str(tmp_path), "--name", "bc"]
+           "--unmatched", "--out", str(tmp_path), "--name", "bc"]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=110,
                          stdin=subprocess.DEVNULL)
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
@@ -95,8 +124,9 @@ def test_local_torch_run_reports_every_algorithm_and_codec(tmp_path):
     assert (tmp_path / "bc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "bc.md").read_text() in res.stdout
     summary = json.loads((tmp_path / "bc.json").read_text())
-    configs = collectives_worker.config_names()
-    assert configs[0] == "native/none" and len(configs) == 13
+    configs = collectives_worker.config_names(unmatched=True)
+    yardsticks = ["unmatched/none", "native-8/none", "unmatched-8/none"]
+    assert configs[:4] == ["native/none", *yardsticks] and len(configs) == 16
     assert summary["meta"]["configs"] == configs and summary["meta"]["workers"] == 2
     rows = {(r["config"], r["bytes"]): r for r in summary["rows"]}
     assert set(rows) == {(c, s) for c in configs for s in (4096, 65536)}
@@ -104,9 +134,17 @@ def test_local_torch_run_reports_every_algorithm_and_codec(tmp_path):
         assert (r["algorithm"], r["codec"]) == tuple(config.split("/"))
         assert r["time_s"] > 0 and r["algbw_bytes_per_s"] > 0
         assert r["busbw_bytes_per_s"] == pytest.approx(r["algbw_bytes_per_s"])   # p = 2
-        assert r["predicted_s"] is not None
+        assert (r["predicted_s"] is None) == (config in yardsticks)
+    matching = summary["name_matching"]                # what name matching costs per call
+    assert [m["bytes"] for m in matching] == [4096, 65536]
+    for m in matching:
+        for part in (m, m["in_flight"]):
+            assert part["plain_s"] > 0 and part["matched_s"] > 0
+            assert part["overhead_s"] == pytest.approx(part["matched_s"] - part["plain_s"])
+    assert "Cost of name matching per collective" in res.stdout
     raw = json.loads((tmp_path / "bc-raw.json").read_text())
     assert raw["launch"]["command"].startswith("pipe-horovod bench-collectives --workers 2")
+    assert raw["launch"]["command"].endswith(" --unmatched")
     assert len(raw["times"]) == 2                                        # every rank's times
     costs = raw["meta"]["codec_costs_s_per_byte"]           # (encode, add, decode) per codec
     assert set(costs) == {"bf16", "int8"} and all(0 < c < 1e-6 for v in costs.values() for c in v)
@@ -127,3 +165,6 @@ def test_one_worker_and_missing_results_exit_2(capsys, tmp_path):
     assert "run the benchmark first" in capsys.readouterr().err
     assert cli.main(["bench-collectives", "--topology", "chain", "--out", str(tmp_path)]) == 2
     assert "--topology chain needs --emulate" in capsys.readouterr().err
+    assert cli.main(["bench-collectives", "--engine", "horovod", "--unmatched",
+                     "--out", str(tmp_path)]) == 2
+    assert "--unmatched" in capsys.readouterr().err

@@ -13,18 +13,24 @@ path), our collectives' per-message software cost (measured by the workers,
 timing.with_message_cost) added to alpha, with alpha and beta fitted (`timing.fit`, ring
 formula) to the engine's own allreduce at the sizes >= 1 MB, all for the emulated cluster's
 topology (launch.topology, star where absent): on a chain lp's links carry one stream each
-way, and mst and be have no prediction (timing.MODELLED). Outputs: markdown (printed and
-saved), a JSON summary, a PNG of bus bandwidth against size (log x).
+way, and mst and be have no prediction (timing.MODELLED). With the worker's `unmatched/none`
+(plain torch.distributed all_reduce, --unmatched; no prediction), a table of what the
+engine's name-matched allreduce costs per collective beyond it (`name_matching`: both
+medians, their difference and ratio), one at a time and IN_FLIGHT at once. Outputs:
+markdown (printed and saved), a JSON summary, a PNG of bus bandwidth against size (log x).
 """
 import json
 
 from pipe_horovod import timing
-from pipe_horovod.bench.collectives_worker import FORMAT, NATIVE
+from pipe_horovod.bench.collectives_worker import FORMAT, IN_FLIGHT, NATIVE, UNMATCHED, \
+    in_flight
 from pipe_horovod.bench.report import _median, _num, _pct, _quartiles, save_outputs
 
 LARGE_BYTES = 16 * 2**20      # the issue's "at >= 16 MB"
 MODEL_BYTES = 2**20           # the issue's "prediction within 15% at >= 1 MB"
 CODEC_BYTES = 64 * 2**20      # the issue's "64 MB float32 tensor"
+# --unmatched's configurations: yardsticks for the engine's own overhead, not modelled
+YARDSTICKS = (UNMATCHED, in_flight(NATIVE), in_flight(UNMATCHED))
 
 
 def size_label(nbytes):
@@ -67,6 +73,8 @@ def predicted_seconds(network, p, nbytes, config, codec_costs=None, message_s=No
     wire = wire_bytes(nbytes, codec)
     if algorithm == NATIVE:
         return timing.allreduce_time(network, p, wire, "ring", topology)
+    if algorithm in YARDSTICKS:
+        return None
     if algorithm not in timing.MODELLED[topology]:
         return None
     net = timing.with_message_cost(network, message_s or 0.0)
@@ -136,9 +144,34 @@ def summarize(raw):
             if r["predicted_s"] is not None:
                 r["prediction_error"] = abs(r["predicted_s"] - r["time_s"]) / r["time_s"]
     summary = {"meta": meta, "launch": raw.get("launch", {}), "topology": topology,
-               "network": network, "link_bytes_per_s": link_bytes_per_s, "rows": rows}
+               "network": network, "link_bytes_per_s": link_bytes_per_s, "rows": rows,
+               "name_matching": name_matching(rows, sizes)}
     summary["targets"] = targets(summary)
     return summary
+
+
+def name_matching(rows, sizes):
+    """Per size, the engine's allreduce (`native/none`, matched by name) against plain
+    torch.distributed all_reduce (`unmatched/none`): both medians per collective, the
+    overhead (their difference) and the ratio; the same IN_FLIGHT at once under
+    "in_flight" where measured. [] without `unmatched/none`."""
+    def compare(matched, plain):
+        if matched is None or plain is None:
+            return None
+        return {"plain_s": plain["time_s"], "matched_s": matched["time_s"],
+                "overhead_s": matched["time_s"] - plain["time_s"],
+                "ratio": matched["time_s"] / plain["time_s"]}
+
+    out = []
+    for nbytes in sizes:
+        alone = compare(_at(rows, f"{NATIVE}/none", nbytes), _at(rows, f"{UNMATCHED}/none",
+                                                                   nbytes))
+        if alone is None:
+            continue
+        out.append({"bytes": nbytes, **alone, "in_flight": compare(
+            _at(rows, f"{in_flight(NATIVE)}/none", nbytes),
+            _at(rows, f"{in_flight(UNMATCHED)}/none", nbytes))})
+    return out
 
 
 def _at(rows, config, nbytes):
@@ -244,7 +277,8 @@ def markdown(summary, heading="#"):
         rate = 1 / net["beta_s_per_byte"] / 1e6 if net["beta_s_per_byte"] else None
         lines.append(f"- model: alpha {net['alpha_s'] * 1e6:.0f} us, 1/beta "
                      f"{_num(rate, '{:.1f}')} MB/s ({net['source']}, R² {net['r2']:.3f})")
-    unmodelled = sorted({r["algorithm"] for r in rows if r["algorithm"] != NATIVE
+    unmodelled = sorted({r["algorithm"] for r in rows
+                         if r["algorithm"] != NATIVE and r["algorithm"] not in YARDSTICKS
                          and r["algorithm"] not in timing.MODELLED[summary["topology"]]})
     if unmodelled:
         lines.append(f"- no prediction for {', '.join(unmodelled)} on a "
@@ -262,6 +296,8 @@ def markdown(summary, heading="#"):
         if busy:
             lines.append(f"- machine load {what}: {min(busy):.2f}–{max(busy):.2f} of "
                          f"{meta['cpu_count']} cores busy")
+    if summary.get("name_matching"):
+        lines += ["", *name_matching_table(summary["name_matching"])]
     lines += ["", "| target | measured | met |", "|---|---:|---|"]
     for t in summary["targets"]:
         met = "yes" if t["met"] else "**no**"
@@ -269,6 +305,27 @@ def markdown(summary, heading="#"):
                      f"{_num(t['value'])} | {met} |")
     lines.append("")
     return "\n".join(lines)
+
+
+def name_matching_table(matching):
+    """Markdown lines: what name matching costs per collective (summary's name_matching)."""
+    def cells(m):
+        if m is None:
+            return "– | – | – | –"
+        return (f"{m['plain_s'] * 1e6:.0f} | {m['matched_s'] * 1e6:.0f} | "
+                f"{m['overhead_s'] * 1e6:+.0f} | {m['ratio']:.2f}x")
+
+    head = "plain (us) | matched (us) | overhead (us) | ratio"
+    lines = [f"Cost of name matching per collective: `{NATIVE}/none` (the engine's allreduce, "
+             f"matched by name) against `{UNMATCHED}/none` (plain torch.distributed "
+             "all_reduce of the same tensor, then the same division), median per "
+             f"collective; then the same with {IN_FLIGHT} started at once, then waited for "
+             f"(`{in_flight(NATIVE)}`, `{in_flight(UNMATCHED)}`; time per collective):", "",
+             f"| size | one at a time: {head} | {IN_FLIGHT} in flight: {head} |",
+             "|---|" + "---:|" * 8]
+    for m in matching:
+        lines.append(f"| {size_label(m['bytes'])} | {cells(m)} | {cells(m.get('in_flight'))} |")
+    return lines
 
 
 # ------------------------------------------------------------------------ plot
@@ -280,8 +337,9 @@ def plot(summary, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {NATIVE: "black", "lp": "#c44e52", "ring": "#4c72b0", "mst": "#55a868",
-               "be": "#8172b2"}
+    colours = {NATIVE: "black", UNMATCHED: "#937860", in_flight(NATIVE): "#666666",
+               in_flight(UNMATCHED): "#da8bc3", "lp": "#c44e52", "ring": "#4c72b0",
+               "mst": "#55a868", "be": "#8172b2"}
     styles = {"none": "-", "bf16": "--", "int8": ":"}
     fig, ax = plt.subplots(figsize=(10, 6))
     for config in summary["meta"]["configs"]:

@@ -17,6 +17,19 @@ at several block sizes (the median over ranks: timing.hop_codec_time's
 calibration), and the one-way time of a small point-to-point message on the
 collectives' own group, every pair of ranks at once (the per-message cost of
 our collectives: timing.with_message_cost).
+
+With --unmatched (torch engine only) a configuration `unmatched/none` is
+timed beside the others: a plain `torch.distributed.all_reduce` of the same
+tensor on the default group, then the same division by the world size
+(Average), as a DDP or torchrun script calls it: no name matching, no
+checks, no handle. `native/none` minus `unmatched/none` is what the torch
+engine adds to each collective (engine/negotiation.py's cycle, its thread's
+hand-off, the checks and the wait); issue 31's "cost per collective".
+It also times both with IN_FLIGHT collectives started at once (distinct
+tensors, names `<name>.<i>`), then waited for (`native-8/none`,
+`unmatched-8/none`: async_op=True, then each Work's wait), as a pipeline's
+buckets are: requests started together share one negotiation cycle. Their
+times are per collective (the burst's time / IN_FLIGHT).
 """
 import argparse
 import json
@@ -28,6 +41,8 @@ from pipe_horovod.bench.worker import Progress, _machine_ticks, _versions
 
 FORMAT = "pipe_horovod.bench_collectives/1"
 NATIVE = "native"
+UNMATCHED = "unmatched"     # --unmatched: plain dist.all_reduce, no name matching (torch)
+IN_FLIGHT = 8               # --unmatched also times bursts of this many collectives in flight
 ALGORITHMS = ("lp", "ring", "mst", "be")
 CODECS = ("none", "bf16", "int8")
 # Messages up to this size are timed as INNER calls in a row (one call is too short to time).
@@ -38,9 +53,23 @@ INNER = 8
 IDLE_PROBE_S = 0.5
 
 
-def config_names(algorithms=ALGORITHMS, codecs=CODECS):
-    """`native/none` (the engine's own allreduce) then every algorithm/codec."""
-    return [f"{NATIVE}/none"] + [f"{a}/{c}" for a in algorithms for c in codecs]
+def in_flight(algorithm):
+    """The engine's or plain allreduce IN_FLIGHT at once: `native-8`, `unmatched-8`."""
+    return f"{algorithm}-{IN_FLIGHT}"
+
+
+def config_names(algorithms=ALGORITHMS, codecs=CODECS, unmatched=False):
+    """`native/none` (the engine's own allreduce); with `unmatched`, `unmatched/none`
+    (plain torch.distributed.all_reduce) and both IN_FLIGHT at once; then every
+    algorithm/codec."""
+    extra = [f"{UNMATCHED}/none", f"{in_flight(NATIVE)}/none",
+             f"{in_flight(UNMATCHED)}/none"] if unmatched else []
+    return [f"{NATIVE}/none"] + extra + [f"{a}/{c}" for a in algorithms for c in codecs]
+
+
+def per_call(config):
+    """Collectives one call of `config` runs (IN_FLIGHT for a burst)."""
+    return IN_FLIGHT if config.split("/")[0].endswith(f"-{IN_FLIGHT}") else 1
 
 
 def inner_calls(nbytes):
@@ -51,23 +80,42 @@ def _name(config, nbytes):
     return f"bench.collectives.{config.replace('/', '.')}.{nbytes}"
 
 
-def _allreduce(eng, config, buf, name):
+def _allreduce(eng, config, buf, name, burst=()):
+    """One call of `config` on `buf` (a burst: on each tensor of `burst`, at once)."""
     from pipe_horovod import collectives, engine
     from pipe_horovod.compression import Compression
 
     algorithm, codec = config.split("/")
     if algorithm == NATIVE:
         return eng.wait(eng.allreduce_async(buf, name, engine.Average))
+    if algorithm == UNMATCHED:              # what the engine's path does, minus the engine
+        import torch.distributed as dist
+
+        dist.all_reduce(buf)
+        return buf.div_(eng.size())
+    if algorithm == in_flight(NATIVE):
+        handles = [eng.allreduce_async(t, f"{name}.{i}", engine.Average)
+                   for i, t in enumerate(burst)]
+        return [eng.wait(h) for h in handles]
+    if algorithm == in_flight(UNMATCHED):
+        import torch.distributed as dist
+
+        works = [dist.all_reduce(t, async_op=True) for t in burst]
+        for work, t in zip(works, burst):
+            work.wait()
+            t.div_(eng.size())
+        return burst
     return collectives.allreduce(buf, name, engine.Average, collective=algorithm,
                                  compression=Compression.by_name(codec))
 
 
-def _timed(eng, config, buf, name, calls):
+def _timed(eng, config, buf, name, calls, burst=()):
+    """Seconds per collective of `calls` calls in a row."""
     eng.barrier()
     t0 = time.perf_counter()
     for _ in range(calls):
-        _allreduce(eng, config, buf, name)
-    return (time.perf_counter() - t0) / calls
+        _allreduce(eng, config, buf, name, burst)
+    return (time.perf_counter() - t0) / (calls * per_call(config))
 
 
 # Block sizes (float32 bytes) at which the codecs are measured: the collectives' blocks
@@ -137,7 +185,9 @@ def run(args):
     torch.set_num_threads(args.threads)
     eng = engine.init()
     rank, size = eng.rank(), eng.size()
-    configs = config_names(args.algorithms, args.codecs)
+    if args.unmatched and eng.name != "torch":
+        raise SystemExit(f"--unmatched needs the torch engine, not {eng.name}")
+    configs = config_names(args.algorithms, args.codecs, args.unmatched)
     progress = Progress(args.progress if rank == 0 else None,
                         len(args.sizes) * (args.reps + 1), rank == 0)
     base = torch.randn(max(args.sizes) // 4, generator=torch.Generator().manual_seed(rank))
@@ -151,14 +201,15 @@ def run(args):
         time.sleep(IDLE_PROBE_S)
         background[str(nbytes)] = _busy_cores(ticks0, _machine_ticks())
         buf = base[: max(1, nbytes // 4)]
+        burst = [buf.clone() for _ in range(IN_FLIGHT)] if args.unmatched else []
         calls = inner_calls(nbytes)
         for config in configs:                    # warm-up: buffers, connections
-            _allreduce(eng, config, buf, _name(config, nbytes))
+            _allreduce(eng, config, buf, _name(config, nbytes), burst)
         progress(f"{nbytes} B warm-up")
         ticks0 = _machine_ticks()
         for rep in range(args.reps):
             for config in configs:
-                seconds = _timed(eng, config, buf, _name(config, nbytes), calls)
+                seconds = _timed(eng, config, buf, _name(config, nbytes), calls, burst)
                 times[config].setdefault(str(nbytes), []).append(seconds)
             progress(f"{nbytes} B rep {rep + 1}/{args.reps}")
         load[str(nbytes)] = _busy_cores(ticks0, _machine_ticks())
@@ -170,7 +221,8 @@ def run(args):
         raw = {
             "format": FORMAT,
             "meta": {"engine": eng.name, "workers": size, "sizes": list(args.sizes),
-                     "configs": configs, "reps": args.reps, "inner_calls_up_to_bytes":
+                     "configs": configs, "reps": args.reps, "in_flight": IN_FLIGHT,
+                     "inner_calls_up_to_bytes":
                      [SMALL_BYTES, INNER], "threads": args.threads, "dtype": "float32",
                      "op": "average", "cpu_count": os.cpu_count(), "versions": _versions(),
                      "machine_busy_cores": load, "background_busy_cores": background,
@@ -217,6 +269,12 @@ def add_arguments(parser):
                              "(default 5)")
     parser.add_argument("--threads", type=positive_int("threads"), default=1,
                         help="torch threads per worker (default 1)")
+    parser.add_argument("--unmatched", action="store_true",
+                        help=f"also time {UNMATCHED}/none: a plain torch.distributed "
+                             "all_reduce of the same tensors, without the engine's name "
+                             f"matching, and both {IN_FLIGHT} in flight at once (--engine "
+                             "torch only); the report shows what matching costs per "
+                             "collective")
 
 
 def main(argv=None):

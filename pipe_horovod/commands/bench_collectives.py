@@ -7,6 +7,8 @@ launch code; --topology chain links the emulated workers as a chain
 instead of a star), follows rank 0's progress file with a tqdm bar, then prints
 and saves the report (`pipe_horovod.bench.collectives_report`) under --out
 as <name>.md, <name>.json and <name>.png, next to the raw <name>-raw.json.
+--unmatched (torch engine) adds plain torch.distributed all_reduce beside
+the engine's, and the report the per-collective cost of name matching.
 """
 import argparse
 import os
@@ -69,6 +71,8 @@ def command_line(args):
               "--reps", str(args.reps), "--out", args.out, "--name", args.name]
     if args.threads != 1:
         parts += ["--threads", str(args.threads)]
+    if args.unmatched:
+        parts.append("--unmatched")
     return shlex.join(parts)
 
 
@@ -76,7 +80,7 @@ def _worker_argv(args, raw, progress):
     return ["--sizes", ",".join(str(s) for s in args.sizes),
             "--algorithms", ",".join(args.algorithms), "--codecs", ",".join(args.codecs),
             "--reps", str(args.reps), "--threads", str(args.threads),
-            "--out", raw, "--progress", progress]
+            "--out", raw, "--progress", progress] + (["--unmatched"] if args.unmatched else [])
 
 
 def _error(message):
@@ -92,6 +96,9 @@ def run(args):
     if not args.report_only:
         if args.workers < 2:
             return _error("an allreduce needs --workers >= 2")
+        if args.unmatched and args.engine != "torch":
+            return _error("--unmatched times torch.distributed's all_reduce beside the "
+                          "torch engine's: it needs --engine torch")
         if args.topology != "star" and not args.emulate:
             return _error(f"--topology {args.topology} needs --emulate (a local launch "
                           "runs over loopback)")
