@@ -175,6 +175,44 @@ def test_lookahead_matches_its_reference_for_every_optimizer(name):
         assert stepped == STEPS - 1
 
 
+@pytest.mark.parametrize("name", sorted(ONE_PASS))
+def test_one_pass_in_pieces_and_batches_matches_too(name, monkeypatch):
+    # Parameters larger than a piece of the per-tensor rules' temporaries and groups larger
+    # than a batch of the multi-tensor ones: computed elementwise, the same numbers.
+    monkeypatch.setattr(lookahead, "_PIECE", 48)
+    monkeypatch.setattr(lookahead, "_BATCH", 100)
+    sync, _, _ = _train(name, 1, None)
+    ahead, _, _ = _train(name, 2, "lookahead")
+    for a, b in zip(sync, ahead):
+        assert torch.equal(a, b), f"{name}: lookahead in pieces differs from its reference"
+
+
+def test_the_prediction_swaps_storage_and_leaves_the_real_weights_in_place():
+    # One pass: the parameters take the prediction's storage at the forward pass and give
+    # it back in step(); the real weights are never copied, so a reference to them taken
+    # between steps keeps reading the real weights.
+    torch.manual_seed(0)
+    model = Net(embedding=False)
+    opt = phvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
+                                    named_parameters=model.named_parameters(),
+                                    **THROUGH_THE_PIPELINE)
+    weight = model.body[0].weight
+    for t in range(4):
+        tokens, x, y = _batch(t)
+        opt.zero_grad()
+        real_storage, real = weight.data, weight.detach().clone()
+        out = model(tokens, x)                   # the prediction is made here
+        if t >= 2:                               # (t=1: AdamW has no state yet, it steps)
+            assert weight.data_ptr() != real_storage.data_ptr()
+            assert not torch.equal(weight.detach(), real)
+            assert torch.equal(real_storage, real)   # the real weights, where they were
+        F.cross_entropy(out, y).backward()
+        opt.step()
+        if t >= 2:                               # the real weights back, then updated
+            assert weight.data_ptr() == real_storage.data_ptr()
+    opt.flush()
+
+
 @pytest.mark.parametrize("name", ["sgd-momentum", "adamw"])
 def test_gradscaler_scaled_gradients_predict_exactly(name):
     sync, _, _ = _train(name, 1, None, scaler=True)

@@ -6,7 +6,9 @@ state and the step machine's FIFO, and calls `_inner_step` for the
 optimizer steps a prediction runs where it cannot be computed in one pass.
 
 "lookahead" keeps only the real weights while the parameters hold the
-prediction. This rank's own gradient of the step in flight is the `.grad`
+prediction, and by swapping storage rather than copying: the parameter
+takes the prediction's storage (`p.data = prediction`), the real weights
+stay in theirs, and step() swaps them back. This rank's own gradient of the step in flight is the `.grad`
 autograd made for it (the bucket got a copy), taken by reference when the
 step is pushed and used as scratch by the prediction right after the real
 update (torch/lookahead.py); so at pipeline_depth=2 nothing but the real
@@ -40,6 +42,7 @@ class _Compensation:
         self._kept_buffers = {}                  # (slot, kind, name) -> tensor kept with a step
         self._real = {}                          # name -> real weights while params are predicted
         self._predicted = False
+        self._swapped = False                    # the parameters hold the prediction's storage
         self._previous = {}                      # "predict": the weights before this step's update
         self._mean_square = {}                   # "dc": running mean of g*g per parameter
         # "lookahead": the user's optimizer class, whose rule torch/lookahead.py may know.
@@ -85,9 +88,14 @@ class _Compensation:
         if not self._predicted:
             return
         with self._charged(), torch.no_grad():
-            for name, p in self._param_of.items():
-                p.copy_(self._real[name])
-        self._predicted = False
+            if self._swapped:                    # the prediction's storage is dropped
+                for name, real in self._real.items():
+                    self._param_of[name].data = real
+                self._real = {}
+            else:
+                for name, p in self._param_of.items():
+                    p.copy_(self._real[name])
+        self._predicted = self._swapped = False
 
     def _predict_at_forward(self):
         """Predict at the next forward pass with gradients (module docstring)."""
@@ -155,23 +163,36 @@ class _Compensation:
             (grads, scale), = steps
             owned = {p: self._owned(name, p, grads.get(name), scale)
                      for name, p in self._param_of.items()}
-            reals = {p: self._real_buffer(name, p) for name, p in self._param_of.items()}
-            if None not in owned.values() and lookahead.predict(
-                    self._rule_class, self.param_groups, self.state, owned, reals):
+            predicted = None if None in owned.values() else lookahead.predict(
+                self._rule_class, self.param_groups, self.state, owned)
+            if predicted is not None:
+                self._swap_in(predicted)
                 return True
             steps = [({n: owned[p] for n, p in self._param_of.items()}, None)]
-        self._copy_params(self._real)
         per_param = [{p: self._stepped_grad(name, p, grads.get(name), scale)
                       for name, p in self._param_of.items()} for grads, scale in steps]
+        # The steps run on a copy the parameters take as their storage; the real weights
+        # stay in theirs (so nothing holds a copy of them between steps).
+        self._swap_in({p: p.detach().clone() for p in self._param_of.values()})
         lookahead.stepped(self, per_param, self._inner_step)
         return True
 
-    def _real_buffer(self, name, p):
-        """The buffer the real weights are kept in while `p` holds the prediction."""
-        buf = self._real.get(name)
-        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype:
-            buf = self._real[name] = torch.empty_like(p)
-        return buf
+    def _swap_in(self, predicted):
+        """The parameters take the predictions' storage; the real weights stay in theirs,
+        kept in self._real (no copy either way; _restore_real swaps back)."""
+        kept = {t.data_ptr(): key for key, t in self._kept_buffers.items() if key[1] == "local"}
+        for name, p in self._param_of.items():
+            prediction = predicted.get(p)
+            if prediction is None:               # (not in a param group: not predicted)
+                continue
+            if not _own_storage_like(prediction, p):
+                prediction = torch.empty_like(p).copy_(prediction)   # (not seen in practice)
+            # A kept copy of the local gradient becomes the parameter's storage: the next
+            # step keeps its copy in a new buffer.
+            self._kept_buffers.pop(kept.get(prediction.data_ptr()), None)
+            self._real[name] = p.data
+            p.data = prediction
+        self._swapped = True
 
     def _owned(self, name, p, grad, scale):
         """The local gradient as a tensor the prediction may overwrite, unscaled (None:
@@ -279,6 +300,15 @@ def _momentum_key(group):
     if isinstance(betas, (tuple, list)) and betas and betas[0]:
         return "betas"
     return None
+
+
+def _own_storage_like(tensor, param):
+    """Whether `tensor` can be `param`'s storage: same dtype, device, shape and strides, and
+    nothing else in its storage."""
+    return (tensor.dtype == param.dtype and tensor.device == param.device
+            and tensor.shape == param.shape and tensor.stride() == param.stride()
+            and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes()
+            == tensor.numel() * tensor.element_size())
 
 
 def _values(grad):

@@ -8,15 +8,25 @@ function of the current state and that gradient, written here with the
 same operations, in the same order, as torch.optim's own step: the same
 numbers, bit for bit, without stepping (or copying) the optimizer's state.
 
-Each rule gets, per parameter, `p` (holding the real weights w), `g` (this
-rank's local gradient, unscaled: scratch, the rule may overwrite it) and
-`real` (a buffer that must hold w afterwards). It leaves the prediction in
-`p`, using `p` and `g` as its only full-size temporaries, so the prediction
-costs no memory beyond `real`. Like torch.optim's own kernels:
+Each rule gets, per parameter, `p` (holding the real weights w, only read)
+and `g` (this rank's local gradient, unscaled: scratch), and leaves the
+prediction in `g`'s storage, or returns a fresh tensor holding it. The
+caller then swaps storages (torch/compensation.py): the parameter takes the
+prediction's, the real weights stay where they were, so neither is copied;
+putting the real weights back is a swap too. So the prediction costs about
+one step of the optimizer (the same operations on the same tensors) and no
+memory beyond the real weights the parameters are not holding. Temporaries
+are pieces of at most `_PIECE` elements (per-tensor rules, elementwise, so
+each element is computed as in one call) or, where the group uses torch's
+multi-tensor kernels (`foreach`), full-size for a batch of at most `_BATCH`
+elements, as the optimizer's own multi-tensor step allocates them. Rules:
 
 * SGD (momentum, dampening, nesterov, weight_decay, maximize);
 * Adam and AdamW (amsgrad, weight_decay, maximize), once every parameter
-  has state (the first prediction, before any update, steps instead).
+  has state (the first prediction, before any update, steps instead);
+
+each as torch.optim's _single_tensor_* or, for a foreach group, its
+_multi_tensor_* step.
 
 Everything else (other optimizers, subclasses, fused/capturable/
 differentiable groups, tensor hyperparameters, sparse or complex
@@ -27,9 +37,11 @@ temporaries hold a copy of the state while the step runs.
 """
 import torch
 
-# Elements per piece where a rule needs a third temporary (AdamW's decayed weights):
-# small enough to be negligible beside the parameters, large enough to amortize a call.
-_PIECE = 1 << 20
+# Elements per piece of a per-tensor rule's temporaries: small enough to be negligible
+# beside the parameters, large enough to amortize a call.
+_PIECE = 1 << 18
+# Elements per batch of a multi-tensor rule (whose temporaries are full-size for the batch).
+_BATCH = 1 << 22
 
 
 def _plain(group, flags):
@@ -50,78 +62,177 @@ def _adam_ready(group, states):
         "step" in st and "exp_avg" in st for st in states)
 
 
+def _foreach(group, params):
+    """Whether torch.optim steps this group with its multi-tensor kernels (foreach=None:
+    torch's own default, which picks them where every parameter is on CUDA)."""
+    foreach = group.get("foreach")
+    if foreach is None and params:
+        try:
+            from torch.optim.optimizer import _default_to_fused_or_foreach
+            foreach = _default_to_fused_or_foreach(params, False, use_fused=False)[1]
+        except (ImportError, TypeError):
+            foreach = False
+    return bool(foreach)
+
+
+def _pieces(*tensors):
+    """Aligned flat pieces of at most _PIECE elements of same-shaped contiguous tensors."""
+    flat = [t.view(-1) for t in tensors]
+    n = flat[0].numel()
+    for start in range(0, n, _PIECE):
+        end = min(start + _PIECE, n)
+        yield [f[start:end] for f in flat]
+
+
+def _contiguous(*tensors):
+    return all(t.is_contiguous() for t in tensors)
+
+
 def _sgd(group, items):
-    """torch.optim.SGD's _single_tensor_sgd / _multi_tensor_sgd, predicted."""
+    """torch.optim.SGD's _single_tensor_sgd, predicted into g."""
     lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
     dampening, nesterov = group["dampening"], group["nesterov"]
-    for p, g, real, st in items:
-        real.copy_(p)
+    scratch = None
+    for p, g, st in items:
         if group["maximize"]:
             g.neg_()
         if wd != 0:
-            g.add_(real, alpha=wd)                       # grad.add(param, alpha=wd)
-        direction = g
-        if mu != 0:
-            buf = st.get("momentum_buffer")
-            if buf is None:                              # buf = grad.clone()
-                if nesterov:
-                    g.add_(g, alpha=mu)
+            g.add_(p, alpha=wd)                          # grad.add(param, alpha=wd)
+        buf = st.get("momentum_buffer") if mu != 0 else None
+        if buf is None:
+            if mu != 0 and nesterov:                     # buf = grad.clone()
+                g.add_(g, alpha=mu)                      # grad.add(buf, alpha=mu)
+            torch.add(p, g, alpha=-lr, out=g)            # param.add_(grad, alpha=-lr)
+            continue
+        if not _contiguous(p, g, buf):
+            new_buf = buf.mul(mu).add_(g, alpha=1 - dampening)
+            if nesterov:
+                torch.add(p, g.add_(new_buf, alpha=mu), alpha=-lr, out=g)
             else:
-                torch.mul(buf, mu, out=p)                # buf.mul_(mu).add_(grad, 1 - d)
-                p.add_(g, alpha=1 - dampening)
-                if nesterov:
-                    g.add_(p, alpha=mu)                  # grad.add(buf, alpha=mu)
-                else:
-                    direction = p
-        torch.add(real, direction, alpha=-lr, out=p)     # param.add_(grad, alpha=-lr)
+                torch.add(p, new_buf, alpha=-lr, out=g)
+            continue
+        if scratch is None:
+            scratch = torch.empty(_PIECE, dtype=g.dtype, device=g.device)
+        for pp, gp, bp in _pieces(p, g, buf):
+            new_buf = torch.mul(bp, mu, out=_cut(scratch, gp))   # buf.mul_(mu) ...
+            new_buf.add_(gp, alpha=1 - dampening)                #   .add_(grad, 1 - d)
+            if nesterov:
+                torch.add(pp, gp.add_(new_buf, alpha=mu), alpha=-lr, out=gp)
+            else:
+                torch.add(pp, new_buf, alpha=-lr, out=gp)
+
+
+def _sgd_foreach(group, items):
+    """torch.optim.SGD's _multi_tensor_sgd, predicted: returns the predictions."""
+    lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+    dampening, nesterov = group["dampening"], group["nesterov"]
+    ps, gs, states = (list(x) for x in zip(*items))
+    if group["maximize"]:
+        torch._foreach_neg_(gs)
+    if wd != 0:
+        torch._foreach_add_(gs, ps, alpha=wd)
+    direction = gs
+    if mu != 0:
+        bufs = [st.get("momentum_buffer") for st in states]
+        if all(b is not None for b in bufs):
+            new_bufs = torch._foreach_mul(bufs, mu)
+            torch._foreach_add_(new_bufs, gs, alpha=1 - dampening)
+        elif not any(b is not None for b in bufs):
+            new_bufs = gs                                # buf = grad.clone() for each
+        else:
+            new_bufs = [g if b is None else b.mul(mu).add_(g, alpha=1 - dampening)
+                        for b, g in zip(bufs, gs)]
+        if nesterov:
+            torch._foreach_add_(gs, list(new_bufs), alpha=mu)
+        else:
+            direction = new_bufs
+    return torch._foreach_add(ps, direction, alpha=-lr)
+
+
+def _adam_scalars(group, st):
+    beta1, beta2 = group["betas"]
+    step = float(st["step"]) + 1
+    return _step_size(group["lr"], beta1, step), (1 - beta2 ** step) ** 0.5
+
+
+def _step_size(lr, beta1, step):
+    """Adam's step size lr / (1 - beta1^step)."""
+    return lr / (1 - beta1 ** step)
 
 
 def _adam(group, items):
-    """torch.optim.Adam's (and AdamW's) _single_tensor_adam / _multi_tensor_adam, predicted."""
+    """torch.optim.Adam's (and AdamW's) _single_tensor_adam, predicted into g."""
     beta1, beta2 = group["betas"]
     lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
     decoupled = group.get("decoupled_weight_decay", False)
-    for p, g, real, st in items:
-        real.copy_(p)
+    amsgrad = group["amsgrad"]
+    scratch = None
+    for p, g, st in items:
         if group["maximize"]:
             g.neg_()
-        step = float(st["step"]) + 1
-        step_size = lr / (1 - beta1 ** step)
-        bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+        step_size, bias_correction2_sqrt = _adam_scalars(group, st)
         if wd != 0 and not decoupled:
-            g.add_(real, alpha=wd)
-        # The second moment, then the denominator, in p.
-        torch.mul(st["exp_avg_sq"], beta2, out=p)
-        p.addcmul_(g, g, value=1 - beta2)
-        if group["amsgrad"]:
-            torch.maximum(st["max_exp_avg_sq"], p, out=p)
-        p.sqrt_().div_(bias_correction2_sqrt).add_(eps)
-        torch.lerp(st["exp_avg"], g, 1 - beta1, out=g)   # the first moment, in g
-        if wd != 0 and decoupled:                        # param.mul_(1 - lr * wd), then ...
-            _decayed_addcdiv(real, 1 - lr * wd, g, p, -step_size)
+            g.add_(p, alpha=wd)
+        decay = 1 - lr * wd if wd != 0 and decoupled else None
+        exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
+        max_sq = st["max_exp_avg_sq"] if amsgrad else exp_avg_sq
+        if not _contiguous(p, g, exp_avg, exp_avg_sq, max_sq):
+            pieces = [(p, g, exp_avg, exp_avg_sq, max_sq, None, None)]
         else:
-            torch.addcdiv(real, g, p, value=-step_size, out=p)
+            if scratch is None:
+                scratch = torch.empty(2, _PIECE, dtype=g.dtype, device=g.device)
+            pieces = [(*pc, _cut(scratch[0], pc[1]), _cut(scratch[1], pc[1]))
+                      for pc in _pieces(p, g, exp_avg, exp_avg_sq, max_sq)]
+        for pp, gp, ea, sq, msq, denom_out, decayed_out in pieces:
+            # The second moment, then the denominator.
+            denom = torch.mul(sq, beta2, out=denom_out)  # exp_avg_sq.mul_(beta2)
+            denom.addcmul_(gp, gp, value=1 - beta2)      #   .addcmul_(grad, grad, 1 - beta2)
+            if amsgrad:
+                torch.maximum(msq, denom, out=denom)
+            denom.sqrt_().div_(bias_correction2_sqrt).add_(eps)
+            torch.lerp(ea, gp, 1 - beta1, out=gp)        # the first moment, in g
+            base = pp if decay is None else torch.mul(pp, decay, out=decayed_out)
+            torch.addcdiv(base, gp, denom, value=-step_size, out=gp)
 
 
-def _decayed_addcdiv(real, decay, numer, denom, value):
-    """denom <- (real * decay) + value * numer / denom, the decayed weights made piece by
-    piece (elementwise, so each element is computed exactly as in one call)."""
-    if not (real.is_contiguous() and numer.is_contiguous() and denom.is_contiguous()):
-        torch.addcdiv(real * decay, numer, denom, value=value, out=denom)
-        return
-    flat_real, flat_numer, flat_denom = real.view(-1), numer.view(-1), denom.view(-1)
-    piece = torch.empty(min(_PIECE, flat_real.numel()), dtype=real.dtype, device=real.device)
-    for start in range(0, flat_real.numel(), _PIECE):
-        end = min(start + _PIECE, flat_real.numel())
-        decayed = torch.mul(flat_real[start:end], decay, out=piece[:end - start])
-        torch.addcdiv(decayed, flat_numer[start:end], flat_denom[start:end], value=value,
-                      out=flat_denom[start:end])
+def _adam_foreach(group, items):
+    """torch.optim.Adam's (and AdamW's) _multi_tensor_adam, predicted: returns them."""
+    beta1, beta2 = group["betas"]
+    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    decoupled = group.get("decoupled_weight_decay", False)
+    ps, gs, states = (list(x) for x in zip(*items))
+    if group["maximize"]:
+        torch._foreach_neg_(gs)
+    if wd != 0 and not decoupled:
+        torch._foreach_add_(gs, ps, alpha=wd)
+    scalars = [_adam_scalars(group, st) for st in states]
+    denom = torch._foreach_mul([st["exp_avg_sq"] for st in states], beta2)
+    torch._foreach_addcmul_(denom, gs, gs, value=1 - beta2)
+    if group["amsgrad"]:
+        torch._foreach_maximum_(denom, [st["max_exp_avg_sq"] for st in states])
+    torch._foreach_sqrt_(denom)
+    torch._foreach_div_(denom, [bc2 for _, bc2 in scalars])
+    torch._foreach_add_(denom, eps)
+    first = torch._foreach_lerp([st["exp_avg"] for st in states], gs, 1 - beta1)
+    step_sizes = [(_step_size(lr, beta1, float(st["step"]) + 1)) * -1 for st in states]
+    if wd != 0 and decoupled:
+        out = torch._foreach_mul(ps, 1 - lr * wd)
+        torch._foreach_addcdiv_(out, first, denom, step_sizes)
+        return out
+    return torch._foreach_addcdiv(ps, first, denom, step_sizes)
+
+
+def _cut(scratch, like):
+    """The first `like.numel()` elements of a flat scratch buffer."""
+    return scratch[:like.numel()]
 
 
 # class -> (ready(group, states), rule(group, items)). Exact classes only: a subclass may
 # change the step, and then only its own step can say what it does.
-RULES = {torch.optim.SGD: (_sgd_ready, _sgd), torch.optim.Adam: (_adam_ready, _adam),
-         torch.optim.AdamW: (_adam_ready, _adam)}
+# The rule is (per-tensor, multi-tensor).
+RULES = {torch.optim.SGD: (_sgd_ready, (_sgd, _sgd_foreach)),
+         torch.optim.Adam: (_adam_ready, (_adam, _adam_foreach)),
+         torch.optim.AdamW: (_adam_ready, (_adam, _adam_foreach))}
 
 
 def has_rule(optimizer_class, groups):
@@ -130,27 +241,51 @@ def has_rule(optimizer_class, groups):
     return rule is not None and all(rule[0](group, ()) for group in groups)
 
 
-def predict(optimizer_class, groups, state, locals_, reals):
-    """Predict in one pass, if the rule applies to every group now: the parameters get the
-    prediction, `reals` the real weights. `locals_` {param: dense local gradient, owned}.
-    Returns False (nothing touched) where the rule does not apply."""
+def predict(optimizer_class, groups, state, locals_):
+    """Predict in one pass, if the rule applies to every group now. `locals_` {param: dense
+    local gradient, owned: the rule writes into it}. Returns {param: its prediction} (the
+    local gradient itself, or a fresh tensor) for the caller to swap in, or None (nothing
+    touched) where the rule does not apply."""
     rule = RULES.get(optimizer_class)
     if rule is None:
-        return False
-    ready, step = rule
+        return None
+    ready, (single, multi) = rule
     work = []
     for group in groups:
         params = [p for p in group["params"] if p in locals_]
         states = [state.get(p, {}) for p in params]
         if not ready(group, states) or any(
                 locals_[p].is_sparse or locals_[p].is_complex() or p.is_complex()
-                for p in params):
-            return False
-        work.append((group, [(p, locals_[p], reals[p], st) for p, st in zip(params, states)]))
+                or locals_[p].shape != p.shape for p in params):
+            return None
+        work.append((group, [(p, locals_[p], st) for p, st in zip(params, states)],
+                     _foreach(group, params)))
+    predicted = {}
     with torch.no_grad():
-        for group, items in work:
-            step(group, items)
-    return True
+        for group, items, foreach in work:
+            if not foreach:
+                single(group, items)
+                predicted.update((p, g) for p, g, _ in items)
+                continue
+            for batch in _batches(items):
+                predicted.update(zip((p for p, _, _ in batch), multi(group, batch)))
+    return predicted
+
+
+def _batches(items):
+    """Consecutive runs of items of the same device and dtype, of at most _BATCH elements
+    (or one larger parameter), for the multi-tensor kernels."""
+    batch, size = [], 0
+    for item in items:
+        p = item[0]
+        if batch and (size + p.numel() > _BATCH or p.device != batch[0][0].device
+                      or p.dtype != batch[0][0].dtype):
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += p.numel()
+    if batch:
+        yield batch
 
 
 def stepped(optimizer, steps, run_step):

@@ -599,7 +599,7 @@ class _PipelinedOptimizer(_Compensation):
             fifo.pipeline_depth = alone
         real = pipe.get("real_weights")
         self._real = here(real) if real else {}
-        self._predicted = bool(real)
+        self._predicted, self._swapped = bool(real), False
         _due.discard(self)
         if pipe.get("previous_weights"):
             self._previous = here(pipe["previous_weights"])
