@@ -1,46 +1,29 @@
-# pipe_horovod for GPU clusters: CUDA + NCCL + Open MPI + PyTorch + TensorFlow/Keras
-# + Horovod (NCCL ops, MPI and Gloo controllers) + this package, with sshd for
-# `horovodrun -H` / `mpirun` across nodes and Kubeflow's MPIJob.
+# pipe_horovod for GPU clusters: PyTorch (CUDA), TensorFlow + Keras 3, Horovod
+# (NCCL ops, MPI and Gloo controllers), Open MPI, sshd, and this package.
 #
-#   docker build -t pipe-horovod .
+#   make image                      # builds and tests it (scripts/image.sh)
+#   docker build -t pipe-horovod .  # by hand; behind a TLS proxy add
+#                                   #   --secret id=ca,src=/path/to/ca-bundle.crt
 #   docker run --rm --gpus all pipe-horovod                  # runs `pipe-horovod check`
 #   docker run --rm --gpus all pipe-horovod \
 #       horovodrun -np 2 -H localhost:2 python examples/pytorch_digits.py
 #
-# Two nodes, the way Horovod's own image is used: README.md ("Clusters") and
-# docs/getting-started.md#docker-not-run-here.
-# Not built on the project's own machines (no Docker engine there); what can be
-# checked without one (stages, arguments, the scripts it runs) is checked by
-# tests/test_deploy.py.
+# No CUDA base image: the CUDA runtime, cuDNN and NCCL come with torch's
+# wheels from PyPI, and the compiler Horovod's NCCL ops need (nvcc) from
+# PyPI's CUDA toolkit wheels, pinned to torch's CUDA version, in a build stage
+# that the runtime image leaves behind. Any Debian or Ubuntu base with
+# Python >= 3.10 works; no GPU is needed to build. Two nodes, Kubernetes:
+# docs/getting-started.md#docker.
 #
-# The CUDA major version of the base image must match the torch wheel's:
-# torch==2.13.0 from PyPI is built for CUDA 13.0 (it depends on
-# cuda-toolkit==13.0.*, nvidia-nccl-cu13, nvidia-cudnn-cu13), so Horovod's
-# CUDA parts are compiled with a 13.0 toolkit too. A build step below stops
-# with a clear message if the two disagree. The torch wheel brings its own
-# cuDNN, so the plain `devel` image is enough (no `cudnn-devel` needed).
-ARG CUDA_IMAGE=nvidia/cuda:13.0.1-devel-ubuntu22.04
-FROM ${CUDA_IMAGE} AS pipe-horovod
+# Needs BuildKit (secret and cache mounts): Docker >= 23, or DOCKER_BUILDKIT=1.
 
-# GPU architectures Horovod's few CUDA kernels are compiled for
-# (80 A100, 86/89 Ampere/Ada workstation cards, 90 H100/H200, 100 B200,
-# 120 RTX Blackwell). CUDA 13 supports 75 and newer. Fewer = faster build.
-ARG CUDA_CC_LIST=80,86,89,90,100,120
-ARG PYTHON_VERSION=3.11
+# Debian 12: Python 3.11. ubuntu:22.04 (3.10) and ubuntu:24.04 (3.12) work too.
+ARG BASE_IMAGE=debian:bookworm-slim
+# Both stages install it: Horovod is compiled against the torch it runs with.
 ARG TORCH_VERSION=2.13.0
-ARG TENSORFLOW_VERSION=2.21.0
-ARG KERAS_VERSION=3.15.1
-ARG HOROVOD_VERSION=0.28.1
-# CMake 4 rejects the old cmake_minimum_required of Horovod's third-party code;
-# Ubuntu 22.04's 3.22 is older than CUDA 13 supports.
-ARG CMAKE_VERSION=3.31.6
-ARG SCIKIT_LEARN_VERSION=1.9.1
-# USER_NAME=root (default) or a user created with USER_UID; sshd then listens
-# on SSH_PORT as that user, so pick a port above 1023 (e.g. 2222).
-ARG USER_NAME=root
-ARG USER_UID=1000
-ARG SSH_PORT=22
 
+# ---- system: what both stages need ----
+FROM ${BASE_IMAGE} AS system
 # Open MPI refuses root unless told; in containers its shared-memory transport
 # cannot use cross-memory attach (no ptrace capability), so it copies instead.
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -49,32 +32,75 @@ ENV DEBIAN_FRONTEND=noninteractive \
     OMPI_ALLOW_RUN_AS_ROOT=1 \
     OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
     OMPI_MCA_btl_vader_single_copy_mechanism=none
-
 SHELL ["/bin/bash", "-euo", "pipefail", "-c"]
+# Python from the base's own archive; OpenSSH: horovodrun/mpirun start the
+# workers of other nodes over ssh, and Kubeflow's MPIJob runs sshd in them.
+RUN command -v apt-get >/dev/null \
+        || { echo "BASE_IMAGE must be Debian or Ubuntu (apt-get); this one has no apt-get" >&2; exit 1; } \
+    && apt-get update -q \
+    && apt-get install -y -q --no-install-recommends ca-certificates python3 python3-venv \
+        openssh-client openssh-server openmpi-bin \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -c "import sys; v = sys.version_info; sys.exit(0 if v >= (3, 10) else \
+f'BASE_IMAGE has Python {v[0]}.{v[1]}; pipe_horovod needs 3.10 or newer: use e.g. debian:bookworm-slim, ubuntu:22.04 or ubuntu:24.04')" \
+    && python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:${PATH}
+COPY scripts/with_build_ca.sh /opt/pipe_horovod/scripts/with_build_ca.sh
 
-# System packages: Python (+ -dev for Horovod's build, + -venv) from Ubuntu's
-# archive; OpenSSH: horovodrun/mpirun start workers on other hosts over ssh,
-# and Kubeflow's MPIJob runs sshd in the worker pods; g++ and make for the build.
-RUN apt-get update && apt-get install -y --no-install-recommends \
-        build-essential ca-certificates \
-        python${PYTHON_VERSION} python${PYTHON_VERSION}-dev python${PYTHON_VERSION}-venv \
-        openssh-client openssh-server \
+# ---- build: Horovod's wheel, compiled with NCCL ops ----
+FROM system AS build
+ARG TORCH_VERSION
+ARG HOROVOD_VERSION=0.28.1
+# The CUDA version torch's wheel is built for; the build stops if they differ.
+ARG CUDA_VERSION=13.0
+# GPU architectures Horovod's few CUDA kernels are compiled for (75 Turing,
+# 80 A100, 86/89 Ampere/Ada cards, 90 H100/H200, 100 B200, 120 RTX
+# Blackwell); CUDA 13 starts at 75. Fewer build faster.
+ARG CUDA_CC_LIST=75,80,86,89,90,100,120
+# CMake 4 rejects the old cmake_minimum_required of Horovod's third-party code.
+ARG CMAKE_VERSION=3.31.6
+RUN apt-get update -q \
+    && apt-get install -y -q --no-install-recommends g++ make python3-dev libopenmpi-dev \
     && rm -rf /var/lib/apt/lists/*
+RUN --mount=type=secret,id=ca --mount=type=cache,target=/root/.cache/pip \
+    bash /opt/pipe_horovod/scripts/with_build_ca.sh \
+        pip install -q "torch==${TORCH_VERSION}" numpy "cmake==${CMAKE_VERSION}" packaging psutil cloudpickle pyyaml wheel setuptools
+COPY scripts/install_horovod.sh scripts/cxx17 /opt/pipe_horovod/scripts/
+# PIPE_HOROVOD_MPI=1 fails the build rather than silently leaving MPI out.
+RUN --mount=type=secret,id=ca --mount=type=cache,target=/root/.cache/pip \
+    PYTHON=python HOROVOD_VERSION="${HOROVOD_VERSION}" PIPE_HOROVOD_MPI=1 HOROVOD_GPU_OPERATIONS=NCCL \
+    PIPE_HOROVOD_CUDA_VERSION="${CUDA_VERSION}" HOROVOD_BUILD_CUDA_CC_LIST="${CUDA_CC_LIST}" \
+    PIPE_HOROVOD_CACHE=/tmp/horovod-cache \
+        bash /opt/pipe_horovod/scripts/with_build_ca.sh bash /opt/pipe_horovod/scripts/install_horovod.sh \
+    && horovodrun --check-build \
+    && mkdir /wheels && mv /tmp/horovod-cache/wheels/*/horovod-*.whl /wheels/ \
+    && rm -rf /tmp/horovod-cache
 
-# Open MPI (mpirun, mpicxx) with the script `make` uses.
-COPY scripts/install_openmpi.sh /opt/pipe_horovod/scripts/install_openmpi.sh
-RUN bash /opt/pipe_horovod/scripts/install_openmpi.sh && rm -rf /var/lib/apt/lists/*
+# ---- the image ----
+FROM system AS pipe-horovod
+ARG TORCH_VERSION
+ARG TENSORFLOW_VERSION=2.21.0
+ARG KERAS_VERSION=3.15.1
+ARG SCIKIT_LEARN_VERSION=1.9.1
+# The frameworks, and what the package and its examples need (pyproject.toml's
+# dependencies; `pip check` below fails if one is missing). TensorFlow with its
+# own CUDA libraries ([and-cuda]) for Keras's TensorFlow backend on GPUs.
+# scikit-learn is for examples/*_digits.py (its data set ships with it).
+RUN --mount=type=secret,id=ca --mount=type=cache,target=/root/.cache/pip \
+    bash /opt/pipe_horovod/scripts/with_build_ca.sh \
+        pip install -q "torch==${TORCH_VERSION}" "tensorflow[and-cuda]==${TENSORFLOW_VERSION}" \
+        "keras==${KERAS_VERSION}" "scikit-learn==${SCIKIT_LEARN_VERSION}" numpy tqdm matplotlib \
+        setuptools wheel
+RUN --mount=type=secret,id=ca --mount=type=cache,target=/root/.cache/pip \
+    --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    bash /opt/pipe_horovod/scripts/with_build_ca.sh pip install -q /wheels/horovod-*.whl
 
-# NCCL: the CUDA devel images ship libnccl2 + libnccl-dev (apt-held at the
-# version matching their CUDA). Install them only if a base image lacks them.
-# Horovod links NCCL statically by default (HOROVOD_NCCL_LINK=STATIC), so its
-# copy does not clash with the NCCL that the torch wheel loads.
-RUN if [ ! -f /usr/include/nccl.h ]; then \
-        apt-get update && apt-get install -y --no-install-recommends libnccl2 libnccl-dev \
-        && rm -rf /var/lib/apt/lists/*; \
-    fi; \
-    grep -E '^#define NCCL_(MAJOR|MINOR|PATCH)' /usr/include/nccl.h
-
+# Declared here, not above: a RUN after an ARG is rebuilt when the ARG changes.
+# USER_NAME=root (default) or a user created with USER_UID; sshd then listens
+# on SSH_PORT as that user, so pick a port above 1023 (e.g. 2222).
+ARG USER_NAME=root
+ARG USER_UID=1000
+ARG SSH_PORT=22
 # ssh between the containers of a job without a prompt (as Horovod's image
 # does); UserKnownHostsFile and StrictModes: the MPI Operator mounts the keys
 # read-only from a Secret.
@@ -84,50 +110,6 @@ RUN mkdir -p /var/run/sshd \
         "${SSH_PORT}" >> /etc/ssh/ssh_config \
     && sed -i 's/^#\?StrictModes .*/StrictModes no/; s/^#\?Port .*/Port '"${SSH_PORT}"'/' \
         /etc/ssh/sshd_config
-
-# Everything Python lives in one virtual environment, first on PATH.
-RUN python${PYTHON_VERSION} -m venv /opt/venv
-ENV PATH=/opt/venv/bin:${PATH}
-RUN pip install --no-cache-dir --upgrade pip setuptools wheel
-
-# PyTorch: the default wheel on PyPI is the CUDA build. Then check that its
-# CUDA major version is the toolkit's (see the top of this file).
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" \
-    && python -c "import re, subprocess, sys, torch; \
-nvcc = subprocess.check_output(['/usr/local/cuda/bin/nvcc', '--version'], text=True); \
-toolkit = re.search(r'release (\d+\.\d+)', nvcc).group(1); \
-print('torch', torch.__version__, 'built for CUDA', torch.version.cuda, '- toolkit CUDA', toolkit); \
-ok = torch.version.cuda is not None and torch.version.cuda.split('.')[0] == toolkit.split('.')[0]; \
-sys.exit(0 if ok else f'torch is built for CUDA {torch.version.cuda} (None: a CPU build) but the image has CUDA {toolkit}: pick a CUDA_IMAGE of the same major version')"
-
-# TensorFlow with its own CUDA libraries from PyPI ([and-cuda]), for the Keras adapter
-# (which talks to the torch-based engines, so Horovod's TensorFlow ops are not built).
-RUN pip install --no-cache-dir "tensorflow[and-cuda]==${TENSORFLOW_VERSION}" "keras==${KERAS_VERSION}"
-
-# Horovod from source with the script `make` uses: PIPE_HOROVOD_MPI=1 fails
-# the build rather than silently leaving MPI out. The CUDA driver
-# (libcuda.so.1) only exists at run time, mounted by the NVIDIA container
-# toolkit: link and check against the toolkit's stubs, then drop them from the
-# loader cache again (as Horovod's own image does).
-COPY scripts/install_horovod.sh scripts/cxx17 /opt/pipe_horovod/scripts/
-RUN pip install --no-cache-dir "cmake==${CMAKE_VERSION}" packaging psutil cloudpickle pyyaml \
-    && ldconfig /usr/local/cuda/targets/x86_64-linux/lib/stubs \
-    && PYTHON=python HOROVOD_VERSION="${HOROVOD_VERSION}" PIPE_HOROVOD_MPI=1 \
-       HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_CUDA_HOME=/usr/local/cuda \
-       HOROVOD_BUILD_CUDA_CC_LIST="${CUDA_CC_LIST}" PIPE_HOROVOD_CACHE=/tmp/horovod-cache \
-       bash /opt/pipe_horovod/scripts/install_horovod.sh \
-    && rm -rf /tmp/horovod-cache \
-    && horovodrun --check-build \
-    && ldconfig
-
-# This repository, installed. scikit-learn is for examples/*_digits.py (its data set ships with it).
-WORKDIR /opt/pipe_horovod
-COPY . /opt/pipe_horovod
-RUN pip install --no-cache-dir . "scikit-learn==${SCIKIT_LEARN_VERSION}" \
-    && ldconfig /usr/local/cuda/targets/x86_64-linux/lib/stubs \
-    && pipe-horovod check --engine horovod --controller mpi --ops nccl --framework keras \
-    && ldconfig
-
 # The non-root option: its own sshd configuration (host key and pid file in
 # its home), the layout the MPI Operator's non-root images use.
 RUN if [ "${USER_NAME}" != root ]; then \
@@ -135,8 +117,14 @@ RUN if [ "${USER_NAME}" != root ]; then \
         && home=$(getent passwd "${USER_NAME}" | cut -d: -f6) \
         && printf 'Port %s\nPidFile %s/sshd.pid\nHostKey %s/.ssh/id_rsa\nStrictModes no\n' \
             "${SSH_PORT}" "$home" "$home" > "$home/.sshd_config" \
-        && chown -R "${USER_NAME}" "$home" /opt/pipe_horovod; \
+        && mkdir -p /opt/pipe_horovod && chown -R "${USER_NAME}" "$home" /opt/pipe_horovod; \
     fi
+
+# This repository last, so that a change to it rebuilds only this layer.
+WORKDIR /opt/pipe_horovod
+COPY --chown=${USER_NAME} . /opt/pipe_horovod
+RUN pip install -q --no-deps --no-build-isolation . && pip check \
+    && pipe-horovod check --engine horovod --controller mpi --ops nccl --framework keras
 USER ${USER_NAME}
 
 CMD ["pipe-horovod", "check"]

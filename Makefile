@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NP ?= 2
 
-.PHONY: install run test clean
+.PHONY: install run test image clean
 
 install: $(STAMP)
 
@@ -44,6 +44,12 @@ run: install
 # pytest's full log and a JUnit XML go to .ci/artifacts (scripts/run_tests.sh).
 test: install
 	bash scripts/run_tests.sh $(PY)
+
+# The Docker image, built and tested (scripts/image.sh): a Docker daemon and
+# a base are provided where the machine allows it (root); a progress line per
+# stage, the full log under build/image/, then tests/test_image.py.
+image: install
+	PYTHON=$(PY) bash scripts/image.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

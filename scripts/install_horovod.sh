@@ -21,6 +21,7 @@
 #   HOROVOD_BUILD_CUDA_CC_LIST  GPU compute capabilities (default 75,80,86,89,90,100,120;
 #                           fewer build faster; CUDA 13 starts at 75)
 #   HOROVOD_CUDA_HOME, HOROVOD_NCCL_HOME  an installed CUDA toolkit / NCCL instead of PyPI's
+#   PIPE_HOROVOD_CUDA_VERSION  e.g. 13.0: fail unless torch is built for this CUDA
 #   PIPE_HOROVOD_MPI        1: require MPI (fail without mpicc), 0: build without it,
 #                           unset: MPI exactly when mpicc is found
 #   PIPE_HOROVOD_CACHE      the cache root (default ~/.cache/pipe_horovod)
@@ -43,6 +44,11 @@ case "$GPU_OPS" in
 esac
 if [ "$with_mpi" = 1 ]; then controllers=mpi-gloo; else controllers=gloo; fi
 die() { echo "$*" >&2; exit 1; }
+cc_list=${HOROVOD_BUILD_CUDA_CC_LIST:-75,80,86,89,90,100,120}
+for cc in ${cc_list//,/ }; do
+  [[ $cc =~ ^[0-9]+$ ]] && [ "$cc" -ge 75 ] \
+    || die "HOROVOD_BUILD_CUDA_CC_LIST=$cc_list: CUDA 13 compiles for compute capability 75 (Turing) and newer, not '$cc'"
+done
 
 torch_version=$("$PY" -c 'import torch; print(torch.__version__)')
 py_tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
@@ -55,11 +61,8 @@ cuda_tag=""
 if [ "$GPU_OPS" = NCCL ]; then
   torch_cuda=$("$PY" -c 'import torch; print(torch.version.cuda or "")')
   [ -n "$torch_cuda" ] || die "HOROVOD_GPU_OPERATIONS=NCCL needs a CUDA build of torch, but $PY has torch $torch_version (a CPU build): install torch from PyPI's default index"
-  cc_list=${HOROVOD_BUILD_CUDA_CC_LIST:-75,80,86,89,90,100,120}
-  for cc in ${cc_list//,/ }; do
-    [[ $cc =~ ^[0-9]+$ ]] && [ "$cc" -ge 75 ] \
-      || die "HOROVOD_BUILD_CUDA_CC_LIST=$cc_list: CUDA $torch_cuda compiles for compute capability 75 (Turing) and newer, not '$cc'"
-  done
+  want_cuda=${PIPE_HOROVOD_CUDA_VERSION:-$torch_cuda}
+  [ "$want_cuda" = "$torch_cuda" ] || die "torch $torch_version is built for CUDA $torch_cuda, not the CUDA $want_cuda asked for (PIPE_HOROVOD_CUDA_VERSION, the image's CUDA_VERSION): pick a torch built for CUDA $want_cuda, or ask for $torch_cuda"
   cuda_tag="-cu${torch_cuda//./}-cc${cc_list//,/.}"
 fi
 key="horovod-${HOROVOD_VERSION}_torch-${torch_version//+/_}_${py_tag}_${controllers}${GPU_OPS:+_gpu-${GPU_OPS,,}}${cuda_tag}"

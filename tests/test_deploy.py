@@ -193,25 +193,32 @@ def test_sbatch_script_launches_the_example(tmp_path):
 def test_dockerfile_stages_arguments_and_files():
     dockerfile = pytest.importorskip("dockerfile")
     commands = dockerfile.parse_file(str(REPO / "Dockerfile"))
-    froms = [c for c in commands if c.cmd == "FROM"]
-    assert [c.value for c in froms] == [("${CUDA_IMAGE}", "AS", "pipe-horovod")], froms
+    froms = [c.value for c in commands if c.cmd == "FROM"]
+    # A base the user picks; the build stage (compilers, nvcc) stays out of the image.
+    assert froms == [("${BASE_IMAGE}", "AS", "system"), ("system", "AS", "build"),
+                     ("system", "AS", "pipe-horovod")], froms
 
-    defaults = {}
-    stage_args = set()
+    defaults = {}           # every ARG's default: before the first FROM, or in its stage
+    stage_args = set()      # ARGs declared in the stage being read
     for c in commands:
+        if c.cmd == "FROM":
+            stage_args = set()
         if c.cmd == "ARG":
-            name, _, default = c.value[0].partition("=")
-            assert default, f"ARG {name} has no default (line {c.start_line})"
-            defaults[name] = default
-            if c.start_line > froms[0].start_line:
-                stage_args.add(name)
-    assert "devel" in defaults["CUDA_IMAGE"], "Horovod's NCCL build needs a CUDA devel image"
+            name, eq, default = c.value[0].partition("=")
+            assert default or name in defaults, f"ARG {name} has no default (line {c.start_line})"
+            assert not (eq and name in defaults), f"ARG {name}'s default given twice (line {c.start_line})"
+            defaults.setdefault(name, default)
+            stage_args.add(name)
+        if c.cmd not in ("FROM", "ARG"):
+            for arg in re.findall(r"\$\{(\w+)\}", " ".join([*c.value, *c.flags])):
+                # ARGs declared before FROM are invisible inside the stage.
+                assert arg in stage_args or arg == "PATH", f"${{{arg}}} undeclared in the stage (line {c.start_line})"
     for name, default in defaults.items():
         if name.endswith("_VERSION"):
             assert re.fullmatch(r"\d+(\.\d+)+", default), f"ARG {name}={default} is not pinned"
     for want in ("TORCH_VERSION", "TENSORFLOW_VERSION", "KERAS_VERSION", "HOROVOD_VERSION",
-                 "USER_NAME"):
-        assert want in stage_args, want
+                 "USER_NAME", "CUDA_CC_LIST", "CUDA_VERSION", "BASE_IMAGE"):
+        assert want in defaults, want
     # Versions `make` installs (constraints.txt): one truth for the image and CI.
     pins = dict(line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines()
                 if "==" in line and not line.startswith("#"))
@@ -236,20 +243,22 @@ def test_dockerfile_stages_arguments_and_files():
                 # The same layout as the repository: the scripts find each other by it.
                 assert target == f"{IMAGE_ROOT}/{src}", (src, dest)
                 copied.add(src)
-        if c.cmd not in ("FROM", "ARG"):
-            for arg in re.findall(r"\$\{(\w+)\}", " ".join(c.value)):
-                # ARGs declared before FROM are invisible inside the stage.
-                assert arg in stage_args or arg == "PATH", f"${{{arg}}} undeclared in the stage (line {c.start_line})"
         if c.cmd == "RUN":
             for used in re.findall(rf"{IMAGE_ROOT}/([\w./-]+)", c.value[0]):
                 assert (REPO / used).is_file(), f"RUN uses {used}: not in the repository"
                 assert used in copied or "" in copied, f"RUN uses {used} before a COPY puts it there"
+            if "pip install" in c.value[0] and "--no-deps" not in c.value[0]:
+                # pip reaches the index: through the CA check, with the CA a secret (no layer keeps it).
+                assert "scripts/with_build_ca.sh" in c.value[0], f"pip without the CA (line {c.start_line})"
+                assert "--mount=type=secret,id=ca" in c.flags, f"no CA secret (line {c.start_line})"
     run_text = " ".join(c.value[0] for c in commands if c.cmd == "RUN")
-    for needed in ("scripts/install_horovod.sh", "scripts/install_openmpi.sh", "horovodrun --check-build",
-                   "pipe-horovod check", "HOROVOD_GPU_OPERATIONS=NCCL", "PIPE_HOROVOD_MPI=1"):
+    for needed in ("scripts/install_horovod.sh", "horovodrun --check-build", "pipe-horovod check",
+                   "HOROVOD_GPU_OPERATIONS=NCCL", "PIPE_HOROVOD_MPI=1", "pip check"):
         assert needed in run_text, needed
     check_pipe_horovod(shlex.split(re.search(r"pipe-horovod check[^&;]*", run_text).group(0)))
     assert [c.value for c in commands if c.cmd == "CMD"] == [("pipe-horovod", "check")]
+    # The repository is the last thing copied: a change to it rebuilds one layer.
+    assert [c.cmd for c in commands][-4:-2] == ["COPY", "RUN"] and commands[-4].value[0] == "."
 
 
 # ---- the install scripts `make` and the image share ----
@@ -273,10 +282,26 @@ def bare_path(tmp_path, **scripts):
     ({"PIPE_HOROVOD_MPI": "yes"}, "PIPE_HOROVOD_MPI must be 1, 0 or unset, not 'yes'"),
     ({"HOROVOD_GPU_OPERATIONS": "RCCL"}, "HOROVOD_GPU_OPERATIONS must be NCCL, MPI or GLOO"),
     ({"PIPE_HOROVOD_MPI": "1"}, "PIPE_HOROVOD_MPI=1 but no mpicc on PATH"),
+    ({"HOROVOD_GPU_OPERATIONS": "NCCL", "HOROVOD_BUILD_CUDA_CC_LIST": "70,90"},
+     "compiles for compute capability 75 (Turing) and newer, not '70'"),
 ])
 def test_install_horovod_refuses_bad_knobs(tmp_path, env, error):
     # The refusals come before Python is asked anything.
     res = run_script("install_horovod.sh", {"PYTHON": "false", **env}, path=bare_path(tmp_path))
+    assert res.returncode == 1 and error in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("env, error", [
+    ({}, "needs a CUDA build of torch"),
+])
+def test_install_horovod_nccl_needs_cuda_torch(env, error):
+    """The NCCL build stops before fetching or compiling anything when torch cannot use it."""
+    import torch
+
+    if torch.version.cuda:
+        pytest.skip("this torch is a CUDA build")
+    res = run_script("install_horovod.sh", {"PYTHON": sys.executable, "HOROVOD_GPU_OPERATIONS": "NCCL",
+                                            "PIPE_HOROVOD_MPI": "0", **env})
     assert res.returncode == 1 and error in res.stderr, res.stderr
 
 

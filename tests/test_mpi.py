@@ -72,6 +72,17 @@ def test_check_reports_horovods_controllers_and_ops(capsys):
         (0, False) if nccl else (1, True)), out
 
 
+def test_check_says_in_one_line_why_there_is_no_gpu():
+    import torch
+
+    gpus = check.report()["gpus"]
+    assert next(iter(gpus)) == f"cuda {torch.version.cuda or '(CPU build of torch)'}"
+    assert check.no_gpu_line({"cuda (CPU build of torch)": False}) == (
+        "no GPU: this torch is a CPU build; training runs on the CPU")
+    assert "no GPU visible" in check.no_gpu_line({"cuda 13.0": True})
+    assert check.no_gpu_line({"cuda 13.0": True, "0: NVIDIA H100": True}) is None
+
+
 def test_mpirun_environment_picks_horovod_and_feeds_torch():
     ompi = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
             "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}

@@ -48,6 +48,32 @@ def _torch_backends():
             "mpi": dist.is_mpi_available()}
 
 
+def _gpus():
+    """{"cuda <version>": built?, "<device name>": True, ...}: what torch was built for and sees."""
+    try:
+        import torch
+    except Exception:  # noqa: BLE001
+        return {}
+    import warnings
+
+    with warnings.catch_warnings():  # torch warns when it finds no driver; the line below says it
+        warnings.simplefilter("ignore")
+        count = torch.cuda.device_count() if torch.version.cuda else 0
+    return {f"cuda {torch.version.cuda or '(CPU build of torch)'}": bool(torch.version.cuda),
+            **{f"{i}: {torch.cuda.get_device_name(i)}": True for i in range(count)}}
+
+
+def no_gpu_line(gpus):
+    """One line when torch sees no GPU (None when it sees one), saying why where it can."""
+    cuda_built, *devices = gpus.values()
+    if devices:
+        return None
+    if not cuda_built:
+        return "no GPU: this torch is a CPU build; training runs on the CPU"
+    return ("no GPU visible (no NVIDIA driver or device here; in a container, run it with "
+            "--gpus all): training runs on the CPU")
+
+
 def report():
     """{section: {item: available?}} plus framework versions."""
     controllers, ops = _horovod_build()
@@ -57,6 +83,7 @@ def report():
         "horovod tensor operations": ops,
         "launchers": _launchers(),
         "torch.distributed backends": _torch_backends(),
+        "gpus": _gpus(),
         "frameworks": {"torch": _version("torch"), "tensorflow": _version("tensorflow"),
                        "keras": _version("keras"), "horovod": _version("horovod")},
     }
@@ -97,6 +124,8 @@ def run(args):
         for item, value in items.items():
             version = "" if isinstance(value, bool) else f" {value or ''}"
             print(f"    {mark(value)} {item}{version}")
+    if info["gpus"] and (line := no_gpu_line(info["gpus"])):
+        print(line)
     lacking = missing(info)
     if lacking:
         print("missing:")
