@@ -7,7 +7,7 @@
 Same flags and output as Horovod's script (img/sec per worker and in total),
 plus --pipeline-depth, --bf16-allreduce and --horovod (Horovod's own
 DistributedOptimizer, for comparison under horovodrun). The model and the
-synthetic batch come from the benchmark worker (pipe_horovod.bench.worker),
+synthetic batch come from the benchmark worker (pipe_horovod.tools.bench.worker),
 so the figures match `pipe-horovod bench`. `--configs ...` runs that
 worker's full interleaved comparison instead (see `pipe-horovod bench`).
 """
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import torch.optim as optim
 
 import pipe_horovod.torch as hvd
-from pipe_horovod.bench import worker
+from pipe_horovod.tools.bench import worker
 
 
 def main():

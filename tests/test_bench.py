@@ -12,8 +12,9 @@ import pytest
 
 import launcher
 
-from pipe_horovod import cli, emulate
-from pipe_horovod.bench import report, worker
+from pipe_horovod import emulate
+from pipe_horovod.tools import cli
+from pipe_horovod.tools.bench import report, worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model-mb", "0.2", "--batch-size", "8", "--steps", "2", "--warmup", "1",
@@ -26,7 +27,7 @@ def _bench(out, *args, timeout):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     env.pop("PIPE_HOROVOD_ENGINE", None)
-    cmd = [sys.executable, "-m", "pipe_horovod.cli", "bench", "--no-progress",
+    cmd = [sys.executable, "-m", "pipe_horovod.tools.cli", "bench", "--no-progress",
            "--out", str(out), *args]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=timeout, stdin=subprocess.DEVNULL)

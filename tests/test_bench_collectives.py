@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from pipe_horovod import timing
-from pipe_horovod.bench import collectives_report, collectives_worker
+from pipe_horovod.tools.bench import collectives_report, collectives_worker
 from pipe_horovod.collectives import layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,7 +113,7 @@ def test_local_torch_run_reports_every_algorithm_and_codec(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     env.pop("PIPE_HOROVOD_ENGINE", None)
-    cmd = [sys.executable, "-m", "pipe_horovod.cli", "bench-collectives", "--no-progress",
+    cmd = [sys.executable, "-m", "pipe_horovod.tools.cli", "bench-collectives", "--no-progress",
            "--workers", "2", "--engine", "torch", "--sizes", "4KiB,64KiB", "--reps", "1",
            "--unmatched", "--out", str(tmp_path), "--name", "bc"]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=110,
@@ -157,7 +157,7 @@ def test_local_torch_run_reports_every_algorithm_and_codec(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_one_worker_and_missing_results_exit_2(capsys, tmp_path):
-    from pipe_horovod import cli
+    from pipe_horovod.tools import cli
 
     assert cli.main(["bench-collectives", "--workers", "1", "--out", str(tmp_path)]) == 2
     assert "--workers >= 2" in capsys.readouterr().err

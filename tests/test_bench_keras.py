@@ -22,7 +22,7 @@ def _bench(out, *args, timeout=170):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     for key in ("PIPE_HOROVOD_ENGINE", "KERAS_BACKEND", "TF_USE_LEGACY_KERAS"):
         env.pop(key, None)
-    cmd = [sys.executable, "-m", "pipe_horovod.cli", "bench", "--framework", "keras",
+    cmd = [sys.executable, "-m", "pipe_horovod.tools.cli", "bench", "--framework", "keras",
            "--no-progress", "--out", str(out), *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=timeout, stdin=subprocess.DEVNULL)

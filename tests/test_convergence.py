@@ -15,9 +15,9 @@ import pytest
 
 import launcher
 
-from pipe_horovod import cli
-from pipe_horovod.bench import convergence_report as report
-from pipe_horovod.bench import convergence_worker as cw
+from pipe_horovod.tools import cli
+from pipe_horovod.tools.bench import convergence_report as report
+from pipe_horovod.tools.bench import convergence_worker as cw
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -144,7 +144,7 @@ def test_tiny_run_matches_the_digits_example(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     env.pop("PIPE_HOROVOD_ENGINE", None)
     out = tmp_path / "conv"
-    cmd = [sys.executable, "-m", "pipe_horovod.cli", "convergence", "--tasks", "digits-cnn",
+    cmd = [sys.executable, "-m", "pipe_horovod.tools.cli", "convergence", "--tasks", "digits-cnn",
            "--configs", "sync,k2", "--seeds", "1", "--first-seed", "3", "--epochs", "2",
            "--workers", "2", "--no-progress", "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=200,

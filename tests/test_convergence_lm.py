@@ -1,4 +1,4 @@
-"""The transformer task of the convergence study (pipe_horovod/bench/convergence_lm.py),
+"""The transformer task of the convergence study (pipe_horovod/tools/bench/convergence_lm.py),
 briefly: the data, the schedule and the report in-process, and a few steps of a tiny
 model through the real worker (PyTorch: sync, default, plain K=2; Keras on the torch
 backend: the default) in one process each.
@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from pipe_horovod.bench import convergence_lm as lm
+from pipe_horovod.tools.bench import convergence_lm as lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = lm.Settings(steps=4, batch=2, context=8, d_model=8, layers=1, heads=2, warmup=2,
@@ -57,7 +57,7 @@ def test_worker_runs_a_few_steps(tmp_path, framework, configs):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     env = {k: v for k, v in env.items() if not k.startswith(("HOROVOD_", "OMPI_", "PMI"))}
     res = subprocess.run(
-        [sys.executable, "-m", "pipe_horovod.bench.convergence_lm", "--worker", "--framework",
+        [sys.executable, "-m", "pipe_horovod.tools.bench.convergence_lm", "--worker", "--framework",
          framework, "--configs", configs, "--seeds", "1", "--out", str(out), "--settings",
          json.dumps(lm.asdict(TINY))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

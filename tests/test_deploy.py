@@ -21,7 +21,8 @@ from unittest import mock
 import pytest
 
 import launcher
-from pipe_horovod import cli, engine
+from pipe_horovod import engine
+from pipe_horovod.tools import cli
 
 REPO = launcher.REPO
 K8S = REPO / "integrations" / "kubernetes"

@@ -12,7 +12,7 @@ import pytest
 import launcher
 from pipe_horovod import engine
 from pipe_horovod.collectives.group import free_port
-from pipe_horovod.commands import check
+from pipe_horovod.tools.commands import check
 from pipe_horovod.engine import EngineError
 from pipe_horovod.engine.torch_dist import env_from_mpirun
 

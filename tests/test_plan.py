@@ -1,9 +1,9 @@
 """`pipe-horovod plan`: the table against hand-computed schedules, bad input, a real model."""
 import pytest
 
-from pipe_horovod.cli import main
-from pipe_horovod.workloads import architectures
-from pipe_horovod.workloads.architectures import Layer
+from pipe_horovod.tools.cli import main
+from pipe_horovod.tools.workloads import architectures
+from pipe_horovod.tools.workloads.architectures import Layer
 
 # Forward order. At 1 TFLOP/s: forward 2, 4, 1 ms (backward 4, 8, 2 ms); fp32 gradients
 # of 4, 8 and 12 MB. Backward makes them ready at 2 ms (12 MB), 10 ms (8 MB), 14 ms (4 MB).

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pipe_horovod import timing
-from pipe_horovod.cli import main
+from pipe_horovod.tools.cli import main
 from pipe_horovod.timing import Network
 
 NET = Network(alpha=1e-5, beta=1e-9, gamma=1e-10)

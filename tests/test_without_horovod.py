@@ -90,7 +90,7 @@ def test_the_horovod_engine_says_how_to_install_horovod(env, how):
 
 
 def test_check_names_what_is_missing(env):
-    code = "import sys; from pipe_horovod import cli; sys.exit(cli.main(sys.argv[1:]))"
+    code = "import sys; from pipe_horovod.tools import cli; sys.exit(cli.main(sys.argv[1:]))"
     rc, out = python(f"import sys; sys.argv[1:] = ['check']; {code}", env)
     assert rc == 0, out
     assert "    [ ] horovod\n    [X] torch\n    [X] local\n" in out, out

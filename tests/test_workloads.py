@@ -1,7 +1,7 @@
-"""pipe_horovod.workloads: real architectures' layer tables, and replayed compute."""
+"""pipe_horovod.tools.workloads: real architectures' layer tables, and replayed compute."""
 import pytest
 
-from pipe_horovod.workloads import architectures
+from pipe_horovod.tools.workloads import architectures
 
 # Published totals: torchvision's resnet50 / vgg16 (weights=None), Hugging Face's
 # bert-base-uncased BertModel (with pooler).
@@ -86,7 +86,7 @@ def test_vgg16_and_bert_names_and_shapes():
 def test_bench_models_match_the_bench():
     import torch
 
-    from pipe_horovod.bench.models import build_model
+    from pipe_horovod.tools.bench.models import build_model
 
     for kind in ("mlp", "cnn"):
         with torch.device("meta"):
@@ -123,7 +123,7 @@ def test_bad_input_says_what_is_wrong():
 
 def _hand_table():
     """Three layers of known times (seconds): forward 0.10 / 0.05 / 0.15, backward twice."""
-    from pipe_horovod.workloads.architectures import Layer
+    from pipe_horovod.tools.workloads.architectures import Layer
 
     table = [Layer("stem", (("stem.weight", (64, 32)), ("stem.bias", (64,))), 10),
              Layer("body.0", (("body.0.weight", (128, 64)),), 5),
@@ -131,7 +131,7 @@ def _hand_table():
     return table, replay.layer_times(table, 1e-10)     # 1e-10 TFLOP/s = 100 FLOP/s
 
 
-replay = pytest.importorskip("pipe_horovod.workloads.replay")
+replay = pytest.importorskip("pipe_horovod.tools.workloads.replay")
 
 
 def test_replay_takes_the_configured_times_and_backward_runs_in_reverse():

@@ -5,7 +5,7 @@ keeps our point-to-point traffic apart from the engine's collectives (and
 gives NCCL worlds a CPU path). Under horovodrun there is no torch.distributed
 world, so one is started beside Horovod from Horovod's rank and size: rank
 0 picks an address and a free port, Horovod's broadcast tells the others.
-The same start serves the benchmark's DDP runs (bench/worker.py).
+The same start serves the benchmark's DDP runs (tools/bench/worker.py).
 """
 import datetime
 import math

@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 
-from ..engine import ENGINES, missing_package
+from pipe_horovod.engine import ENGINES, missing_package
 
 
 def _version(module):

@@ -2,7 +2,7 @@
 
 CPU compute (the default) trains a synthetic MLP or CNN of --model-mb MB, or
 a model of `pipe-horovod convergence`, on the workers' own cores. Replayed
-compute (`--compute replay`) trains `pipe_horovod.workloads.replay`'s
+compute (`--compute replay`) trains `pipe_horovod.tools.workloads.replay`'s
 stand-in for a real model (resnet50, vgg16, bert-base, or the mlp / cnn
 above): real parameters, layer-by-layer timed waits at --device-tflops or
 from a measured --profile, so the cores are left to communication as on an
@@ -10,8 +10,8 @@ accelerator.
 """
 import math
 
-from pipe_horovod.bench import convergence_tasks
-from pipe_horovod.workloads import architectures
+from pipe_horovod.tools.bench import convergence_tasks
+from pipe_horovod.tools.workloads import architectures
 
 MLP_IN, MLP_CLASSES = 1024, 1000
 CNN_CLASSES = 10
@@ -82,7 +82,7 @@ def check_compute(args):
         return ("--compute replay needs exactly one of --device-tflops T (forward = FLOPs / "
                 "T TFLOP/s, backward = 2 x forward) or --profile FILE (measured layer times)")
     if args.profile is not None:
-        from pipe_horovod.workloads import replay
+        from pipe_horovod.tools.workloads import replay
 
         try:
             replay.load_profile(args.profile, replay_table(args), args.model, args.batch_size,
@@ -101,7 +101,7 @@ def bench_model(args):
     """(model, input shape, classes) of this run: args.compute's kind of model."""
     if args.compute != "replay":
         return build_model(args.model, args.model_mb, args.layers)
-    from pipe_horovod.workloads import replay
+    from pipe_horovod.tools.workloads import replay
 
     return (replay.replay_model(args.model, args.batch_size, device_tflops=args.device_tflops,
                                 profile=args.profile, seq_len=args.seq_len,
@@ -114,7 +114,7 @@ def compute_meta(args):
     the layers' total times and the per-layer table (the timing model's input)."""
     if args.compute != "replay":
         return {"mode": "cpu"}
-    from pipe_horovod.workloads import replay
+    from pipe_horovod.tools.workloads import replay
 
     table = replay_table(args)
     times = replay.table_times(table, args.model, args.batch_size,

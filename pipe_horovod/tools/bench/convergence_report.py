@@ -1,6 +1,6 @@
 """The report of `pipe-horovod convergence`: time to accuracy per task and configuration.
 
-Input: one raw JSON per task (written by `pipe_horovod.bench.convergence_worker`)
+Input: one raw JSON per task (written by `pipe_horovod.tools.bench.convergence_worker`)
 and, optionally, the step time of each configuration on the emulated
 cluster (from `pipe-horovod bench` with the task's model). Per task and
 configuration:
@@ -22,8 +22,8 @@ import math
 import os
 import statistics
 
-from pipe_horovod.bench import convergence_worker as cw
-from pipe_horovod.bench.report import save_outputs
+from pipe_horovod.tools.bench import convergence_worker as cw
+from pipe_horovod.tools.bench.report import save_outputs
 
 FRACTIONS = (0.95, 0.99)
 # Issue 13's targets for K=2 with the best option: 99% of sync's final accuracy in at most
@@ -70,7 +70,7 @@ def mean_curve(curves):
 def _bench_step_times(data):
     """{bench config: step seconds} from a `pipe-horovod bench` raw or summary JSON."""
     if data.get("format") == "pipe_horovod.bench/1":
-        from pipe_horovod.bench import report
+        from pipe_horovod.tools.bench import report
 
         data = report.summarize(data)
     return {name: s["step_s"] for name, s in data["configs"].items() if s.get("step_s")}

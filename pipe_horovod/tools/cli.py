@@ -3,7 +3,7 @@ import argparse
 import importlib
 import sys
 
-# Subcommand name -> module under pipe_horovod.commands (its name with _ for -) exposing
+# Subcommand name -> module under pipe_horovod.tools.commands (its name with _ for -) exposing
 # add_arguments(parser) and run(args) -> exit code. Imported lazily so
 # `pipe-horovod check` works even when torch is missing.
 COMMANDS = {
@@ -25,9 +25,9 @@ def build_parser():
     modules = {}
     for name, help_text in COMMANDS.items():
         try:
-            module = importlib.import_module(f"pipe_horovod.commands.{name.replace('-', '_')}")
+            module = importlib.import_module(f"pipe_horovod.tools.commands.{name.replace('-', '_')}")
         except ModuleNotFoundError as exc:
-            if not exc.name.startswith("pipe_horovod.commands"):
+            if not exc.name.startswith("pipe_horovod.tools.commands"):
                 raise
             continue
         modules[name] = module

@@ -1,6 +1,6 @@
 """The worker of `pipe-horovod bench-collectives`: allreduce time per algorithm, codec, size.
 
-Every rank runs this (launched by `pipe_horovod.commands.bench_collectives`
+Every rank runs this (launched by `pipe_horovod.tools.commands.bench_collectives`
 like `pipe-horovod bench`'s worker). For each message size (float32), in
 `--reps` repetitions, it times every configuration once per repetition, the
 configurations interleaved so the machine's drifting load hits them all
@@ -37,7 +37,7 @@ import os
 import sys
 import time
 
-from pipe_horovod.bench.worker import Progress, _machine_ticks, _versions
+from pipe_horovod.tools.bench.worker import Progress, _machine_ticks, _versions
 
 FORMAT = "pipe_horovod.bench_collectives/1"
 NATIVE = "native"
@@ -258,7 +258,7 @@ def _names(choices):
 
 def add_arguments(parser):
     """What the worker and `pipe-horovod bench-collectives` (which forwards it) accept."""
-    from pipe_horovod.commands.bench import positive_int
+    from pipe_horovod.tools.commands.bench import positive_int
 
     parser.add_argument("--algorithms", type=_names(ALGORITHMS), default=list(ALGORITHMS),
                         help="comma-separated algorithms (default lp,ring,mst,be)")

@@ -4,7 +4,7 @@ What a user asks before spending cluster time: for this model, batch,
 device and network, how fast is Horovod's synchronous training, DDP's, ours
 at K=1 and K=2, and with each codec, and what limits each. The per-layer
 FLOPs and parameter sizes come from the real architecture
-(pipe_horovod.workloads.architectures.layer_table); all timing arithmetic
+(pipe_horovod.tools.workloads.architectures.layer_table); all timing arithmetic
 lives in pipe_horovod.timing (Workload, Bucketing, predict); this module
 parses, picks the rows, formats and plots.
 """
@@ -12,13 +12,13 @@ import dataclasses
 import math
 
 from pipe_horovod import timing
-from pipe_horovod.commands.model import _checked, _number, add_cluster_arguments
+from pipe_horovod.tools.commands.model import _checked, _number, add_cluster_arguments
 
 FP32 = 4  # bytes per gradient element
 
 
 def _model(text):
-    from pipe_horovod.workloads.architectures import check_model  # torch: only when planning
+    from pipe_horovod.tools.workloads.architectures import check_model  # torch: only when planning
 
     check_model(text)
     return text
@@ -62,7 +62,7 @@ def workload(layers, device_tflops):
     """timing.Workload of `layers` (architectures.Layer, forward order), timed as the
     benchmark's replay times them (replay.layer_times: FLOPs / device throughput,
     backward twice forward)."""
-    from pipe_horovod.workloads.replay import layer_times
+    from pipe_horovod.tools.workloads.replay import layer_times
 
     return timing.Workload.from_layers(
         (t.forward_s, t.backward_s, tuple(FP32 * math.prod(shape) for _, shape in layer.params))
@@ -143,7 +143,7 @@ def plot(path, args, work, rows):
 
 
 def run(args):
-    from pipe_horovod.workloads.architectures import layer_table
+    from pipe_horovod.tools.workloads.architectures import layer_table
 
     layers = layer_table(args.model, args.batch_size)
     network = timing.Network(alpha=args.latency, beta=1.0 / args.bandwidth)

@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DIGITS_EXAMPLE = REPO / "examples" / "pytorch_digits.py"
 MNIST_SIDE = 28
 

@@ -1,9 +1,9 @@
 """`pipe-horovod convergence`: time to accuracy, sync vs pipelined with each staleness option.
 
-For each task (`pipe_horovod.bench.convergence_tasks`) one launch of
+For each task (`pipe_horovod.tools.bench.convergence_tasks`) one launch of
 `--workers` processes on loopback (`python -m torch.distributed.run
 --standalone`, or `horovodrun --gloo` with --engine horovod) runs
-`pipe_horovod.bench.convergence_worker`: every configuration x seed,
+`pipe_horovod.tools.bench.convergence_worker`: every configuration x seed,
 interleaved (seed 1: sync, k2, k2-momentum, ...; seed 2: ...), recording
 the held-out accuracy after every epoch. The workers' output goes to
 <out>/<name>-<task>.log; a progress bar per task follows rank 0's progress
@@ -31,12 +31,12 @@ import sys
 import time
 from pathlib import Path
 
-from pipe_horovod.bench import convergence_tasks as tasks_mod
-from pipe_horovod.bench import convergence_worker as cw
-from pipe_horovod.commands.bench import wait_group
+from pipe_horovod.tools.bench import convergence_tasks as tasks_mod
+from pipe_horovod.tools.bench import convergence_worker as cw
+from pipe_horovod.tools.commands.bench import wait_group
 from pipe_horovod.emulate import read_progress, tail_file
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 _SCRUB = re.compile(r"^(HOROVOD_|OMPI_|PMI_|PMIX_|TORCHELASTIC_)"
                     r"|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|"
                     r"GROUP_WORLD_SIZE|ROLE_RANK|ROLE_NAME|ROLE_WORLD_SIZE|MASTER_ADDR|"
@@ -63,7 +63,7 @@ def _tasks(text):
 
 
 def add_arguments(parser):
-    from pipe_horovod.commands.bench import _rate, _timeout, positive_int
+    from pipe_horovod.tools.commands.bench import _rate, _timeout, positive_int
 
     _positive_int = positive_int()
 
@@ -151,7 +151,7 @@ def _horovodrun():
 
 
 def launch_command(args, worker_argv):
-    module = ["-m", "pipe_horovod.bench.convergence_worker", *worker_argv]
+    module = ["-m", "pipe_horovod.tools.bench.convergence_worker", *worker_argv]
     if args.engine == "horovod":
         n = args.workers
         return [_horovodrun(), "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable,
@@ -259,7 +259,7 @@ def bench_models(args, tasks, out):
     configs = [cw.bench_config(c) for c in args.configs]
     for model, users in by_model.items():
         name = f"{args.name}-bench-{model}"
-        cmd = [sys.executable, "-m", "pipe_horovod.cli", "bench", "--emulate", args.emulate,
+        cmd = [sys.executable, "-m", "pipe_horovod.tools.cli", "bench", "--emulate", args.emulate,
                "--workers", str(args.workers), "--engine", args.engine, "--model", model,
                "--batch-size", str(users[0].batch_size), "--steps", str(args.bench_steps),
                "--warmup", "5", "--rounds", str(args.bench_rounds),
@@ -288,7 +288,7 @@ def _existing_bench(args, tasks, out):
 
 
 def run(args):
-    from pipe_horovod.bench import convergence_report as report
+    from pipe_horovod.tools.bench import convergence_report as report
 
     out = os.path.abspath(args.out)
     task_objs = [tasks_mod.get_task(n) for n in args.tasks]

@@ -23,7 +23,7 @@ C ..., so a slow minute on a shared machine hits every configuration alike:
                          (plus allreduce-fp16 / -bf16 when those codecs run)
 
 With `--compute replay` every configuration trains a replayed model
-(`pipe_horovod.bench.models`): timed waits instead of arithmetic, real
+(`pipe_horovod.tools.bench.models`): timed waits instead of arithmetic, real
 gradient sizes and times, so the cores are left to communication.
 
 Each configuration has its own model copy (same seed, same weights), so
@@ -34,8 +34,8 @@ CPU seconds and the machine's load during each block to `--out` (JSON), and
 its progress to `--progress` for the launcher's progress bar.
 
 Run it under any launcher: `horovodrun -np 2 -H localhost:2 --gloo python -m
-pipe_horovod.bench.worker --out raw.json`, `torchrun --nproc_per_node 2 -m
-pipe_horovod.bench.worker ...`, or `python -m pipe_horovod.bench.worker` (one
+pipe_horovod.tools.bench.worker --out raw.json`, `torchrun --nproc_per_node 2 -m
+pipe_horovod.tools.bench.worker ...`, or `python -m pipe_horovod.tools.bench.worker` (one
 process, local engine: the wrapper-overhead measurement).
 
 Under engine horovod the DDP group meets at PIPE_HOROVOD_BENCH_DDP_ADDR /
@@ -56,12 +56,12 @@ import socket
 import sys
 import time
 
-from pipe_horovod.bench import convergence_tasks, models
+from pipe_horovod.tools.bench import convergence_tasks, models
 # Re-exported: examples and the Keras bench build the same synthetic models.
-from pipe_horovod.bench.models import (MLP_CLASSES, MLP_IN, build_model,  # noqa: F401
+from pipe_horovod.tools.bench.models import (MLP_CLASSES, MLP_IN, build_model,  # noqa: F401
                                        mlp_width, model_numel, synthetic_batch)
 from pipe_horovod.collectives.group import free_port, start_beside  # noqa: F401 -- free_port: launchers import it from here
-from pipe_horovod.commands.model import _number
+from pipe_horovod.tools.commands.model import _number
 
 DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16",
                    "compute", "contention", "allreduce"]
@@ -692,13 +692,13 @@ def add_model_arguments(parser):
                              "replay: each layer's forward/backward is a timed wait that "
                              "uses no CPU, gradients of the real sizes appear at their "
                              "layer's time, as on an accelerator "
-                             "(pipe_horovod.workloads.replay)")
+                             "(pipe_horovod.tools.workloads.replay)")
     parser.add_argument("--device-tflops", type=_positive(float), default=None, metavar="T",
                         help="replay: the device's throughput; forward = layer FLOPs / T, "
                              "backward = 2 x forward")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="replay: measured per-layer times (JSON, format in "
-                             "pipe_horovod.workloads.replay) instead of --device-tflops")
+                             "pipe_horovod.tools.workloads.replay) instead of --device-tflops")
     parser.add_argument("--seq-len", type=_positive(int), default=128,
                         help="bert-base: tokens per sample (default 128)")
     parser.add_argument("--horovod-fusion-mb", type=_number(0, what="fusion threshold"),

@@ -3,7 +3,7 @@
 One launch per engine (`horovodrun --gloo` for engine horovod, which also
 measures Horovod's DistributedOptimizer and DDP in a gloo group of its own;
 `torch.distributed.run --standalone` for engine torch) of
-`pipe_horovod.bench.memory_worker` on `--workers` processes. The table
+`pipe_horovod.tools.bench.memory_worker` on `--workers` processes. The table
 gives, per model width, optimizer and configuration, the live tensor bytes
 after a few steps in units of the parameters' bytes (Horovod with Adam:
 4.0), the compensation's milliseconds per step (median over the steps after
@@ -20,10 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipe_horovod.bench import memory_worker
+from pipe_horovod.tools.bench import memory_worker
 
-REPO = Path(__file__).resolve().parents[2]
-MODULE = "pipe_horovod.bench.memory_worker"
+REPO = Path(__file__).resolve().parents[3]
+MODULE = "pipe_horovod.tools.bench.memory_worker"
 
 
 def add_arguments(parser):

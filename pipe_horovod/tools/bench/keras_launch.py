@@ -20,7 +20,7 @@ import time
 
 from . import keras_report, mwms_worker
 from . import worker as bench_worker
-from ..emulate import read_progress, tail_file
+from pipe_horovod.emulate import read_progress, tail_file
 
 DEFAULT_CONFIGS = ["ours-k1", "ours-k2", "compute", "allreduce", mwms_worker.NAME]
 _OURS = ("compute", "allreduce")
@@ -104,15 +104,15 @@ def _jobs(args, configs):
     quiet = {"TF_CPP_MIN_LOG_LEVEL": "2"}
     jobs = []
     if ours:
-        jobs.append(_Job("tf", "pipe_horovod.bench.keras_worker", ours,
+        jobs.append(_Job("tf", "pipe_horovod.tools.bench.keras_worker", ours,
                          {**quiet, "KERAS_BACKEND": "tensorflow"}, 2 * len(ours)))
     if mwms_worker.NAME in configs:
-        jobs.append(_Job("mwms", "pipe_horovod.bench.mwms_worker", [],
+        jobs.append(_Job("mwms", "pipe_horovod.tools.bench.mwms_worker", [],
                          {**quiet, "TF_USE_LEGACY_KERAS": "1"}, 2))
     if args.keras_torch:
         torch_ours = [c for c in ours if c != "allreduce"]
         if torch_ours:
-            jobs.append(_Job("torch", "pipe_horovod.bench.keras_worker", torch_ours,
+            jobs.append(_Job("torch", "pipe_horovod.tools.bench.keras_worker", torch_ours,
                              {**quiet, "KERAS_BACKEND": "torch"}, 2 * len(torch_ours)))
     return jobs
 
@@ -129,7 +129,7 @@ def _argv(args, job, rnd, raw, progress):
 
 
 def _base_env(args):
-    from pipe_horovod.commands import bench as bench_cmd
+    from pipe_horovod.tools.commands import bench as bench_cmd
 
     return bench_cmd._env(args, args.engine)
 
@@ -191,7 +191,7 @@ def _run_local(args, job, argv, env, log_prefix, bar, deadline):
                  "PIPE_HOROVOD_ENGINE": "torch"} for r in range(n)]
         cmds = [argv] * n
     else:
-        from pipe_horovod.commands import bench as bench_cmd
+        from pipe_horovod.tools.commands import bench as bench_cmd
         envs = [env]
         cmds = [[bench_cmd._horovodrun(), "-np", str(n), "-H", f"localhost:{n}", "--gloo",
                  *argv]]
@@ -298,7 +298,7 @@ def run(args):
         if not os.path.exists(raw_path):
             return _error(f"--report-only: {raw_path} does not exist; run the benchmark first")
         return _report(raw_path, out, args.name)
-    from pipe_horovod.commands import bench as bench_cmd
+    from pipe_horovod.tools.commands import bench as bench_cmd
     try:
         check(args, configs)
         bench_cmd._check(args)            # --emulate, root, the engine's packages
@@ -354,7 +354,7 @@ def run(args):
     data = merge(parts, args.rounds)
     data["launch"] = {"command": command_line(args, configs), "emulate": args.emulate,
                       "wall_s": time.time() - started, "launches": launches,
-                      "launcher": "pipe_horovod.bench.keras_launch", "log": logs}
+                      "launcher": "pipe_horovod.tools.bench.keras_launch", "log": logs}
     if link_stats:
         data["launch"]["link_stats"] = link_stats
     with open(raw_path, "w") as f:

@@ -1,6 +1,6 @@
 """`pipe-horovod bench`: measure pipelined vs sync vs Horovod vs DDP, then report.
 
-Launches `pipe_horovod.bench.worker` on every worker, the way users launch
+Launches `pipe_horovod.tools.bench.worker` on every worker, the way users launch
 training: `horovodrun -np N -H localhost:N --gloo` (engine horovod),
 `python -m torch.distributed.run --standalone` (engine torch), plain python
 (engine local, one process: the wrapper-overhead measurement), or, with
@@ -12,7 +12,7 @@ torch.distributed gloo group the launcher gives a rendezvous
 0's namespace address and a port free there under --emulate), so Horovod and
 DDP are compared in one run. A progress bar follows the rank-0 worker's
 progress file; afterwards the report
-(`pipe_horovod.bench.report`) is printed and saved under --out as
+(`pipe_horovod.tools.bench.report`) is printed and saved under --out as
 <name>.md, <name>.json and <name>.png, next to the raw <name>-raw.json.
 """
 import argparse
@@ -27,11 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-from pipe_horovod.bench import keras_launch
-from pipe_horovod.bench import worker as bench_worker
+from pipe_horovod.tools.bench import keras_launch
+from pipe_horovod.tools.bench import worker as bench_worker
 from pipe_horovod.emulate import read_progress, tail_file
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ENGINES = ("horovod", "torch", "local")
 # Variables that would make a worker join some other job (as in pipe_horovod.emulate).
 _SCRUB = re.compile(r"^(HOROVOD_|OMPI_|PMI_|PMIX_|TORCHELASTIC_)"
@@ -103,7 +103,7 @@ def add_arguments(parser):
     parser.add_argument("--framework", choices=("torch", "keras"), default="torch",
                         help="torch: PyTorch, ours vs Horovod vs DDP; keras: Keras 3, ours vs "
                              "tf-keras + MultiWorkerMirroredStrategy "
-                             "(pipe_horovod.bench.keras_launch) (default torch)")
+                             "(pipe_horovod.tools.bench.keras_launch) (default torch)")
     parser.add_argument("--engine", choices=ENGINES, default="horovod",
                         help="communication engine and launcher: horovod (horovodrun / Horovod "
                              "env), torch (torch.distributed.run), local (one plain process) "
@@ -148,7 +148,7 @@ def _check(args):
         reason = emulate.unavailable_reason()
         if reason:
             raise UsageError(f"--emulate is not possible here: {reason}")
-    from pipe_horovod.bench import models
+    from pipe_horovod.tools.bench import models
 
     problem = models.check_compute(args) if "compute" in args else None   # bench-collectives: none
     if problem:
@@ -243,7 +243,7 @@ def _ddp_env(addr, port):
     return {bench_worker.DDP_ADDR_ENV: str(addr), bench_worker.DDP_PORT_ENV: str(port)}
 
 
-WORKER = "pipe_horovod.bench.worker"
+WORKER = "pipe_horovod.tools.bench.worker"
 
 
 def _local_command(args, worker, module=WORKER):
@@ -399,7 +399,7 @@ def run_workers(args, out, worker_argv, command, module=WORKER, prog="bench"):
 
 
 def run(args):
-    from pipe_horovod.bench import report
+    from pipe_horovod.tools.bench import report
 
     if args.framework == "keras":
         if args.compute != "cpu":

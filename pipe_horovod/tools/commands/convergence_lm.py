@@ -4,10 +4,10 @@ A character-level transformer trained with AdamW (warm-up + cosine, clipping of
 the averaged gradient), sync vs the default (K=2, lookahead) vs plain K=2, in
 the PyTorch adapter and in Keras 3 on TensorFlow and on torch. A separate
 command from `pipe-horovod convergence` because it reports validation loss
-per step, not held-out accuracy per epoch; pipe_horovod/bench/convergence_lm.py
+per step, not held-out accuracy per epoch; pipe_horovod/tools/bench/convergence_lm.py
 says what runs.
 """
-from pipe_horovod.bench import convergence_lm as _lm
+from pipe_horovod.tools.bench import convergence_lm as _lm
 
 
 def add_arguments(parser):

@@ -1,11 +1,11 @@
 """`pipe-horovod bench-collectives`: bus bandwidth of each collective and per-hop codec.
 
-Launches `pipe_horovod.bench.collectives_worker` on --workers workers the
+Launches `pipe_horovod.tools.bench.collectives_worker` on --workers workers the
 way `pipe-horovod bench` launches its worker (locally over loopback, or with
 --emulate RATE inside `pipe_horovod.emulate.EmulatedCluster`; the same
 launch code; --topology chain links the emulated workers as a chain
 instead of a star), follows rank 0's progress file with a tqdm bar, then prints
-and saves the report (`pipe_horovod.bench.collectives_report`) under --out
+and saves the report (`pipe_horovod.tools.bench.collectives_report`) under --out
 as <name>.md, <name>.json and <name>.png, next to the raw <name>-raw.json.
 --unmatched (torch engine) adds plain torch.distributed all_reduce beside
 the engine's, and the report the per-collective cost of name matching.
@@ -17,8 +17,8 @@ import shlex
 import sys
 
 from pipe_horovod import emulate_network
-from pipe_horovod.bench import collectives_worker
-from pipe_horovod.commands import bench
+from pipe_horovod.tools.bench import collectives_worker
+from pipe_horovod.tools.commands import bench
 
 # 4 KB, 16 KB, ... 64 MB
 DEFAULT_SIZES = [4 * 2**10 * 4**i for i in range(8)]
@@ -89,7 +89,7 @@ def _error(message):
 
 
 def run(args):
-    from pipe_horovod.bench import collectives_report
+    from pipe_horovod.tools.bench import collectives_report
 
     out = os.path.abspath(args.out)
     raw = os.path.join(out, f"{args.name}-raw.json")

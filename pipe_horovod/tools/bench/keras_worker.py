@@ -8,7 +8,7 @@ Configurations (each its own model and optimizer, same seed, same data):
 
 The backend is $KERAS_BACKEND (tensorflow: the default `tf.function` graph,
 jit_compile=False; or torch). Launched by `pipe-horovod bench --framework
-keras` on every worker, like `pipe_horovod.bench.worker`.
+keras` on every worker, like `pipe_horovod.tools.bench.worker`.
 
 The time breakdown of the TensorFlow path is measured here, by wrapping
 (bench-only, per instance) the engine's `allreduce_async` / `wait` and the

@@ -40,7 +40,7 @@ import time
 import torch
 import torch.nn as nn
 
-from pipe_horovod.workloads import architectures
+from pipe_horovod.tools.workloads import architectures
 
 PROFILE_FORMAT = "pipe_horovod.replay-profile/1"
 BACKWARD_PER_FORWARD = 2.0

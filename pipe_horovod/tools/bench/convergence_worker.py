@@ -93,7 +93,7 @@ def train_one(task, config, seed, data, eng_info, epochs, on_epoch):
     import torch
 
     import pipe_horovod.torch as phvd
-    from pipe_horovod.bench import convergence_tasks as tasks
+    from pipe_horovod.tools.bench import convergence_tasks as tasks
 
     rank, size = eng_info
     x_train, y_train, x_test, y_test = data
@@ -162,8 +162,8 @@ def run(args):
 
     import pipe_horovod.torch as phvd
     from pipe_horovod import engine as phvd_engine
-    from pipe_horovod.bench import convergence_tasks as tasks
-    from pipe_horovod.bench.worker import Progress, write_json
+    from pipe_horovod.tools.bench import convergence_tasks as tasks
+    from pipe_horovod.tools.bench.worker import Progress, write_json
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)

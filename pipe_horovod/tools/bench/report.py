@@ -3,7 +3,7 @@
 Shared machines are noisy, so every figure is a median (over all timed
 steps of all rounds, pooled), with the inter-quartile range and the spread
 of per-round medians beside it. For each run (one raw JSON from
-`pipe_horovod.bench.worker`) the report gives, per configuration:
+`pipe_horovod.tools.bench.worker`) the report gives, per configuration:
 
 * step time, samples/s (all workers), forward+backward time;
 * communication (the allreduce of a model-sized buffer of the same wire
@@ -30,7 +30,7 @@ import statistics
 import sys
 
 from pipe_horovod import timing
-from pipe_horovod.bench import models
+from pipe_horovod.tools.bench import models
 
 TRAIN_ORDER = ("horovod", "horovod-fp16", "ddp")
 TARGETS = {
@@ -436,7 +436,7 @@ def markdown(summary, heading="##"):
     replayed = (meta.get("compute") or {}).get("mode") == "replay"
     if replayed:
         lines += [f"**Every row: {models.compute_label(meta['compute'])}** (timed waits, "
-                  "no CPU; `pipe_horovod.workloads.replay`): configured forward "
+                  "no CPU; `pipe_horovod.tools.workloads.replay`): configured forward "
                   f"{_ms(meta['compute']['forward_s'])} ms, backward "
                   f"{_ms(meta['compute']['backward_s'])} ms per step.", ""]
     lines += ["| config | step ms | wall / steps ms | IQR ms | round medians ms | samples/s "

@@ -42,7 +42,7 @@ computed gradient applied, as PipelineFlushCallback does before fit
 validates) and the validation loss recorded.
 
 Run: `pipe-horovod convergence-lm --frameworks torch,keras-tf,keras-torch` (or
-`python -m pipe_horovod.bench.convergence_lm ...`): 2 workers per framework on
+`python -m pipe_horovod.tools.bench.convergence_lm ...`): 2 workers per framework on
 loopback (torch.distributed.run), outputs docs/convergence/lm.{md,png} and
 lm-<framework>-raw.json. The worker is the same module with `--worker`.
 """
@@ -63,7 +63,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FORMAT = "pipe_horovod.convergence_lm/1"
 CONFIGS = ("sync", "k2-lookahead", "k2")
 LABELS = {"sync": "sync (K=1)", "k2-lookahead": "default (K=2, lookahead)",
@@ -193,7 +193,7 @@ def train_torch(s, config, seed, rank, size, train, val, on_eval):
     import torch.nn.functional as F
 
     import pipe_horovod.torch as phvd
-    from pipe_horovod.bench.convergence_worker import config_settings
+    from pipe_horovod.tools.bench.convergence_worker import config_settings
 
     depth, option = config_settings(config)
     torch.manual_seed(seed)
@@ -270,7 +270,7 @@ def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True):
     import keras
 
     import pipe_horovod.keras as hvd
-    from pipe_horovod.bench.convergence_worker import config_settings
+    from pipe_horovod.tools.bench.convergence_worker import config_settings
 
     depth, option = config_settings(config)
     keras.utils.set_random_seed(seed)
@@ -390,7 +390,7 @@ def worker(args):
         train_fn = functools.partial(train_keras, flush=not args.no_flush)
         if args.predict_unclipped:
             predict_unclipped()
-    from pipe_horovod.bench.worker import Progress, write_json
+    from pipe_horovod.tools.bench.worker import Progress, write_json
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -494,13 +494,13 @@ def _suffix(args):
 
 
 def launch(args, framework, s, out_dir):
-    from pipe_horovod.commands.convergence import _env, run_files
+    from pipe_horovod.tools.commands.convergence import _env, run_files
     from pipe_horovod.emulate import read_progress
 
     raw_path, progress_path, log_path = run_files(out_dir,
                                                   f"{args.name}-{framework}{_suffix(args)}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(args.workers), "-m", "pipe_horovod.bench.convergence_lm", "--worker",
+           str(args.workers), "-m", "pipe_horovod.tools.bench.convergence_lm", "--worker",
            "--framework", framework, "--configs", args.configs, "--seeds", str(args.seeds),
            "--first-seed", str(args.first_seed), "--settings", json.dumps(asdict(s)),
            "--out", raw_path, "--progress", progress_path]

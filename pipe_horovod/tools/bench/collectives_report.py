@@ -1,6 +1,6 @@
 """`pipe-horovod bench-collectives`' report: bus bandwidth, the model's prediction, targets.
 
-From the worker's raw JSON (`pipe_horovod.bench.collectives_worker`):
+From the worker's raw JSON (`pipe_horovod.tools.bench.collectives_worker`):
 each repetition's time is the slowest rank's (the allreduce is done when
 every rank has its result), each figure the median over repetitions.
 Bandwidths follow nccl-tests' allreduce definitions: algbw = bytes / time,
@@ -22,9 +22,9 @@ markdown (printed and saved), a JSON summary, a PNG of bus bandwidth against siz
 import json
 
 from pipe_horovod import timing
-from pipe_horovod.bench.collectives_worker import FORMAT, IN_FLIGHT, NATIVE, UNMATCHED, \
+from pipe_horovod.tools.bench.collectives_worker import FORMAT, IN_FLIGHT, NATIVE, UNMATCHED, \
     in_flight
-from pipe_horovod.bench.report import _median, _num, _pct, _quartiles, save_outputs
+from pipe_horovod.tools.bench.report import _median, _num, _pct, _quartiles, save_outputs
 
 LARGE_BYTES = 16 * 2**20      # the issue's "at >= 16 MB"
 MODEL_BYTES = 2**20           # the issue's "prediction within 15% at >= 1 MB"
