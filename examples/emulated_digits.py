@@ -2,7 +2,7 @@
 
 The second half of `make run`. On loopback (examples/compare_digits.py)
 communication costs nothing, so pipelining cannot win there. Here 2 workers
-run in an `pipe_horovod.emulate.EmulatedCluster` (one network namespace per
+run in an `pipe_horovod.tools.emulate.EmulatedCluster` (one network namespace per
 worker, every link capped at --rate both ways; needs root and `tc`) with the
 horovod engine, and train the same model three ways, side by side in the
 same processes: Horovod's own `horovod.torch.DistributedOptimizer`, ours at
@@ -303,7 +303,7 @@ class _Display:
             self.bar.set_postfix_str("starting workers")
 
     def poll(self):
-        from pipe_horovod.emulate import read_progress
+        from pipe_horovod.tools.emulate import read_progress
 
         state = read_progress(self.path) if self.enabled else None
         if not state or state["done"] == self.done:
@@ -325,7 +325,7 @@ class _Display:
 
 def skip_reason():
     """None when the emulated comparison can run here, else why not (one line)."""
-    from pipe_horovod import emulate
+    from pipe_horovod.tools import emulate
     from pipe_horovod.engine import missing_package
 
     return emulate.unavailable_reason() or missing_package("horovod")
@@ -336,7 +336,7 @@ def launch(args):
     if why:
         print(f"emulated {args.rate} cluster comparison skipped: {why}", flush=True)
         return 0
-    from pipe_horovod import emulate
+    from pipe_horovod.tools import emulate
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

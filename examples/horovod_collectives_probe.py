@@ -6,7 +6,7 @@ measured at about half the link rate where allreduce reaches it. Run as root:
 
     python examples/horovod_collectives_probe.py [RATE]
 
-It starts itself on 2 workers in `pipe_horovod.emulate.EmulatedCluster` and
+It starts itself on 2 workers in `pipe_horovod.tools.emulate.EmulatedCluster` and
 prints rank 0's median times (5 of 7 repetitions) for a 3.125 M-element
 gradient: float32 allreduce, the two halves of the bf16 path, and fp16.
 """
@@ -50,7 +50,7 @@ def probe():
 
 
 def main():
-    from pipe_horovod.emulate import EmulatedCluster, tail_file
+    from pipe_horovod.tools.emulate import EmulatedCluster, tail_file
 
     rate = sys.argv[1] if len(sys.argv) > 1 else "1gbit"
     with EmulatedCluster(workers=2, rate=rate) as cluster:

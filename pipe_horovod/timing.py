@@ -108,7 +108,7 @@ def lp_reduce(net, p, nbytes, chunks=None):
 
 
 # How the workers are wired. star: each worker's one full-duplex link to a switch (real
-# clusters; pipe_horovod.emulate's default). chain: each worker linked to its two
+# clusters; pipe_horovod.tools.emulate's default). chain: each worker linked to its two
 # neighbours only (a PCIe chain; emulate's topology="chain"), what passes between
 # non-neighbours forwarded by the ranks in between.
 TOPOLOGIES = ("star", "chain")

@@ -12,7 +12,7 @@ import pytest
 
 import launcher
 
-from pipe_horovod import emulate
+from pipe_horovod.tools import emulate
 from pipe_horovod.tools import cli
 from pipe_horovod.tools.bench import report, worker
 

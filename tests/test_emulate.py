@@ -13,8 +13,9 @@ import pytest
 
 import launcher
 
-from pipe_horovod import emulate, emulate_network
-from pipe_horovod.emulate import EmulatedCluster, cleanup, leftovers
+from pipe_horovod.tools import emulate
+from pipe_horovod.tools.emulate import network as emulate_network
+from pipe_horovod.tools.emulate import EmulatedCluster, cleanup, leftovers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _REASON = emulate.unavailable_reason()
@@ -227,7 +228,7 @@ def test_exception_inside_block_tears_down():
 HOLDER = """
 import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from pipe_horovod.emulate import EmulatedCluster
+from pipe_horovod.tools.emulate import EmulatedCluster
 with EmulatedCluster(workers=2) as c:
     job = c.launch(["sleep", "60"])
     print("READY", c.prefix, *[p.pid for p in job.procs], flush=True)

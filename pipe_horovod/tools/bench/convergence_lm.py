@@ -495,7 +495,7 @@ def _suffix(args):
 
 def launch(args, framework, s, out_dir):
     from pipe_horovod.tools.commands.convergence import _env, run_files
-    from pipe_horovod.emulate import read_progress
+    from pipe_horovod.tools.emulate import read_progress
 
     raw_path, progress_path, log_path = run_files(out_dir,
                                                   f"{args.name}-{framework}{_suffix(args)}")

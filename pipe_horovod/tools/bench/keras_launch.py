@@ -20,7 +20,7 @@ import time
 
 from . import keras_report, mwms_worker
 from . import worker as bench_worker
-from pipe_horovod.emulate import read_progress, tail_file
+from pipe_horovod.tools.emulate import read_progress, tail_file
 
 DEFAULT_CONFIGS = ["ours-k1", "ours-k2", "compute", "allreduce", mwms_worker.NAME]
 _OURS = ("compute", "allreduce")
@@ -235,7 +235,7 @@ def _run_emulated(args, cluster, job, argv, env, bar, deadline):
             f"{addr}:{cluster.free_port(r)}" for r, addr in enumerate(cluster.addresses))
     launched = cluster.launch(argv, engine=engine, env=env,
                               timeout=max(1.0, deadline - time.monotonic()))
-    from pipe_horovod import emulate
+    from pipe_horovod.tools import emulate
     emulate.wait_polling(cluster, launched, bar.poll, _POLL)
     return {"launcher": f"EmulatedCluster.launch({shlex.join(argv)}, engine={engine!r})",
             "log": launched.logs, "cpu_s": [emulate.cpu_times(p).total for p in launched.procs]}
@@ -318,7 +318,7 @@ def run(args):
     cluster = None
     try:
         if args.emulate:
-            from pipe_horovod import emulate
+            from pipe_horovod.tools import emulate
             cluster = emulate.EmulatedCluster(workers=args.workers, rate=args.emulate,
                                               log_dir=logs).start()
             env = {k: v for k, v in env.items()

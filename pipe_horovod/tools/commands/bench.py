@@ -4,7 +4,7 @@ Launches `pipe_horovod.tools.bench.worker` on every worker, the way users launch
 training: `horovodrun -np N -H localhost:N --gloo` (engine horovod),
 `python -m torch.distributed.run --standalone` (engine torch), plain python
 (engine local, one process: the wrapper-overhead measurement), or, with
-`--emulate RATE`, inside `pipe_horovod.emulate.EmulatedCluster` (one network
+`--emulate RATE`, inside `pipe_horovod.tools.emulate.EmulatedCluster` (one network
 namespace per worker, links capped at RATE; needs root). Under --engine
 horovod a `ddp` configuration runs in the same worker processes, over a
 torch.distributed gloo group the launcher gives a rendezvous
@@ -29,11 +29,11 @@ from pathlib import Path
 
 from pipe_horovod.tools.bench import keras_launch
 from pipe_horovod.tools.bench import worker as bench_worker
-from pipe_horovod.emulate import read_progress, tail_file
+from pipe_horovod.tools.emulate import read_progress, tail_file
 
 REPO = Path(__file__).resolve().parents[3]
 ENGINES = ("horovod", "torch", "local")
-# Variables that would make a worker join some other job (as in pipe_horovod.emulate).
+# Variables that would make a worker join some other job (as in pipe_horovod.tools.emulate).
 _SCRUB = re.compile(r"^(HOROVOD_|OMPI_|PMI_|PMIX_|TORCHELASTIC_)"
                     r"|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|"
                     r"GROUP_WORLD_SIZE|ROLE_RANK|ROLE_NAME|ROLE_WORLD_SIZE|MASTER_ADDR|"
@@ -47,7 +47,7 @@ class UsageError(Exception):
 
 
 def _rate(text):
-    from pipe_horovod import emulate_network
+    from pipe_horovod.tools.emulate import network as emulate_network
 
     if str(text).strip().startswith("-"):
         raise argparse.ArgumentTypeError(f"link rate must not be negative, got {text!r}")
@@ -143,7 +143,7 @@ def _check(args):
             raise UsageError("--emulate needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN for "
                              "'ip netns' and 'tc'); run as root, or drop --emulate to launch "
                              "the workers locally over loopback")
-        from pipe_horovod import emulate
+        from pipe_horovod.tools import emulate
 
         reason = emulate.unavailable_reason()
         if reason:
@@ -331,7 +331,7 @@ def run_local(args, worker, log_path, bar, module=WORKER):
 
 def run_emulated(args, worker, log_dir, bar, module=WORKER):
     """Runs `module` with argv `worker` in an EmulatedCluster capped at args.emulate."""
-    from pipe_horovod import emulate
+    from pipe_horovod.tools import emulate
 
     argv = [sys.executable, "-m", module, *worker]
     env = {k: v for k, v in _env(args, args.engine).items()

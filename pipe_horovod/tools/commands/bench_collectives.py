@@ -2,7 +2,7 @@
 
 Launches `pipe_horovod.tools.bench.collectives_worker` on --workers workers the
 way `pipe-horovod bench` launches its worker (locally over loopback, or with
---emulate RATE inside `pipe_horovod.emulate.EmulatedCluster`; the same
+--emulate RATE inside `pipe_horovod.tools.emulate.EmulatedCluster`; the same
 launch code; --topology chain links the emulated workers as a chain
 instead of a star), follows rank 0's progress file with a tqdm bar, then prints
 and saves the report (`pipe_horovod.tools.bench.collectives_report`) under --out
@@ -16,7 +16,7 @@ import re
 import shlex
 import sys
 
-from pipe_horovod import emulate_network
+from pipe_horovod.tools.emulate import network as emulate_network
 from pipe_horovod.tools.bench import collectives_worker
 from pipe_horovod.tools.commands import bench
 

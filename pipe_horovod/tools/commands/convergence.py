@@ -34,7 +34,7 @@ from pathlib import Path
 from pipe_horovod.tools.bench import convergence_tasks as tasks_mod
 from pipe_horovod.tools.bench import convergence_worker as cw
 from pipe_horovod.tools.commands.bench import wait_group
-from pipe_horovod.emulate import read_progress, tail_file
+from pipe_horovod.tools.emulate import read_progress, tail_file
 
 REPO = Path(__file__).resolve().parents[3]
 _SCRUB = re.compile(r"^(HOROVOD_|OMPI_|PMI_|PMIX_|TORCHELASTIC_)"
@@ -305,7 +305,7 @@ def run(args):
         command = raws[0].get("command") or command_line(args)
     else:
         if args.emulate:
-            from pipe_horovod import emulate
+            from pipe_horovod.tools import emulate
 
             if os.geteuid() != 0:
                 return _error("--emulate needs root (ip netns, tc); or pass --step-times")

@@ -1,6 +1,6 @@
 """The emulated cluster's network: namespaces, veths, token-bucket caps, link counters.
 
-`pipe_horovod.emulate.EmulatedCluster` launches workers; this module builds
+`pipe_horovod.tools.emulate.EmulatedCluster` launches workers; this module builds
 what they talk over, one topology at a time:
 
 - star: every worker's single link goes to a Linux bridge in a "switch"
@@ -15,7 +15,7 @@ what they talk over, one topology at a time:
 Every link is capped both ways by a token bucket (tbf; netem is not
 available on these machines). Only namespaces created here are ever
 deleted, and nothing is created in the root namespace. Stdlib only, like
-`pipe_horovod.emulate`.
+`pipe_horovod.tools.emulate`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Benchmarks of pipelined SGD mean little over loopback, where bandwidth is
 many GB/s and latency ~0. Here each worker gets its own namespace, joined
 to the others as a star (every worker's link to a Linux bridge in a
-"switch" namespace) or a chain (`pipe_horovod.emulate_network` builds
+"switch" namespace) or a chain (`pipe_horovod.tools.emulate.network` builds
 either), and every link is capped both ways with a token bucket (tbf;
 netem is not available on these machines). Horovod and torch.distributed
 then talk over real TCP through links that behave like a NIC of the
@@ -31,9 +31,10 @@ import threading
 import time
 from typing import NamedTuple
 
-from pipe_horovod import emulate_guard, emulate_network
-from pipe_horovod.emulate_network import KILL_GRACE as _KILL_GRACE, POLL as _POLL
-from pipe_horovod.emulate_network import TOPOLOGIES, cleanup, leftovers, unavailable_reason
+from . import guard as emulate_guard
+from . import network as emulate_network
+from .network import KILL_GRACE as _KILL_GRACE, POLL as _POLL
+from .network import TOPOLOGIES, cleanup, leftovers, unavailable_reason
 
 __all__ = ["EmulatedCluster", "Job", "ClusterError", "leftovers", "cleanup",
            "unavailable_reason", "cpu_times", "CpuTimes", "TOPOLOGIES"]

@@ -6,7 +6,7 @@ this guard in a session of its own with a pipe as its stdin and keeps the
 only write end (pipes are close-on-exec, so no worker inherits it): the
 guard's read returns end-of-file exactly when the owner is gone. A clean
 `close()` writes ``closed`` first and the guard exits without touching
-anything. Stdlib only, like `pipe_horovod.emulate`.
+anything. Stdlib only, like `pipe_horovod.tools.emulate`.
 """
 
 import subprocess
@@ -38,7 +38,7 @@ def stop(guard):
 def main(prefix):
     if sys.stdin.buffer.readline() == CLOSED:
         return
-    from pipe_horovod.emulate_network import cleanup, leftovers
+    from pipe_horovod.tools.emulate.network import cleanup, leftovers
     cleanup(prefix)
     left = leftovers(prefix)
     print(f"pipe_horovod: the owner of emulated cluster {prefix} died without tearing it "
