@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pipe_horovod import timing
+from pipe_horovod.tools import planner as timing
 from pipe_horovod.tools.bench import collectives_report, collectives_worker
 from pipe_horovod.collectives import layout
 

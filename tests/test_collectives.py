@@ -17,7 +17,8 @@ import torch
 
 import launcher
 import pipe_horovod.torch as phvd
-from pipe_horovod import collectives, timing
+from pipe_horovod import collectives
+from pipe_horovod.tools import planner as timing
 from pipe_horovod.collectives import layout
 from pipe_horovod.collectives.arrivals import InOrder
 from pipe_horovod.compression import Compression

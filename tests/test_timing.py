@@ -4,9 +4,9 @@ import math
 import numpy as np
 import pytest
 
-from pipe_horovod import timing
+from pipe_horovod.tools import planner as timing
 from pipe_horovod.tools.cli import main
-from pipe_horovod.timing import Network
+from pipe_horovod.tools.planner import Network
 
 NET = Network(alpha=1e-5, beta=1e-9, gamma=1e-10)
 N = 1e8

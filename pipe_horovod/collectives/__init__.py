@@ -11,13 +11,15 @@ optimizer's buckets use them through `collective=` unchanged.
 
 Modules: spec (what `collective=` accepts), api (allreduce/reduce/broadcast),
 communicator (the thread that runs them), exchange (one collective's
-encode/send/receive/decode), layout (blocks and chunk counts), channel
+encode/send/receive/decode), layout (blocks and chunk counts), cost_model (the
+alpha-beta formulas layout picks lp's chunks by), channel
 (tags), group (the gloo group), buffers (persistent buffers), arrivals
 (which receives have completed, without blocking), lp/ring/mst/be (the
 algorithms), ddp_hooks (the same for torch DDP).
 """
 from .api import allreduce, allreduce_async, broadcast, broadcast_async, reduce, reduce_async
+from .cost_model import Network
 from .spec import ALGORITHMS, Collective, check_collective
 
-__all__ = ["ALGORITHMS", "Collective", "check_collective", "allreduce", "allreduce_async",
+__all__ = ["ALGORITHMS", "Collective", "Network", "check_collective", "allreduce", "allreduce_async",
            "reduce", "reduce_async", "broadcast", "broadcast_async"]

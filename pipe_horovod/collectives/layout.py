@@ -8,7 +8,7 @@ so no sizes travel with the data.
 """
 import math
 
-from .. import timing
+from . import cost_model
 from ..engine.base import shard_sizes
 
 # Most messages one collective sends to one peer: tags reserve 17 bits for them.
@@ -17,7 +17,7 @@ MAX_BLOCKS = 4096
 # overlaps the next piece's transfer, large enough that per-message overhead stays small.
 PIECE_BYTES = 1 << 20
 # Where no network was measured: 100 us per message (gloo + Python per send), 1 Gbit/s.
-DEFAULT_NETWORK = timing.Network(alpha=100e-6, beta=8e-9)
+DEFAULT_NETWORK = cost_model.Network(alpha=100e-6, beta=8e-9)
 
 
 class Layout:
@@ -51,14 +51,14 @@ class Layout:
 
 def lp_chunks(p, nbytes, network=None, hops=None):
     """Chunks for LP, the cost model's optimum: the allreduce's
-    (timing.lp_allreduce_chunks: reduce and broadcast overlapped, each worker
+    (cost_model.lp_allreduce_chunks: reduce and broadcast overlapped, each worker
     on one link), or with `hops` a one-way chain of that many ranks (a plain
     broadcast or reduce: p)."""
     if p <= 1:
         return 1
     net = network or DEFAULT_NETWORK
-    k = (timing.lp_allreduce_chunks(net, p, nbytes) if hops is None
-         else timing.optimal_chunks(net, hops, nbytes))
+    k = (cost_model.lp_allreduce_chunks(net, p, nbytes) if hops is None
+         else cost_model.optimal_chunks(net, hops, nbytes))
     return min(MAX_BLOCKS, k)
 
 

@@ -17,7 +17,7 @@ class Collective:
     chunks: blocks per message (lp: chunks of the chain; ring: pieces per
         segment; mst: int8 scale blocks); None picks them from the cost
         model (lp) or from a 1 MB piece size.
-    network: a pipe_horovod.timing.Network (alpha, beta) the lp chunk count
+    network: a pipe_horovod.collectives.Network (alpha, beta) the lp chunk count
         is optimised for; None: 100 us per message, 1 Gbit/s.
     """
 
@@ -29,7 +29,7 @@ class Collective:
                                    or chunks < 1):
             raise ValueError(f"chunks must be a positive int or None, got {chunks!r}")
         if network is not None and not (hasattr(network, "alpha") and hasattr(network, "beta")):
-            raise TypeError(f"network must be a pipe_horovod.timing.Network, got {network!r}")
+            raise TypeError(f"network must be a pipe_horovod.collectives.Network, got {network!r}")
         self.algorithm = algorithm
         self.chunks = chunks
         self.network = network
@@ -55,7 +55,7 @@ class Collective:
 
     @classmethod
     def from_config(cls, config):
-        from ..timing import Network
+        from .cost_model import Network
 
         net = config.get("network")
         return cls(config["algorithm"], chunks=config.get("chunks"),

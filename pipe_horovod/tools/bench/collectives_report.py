@@ -5,15 +5,15 @@ each repetition's time is the slowest rank's (the allreduce is done when
 every rank has its result), each figure the median over repetitions.
 Bandwidths follow nccl-tests' allreduce definitions: algbw = bytes / time,
 busbw = algbw * 2(p-1)/p, comparable with the link's rate whatever p is.
-The prediction is `pipe_horovod.timing.allreduce_time` of the algorithm
+The prediction is `pipe_horovod.tools.planner.allreduce_time` of the algorithm
 (the engine's own allreduce as "ring") for the bytes on the wire, plus
-`timing.hop_codec_time` for a per-hop codec (its encode/add/decode cost
+`planner.hop_codec_time` for a per-hop codec (its encode/add/decode cost
 measured by the workers at several block sizes, the part on the critical
 path), our collectives' per-message software cost (measured by the workers,
-timing.with_message_cost) added to alpha, with alpha and beta fitted (`timing.fit`, ring
+planner.with_message_cost) added to alpha, with alpha and beta fitted (`planner.fit`, ring
 formula) to the engine's own allreduce at the sizes >= 1 MB, all for the emulated cluster's
 topology (launch.topology, star where absent): on a chain lp's links carry one stream each
-way, and mst and be have no prediction (timing.MODELLED). With the worker's `unmatched/none`
+way, and mst and be have no prediction (planner.MODELLED). With the worker's `unmatched/none`
 (plain torch.distributed all_reduce, --unmatched; no prediction), a table of what the
 engine's name-matched allreduce costs per collective beyond it (`name_matching`: both
 medians, their difference and ratio), one at a time and IN_FLIGHT at once. Outputs:
@@ -21,7 +21,7 @@ markdown (printed and saved), a JSON summary, a PNG of bus bandwidth against siz
 """
 import json
 
-from pipe_horovod import timing
+from pipe_horovod.tools import planner
 from pipe_horovod.tools.bench.collectives_worker import FORMAT, IN_FLIGHT, NATIVE, UNMATCHED, \
     in_flight
 from pipe_horovod.tools.bench.report import _median, _num, _pct, _quartiles, save_outputs
@@ -48,7 +48,7 @@ def bus_bandwidth(nbytes, seconds, p):
 
 def wire_bytes(nbytes, codec):
     """Bytes an uncompressed float32 message of `nbytes` puts on the wire under `codec`."""
-    return nbytes * (1.0 if codec == "none" else timing.DEFAULT_COMPRESSIONS[codec][0])
+    return nbytes * (1.0 if codec == "none" else planner.DEFAULT_COMPRESSIONS[codec][0])
 
 
 def blocks(p, nbytes, algorithm, codec):
@@ -63,32 +63,32 @@ def blocks(p, nbytes, algorithm, codec):
 
 def predicted_seconds(network, p, nbytes, config, codec_costs=None, message_s=None,
                       topology="star"):
-    """timing's cost of `config` ("algorithm/codec") for a float32 message of `nbytes`:
+    """planner's cost of `config` ("algorithm/codec") for a float32 message of `nbytes`:
     the bytes on the wire, for our collectives with each message's software cost
-    `message_s` (timing.with_message_cost), plus the per-hop codec's CPU on the critical
-    path (timing.hop_codec_time) where `codec_costs` has the codec's measured (encode,
+    `message_s` (planner.with_message_cost), plus the per-hop codec's CPU on the critical
+    path (planner.hop_codec_time) where `codec_costs` has the codec's measured (encode,
     decode-add, decode) s per byte, one triple or {block bytes: triple}. None where
-    timing does not model the algorithm on `topology`."""
+    the planner does not model the algorithm on `topology`."""
     algorithm, codec = config.split("/")
     wire = wire_bytes(nbytes, codec)
     if algorithm == NATIVE:
-        return timing.allreduce_time(network, p, wire, "ring", topology)
+        return planner.allreduce_time(network, p, wire, "ring", topology)
     if algorithm in YARDSTICKS:
         return None
-    if algorithm not in timing.MODELLED[topology]:
+    if algorithm not in planner.MODELLED[topology]:
         return None
-    net = timing.with_message_cost(network, message_s or 0.0)
+    net = planner.with_message_cost(network, message_s or 0.0)
     # lp: the chunks the collective cut, which it picks for a star whatever the wiring
     count = blocks(p, nbytes, algorithm, codec)
     if algorithm == "lp":
-        seconds = timing.allreduce_time(net, p, wire, "lp", topology, chunks=count)
+        seconds = planner.allreduce_time(net, p, wire, "lp", topology, chunks=count)
     else:
-        seconds = timing.allreduce_time(net, p, wire, algorithm, topology)
+        seconds = planner.allreduce_time(net, p, wire, algorithm, topology)
     costs = (codec_costs or {}).get(codec)
     if not costs:
         return seconds
     per_block = isinstance(costs, dict)
-    return seconds + timing.hop_codec_time(p, nbytes, algorithm, costs,
+    return seconds + planner.hop_codec_time(p, nbytes, algorithm, costs,
                                            count if per_block else None)
 
 
@@ -109,9 +109,9 @@ def _fit(sizes, native, p):
         which = "all"
     if p < 2 or len({s for s, _ in points}) < 2:
         return None
-    fit = timing.fit([s for s, _ in points], [t for _, t in points], p, "ring")
+    fit = planner.fit([s for s, _ in points], [t for _, t in points], p, "ring")
     return {"alpha_s": fit.alpha, "beta_s_per_byte": fit.beta, "r2": fit.r2,
-            "source": f"timing.fit (ring formula, relative error) of the engine's own "
+            "source": f"planner.fit (ring formula, relative error) of the engine's own "
                       f"allreduce at {len(points)} sizes ({which})"}
 
 
@@ -119,7 +119,7 @@ def summarize(raw):
     meta, p = raw["meta"], raw["meta"]["workers"]
     rate = raw.get("launch", {}).get("emulate")
     topology = raw.get("launch", {}).get("topology") or "star"
-    link_bytes_per_s = timing.parse_bandwidth(rate) if rate else None
+    link_bytes_per_s = planner.parse_bandwidth(rate) if rate else None
     sizes = meta["sizes"]
     rows = []
     for config in meta["configs"]:
@@ -136,7 +136,7 @@ def summarize(raw):
     for r in rows:
         r["predicted_s"] = r["prediction_error"] = None
         if network is not None:
-            net = timing.Network(network["alpha_s"], network["beta_s_per_byte"])
+            net = planner.Network(network["alpha_s"], network["beta_s_per_byte"])
             costs = (meta.get("codec_costs_s_per_byte_by_block")
                      or meta.get("codec_costs_s_per_byte"))
             r["predicted_s"] = predicted_seconds(net, p, r["bytes"], r["config"], costs,
@@ -279,7 +279,7 @@ def markdown(summary, heading="#"):
                      f"{_num(rate, '{:.1f}')} MB/s ({net['source']}, R² {net['r2']:.3f})")
     unmodelled = sorted({r["algorithm"] for r in rows
                          if r["algorithm"] != NATIVE and r["algorithm"] not in YARDSTICKS
-                         and r["algorithm"] not in timing.MODELLED[summary["topology"]]})
+                         and r["algorithm"] not in planner.MODELLED[summary["topology"]]})
     if unmodelled:
         lines.append(f"- no prediction for {', '.join(unmodelled)} on a "
                      f"{summary['topology']}: not modelled (their exchanges between "

@@ -13,10 +13,10 @@ gathers them and writes the raw JSON (format pipe_horovod.bench_collectives/1)
 with the machine's load (busy cores from /proc/stat) during each size, and
 before it, while every worker sleeps (the load from everything else), and
 each per-hop codec's encode/add/decode cost measured by every rank at once
-at several block sizes (the median over ranks: timing.hop_codec_time's
+at several block sizes (the median over ranks: planner.hop_codec_time's
 calibration), and the one-way time of a small point-to-point message on the
 collectives' own group, every pair of ranks at once (the per-message cost of
-our collectives: timing.with_message_cost).
+our collectives: planner.with_message_cost).
 
 With --unmatched (torch engine only) a configuration `unmatched/none` is
 timed beside the others: a plain `torch.distributed.all_reduce` of the same

@@ -11,7 +11,7 @@ of per-round medians beside it. For each run (one raw JSON from
   wait: ours' `opt.timings["wait_s"]`, Horovod's `synchronize()`), step minus
   compute (what communication costs the step, CPU contention included), and
   fraction hidden = 1 - exposed / communication;
-* the timing model's prediction (`pipe_horovod.timing.predict`, alpha/beta
+* the timing model's prediction (`pipe_horovod.tools.planner.predict`, alpha/beta
   fitted from the allreduce sweep, or beta from the allreduce measurement);
 * CPU cores each worker used (every thread of the process), and how busy the
   whole machine was meanwhile;
@@ -29,7 +29,7 @@ import os
 import statistics
 import sys
 
-from pipe_horovod import timing
+from pipe_horovod.tools import planner
 from pipe_horovod.tools.bench import models
 
 TRAIN_ORDER = ("horovod", "horovod-fp16", "ddp")
@@ -129,12 +129,12 @@ def _network(raw, stats, p, model_bytes):
     """(Network, description) from the sweep fit, else from the allreduce median."""
     sweep = raw.get("sweep")
     if p < 2:
-        return timing.Network(0.0, 0.0), {"source": "one process: no communication"}
+        return planner.Network(0.0, 0.0), {"source": "one process: no communication"}
     if sweep and len(sweep["sizes"]) >= 2:
         med = [statistics.median(t) for t in sweep["seconds"]]
         # Absolute least squares: the predictions are for model-sized transfers, and the
         # emulated links pass small messages faster per byte (the token bucket's burst).
-        fit = timing.fit(sweep["sizes"], med, p, relative=False)
+        fit = planner.fit(sweep["sizes"], med, p, relative=False)
         return fit.network, {"source": f"least-squares fit (absolute error) of a {len(med)}-size "
                                        f"allreduce sweep ({sweep['sizes'][0]} B .. "
                                        f"{sweep['sizes'][-1]} B)",
@@ -143,9 +143,9 @@ def _network(raw, stats, p, model_bytes):
                              "sweep_sizes": sweep["sizes"], "sweep_median_s": med}
     ar = stats.get("allreduce")
     if ar and ar["step_s"]:
-        unit = timing.allreduce_time(timing.Network(0.0, 1.0), p, model_bytes)
+        unit = planner.allreduce_time(planner.Network(0.0, 1.0), p, model_bytes)
         beta = ar["step_s"] / unit
-        return timing.Network(0.0, beta), {"source": "beta from the model-sized allreduce "
+        return planner.Network(0.0, beta), {"source": "beta from the model-sized allreduce "
                                                      "(alpha = 0; run with --fit for a sweep)",
                                            "alpha_s": 0.0, "beta_s_per_byte": beta}
     return None, {"source": "no allreduce measured: no prediction"}
@@ -204,7 +204,7 @@ def summarize(raw):
     # the cores compute uses: what they take from compute is charged to the compute side,
     # as the Horovod-style codecs' encode is (hop_codec: seconds per gradient byte).
     hop_costs = raw.get("hop_codec_s_per_byte") or {}
-    hop_codec = {name: timing.hop_codec_time(p, model_bytes, "ring", costs) / model_bytes
+    hop_codec = {name: planner.hop_codec_time(p, model_bytes, "ring", costs) / model_bytes
                  for name, costs in hop_costs.items()}
     hop_source = {name: "codec work measured alone" for name in hop_codec}
     if hop_codec:
@@ -234,7 +234,7 @@ def summarize(raw):
                            for name, per_byte in hop_codec.items()}}
         depths = sorted({s["pipeline_depth"] for s in stats.values()
                          if (s["pipeline_depth"] or 0) >= 2}) or [2]
-        workload = timing.Workload.aggregate(compute["fwdbwd_s"], compute["opt_s"], model_bytes)
+        workload = planner.Workload.aggregate(compute["fwdbwd_s"], compute["opt_s"], model_bytes)
         bucketings = {}                          # one aggregate gradient: no system's buckets
         model_info["overlap"] = 0.0
         if replayed_model:
@@ -245,12 +245,12 @@ def summarize(raw):
 
         @functools.cache
         def predictions(system, compensation_s):
-            """{depth: timing.Prediction} of one system, pipelined steps charged
+            """{depth: planner.Prediction} of one system, pipelined steps charged
             `compensation_s` (Schedule's P)."""
             work = dataclasses.replace(workload, compensation_s=compensation_s)
-            return {d: timing.predict(work, p, network, compressions=compressions,
+            return {d: planner.predict(work, p, network, compressions=compressions,
                                       pipeline_depth=d, comm_cpu_per_byte=cpu_per_byte,
-                                      bucketing=bucketings.get(system, timing.OURS))
+                                      bucketing=bucketings.get(system, planner.OURS))
                     for d in depths}
         model_info["comm_cpu_s_per_byte"] = cpu_per_byte
         model_info["compressions"] = {k: {"wire_ratio": v[0], "codec_s": v[1] * model_bytes,
@@ -284,7 +284,7 @@ def summarize(raw):
         # separates the error of the step model from the error of the alpha-beta fit.
         s["predicted_measured_comm_s"] = None
         if s["kind"] == "train" and name != "compute" and compute and s["comm_s"] is not None:
-            s["predicted_measured_comm_s"] = timing.step_time(
+            s["predicted_measured_comm_s"] = planner.step_time(
                 compute["fwdbwd_s"], compute["opt_s"] + charged, s["comm_s"],
                 s["pipeline_depth"] or 1,
                 comm_cpu_s=comm_cpu.get(c, 0.0) + hop_codec.get(c, 0.0) * model_bytes)
@@ -346,11 +346,11 @@ def summarize(raw):
 
 
 def _replay_workload(replayed, measured):
-    """timing.Workload of a replayed run: its layers' configured times, scaled so forward
+    """planner.Workload of a replayed run: its layers' configured times, scaled so forward
     + backward equal the measured `compute` configuration's, and their gradient bytes."""
     configured = replayed["forward_s"] + replayed["backward_s"]
     scale = measured["fwdbwd_s"] / configured if configured else 1.0
-    return timing.Workload.from_layers(
+    return planner.Workload.from_layers(
         [(layer["forward_s"] * scale, layer["backward_s"] * scale,
           tuple(4 * n for n in layer["param_numel"])) for layer in replayed["layers"]],
         update_s=measured["opt_s"])
@@ -359,11 +359,11 @@ def _replay_workload(replayed, measured):
 def _bucketings(meta):
     """Each system's buckets in this run: ours and DDP at --bucket-cap-mb, Horovod's fusion
     at --horovod-fusion-mb (0: no fusion, one allreduce per tensor) or its default."""
-    cap = meta.get("bucket_cap_mb", 25.0) * timing.MIB
+    cap = meta.get("bucket_cap_mb", 25.0) * planner.MIB
     fusion = meta.get("horovod_fusion_mb")
     if fusion is None:
-        return timing.bucketings(cap)
-    return timing.bucketings(cap, max(fusion * timing.MIB, 1.0))
+        return planner.bucketings(cap)
+    return planner.bucketings(cap, max(fusion * planner.MIB, 1.0))
 
 
 def _predicted(name, s, prediction, network, p, model_bytes, compute, wire_ratio):
@@ -374,7 +374,7 @@ def _predicted(name, s, prediction, network, p, model_bytes, compute, wire_ratio
     if name.startswith("allreduce"):
         if network is None:
             return None
-        return timing.allreduce_time(network, p, model_bytes * wire_ratio[s["compression"]])
+        return planner.allreduce_time(network, p, model_bytes * wire_ratio[s["compression"]])
     if prediction is None:
         return None
     depth = s["pipeline_depth"] or 1
@@ -518,10 +518,10 @@ def markdown(summary, heading="##"):
                                 f"{', from ' + v['source'] if 'source' in v else ''})"
                                 for k, v in model["compressions"].items()))
         if model.get("workload"):
-            lines.append("- step prediction: `timing.predict` (ring allreduce, overlap-aware) "
+            lines.append("- step prediction: `planner.predict` (ring allreduce, overlap-aware) "
                          "of a per-layer `Workload`: " + model["workload"] + codecs)
         else:
-            lines.append("- step prediction: `timing.predict(compute_s=fwd+bwd, update_s=local "
+            lines.append("- step prediction: `planner.predict(compute_s=fwd+bwd, update_s=local "
                          "step, ...)` of the `compute` configuration, ring allreduce, overlap = 0 "
                          "for sync rows" + codecs)
         charged = {n: s["compensation_s"] for n, s in summary["configs"].items()

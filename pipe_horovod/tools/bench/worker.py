@@ -475,7 +475,7 @@ def sweep_sizes(max_bytes, min_bytes=1024):
 
 
 def allreduce_sweep(eng, max_bytes, progress):
-    """Per-size allreduce seconds (float32), 1 KB .. max_bytes: the input of timing.fit."""
+    """Per-size allreduce seconds (float32), 1 KB .. max_bytes: the input of planner.fit."""
     import torch
 
     from pipe_horovod import engine
@@ -725,7 +725,7 @@ def add_model_arguments(parser):
     parser.add_argument("--bucket-cap-mb", type=_positive(float), default=25.0,
                         help="bucket size of ours and DDP (default 25)")
     parser.add_argument("--fit", action="store_true",
-                        help="also sweep allreduce sizes 1 KB..--fit-max-mb for timing.fit")
+                        help="also sweep allreduce sizes 1 KB..--fit-max-mb for planner.fit")
     parser.add_argument("--fit-max-mb", type=_positive(float), default=64.0,
                         help="largest allreduce of the sweep, MB (default 64)")
     parser.add_argument("--threads", type=_positive(int), default=1,

@@ -26,10 +26,10 @@ WORKER = collectives_worker.__name__
 
 
 def _sizes(text):
-    from pipe_horovod import timing
+    from pipe_horovod.tools import planner
 
     try:
-        sizes = sorted({int(timing.parse_size(t)) for t in text.split(",") if t})
+        sizes = sorted({int(planner.parse_size(t)) for t in text.split(",") if t})
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if not sizes or sizes[0] < 4:

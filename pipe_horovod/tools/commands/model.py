@@ -2,13 +2,13 @@
 
 Lets a user see whether pipelining (and which compression) can pay off on
 their cluster from four numbers: workers, bandwidth, latency, model size and
-compute time. All arithmetic lives in pipe_horovod.timing; this module only
+compute time. All arithmetic lives in pipe_horovod.tools.planner; this module only
 parses, formats and plots.
 """
 import argparse
 import re
 
-from pipe_horovod import timing
+from pipe_horovod.tools import planner
 
 
 def _checked(convert):
@@ -48,9 +48,9 @@ def add_cluster_arguments(parser):
     parser._negative_number_matcher = re.compile(r"^-\.?\d")
     parser.add_argument("--workers", type=_number(1, kind=int, what="workers"), required=True,
                         help="number of workers (p)")
-    parser.add_argument("--bandwidth", type=_checked(timing.parse_bandwidth), required=True,
+    parser.add_argument("--bandwidth", type=_checked(planner.parse_bandwidth), required=True,
                         help="per-link bandwidth, e.g. 10gbit, 1.25GB/s")
-    parser.add_argument("--latency", type=_checked(timing.parse_latency), default=timing.parse_latency("20us"),
+    parser.add_argument("--latency", type=_checked(planner.parse_latency), default=planner.parse_latency("20us"),
                         help="per-message latency, e.g. 20us, 0.1ms (default 20us)")
 
 
@@ -59,12 +59,12 @@ def add_arguments(parser):
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--model-mb", type=_number(0, what="model size in MB", strict=True),
                       help="gradient size in MB (10^6 bytes)")
-    size.add_argument("--model-size", type=_checked(timing.parse_size), help="gradient size with unit, e.g. 233MB")
+    size.add_argument("--model-size", type=_checked(planner.parse_size), help="gradient size with unit, e.g. 233MB")
     parser.add_argument("--compute-ms", type=_number(0, what="compute time"), required=True,
                         help="forward + backward time per step on one worker, ms")
     parser.add_argument("--update-ms", type=_number(0, what="update time"), default=0.0,
                         help="optimizer update time per step, ms (default 0)")
-    parser.add_argument("--algorithm", choices=sorted(timing.ALLREDUCE), default="ring",
+    parser.add_argument("--algorithm", choices=sorted(planner.ALLREDUCE), default="ring",
                         help="allreduce algorithm: ring, lp (linear pipeline), mst (binomial tree), "
                              "be (bidirectional exchange) (default ring)")
     parser.add_argument("--pipeline-depth", type=_number(2, kind=int, what="pipeline depth"), default=2,
@@ -73,20 +73,20 @@ def add_arguments(parser):
                         help="fraction of communication that sync hides behind backward (default 0)")
     parser.add_argument("--codec-ns-per-byte", type=_number(0, what="codec cost"), default=None,
                         help="encode+decode cost per gradient byte for every compression "
-                             "(default: CPU figures in pipe_horovod.timing; use 0 for GPU)")
+                             "(default: CPU figures in pipe_horovod.tools.planner; use 0 for GPU)")
     parser.add_argument("--plot", metavar="PNG", help="also plot speedup over bandwidth and over workers")
 
 
 def _inputs(args):
-    """The keyword arguments of timing.predict, shared by the table and the sweeps."""
-    compressions = timing.DEFAULT_COMPRESSIONS
+    """The keyword arguments of planner.predict, shared by the table and the sweeps."""
+    compressions = planner.DEFAULT_COMPRESSIONS
     if args.codec_ns_per_byte is not None:
         compressions = {name: (ratio, args.codec_ns_per_byte * 1e-9) for name, (ratio, _) in compressions.items()}
     model_bytes = args.model_size if args.model_size is not None else args.model_mb * 1e6
     return dict(
-        workload=timing.Workload.aggregate(args.compute_ms / 1e3, args.update_ms / 1e3, model_bytes),
+        workload=planner.Workload.aggregate(args.compute_ms / 1e3, args.update_ms / 1e3, model_bytes),
         workers=args.workers,
-        network=timing.Network(alpha=args.latency, beta=1.0 / args.bandwidth),
+        network=planner.Network(alpha=args.latency, beta=1.0 / args.bandwidth),
         algorithm=args.algorithm,
         compressions=compressions,
         pipeline_depth=args.pipeline_depth,
@@ -130,8 +130,8 @@ def plot(path, inputs):
     worker_counts = sorted({int(round(w)) for w in np.geomspace(1, max(64, 4 * workers), 30)} | {workers})
     sweeps = [
         ("bandwidth (Gbit/s)", bandwidths * 8 / 1e9, bandwidth * 8 / 1e9,
-         [timing.predict(**{**inputs, "network": timing.Network(net.alpha, 1.0 / b, net.gamma)}) for b in bandwidths]),
-        ("workers", worker_counts, workers, [timing.predict(**{**inputs, "workers": p}) for p in worker_counts]),
+         [planner.predict(**{**inputs, "network": planner.Network(net.alpha, 1.0 / b, net.gamma)}) for b in bandwidths]),
+        ("workers", worker_counts, workers, [planner.predict(**{**inputs, "workers": p}) for p in worker_counts]),
     ]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, (xlabel, xs, given, preds) in zip(axes, sweeps):
@@ -153,7 +153,7 @@ def plot(path, inputs):
 
 def run(args):
     inputs = _inputs(args)
-    print(format_table(timing.predict(**inputs), inputs["workload"]))
+    print(format_table(planner.predict(**inputs), inputs["workload"]))
     if args.plot:
         plot(args.plot, inputs)
         print(f"\nwrote {args.plot}")

@@ -5,13 +5,13 @@ device and network, how fast is Horovod's synchronous training, DDP's, ours
 at K=1 and K=2, and with each codec, and what limits each. The per-layer
 FLOPs and parameter sizes come from the real architecture
 (pipe_horovod.tools.workloads.architectures.layer_table); all timing arithmetic
-lives in pipe_horovod.timing (Workload, Bucketing, predict); this module
+lives in pipe_horovod.tools.planner (Workload, Bucketing, predict); this module
 parses, picks the rows, formats and plots.
 """
 import dataclasses
 import math
 
-from pipe_horovod import timing
+from pipe_horovod.tools import planner
 from pipe_horovod.tools.commands.model import _checked, _number, add_cluster_arguments
 
 FP32 = 4  # bytes per gradient element
@@ -59,22 +59,22 @@ ROWS = (
 
 
 def workload(layers, device_tflops):
-    """timing.Workload of `layers` (architectures.Layer, forward order), timed as the
+    """planner.Workload of `layers` (architectures.Layer, forward order), timed as the
     benchmark's replay times them (replay.layer_times: FLOPs / device throughput,
     backward twice forward)."""
     from pipe_horovod.tools.workloads.replay import layer_times
 
-    return timing.Workload.from_layers(
+    return planner.Workload.from_layers(
         (t.forward_s, t.backward_s, tuple(FP32 * math.prod(shape) for _, shape in layer.params))
         for t, layer in zip(layer_times(layers, device_tflops), layers))
 
 
 def plan(layers, device_tflops, workers, network, bucket_cap_bytes):
-    """(timing.Workload, {row name: timing.Row} for ROWS); speedup is over the "horovod" row."""
+    """(planner.Workload, {row name: planner.Row} for ROWS); speedup is over the "horovod" row."""
     work = workload(layers, device_tflops)
-    predictions = {name: timing.predict(work, workers, network, compressions=_codecs() if name == "ours" else {},
+    predictions = {name: planner.predict(work, workers, network, compressions=_codecs() if name == "ours" else {},
                                         bucketing=b)
-                   for name, b in timing.bucketings(bucket_cap_bytes).items()}
+                   for name, b in planner.bucketings(bucket_cap_bytes).items()}
     rows = {name: predictions[system].rows[row] for name, _, system, row in ROWS}
     base = rows["horovod"].step_s
     return work, {name: dataclasses.replace(r, name=name, speedup=base / r.step_s if r.step_s > 0 else 1.0)
@@ -108,7 +108,7 @@ def format_table(args, work, rows):
         "ready. Ours and DDP bucket by --bucket-cap-mb (DDP's first bucket 1 MiB); Horovod fuses "
         "whatever is ready, up to 128 MiB (its defaults; its 1 ms cycle not counted). "
         "comm ms: the link's busy time per step; step ms: max(compute, comm) for K=2, "
-        "forward + the last bucket's landing for sync (see pipe_horovod/timing.py).",
+        "forward + the last bucket's landing for sync (see pipe_horovod/tools/planner.py).",
     ]
     return "\n".join(lines)
 
@@ -146,9 +146,9 @@ def run(args):
     from pipe_horovod.tools.workloads.architectures import layer_table
 
     layers = layer_table(args.model, args.batch_size)
-    network = timing.Network(alpha=args.latency, beta=1.0 / args.bandwidth)
+    network = planner.Network(alpha=args.latency, beta=1.0 / args.bandwidth)
     work, rows = plan(layers, args.device_tflops, args.workers, network,
-                      args.bucket_cap_mb * timing.MIB)
+                      args.bucket_cap_mb * planner.MIB)
     print(format_table(args, work, rows))
     if args.plot:
         plot(args.plot, args, work, rows)

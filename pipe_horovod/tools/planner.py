@@ -25,19 +25,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class Network:
-    """Link parameters; frozen so one instance can be shared across sweeps."""
-
-    alpha: float  # seconds per message (latency)
-    beta: float  # seconds per byte on the wire (1 / bandwidth)
-    gamma: float = 0.0  # seconds per byte of reduction arithmetic
-
-    def __post_init__(self):
-        for name in ("alpha", "beta", "gamma"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"Network.{name} must be >= 0, got {getattr(self, name)!r}")
+from pipe_horovod.collectives.cost_model import (TOPOLOGIES, Network, best_chunks,  # noqa: F401
+                                               check_topology, lp_allreduce_chunks,
+                                               lp_streams, optimal_chunks)
 
 
 def _log2(p):
@@ -107,24 +97,6 @@ def lp_reduce(net, p, nbytes, chunks=None):
     return _lp_cost(p, _chunks(net, p, nbytes, chunks), net.alpha, net.beta + net.gamma, nbytes)
 
 
-# How the workers are wired. star: each worker's one full-duplex link to a switch (real
-# clusters; pipe_horovod.tools.emulate's default). chain: each worker linked to its two
-# neighbours only (a PCIe chain; emulate's topology="chain"), what passes between
-# non-neighbours forwarded by the ranks in between.
-TOPOLOGIES = ("star", "chain")
-
-
-def _check_topology(topology):
-    if topology not in TOPOLOGIES:
-        raise ValueError(f"unknown topology {topology!r}; choose one of {', '.join(TOPOLOGIES)}")
-
-
-def _lp_streams(p, topology="star"):
-    # Chunks the busiest link carries per pipeline step, each way (see lp_allreduce).
-    _check_topology(topology)
-    return 1 if p <= 2 or topology == "chain" else 2
-
-
 @_collective
 def lp_allreduce(net, p, nbytes, chunks=None, topology="star"):
     """What pipe_horovod.collectives.lp runs: reduce along the chain 0..p-1
@@ -140,37 +112,8 @@ def lp_allreduce(net, p, nbytes, chunks=None, topology="star"):
     chunks=None: this cost's optimum (lp_allreduce_chunks)."""
     k = _chunks(net, p, nbytes, chunks,
                 functools.partial(lp_allreduce_chunks, topology=topology))
-    return _lp_cost(2 * p - 1, k, net.alpha, _lp_streams(p, topology) * net.beta + net.gamma,
+    return _lp_cost(2 * p - 1, k, net.alpha, lp_streams(p, topology) * net.beta + net.gamma,
                     nbytes)
-
-
-def _best_chunks(fill, a, b, nbytes):
-    """k minimising (fill + k)(a + nbytes*b/k): more chunks fill the chain sooner
-    but pay alpha more often; k* = sqrt(fill*nbytes*b/a), rounded to whichever
-    neighbouring integer is cheaper."""
-    if fill <= 0 or nbytes * b <= 0:
-        return 1
-    limit = max(1, int(nbytes))  # no chunk smaller than a byte
-    if a <= 0:
-        return limit
-    k = math.sqrt(fill * nbytes * b / a)
-    candidates = {min(limit, max(1, math.floor(k))), min(limit, max(1, math.ceil(k)))}
-    return min(candidates, key=lambda c: (fill + c) * (a + nbytes * b / c))
-
-
-def optimal_chunks(net, p, nbytes):
-    """Chunks for a one-way chain of p ranks (lp_broadcast, lp_reduce): gamma
-    enters at half weight (the mean of the two)."""
-    return _best_chunks(p - 2, net.alpha, net.beta + net.gamma / 2, nbytes)
-
-
-def lp_allreduce_chunks(net, p, nbytes, topology="star"):
-    """Chunks minimising lp_allreduce: the count pipe_horovod.collectives.lp picks (for
-    a star: the collective does not know how it is wired)."""
-    if p <= 1:
-        return 1
-    return _best_chunks(2 * p - 3, net.alpha, _lp_streams(p, topology) * net.beta + net.gamma,
-                        nbytes)
 
 
 @_collective
@@ -267,7 +210,7 @@ def allreduce_time(net, p, nbytes, algorithm="ring", topology="star", **kwargs):
         cost = ALLREDUCE[algorithm]
     except KeyError:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {sorted(ALLREDUCE)}") from None
-    _check_topology(topology)
+    check_topology(topology)
     if algorithm not in MODELLED[topology]:
         raise ValueError(f"{algorithm} allreduce is not modelled on a {topology}; it is for "
                          f"{', '.join(MODELLED[topology])}")
