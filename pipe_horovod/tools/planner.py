@@ -247,7 +247,7 @@ def _hop_counts(p, algorithm, blocks=None):
 def codec_costs_at(table, block_bytes):
     """(encode, decode-add, decode) seconds per accumulator byte for blocks of
     `block_bytes`, from `table` = {block bytes: (encode, decode-add, decode) s per byte}
-    measured at several block sizes (pipe_horovod.compression.hops.measure_costs). A
+    measured at several block sizes (pipe_horovod.tools.hop_codecs.measure_costs). A
     block's cost is a fixed per-call part plus a per-byte part that grows once blocks
     leave the caches (measured on 2-core EPYC workers, 4 at once: int8 encode 6 ns/B
     at 16 KB, 0.5 ns/B at 1 MB, 0.9 ns/B at 16 MB), so neither one rate nor one size
@@ -274,7 +274,7 @@ def hop_codec_time(p, nbytes, algorithm, costs, blocks=None):
     (float32) bytes: `costs` = (encode, decode-add, decode) seconds per accumulator
     byte, or a table {block bytes: that} measured at several block sizes
     (codec_costs_at picks the one for this collective's blocks), measured by
-    pipe_horovod.compression.hops.measure_costs. `blocks`: how many blocks the
+    pipe_horovod.tools.hop_codecs.measure_costs. `blocks`: how many blocks the
     collective cuts the message into (see _hop_counts); None counts all the busiest
     rank's codec work at the costs of one block per message. What counts adds to the
     wire time rather than hiding under it: a piece is decoded, added and encoded

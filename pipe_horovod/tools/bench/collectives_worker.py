@@ -128,11 +128,11 @@ PROBE_BYTES, PROBE_TRIPS = 4, 30
 
 def _codec_costs(codecs):
     """codec -> {block bytes: (encode, decode-add, decode) s per float32 byte}
-    (hops.measure_costs at each of COST_BLOCKS)."""
+    (hop_codecs.measure_costs at each of COST_BLOCKS)."""
     import torch
 
     from pipe_horovod.compression import Compression
-    from pipe_horovod.compression.hops import measure_costs
+    from pipe_horovod.tools.hop_codecs import measure_costs
 
     return {c: {b: measure_costs(Compression.by_name(c).hop(torch.float32), b // 4)
                 for b in COST_BLOCKS} for c in codecs if c != "none"}

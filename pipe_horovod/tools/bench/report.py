@@ -208,8 +208,8 @@ def summarize(raw):
                  for name, costs in hop_costs.items()}
     hop_source = {name: "codec work measured alone" for name in hop_codec}
     if hop_codec:
-        from pipe_horovod.compression import hops
-        wire_ratio.update({name: hops.wire_ratio(name) for name in hop_codec})
+        from pipe_horovod.tools import hop_codecs
+        wire_ratio.update({name: hop_codecs.wire_ratio(name) for name in hop_codec})
     # What communication takes from compute on shared cores: the `contention`
     # configuration's compute time (while a model-sized allreduce runs) minus the
     # `compute` configuration's, per byte on the wire; scaled to each codec's bytes.

@@ -287,7 +287,7 @@ class AllreduceRunner:
         import torch
 
         from pipe_horovod.compression import Compression
-        from pipe_horovod.compression.hops import PER_HOP
+        from pipe_horovod.tools.hop_codecs import PER_HOP
 
         self.name, self.eng = name, eng
         self.buf = torch.randn(numel, generator=torch.Generator().manual_seed(eng.rank()))
@@ -383,7 +383,7 @@ def make_runner(name, args, eng):
         return TrainRunner(name, "horovod", model, opt, data, target)
     import pipe_horovod.torch as phvd
 
-    from pipe_horovod.compression.hops import PER_HOP
+    from pipe_horovod.tools.hop_codecs import PER_HOP
 
     codec, collective = compression_of(name), None
     if codec in PER_HOP:                  # per-hop codecs ride collectives' ring (issue 10)
@@ -458,7 +458,7 @@ def hop_codec_costs(names):
 
     from pipe_horovod.collectives.layout import PIECE_BYTES
     from pipe_horovod.compression import Compression
-    from pipe_horovod.compression.hops import PER_HOP, measure_costs
+    from pipe_horovod.tools.hop_codecs import PER_HOP, measure_costs
 
     return {name: measure_costs(Compression.by_name(PER_HOP[name][0]).hop(torch.float32),
                                 PIECE_BYTES // 4) for name in names}

@@ -41,7 +41,7 @@ def _codecs():
     """The K=2 codec rows: name -> (wire ratio, codec seconds per byte). Codecs run on
     the device beside backward, so they cost no time here. int8 carries one float32
     scale per block of at most PIECE_BYTES of the float32 gradient."""
-    from pipe_horovod.compression.hops import PER_HOP, wire_ratio
+    from pipe_horovod.tools.hop_codecs import PER_HOP, wire_ratio
 
     return {"fp16": (0.5, 0.0), **{name: (wire_ratio(name), 0.0) for name in PER_HOP}}
 
