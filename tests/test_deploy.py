@@ -292,18 +292,98 @@ def test_install_horovod_refuses_bad_knobs(tmp_path, env, error):
     assert res.returncode == 1 and error in res.stderr, res.stderr
 
 
-@pytest.mark.parametrize("env, error", [
-    ({}, "needs a CUDA build of torch"),
-])
-def test_install_horovod_nccl_needs_cuda_torch(env, error):
-    """The NCCL build stops before fetching or compiling anything when torch cannot use it."""
-    import torch
+FAKE_PYTHON = """#!/bin/sh
+# Answers install_horovod.sh's questions as a Python with torch $FAKE_TORCH would.
+case "$*" in
+  *torch.version.cuda*) echo "$FAKE_CUDA" ;;
+  *torch.__version__*) echo "$FAKE_TORCH" ;;
+  *version_info*) echo cp311 ;;
+  *) exit 1 ;;
+esac
+"""
 
-    if torch.version.cuda:
-        pytest.skip("this torch is a CUDA build")
-    res = run_script("install_horovod.sh", {"PYTHON": sys.executable, "HOROVOD_GPU_OPERATIONS": "NCCL",
-                                            "PIPE_HOROVOD_MPI": "0", **env})
-    assert res.returncode == 1 and error in res.stderr, res.stderr
+
+@pytest.mark.parametrize("torch_version, cuda, env, error", [
+    ("2.13.0+cpu", "", {}, "needs a CUDA build of torch, but"),
+    ("2.13.0+cu130", "13.0", {"PIPE_HOROVOD_CUDA_VERSION": "12.8"},
+     "is built for CUDA 13.0, not the CUDA 12.8 asked for"),
+    ("2.7.0+cu128", "12.8", {}, "set HOROVOD_CUDA_HOME to an installed CUDA 12.8 toolkit"),
+])
+def test_install_horovod_nccl_refuses_what_cannot_build(tmp_path, torch_version, cuda, env, error):
+    """The NCCL build stops with one line, before fetching or compiling, when torch's CUDA
+    is missing, is not the one asked for, or has no toolkit on PyPI this script assembles."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    res = run_script("install_horovod.sh", {
+        "PYTHON": str(fake), "HOROVOD_GPU_OPERATIONS": "NCCL", "PIPE_HOROVOD_MPI": "0",
+        "PIPE_HOROVOD_CACHE": str(tmp_path / "cache"), "FAKE_TORCH": torch_version,
+        "FAKE_CUDA": cuda, **env})
+    assert res.returncode == 1 and error in res.stderr, res.stdout + res.stderr
+    assert not list((tmp_path / "cache").glob("**/*.whl")), "something was built"
+
+
+# ---- make image: what it refuses before building ----
+
+def test_image_refuses_architectures_below_75():
+    res = subprocess.run(["bash", str(REPO / "scripts" / "image.sh")], capture_output=True, text=True,
+                         env={**os.environ, "CUDA_CC_LIST": "70,90"}, timeout=60)
+    assert res.returncode == 1 and res.stderr.strip() == (
+        "make image: CUDA_CC_LIST=70,90: CUDA 13 compiles for compute capability 75 (Turing) and "
+        "newer, not '70'"), res.stdout + res.stderr
+
+
+def test_docker_daemon_without_root_says_so(tmp_path):
+    res = run_script("docker_daemon.sh", {}, path=bare_path(tmp_path, id="echo 1000"))
+    assert res.returncode == 1 and res.stderr.strip() == (
+        "no Docker daemon answers, and starting one needs root (or start Docker yourself)"), res.stderr
+
+
+def test_dockerfile_refuses_a_base_with_old_python():
+    """The system stage's check, run by an old Python (pyenv's) and by this one."""
+    dockerfile = pytest.importorskip("dockerfile")
+    old = sorted(Path.home().glob(".pyenv/versions/3.[6-9].*/bin/python3"))
+    if not old:
+        pytest.skip("no Python older than 3.10 under ~/.pyenv")
+    run = next(c.value[0] for c in dockerfile.parse_file(str(REPO / "Dockerfile")) if c.cmd == "RUN")
+    check = re.search(r'python3 -c "([^"]+)"', run).group(1)
+    res = subprocess.run([str(old[-1]), "-c", check], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and re.fullmatch(
+        r"BASE_IMAGE has Python 3\.\d; pipe_horovod needs 3\.10 or newer: use e\.g\. "
+        r"debian:bookworm-slim, ubuntu:22\.04 or ubuntu:24\.04", res.stderr.strip()), res.stderr
+    assert subprocess.run([sys.executable, "-c", check], timeout=60).returncode == 0
+
+
+@pytest.fixture
+def tls_index(tmp_path):
+    """An HTTPS server on loopback with its own CA (a self-signed certificate): a TLS proxy."""
+    import http.server
+    import ssl
+    import threading
+
+    cert, key = tmp_path / "ca.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"https://127.0.0.1:{server.server_port}/", cert
+    server.shutdown()
+
+
+def test_build_without_the_proxys_ca_says_what_to_pass(tls_index):
+    url, ca = tls_index
+    env = {"PIP_INDEX_URL": url, "PATH": os.environ["PATH"]}
+    res = subprocess.run(["bash", str(REPO / "scripts" / "with_build_ca.sh"), "echo", "ran"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "fails verification" in res.stderr, res.stderr
+    assert "docker build --secret id=ca,src=CA_BUNDLE" in res.stderr and "ran" not in res.stdout
+    res = subprocess.run(["bash", str(REPO / "scripts" / "with_build_ca.sh"), "echo", "ran"],
+                         env={**env, "PIP_CERT": str(ca)}, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout == "ran\n", res.stderr
 
 
 def test_install_openmpi_without_root_leaves_it_out(tmp_path):
