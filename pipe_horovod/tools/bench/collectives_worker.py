@@ -258,7 +258,7 @@ def _names(choices):
 
 def add_arguments(parser):
     """What the worker and `pipe-horovod bench-collectives` (which forwards it) accept."""
-    from pipe_horovod.tools.commands.bench import positive_int
+    from pipe_horovod.tools.validators import positive_int
 
     parser.add_argument("--algorithms", type=_names(ALGORITHMS), default=list(ALGORITHMS),
                         help="comma-separated algorithms (default lp,ring,mst,be)")

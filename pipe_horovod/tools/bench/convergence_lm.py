@@ -494,7 +494,7 @@ def _suffix(args):
 
 
 def launch(args, framework, s, out_dir):
-    from pipe_horovod.tools.commands.convergence import _env, run_files
+    from pipe_horovod.tools.launch import run_files, worker_env
     from pipe_horovod.tools.emulate import read_progress
 
     raw_path, progress_path, log_path = run_files(out_dir,
@@ -517,7 +517,7 @@ def launch(args, framework, s, out_dir):
         log.write(f"$ {shlex.join(cmd)}\n".encode())
         log.flush()
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
+                                stderr=subprocess.STDOUT, env=worker_env(), cwd=REPO)
         while proc.poll() is None:
             time.sleep(1.0)
             state = read_progress(progress_path)

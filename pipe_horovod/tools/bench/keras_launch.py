@@ -21,14 +21,11 @@ import time
 from . import keras_report, mwms_worker
 from . import worker as bench_worker
 from pipe_horovod.tools.emulate import read_progress, tail_file
+from pipe_horovod.tools.launch import UsageError, horovodrun, worker_env
 
 DEFAULT_CONFIGS = ["ours-k1", "ours-k2", "compute", "allreduce", mwms_worker.NAME]
 _OURS = ("compute", "allreduce")
 _POLL = 0.5
-
-
-class UsageError(Exception):
-    pass
 
 
 def add_arguments(parser):
@@ -129,9 +126,7 @@ def _argv(args, job, rnd, raw, progress):
 
 
 def _base_env(args):
-    from pipe_horovod.tools.commands import bench as bench_cmd
-
-    return bench_cmd._env(args, args.engine)
+    return worker_env(args.threads, args.engine)
 
 
 class _Bar:
@@ -191,9 +186,8 @@ def _run_local(args, job, argv, env, log_prefix, bar, deadline):
                  "PIPE_HOROVOD_ENGINE": "torch"} for r in range(n)]
         cmds = [argv] * n
     else:
-        from pipe_horovod.tools.commands import bench as bench_cmd
         envs = [env]
-        cmds = [[bench_cmd._horovodrun(), "-np", str(n), "-H", f"localhost:{n}", "--gloo",
+        cmds = [[horovodrun(), "-np", str(n), "-H", f"localhost:{n}", "--gloo",
                  *argv]]
     procs, logs = [], []
     for r, (cmd, e) in enumerate(zip(cmds, envs)):
@@ -298,11 +292,13 @@ def run(args):
         if not os.path.exists(raw_path):
             return _error(f"--report-only: {raw_path} does not exist; run the benchmark first")
         return _report(raw_path, out, args.name)
-    from pipe_horovod.tools.commands import bench as bench_cmd
+    from pipe_horovod.tools import launch
+    from pipe_horovod.tools.bench import models
+
     try:
         check(args, configs)
-        bench_cmd._check(args)            # --emulate, root, the engine's packages
-    except (UsageError, bench_cmd.UsageError) as exc:
+        launch.check(args, models.check_compute)   # --emulate, root, the engine's packages
+    except UsageError as exc:
         return _error(str(exc))
     os.makedirs(out, exist_ok=True)
     logs = os.path.join(out, f"{args.name}-logs")

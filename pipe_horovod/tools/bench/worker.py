@@ -61,7 +61,7 @@ from pipe_horovod.tools.bench import convergence_tasks, models
 from pipe_horovod.tools.bench.models import (MLP_CLASSES, MLP_IN, build_model,  # noqa: F401
                                        mlp_width, model_numel, synthetic_batch)
 from pipe_horovod.collectives.group import free_port, start_beside  # noqa: F401 -- free_port: launchers import it from here
-from pipe_horovod.tools.commands.model import _number
+from pipe_horovod.tools.validators import number, positive
 
 DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16",
                    "compute", "contention", "allreduce"]
@@ -660,18 +660,6 @@ def run_benchmark(args):
 
 # ------------------------------------------------------------------- command line
 
-def _positive(kind):
-    def convert(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-        return value
-    return convert
-
-
 def _configs(text):
     try:
         return parse_configs(text)
@@ -693,42 +681,42 @@ def add_model_arguments(parser):
                              "uses no CPU, gradients of the real sizes appear at their "
                              "layer's time, as on an accelerator "
                              "(pipe_horovod.tools.workloads.replay)")
-    parser.add_argument("--device-tflops", type=_positive(float), default=None, metavar="T",
+    parser.add_argument("--device-tflops", type=positive(float), default=None, metavar="T",
                         help="replay: the device's throughput; forward = layer FLOPs / T, "
                              "backward = 2 x forward")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="replay: measured per-layer times (JSON, format in "
                              "pipe_horovod.tools.workloads.replay) instead of --device-tflops")
-    parser.add_argument("--seq-len", type=_positive(int), default=128,
+    parser.add_argument("--seq-len", type=positive(int), default=128,
                         help="bert-base: tokens per sample (default 128)")
-    parser.add_argument("--horovod-fusion-mb", type=_number(0, what="fusion threshold"),
+    parser.add_argument("--horovod-fusion-mb", type=number(0, what="fusion threshold"),
                         default=None, metavar="MB",
                         help="HOROVOD_FUSION_THRESHOLD for the horovod configurations, MiB "
                              "(default: Horovod's own)")
-    parser.add_argument("--horovod-cycle-ms", type=_positive(float), default=None, metavar="MS",
+    parser.add_argument("--horovod-cycle-ms", type=positive(float), default=None, metavar="MS",
                         help="HOROVOD_CYCLE_TIME, ms (default: Horovod's own)")
-    parser.add_argument("--model-mb", type=_positive(float), default=50.0,
+    parser.add_argument("--model-mb", type=positive(float), default=50.0,
                         help="model size in MB of float32 parameters (default 50)")
     parser.add_argument("--layers", type=int, default=5, choices=range(2, 33), metavar="N",
                         help="Linear layers of the MLP (default 5)")
-    parser.add_argument("--batch-size", type=_positive(int), default=32,
+    parser.add_argument("--batch-size", type=positive(int), default=32,
                         help="samples per worker per step (default 32)")
-    parser.add_argument("--steps", type=_positive(int), default=20,
+    parser.add_argument("--steps", type=positive(int), default=20,
                         help="timed steps per configuration per round (default 20)")
     parser.add_argument("--warmup", type=int, default=5, choices=range(0, 10001), metavar="N",
                         help="untimed steps before each timed block (default 5)")
-    parser.add_argument("--rounds", type=_positive(int), default=3,
+    parser.add_argument("--rounds", type=positive(int), default=3,
                         help="rounds of all configurations, interleaved (default 3)")
     parser.add_argument("--configs", type=_configs, nargs="+", default=None,
                         help=f"configurations (default: {' '.join(DEFAULT_CONFIGS)}; the ones "
                              "the engine cannot run are skipped and noted)")
-    parser.add_argument("--bucket-cap-mb", type=_positive(float), default=25.0,
+    parser.add_argument("--bucket-cap-mb", type=positive(float), default=25.0,
                         help="bucket size of ours and DDP (default 25)")
     parser.add_argument("--fit", action="store_true",
                         help="also sweep allreduce sizes 1 KB..--fit-max-mb for planner.fit")
-    parser.add_argument("--fit-max-mb", type=_positive(float), default=64.0,
+    parser.add_argument("--fit-max-mb", type=positive(float), default=64.0,
                         help="largest allreduce of the sweep, MB (default 64)")
-    parser.add_argument("--threads", type=_positive(int), default=1,
+    parser.add_argument("--threads", type=positive(int), default=1,
                         help="torch compute threads per worker (default 1)")
     parser.add_argument("--idle-probe-s", type=float, default=0.5,
                         help="seconds all workers sleep at the start of each round while the "

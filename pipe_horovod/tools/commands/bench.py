@@ -20,30 +20,19 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from pipe_horovod.tools.bench import keras_launch
+from pipe_horovod.tools.bench import keras_launch, models
 from pipe_horovod.tools.bench import worker as bench_worker
 from pipe_horovod.tools.emulate import read_progress, tail_file
+from pipe_horovod.tools.launch import UsageError, check, horovodrun, worker_env
+from pipe_horovod.tools.validators import positive_int
 
-REPO = Path(__file__).resolve().parents[3]
 ENGINES = ("horovod", "torch", "local")
-# Variables that would make a worker join some other job (as in pipe_horovod.tools.emulate).
-_SCRUB = re.compile(r"^(HOROVOD_|OMPI_|PMI_|PMIX_|TORCHELASTIC_)"
-                    r"|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|"
-                    r"GROUP_WORLD_SIZE|ROLE_RANK|ROLE_NAME|ROLE_WORLD_SIZE|MASTER_ADDR|"
-                    r"MASTER_PORT|PIPE_HOROVOD_ENGINE|PIPE_HOROVOD_BENCH_DDP_ADDR|"
-                    r"PIPE_HOROVOD_BENCH_DDP_PORT)$")
 _POLL = 0.5
-
-
-class UsageError(Exception):
-    """Arguments that parse but cannot run together, or a missing prerequisite (exit 2)."""
 
 
 def _rate(text):
@@ -60,22 +49,6 @@ def _rate(text):
     if not value > 0:
         raise argparse.ArgumentTypeError(f"link rate must be > 0, got {text!r}")
     return str(text).strip().lower()
-
-
-def positive_int(what=""):
-    """An argparse type for an integer >= 1; `what` names it in the error."""
-    prefix = f"{what} " if what else ""
-
-    def convert(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{prefix}must be an integer, got {text!r}") \
-                from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{prefix}must be >= 1, got {text!r}")
-        return value
-    return convert
 
 
 _workers = positive_int("workers")
@@ -129,42 +102,6 @@ def add_output_arguments(parser, name):
 def _error(message):
     print(f"pipe-horovod bench: error: {message}", file=sys.stderr)
     return 2
-
-
-def _check(args):
-    """Raises UsageError for combinations argparse cannot express, and missing prerequisites."""
-    if args.engine == "local" and args.workers != 1:
-        raise UsageError(f"--engine local runs one process; use --workers 1 (got {args.workers}) "
-                         "or --engine horovod / torch")
-    if args.emulate:
-        if args.engine == "local":
-            raise UsageError("--emulate needs a distributed engine: --engine horovod or torch")
-        if os.geteuid() != 0:
-            raise UsageError("--emulate needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN for "
-                             "'ip netns' and 'tc'); run as root, or drop --emulate to launch "
-                             "the workers locally over loopback")
-        from pipe_horovod.tools import emulate
-
-        reason = emulate.unavailable_reason()
-        if reason:
-            raise UsageError(f"--emulate is not possible here: {reason}")
-    from pipe_horovod.tools.bench import models
-
-    problem = models.check_compute(args) if "compute" in args else None   # bench-collectives: none
-    if problem:
-        raise UsageError(problem)
-    from pipe_horovod.engine import missing_package
-
-    problem = missing_package(args.engine)
-    if problem:
-        raise UsageError(problem + ("; or use --engine torch" if args.engine == "horovod" else ""))
-    if args.engine == "horovod" and not args.emulate and _horovodrun() is None:
-        raise UsageError("horovodrun was not found next to this Python or on PATH")
-
-
-def _horovodrun():
-    local = Path(sys.executable).parent / "horovodrun"
-    return str(local) if local.exists() else shutil.which("horovodrun")
 
 
 def command_line(args):
@@ -224,16 +161,6 @@ def _worker_argv(args, raw, progress):
     return argv
 
 
-def _env(args, engine):
-    env = {k: v for k, v in os.environ.items() if not _SCRUB.search(k)}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
-    env["PYTHONUNBUFFERED"] = "1"
-    if engine == "local":
-        env["PIPE_HOROVOD_ENGINE"] = "local"
-    return env
-
-
 def _needs_ddp_group(args):
     """Horovod workers run ddp over a torch.distributed group of their own."""
     return args.engine == "horovod" and "ddp" in getattr(args, "configs", ())
@@ -251,7 +178,7 @@ def _local_command(args, worker, module=WORKER):
     module = ["-m", module, *worker]
     if args.engine == "horovod":
         n = args.workers
-        return [_horovodrun(), "-np", str(n), "-H", f"localhost:{n}", "--gloo", py, *module]
+        return [horovodrun(), "-np", str(n), "-H", f"localhost:{n}", "--gloo", py, *module]
     if args.engine == "torch":
         return [py, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node", str(args.workers), *module]
@@ -312,7 +239,7 @@ def wait_group(proc, bar, deadline):
 def run_local(args, worker, log_path, bar, module=WORKER):
     """Runs `module` with argv `worker` on args.workers local workers; raises RuntimeError."""
     cmd = _local_command(args, worker, module)
-    env = _env(args, args.engine)
+    env = worker_env(args.threads, args.engine)
     if _needs_ddp_group(args):          # horovodrun on this host: every worker reaches loopback
         env.update(_ddp_env("127.0.0.1", bench_worker.free_port("127.0.0.1")))
     with open(log_path, "wb") as log:
@@ -334,7 +261,7 @@ def run_emulated(args, worker, log_dir, bar, module=WORKER):
     from pipe_horovod.tools import emulate
 
     argv = [sys.executable, "-m", module, *worker]
-    env = {k: v for k, v in _env(args, args.engine).items()
+    env = {k: v for k, v in worker_env(args.threads, args.engine).items()
            if k in ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     # bench-collectives' --topology; `pipe-horovod bench` always runs on the star
     topology = getattr(args, "topology", "star")
@@ -419,7 +346,7 @@ def run(args):
         print("wrote " + ", ".join(paths.values()))
         return 0
     try:
-        _check(args)
+        check(args, models.check_compute)
     except UsageError as exc:
         return _error(str(exc))
     failed = run_workers(args, out, lambda progress: _worker_argv(args, raw, progress),

@@ -19,6 +19,8 @@ import sys
 from pipe_horovod.tools.emulate import network as emulate_network
 from pipe_horovod.tools.bench import collectives_worker
 from pipe_horovod.tools.commands import bench
+from pipe_horovod.tools.launch import UsageError, check
+from pipe_horovod.tools.validators import positive_int
 
 # 4 KB, 16 KB, ... 64 MB
 DEFAULT_SIZES = [4 * 2**10 * 4**i for i in range(8)]
@@ -46,7 +48,7 @@ def add_arguments(parser):
                         help="with --emulate: star (every worker's link to one switch) or chain "
                              "(worker i linked to i-1 and i+1 only, the ones between forwarding; "
                              "what linear pipelining was designed for) (default star)")
-    parser.add_argument("--workers", type=bench.positive_int("workers"), default=2,
+    parser.add_argument("--workers", type=positive_int("workers"), default=2,
                         help="worker processes (default 2)")
     parser.add_argument("--engine", choices=("torch", "horovod"), default="torch",
                         help="engine whose own allreduce is the baseline (and whose launcher "
@@ -103,8 +105,8 @@ def run(args):
             return _error(f"--topology {args.topology} needs --emulate (a local launch "
                           "runs over loopback)")
         try:
-            bench._check(args)
-        except bench.UsageError as exc:
+            check(args)
+        except UsageError as exc:
             return _error(str(exc))
         failed = bench.run_workers(args, out, lambda progress: _worker_argv(args, raw, progress),
                                    command_line(args), WORKER, "bench-collectives")

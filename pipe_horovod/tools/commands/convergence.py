@@ -29,18 +29,13 @@ import shlex
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from pipe_horovod.tools.bench import convergence_tasks as tasks_mod
 from pipe_horovod.tools.bench import convergence_worker as cw
 from pipe_horovod.tools.commands.bench import wait_group
 from pipe_horovod.tools.emulate import read_progress, tail_file
+from pipe_horovod.tools.launch import REPO, horovodrun, run_files, worker_env
 
-REPO = Path(__file__).resolve().parents[3]
-_SCRUB = re.compile(r"^(HOROVOD_|OMPI_|PMI_|PMIX_|TORCHELASTIC_)"
-                    r"|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|"
-                    r"GROUP_WORLD_SIZE|ROLE_RANK|ROLE_NAME|ROLE_WORLD_SIZE|MASTER_ADDR|"
-                    r"MASTER_PORT|PIPE_HOROVOD_ENGINE|PIPE_HOROVOD_PIPELINE_DEPTH)$")
 _POLL = 0.5
 
 
@@ -63,7 +58,8 @@ def _tasks(text):
 
 
 def add_arguments(parser):
-    from pipe_horovod.tools.commands.bench import _rate, _timeout, positive_int
+    from pipe_horovod.tools.commands.bench import _rate, _timeout
+    from pipe_horovod.tools.validators import positive_int
 
     _positive_int = positive_int()
 
@@ -135,26 +131,11 @@ def command_line(args):
     return shlex.join(parts)
 
 
-def _env():
-    env = {k: v for k, v in os.environ.items() if not _SCRUB.search(k)}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def _horovodrun():
-    import shutil
-
-    local = Path(sys.executable).parent / "horovodrun"
-    return str(local) if local.exists() else shutil.which("horovodrun")
-
-
 def launch_command(args, worker_argv):
     module = ["-m", "pipe_horovod.tools.bench.convergence_worker", *worker_argv]
     if args.engine == "horovod":
         n = args.workers
-        return [_horovodrun(), "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable,
+        return [horovodrun(), "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable,
                 *module]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc_per_node", str(args.workers), *module]
@@ -199,17 +180,6 @@ class Progress:
             self.bar.close()
 
 
-def run_files(out, stem):
-    """A launch's raw result, progress and log paths under `out`; a previous launch's result
-    and progress are removed, so a launch that writes none cannot pass for one that did."""
-    raw_path = os.path.join(out, f"{stem}-raw.json")
-    progress_path = os.path.join(out, f"{stem}-progress.json")
-    for stale in (raw_path, progress_path):
-        if os.path.exists(stale):
-            os.remove(stale)
-    return raw_path, progress_path, os.path.join(out, f"{stem}.log")
-
-
 def run_task(args, task, out, command):
     """Train every config x seed of one task; returns the raw result (with launch info)."""
     raw_path, progress_path, log_path = run_files(out, f"{args.name}-{task.name}")
@@ -225,7 +195,7 @@ def run_task(args, task, out, command):
         log.write(f"$ {shlex.join(cmd)}\n".encode())
         log.flush()
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, env=_env(), cwd=REPO,
+                                stderr=subprocess.STDOUT, env=worker_env(), cwd=REPO,
                                 start_new_session=True)
     deadline = time.monotonic() + args.timeout
     try:
@@ -269,7 +239,7 @@ def bench_models(args, tasks, out):
         print(f"timing {model} on the emulated cluster: {shlex.join(cmd)}", file=sys.stderr,
               flush=True)
         res = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
-                             env=_env(), cwd=REPO)
+                             env=worker_env(), cwd=REPO)
         if res.returncode != 0:
             raise RuntimeError(f"pipe-horovod bench for {model} failed (exit "
                                f"{res.returncode}):\n{res.stdout[-3000:]}")
@@ -312,7 +282,7 @@ def run(args):
             reason = emulate.unavailable_reason()
             if reason:
                 return _error(f"--emulate is not possible here: {reason}")
-        if args.engine == "horovod" and _horovodrun() is None:
+        if args.engine == "horovod" and horovodrun() is None:
             return _error("--engine horovod: horovodrun was not found next to this Python "
                           "or on PATH; use --engine torch")
         missing = cw.unsupported(args.configs)

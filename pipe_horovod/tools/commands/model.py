@@ -5,38 +5,10 @@ their cluster from four numbers: workers, bandwidth, latency, model size and
 compute time. All arithmetic lives in pipe_horovod.tools.planner; this module only
 parses, formats and plots.
 """
-import argparse
 import re
 
 from pipe_horovod.tools import planner
-
-
-def _checked(convert):
-    """Turn a converter's ValueError into ArgumentTypeError so argparse exits
-    with status 2 and the converter's own message, never a traceback."""
-    def wrapper(text):
-        try:
-            return convert(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    wrapper.__name__ = convert.__name__
-    return wrapper
-
-
-def _number(low, high=None, kind=float, what="value", strict=False):
-    def convert(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise ValueError(f"{what} must be {'an integer' if kind is int else 'a number'}, got {text!r}") from None
-        if value < low or (strict and value == low) or (high is not None and value > high) or value != value:
-            bounds = f"> {low}" if strict else f">= {low}"
-            if high is not None:
-                bounds += f" and <= {high}"
-            raise ValueError(f"{what} must be {bounds}, got {text!r}")
-        return value
-    convert.__name__ = what
-    return _checked(convert)
+from pipe_horovod.tools.validators import checked, number
 
 
 def add_cluster_arguments(parser):
@@ -46,32 +18,32 @@ def add_cluster_arguments(parser):
     # value lets the converter say "must not be negative" instead. (A private
     # attribute: if a future argparse drops it, only that message degrades.)
     parser._negative_number_matcher = re.compile(r"^-\.?\d")
-    parser.add_argument("--workers", type=_number(1, kind=int, what="workers"), required=True,
+    parser.add_argument("--workers", type=number(1, kind=int, what="workers"), required=True,
                         help="number of workers (p)")
-    parser.add_argument("--bandwidth", type=_checked(planner.parse_bandwidth), required=True,
+    parser.add_argument("--bandwidth", type=checked(planner.parse_bandwidth), required=True,
                         help="per-link bandwidth, e.g. 10gbit, 1.25GB/s")
-    parser.add_argument("--latency", type=_checked(planner.parse_latency), default=planner.parse_latency("20us"),
+    parser.add_argument("--latency", type=checked(planner.parse_latency), default=planner.parse_latency("20us"),
                         help="per-message latency, e.g. 20us, 0.1ms (default 20us)")
 
 
 def add_arguments(parser):
     add_cluster_arguments(parser)
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--model-mb", type=_number(0, what="model size in MB", strict=True),
+    size.add_argument("--model-mb", type=number(0, what="model size in MB", strict=True),
                       help="gradient size in MB (10^6 bytes)")
-    size.add_argument("--model-size", type=_checked(planner.parse_size), help="gradient size with unit, e.g. 233MB")
-    parser.add_argument("--compute-ms", type=_number(0, what="compute time"), required=True,
+    size.add_argument("--model-size", type=checked(planner.parse_size), help="gradient size with unit, e.g. 233MB")
+    parser.add_argument("--compute-ms", type=number(0, what="compute time"), required=True,
                         help="forward + backward time per step on one worker, ms")
-    parser.add_argument("--update-ms", type=_number(0, what="update time"), default=0.0,
+    parser.add_argument("--update-ms", type=number(0, what="update time"), default=0.0,
                         help="optimizer update time per step, ms (default 0)")
     parser.add_argument("--algorithm", choices=sorted(planner.ALLREDUCE), default="ring",
                         help="allreduce algorithm: ring, lp (linear pipeline), mst (binomial tree), "
                              "be (bidirectional exchange) (default ring)")
-    parser.add_argument("--pipeline-depth", type=_number(2, kind=int, what="pipeline depth"), default=2,
+    parser.add_argument("--pipeline-depth", type=number(2, kind=int, what="pipeline depth"), default=2,
                         help="K for the pipelined rows (default 2)")
-    parser.add_argument("--overlap", type=_number(0, 1, what="overlap"), default=0.0,
+    parser.add_argument("--overlap", type=number(0, 1, what="overlap"), default=0.0,
                         help="fraction of communication that sync hides behind backward (default 0)")
-    parser.add_argument("--codec-ns-per-byte", type=_number(0, what="codec cost"), default=None,
+    parser.add_argument("--codec-ns-per-byte", type=number(0, what="codec cost"), default=None,
                         help="encode+decode cost per gradient byte for every compression "
                              "(default: CPU figures in pipe_horovod.tools.planner; use 0 for GPU)")
     parser.add_argument("--plot", metavar="PNG", help="also plot speedup over bandwidth and over workers")

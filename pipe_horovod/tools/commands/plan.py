@@ -12,7 +12,8 @@ import dataclasses
 import math
 
 from pipe_horovod.tools import planner
-from pipe_horovod.tools.commands.model import _checked, _number, add_cluster_arguments
+from pipe_horovod.tools.commands.model import add_cluster_arguments
+from pipe_horovod.tools.validators import checked, number
 
 FP32 = 4  # bytes per gradient element
 
@@ -25,14 +26,14 @@ def _model(text):
 
 
 def add_arguments(parser):
-    parser.add_argument("--model", type=_checked(_model), required=True,
+    parser.add_argument("--model", type=checked(_model), required=True,
                         help="resnet50, vgg16, bert-base (sequence 128), or the bench's mlp / cnn")
-    parser.add_argument("--batch-size", type=_number(1, kind=int, what="batch size"), required=True,
+    parser.add_argument("--batch-size", type=number(1, kind=int, what="batch size"), required=True,
                         help="samples per worker per step")
-    parser.add_argument("--device-tflops", type=_number(0, what="device throughput", strict=True),
+    parser.add_argument("--device-tflops", type=number(0, what="device throughput", strict=True),
                         required=True, help="sustained TFLOP/s of one worker's accelerator")
     add_cluster_arguments(parser)
-    parser.add_argument("--bucket-cap-mb", type=_number(0, what="bucket cap", strict=True), default=25.0,
+    parser.add_argument("--bucket-cap-mb", type=number(0, what="bucket cap", strict=True), default=25.0,
                         help="bucket cap of ours and DDP in MiB, as their bucket_cap_mb (default 25)")
     parser.add_argument("--plot", metavar="PNG", help="also draw the table as a bar chart")
 
