@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pipe_horovod"
 RUNTIME = ("engine", "pipeline", "compression", "collectives", "torch", "keras")
@@ -149,9 +148,6 @@ def test_no_import_cycle_between_subpackages():
     assert cycle is None, "import cycle between subpackages: " + " -> ".join(cycle)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 1: bench/keras_launch.py and the "
-                   "workers import commands/ (launch helpers, validators), and "
-                   "workloads/architectures.py imports bench/models.py: not broken yet")
 def test_no_import_cycle_between_tooling_subpackages():
     graph, modules = _graph()
     in_tools = lambda m: m.startswith(TOOLS + ".")  # noqa: E731

@@ -12,52 +12,21 @@ import math
 
 from pipe_horovod.tools.bench import convergence_tasks
 from pipe_horovod.tools.workloads import architectures
+from pipe_horovod.tools.workloads.synthetic import (CNN_CLASSES, MLP_CLASSES, MLP_IN,  # noqa: F401
+                                                  build_synthetic, mlp_width)
 
-MLP_IN, MLP_CLASSES = 1024, 1000
-CNN_CLASSES = 10
 COMPUTE_MODES = ("cpu", "replay")
 # Real architectures that only replay (their CPU step would take minutes on these cores).
 REPLAY_ONLY = tuple(m for m in architectures.MODELS if m not in ("mlp", "cnn"))
 MODEL_CHOICES = ("mlp", "cnn", *REPLAY_ONLY, *convergence_tasks.MODEL_NAMES)
 
 
-def mlp_width(model_bytes, layers, in_features=MLP_IN, classes=MLP_CLASSES):
-    """Hidden width H so an MLP of `layers` Linear layers holds ~model_bytes of float32."""
-    if layers < 2:
-        raise ValueError("an MLP needs at least 2 layers")
-    # params = in*H + H + (layers-2)*(H*H + H) + H*classes + classes
-    a = layers - 2
-    b = in_features + classes + (layers - 1)
-    c = classes - model_bytes / 4
-    width = -c / b if a == 0 else (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
-    return max(8, int(round(width)))
-
-
 def build_model(kind, model_mb, layers=5):
     """The benchmark model and one synthetic batch shape: ('mlp'|'cnn', MB of float32)."""
-    import torch.nn as nn
-
-    model_bytes = model_mb * 1e6
     if kind in convergence_tasks.MODEL_NAMES:     # a model of `pipe-horovod convergence`
         return convergence_tasks.bench_model(kind)
-    if kind == "mlp":
-        width = mlp_width(model_bytes, layers)
-        mods = [nn.Linear(MLP_IN, width), nn.ReLU()]
-        for _ in range(layers - 2):
-            mods += [nn.Linear(width, width), nn.ReLU()]
-        mods.append(nn.Linear(width, MLP_CLASSES))
-        return nn.Sequential(*mods), (MLP_IN,), MLP_CLASSES
-    if kind == "cnn":
-        trunk = [nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                 nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                 nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()]
-        trunk_params = sum(p.numel() for m in trunk for p in m.parameters())
-        feat = 128 * 4 * 4
-        # The classifier head carries the rest of the requested size, like VGG's FC layers.
-        width = max(16, int((model_bytes / 4 - trunk_params - CNN_CLASSES)
-                            / (feat + 1 + CNN_CLASSES)))
-        head = [nn.Linear(feat, width), nn.ReLU(), nn.Linear(width, CNN_CLASSES)]
-        return nn.Sequential(*trunk, *head), (3, 32, 32), CNN_CLASSES
+    if kind in ("mlp", "cnn"):
+        return build_synthetic(kind, model_mb, layers)
     if kind in REPLAY_ONLY:
         raise ValueError(f"model {kind!r} runs only with replayed compute "
                          "(--compute replay --device-tflops T)")

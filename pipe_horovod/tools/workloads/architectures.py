@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipe_horovod.tools.workloads import networks
+from pipe_horovod.tools.workloads import networks, synthetic
 
 MODELS = ("resnet50", "vgg16", "bert-base", "mlp", "cnn")
 DEFAULT_SEQ_LEN = 128
@@ -56,7 +56,7 @@ def check_model(model):
 
 def meta_model(model, batch_size, *, seq_len=DEFAULT_SEQ_LEN, model_mb=50.0, layers=5):
     """(module, one input batch), both on the meta device. model_mb and layers size the
-    bench's synthetic mlp / cnn (pipe_horovod.tools.bench.models.build_model); seq_len is BERT's."""
+    bench's synthetic mlp / cnn (synthetic.build_synthetic); seq_len is BERT's."""
     check_model(model)
     _check_positive_int(batch_size, "batch_size")
     with torch.device("meta"):
@@ -72,9 +72,7 @@ def meta_model(model, batch_size, *, seq_len=DEFAULT_SEQ_LEN, model_mb=50.0, lay
                                  f"got {seq_len}")
             return (networks.BertBase(),
                     torch.zeros(batch_size, seq_len, dtype=torch.long))
-        from pipe_horovod.tools.bench.models import build_model
-
-        module, shape, _ = build_model(model, model_mb, layers)
+        module, shape, _ = synthetic.build_synthetic(model, model_mb, layers)
         return module, torch.empty(batch_size, *shape)
 
 
