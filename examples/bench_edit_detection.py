@@ -1,5 +1,5 @@
 """A/B: the .grad edit detection of issue 31 (torch/edits.py) on vs off, K=2, a many-parameter
-model. Run: torchrun --nproc_per_node 2 examples/bench_edit_detection.py (docs/benchmarks.md)."""
+model. Run: torchrun --nproc_per_node 2 examples/bench_edit_detection.py (docs/bench/log.md)."""
 import time, statistics, torch, torch.nn as nn, torch.nn.functional as F
 import pipe_horovod.torch as hvd
 from pipe_horovod.torch import edits

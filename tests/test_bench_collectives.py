@@ -2,7 +2,7 @@
 --unmatched: plain torch.distributed all_reduce beside the engine's); busbw math.
 
 No speed assertions (shared 2-core machines): the run is on loopback, two
-sizes, one repetition; the emulated-cluster figures live in docs/benchmarks.md.
+sizes, one repetition; the emulated-cluster figures live in docs/bench/log.md.
 """
 import json
 import os

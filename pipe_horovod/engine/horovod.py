@@ -129,7 +129,7 @@ class HorovodEngine(Engine):
         # flight (K >= 2) a later step's large bucket then goes ahead of the earlier step's
         # last buckets, and the step waiting on those waits for both: VGG-16 replayed at
         # K=2 took alternately 3.5 s and 7 s a step, 8% over the link's bound; with the
-        # cache off, steady steps (docs/benchmarks.md, "Replay compute"). Off unless the
+        # cache off, steady steps (docs/bench/log.md, "Replay compute"). Off unless the
         # user set a capacity; it only saves negotiation, which is small beside a bucket.
         os.environ.setdefault("HOROVOD_CACHE_CAPACITY", "0")
         hvd.init(comm, process_sets=list(self._made_by_init.values()))

@@ -6,7 +6,7 @@ This adds what issue 9 asks of the Keras benchmark: each row against
 tf-keras + MultiWorkerMirroredStrategy and against our K=1, the three
 targets, and the per-step time breakdown of our TensorFlow path.
 
-Definitions (as docs/benchmarks.md for PyTorch): comm = the allreduce of a
+Definitions (as docs/bench/log.md for PyTorch): comm = the allreduce of a
 model-sized float32 buffer alone; compute = the plain Keras step (no
 communication); ideal pipelined step = max(compute, comm); the ideal
 pipelining ratio = (compute + comm) / max(compute, comm), what Pipe-SGD

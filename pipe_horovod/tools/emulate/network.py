@@ -243,7 +243,7 @@ class Topology:
         for free, and any message under ~250 KB crossed a 1gbit link in no time. The
         peak bucket drains at 1.02x the rate and holds one GSO super-packet, so after
         an idle moment at most PEAK_BUCKET bytes go early, as on a wire that cannot
-        bank time (docs/benchmarks.md, "A link that cannot bank idle time")."""
+        bank time (docs/bench/log.md, "A link that cannot bank idle time")."""
         rate = _rate_bytes(self.rate)
         burst = max(int(rate * 0.002), 64 * 1024)
         _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
