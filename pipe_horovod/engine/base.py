@@ -395,6 +395,20 @@ class Engine:
     def in_flight(self):
         return len(self._in_flight)
 
+    def settle_in_flight(self):
+        """Wait for every operation still in flight, forgetting those that fail.
+
+        Why: an elastic reset (pipe_horovod.torch.elastic) follows a failed
+        collective. On the rank that failed, its peers are still running and
+        complete these operations; on a rank whose peer reset, they fail at
+        once. Either way none is left for a shutdown to wait for.
+        """
+        for handle in list(self._in_flight.values()):
+            try:
+                self.wait(handle)
+            except Exception:        # a failed collective: nothing left to complete
+                pass
+
     def _wait_for(self, poll, what, matched=lambda: False):
         """True once `poll()` is, False past `timeout_s`; a wait that lasts STATUS_AFTER_S
         is inspected as a stall (stall.py), which may raise StepMismatchError."""

@@ -52,10 +52,22 @@ class _KerasUpdate(torch.optim.Optimizer):
         finally:
             setattr(self._keras, self._attribute, saved)
 
+    def pipe_horovod_state_restored(self):
+        """A context manager: torch/lookahead.py's `stepped` calls it in place of saving
+        `optimizer.state`, which is empty here (the state is in Keras variables).
+
+        Returns:
+            A context manager that saves the Keras optimizer's variables and puts them
+            back on exit, around the steps the prediction runs.
+        """
+        # Delegates so that code patching the implementation on the class (the
+        # convergence bench's predict_unclipped) keeps working.
+        return self._pipe_horovod_state_restored()
+
     @contextlib.contextmanager
     def _pipe_horovod_state_restored(self):
-        """torch/lookahead.py's `stepped`, for state kept in Keras variables: saved in
-        temporaries while the prediction's update runs, put back afterwards."""
+        """pipe_horovod_state_restored's work: saved in temporaries while the
+        prediction's update runs, put back afterwards."""
         variables = self._keras.variables
         saved = [v.value.clone() for v in variables]
         try:
@@ -77,11 +89,11 @@ class TorchPath:
                 optimizer._base_apply([p.grad for p in params], variables)
 
         self.params = params
-        # The Keras wrapper has told the user the depth already.
-        torch_optimizer._announced.add((options["pipeline_depth"], options["warmup_steps"],
-                                        "pipeline_depth argument"))
         stand_in = _KerasUpdate(params, optimizer, update, options["staleness_compensation"])
-        self.torch_optimizer = torch_optimizer.DistributedOptimizer(
+        # Not DistributedOptimizer: the Keras wrapper has told the user the depth already,
+        # and its _join compares the ranks at the first gradient (this may be built on one
+        # rank alone, inside load_model).
+        self.torch_optimizer = torch_optimizer.wrap_for_adapter(
             stand_in, named_parameters=list(zip(self.names, params)),
             compression=options["compression"], op=options["op"],
             gradient_predivide_factor=options["gradient_predivide_factor"],
@@ -89,16 +101,12 @@ class TorchPath:
             warmup_steps=options["warmup_steps"], bucket_cap_mb=options["bucket_cap_mb"],
             groups=options["groups"],
             staleness_compensation=options["staleness_compensation"],
-            collective=options["collective"], _join_ranks=optimizer._join)
+            collective=options["collective"], join_ranks=optimizer._join)
 
     def apply(self, grads, variables):
         opt = self.torch_optimizer
         opt.follow_keras()
-        if not opt._between_backward_and_step():
-            # Built after this backward (no hooks then): hand the gradients over now.
-            for p in reversed(self.params):
-                if p.grad is not None:
-                    opt._on_grad_ready(p)
+        opt.collect_gradients()      # built after this backward (no hooks then): hand them over
         opt.step()
 
     @property
@@ -106,14 +114,14 @@ class TorchPath:
         return self.torch_optimizer.timings
 
     def put_real_back(self):
-        self.torch_optimizer._restore_real()
+        self.torch_optimizer.restore_real_weights()
 
     def flush(self):
         self.torch_optimizer.follow_keras()
         self.torch_optimizer.flush()
 
     def in_flight(self):
-        return len(self.torch_optimizer._fifo)
+        return self.torch_optimizer.gradients_in_flight()
 
     def state(self):
         pipe = self.torch_optimizer.state_dict()["pipe_horovod"]

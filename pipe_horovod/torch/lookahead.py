@@ -295,8 +295,9 @@ def stepped(optimizer, steps, run_step):
 
     A wrapped optimizer whose state lives outside `optimizer.state` (the Keras adapter's
     stand-in: Keras variables) does this itself, in a context manager method
-    `_pipe_horovod_state_restored()`."""
-    own = getattr(optimizer, "_pipe_horovod_state_restored", None)
+    `pipe_horovod_state_restored()`: the one method pipe_horovod looks for on a torch
+    optimizer, named so it cannot clash with torch's or a user's own."""
+    own = getattr(optimizer, "pipe_horovod_state_restored", None)
     if own is not None:
         with own():
             _run(optimizer, steps, run_step)

@@ -197,10 +197,9 @@ class _PipelinedOptimizer(_Compensation):
         if not self._hooks_fired:                # this step's first gradient
             self._first_gradient()
         self._hooks_fired = True
-        if self._sync_at_end and not self._end_queued and \
-                torch._C._current_graph_task_id() != -1:
+        if self._sync_at_end and not self._end_queued and _in_backward():
             self._end_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(_weak_end(self))
+            _queue_after_backward(_weak_end(self))
         self._passes[param] += 1
         if not self._order_agreed:
             self._observed.setdefault(param)
@@ -610,8 +609,45 @@ class _PipelinedOptimizer(_Compensation):
         self._sparse = dict(pipe.get("sparse", {}))
         self._plan(pipe["bucket_order"])
 
-    # --- elastic training (pipe_horovod.torch.elastic) ----------------------
-    def _drop_in_flight(self):
+    # --- for the Keras torch backend (pipe_horovod/keras/torch_path.py) -------
+    # It drives this optimizer from Keras's train step rather than from a user's
+    # torch loop; these are the few things it needs beyond step() and flush().
+    def collect_gradients(self):
+        """Hand this step's `.grad` tensors to the pipeline if no hook has yet.
+
+        Why: each parameter's post-accumulate-grad hook hands its gradient over
+        during backward. An optimizer built after this step's backward (Keras
+        builds it in its first apply(), after the first backward) had no hooks
+        then, so its first step() would find no gradient. Call it right before
+        step(); it does nothing once a hook has fired (or backward left its
+        average in `.grad`), so calling it every step is safe.
+        """
+        if self._between_backward_and_step():
+            return
+        for p in reversed(self._params):         # the order backward produces them in
+            if p.grad is not None:
+                self._on_grad_ready(p)
+
+    def restore_real_weights(self):
+        """Put the real weights back in the parameters where they hold a prediction.
+
+        Why: with staleness_compensation="lookahead" or "predict" the parameters
+        hold predicted weights from step() to the next backward. A caller that
+        reads or saves the weights outside that cycle (Keras's evaluate, predict
+        and save) calls this first, so it sees the weights training updates. The
+        prediction still due is dropped; the next step() makes a new one.
+        """
+        self._restore_real()
+
+    def gradients_in_flight(self):
+        """Returns: the number of averaged gradients computed and not applied yet
+        (at most pipeline_depth - 1; flush() applies them)."""
+        return len(self._machine.fifo)
+
+    # --- for elastic training (pipe_horovod.torch.elastic) ----------------------
+    # Elastic's state handlers call these on a pipelined optimizer around a failure
+    # and an engine reset (is_distributed() tells which optimizers are).
+    def drop_in_flight(self):
         """Forget, without waiting, every gradient in flight and this step's progress.
 
         For an elastic restore after a failed collective: those reductions will
@@ -628,9 +664,23 @@ class _PipelinedOptimizer(_Compensation):
         for p in self._params:
             p.grad = None
 
-    def _rebind_engine(self):
+    def release_engine(self):
+        """Forget the engine before elastic resets it.
+
+        Why: the engine's shutdown reports gradients in flight as never applied;
+        the committed ones will be applied after the reset, so this optimizer must
+        not be counted there. rebind_engine() attaches it to the next engine.
+        """
+        self._engine = None
+
+    def rebind_engine(self):
         """Attach to the engine running now: after an elastic reset (shutdown and
-        init in this process) it is a new engine, and rank and size may differ."""
+        init in this process) it is a new engine, and rank and size may differ.
+
+        Raises:
+            RuntimeError: the optimizer reduces over a process set, which does not
+                survive the reset.
+        """
         if self._process_set is not None:
             raise RuntimeError("a DistributedOptimizer over a process set cannot follow an "
                                "elastic reset: process sets do not survive it")
@@ -657,6 +707,20 @@ def _weak_end(opt):
         if owner is not None:
             owner._end_of_backward()
     return end
+
+
+# torch (2.13 here) has no public API to ask whether autograd is running a backward
+# pass, nor to queue a callback at its end: torch's own FSDP makes the same two private
+# calls. Both live in these two functions, the only private torch API used here.
+def _in_backward():
+    """True inside a backward pass run by autograd's engine (a hook called from it),
+    False when this process calls a hook's work itself (the Keras torch backend)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _queue_after_backward(callback):
+    """Run `callback` once the running backward pass ends (only inside one)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def _remove_hooks(handles):
@@ -730,7 +794,7 @@ def _report_unapplied():
 def _say_how_lookahead_predicts(optimizer):
     """Warn (once, at wrap time) where the lookahead prediction is not one pass."""
     if lookahead.has_rule(type(optimizer), optimizer.param_groups) or hasattr(
-            optimizer, "_pipe_horovod_state_restored"):     # the Keras stand-in: Keras's own
+            optimizer, "pipe_horovod_state_restored"):     # the Keras stand-in: Keras's own
         return
     flags = sorted({flag for group in optimizer.param_groups
                     for flag in ("fused", "capturable", "differentiable") if group.get(flag)})
@@ -740,7 +804,7 @@ def _say_how_lookahead_predicts(optimizer):
         "(pipe_horovod/torch/lookahead.py knows SGD, Adam and AdamW without fused, capturable "
         "or differentiable): each step() runs its step once more on a temporary copy of its "
         "state (exact, but one more step and transient memory the size of that state); "
-        "staleness_compensation=None turns the prediction off", stacklevel=3)
+        "staleness_compensation=None turns the prediction off", stacklevel=4)
 
 
 def _changed_after_wrapping(name, grad, bucket):
@@ -817,7 +881,7 @@ def _group_names(groups, num_groups, name_of):
     """Horovod's `groups`/`num_groups` as a bucket count or lists of parameter names."""
     if num_groups:
         warnings.warn("num_groups is deprecated (as in Horovod); use groups", DeprecationWarning,
-                      stacklevel=3)
+                      stacklevel=4)
         groups = num_groups if groups is None else groups
     if groups is None or isinstance(groups, bool):
         if isinstance(groups, bool):
@@ -853,7 +917,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=None, *, pipeline_depth=None,
                          warmup_steps=0, bucket_cap_mb=25, grad_scaler=None, collective=None,
-                         staleness_compensation=staleness.DEFAULT, _join_ranks=None):
+                         staleness_compensation=staleness.DEFAULT):
     """Wrap `optimizer` so its gradients are averaged across ranks, pipelined.
 
     The arguments up to `process_set` are Horovod's, in Horovod's order and
@@ -875,6 +939,55 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     Every rank must call this with the same model: differences are detected
     here and raised as ValueError on every rank.
     """
+    return _wrap(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
+                 pipeline_depth=pipeline_depth, warmup_steps=warmup_steps,
+                 bucket_cap_mb=bucket_cap_mb, grad_scaler=grad_scaler, collective=collective,
+                 staleness_compensation=staleness_compensation)
+
+
+def wrap_for_adapter(optimizer, named_parameters, *, join_ranks, **options):
+    """DistributedOptimizer for another pipe_horovod adapter that drives it (Keras on torch).
+
+    Why not DistributedOptimizer itself: the Keras wrapper has checked the
+    options, told the user the depth, and may build this optimizer on one rank
+    alone (inside load_model), where the cross-rank comparison that
+    DistributedOptimizer makes at wrap time would wait forever. Here the
+    depth is not announced again and that comparison (and the communicator's
+    setup) is left to `join_ranks`.
+
+    Args:
+        optimizer, named_parameters, **options: as for DistributedOptimizer
+            (pipeline_depth and warmup_steps given explicitly).
+        join_ranks: called once, at the first gradient of the first step (every
+            rank is there then), before anything is reduced.
+
+    Returns:
+        The wrapped optimizer, as DistributedOptimizer returns it.
+    """
+    # Announced by the caller: recorded as if DistributedOptimizer had (rank 0 logs once).
+    _announced.add((options["pipeline_depth"], options["warmup_steps"],
+                    "pipeline_depth argument"))
+    return _wrap(optimizer, named_parameters, join_ranks=join_ranks, **options)
+
+
+def is_distributed(optimizer):
+    """True if `optimizer` is one DistributedOptimizer returned (pipelined).
+
+    Why: elastic's state handlers take any torch optimizer and treat a
+    pipelined one specially (gradients in flight, the engine it is bound to).
+    """
+    return isinstance(optimizer, _PipelinedOptimizer)
+
+
+def _wrap(optimizer, named_parameters=None, compression=Compression.none,
+          backward_passes_per_step=1, op=engine.Average, gradient_predivide_factor=1.0,
+          num_groups=0, groups=None, sparse_as_dense=False, process_set=None, *,
+          pipeline_depth=None, warmup_steps=0, bucket_cap_mb=25, grad_scaler=None,
+          collective=None, staleness_compensation=staleness.DEFAULT, join_ranks=None):
+    """DistributedOptimizer's work; `join_ranks`: see wrap_for_adapter. Warnings
+    given here name the caller of DistributedOptimizer or wrap_for_adapter (one frame
+    above this one: stacklevel counts it)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
@@ -927,10 +1040,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if process_set is not None and process_set.process_set_id is None:
         raise ValueError(f"{process_set} is not registered: pass it to init(process_sets=[...]) "
                          "or add_process_set() first")
-    # _join_ranks: the Keras adapter's, which may build this on one rank alone (inside
+    # join_ranks: the Keras adapter's, which may build this on one rank alone (inside
     # load_model): it compares its own model and opens the group, called before the
     # first gradient is reduced, when every rank is there.
-    if _join_ranks is None and os.environ.get("HOROVOD_ELASTIC") != "1" and (
+    if join_ranks is None and os.environ.get("HOROVOD_ELASTIC") != "1" and (
             process_set is None or process_set.included()):
         # Not under horovodrun's elastic mode: there a worker that joins wraps its
         # optimizer while the others synchronize state, so a collective here would
@@ -950,8 +1063,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                             warmup_steps, bucket_cap_mb, grad_scaler,
                             float(gradient_predivide_factor), bucket_groups,
                             bool(sparse_as_dense), process_set, compensation, collective)
-    if _join_ranks is not None:
-        wrapped._join_ranks = _join_ranks
+    if join_ranks is not None:
+        wrapped._join_ranks = join_ranks
     elif collective is not None:
         communicator(eng)            # collective: every rank is here, after the comparison
     return wrapped

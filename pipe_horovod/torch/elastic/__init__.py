@@ -123,11 +123,7 @@ def _settle(eng):
     complete) these operations; on a rank whose peer reset, they fail at
     once. Either way none is left for the engine's shutdown to wait for.
     """
-    for handle in list(eng._in_flight.values()):
-        try:
-            eng.wait(handle)
-        except Exception:        # a failed collective: nothing left to complete
-            pass
+    eng.settle_in_flight()
 
 
 __all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]

@@ -32,6 +32,7 @@ import torch
 from ... import engine
 from .. import mpi_ops
 from ..functions import broadcast_optimizer_state, broadcast_parameters
+from ..optimizer import is_distributed
 from .sampler import ElasticSampler
 
 _HOSTS_REMOVED = 1          # Horovod's HostUpdateResult.removed (a flag; added = 2)
@@ -187,9 +188,8 @@ class OptimizerStateHandler(StateHandler):
         return copy.deepcopy(self.value.state_dict())
 
     def restore(self):
-        drop = getattr(self.value, "_drop_in_flight", None)
-        if drop is not None:
-            drop()
+        if is_distributed(self.value):
+            self.value.drop_in_flight()
         # A copy: load_state_dict keeps tensors it is given (momentum buffers, the
         # gradients in flight), and training would then change the commit in place.
         self.value.load_state_dict(copy.deepcopy(self.saved))
@@ -200,13 +200,12 @@ class OptimizerStateHandler(StateHandler):
     def detach(self):
         # An engine about to be reset must not report the committed gradients in
         # flight as "never applied" at its shutdown: they will be, after the reset.
-        if hasattr(self.value, "_rebind_engine"):
-            self.value._engine = None
+        if is_distributed(self.value):
+            self.value.release_engine()
 
     def reset(self):
-        rebind = getattr(self.value, "_rebind_engine", None)
-        if rebind is not None:
-            rebind()
+        if is_distributed(self.value):
+            self.value.rebind_engine()
 
 
 class SamplerStateHandler(StateHandler):
