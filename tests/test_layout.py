@@ -175,3 +175,174 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("pipe_horovod")))
     assert "pipe_horovod.torch" in loaded
     tooling = [m for m in loaded if _is_tooling(m)]
     assert not tooling, f"import pipe_horovod.torch, pipe_horovod.keras loaded {tooling}"
+
+
+# --- no private name crosses packages (issue 26, item 2) -----------------------------
+# Adapters talk to the shared core, and to each other, through public methods. Read
+# statically, a private name (one leading underscore, not a dunder) crosses packages
+# when a module of one package (its directory: pipe_horovod.torch and
+# pipe_horovod.torch.elastic are two) uses one that only another package defines:
+#   obj._name        an attribute (a method, or `self._name = ...`) of another package's class;
+#   module._name     a module-level name of another package's module (`from ..torch import
+#                    optimizer as o; o._name`), or `from ..torch.optimizer import _name`;
+#   getattr(obj, "_name"), hasattr/setattr/delattr alike;
+#   f(_name=...)     a private keyword of another package's function.
+# A private name that the module's own package defines too is not counted (it may
+# well be its own), and neither is any name pipe_horovod does not define (torch's
+# `tensor._version`, say). Checked for the runtime; the tooling is not yet (it reaches
+# into the Keras adapter's internals for benchmarks).
+
+def _private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _package_of(name, modules):
+    """The package a module belongs to: itself for a package __init__, else its parent."""
+    return name if modules[name][1] else name.rsplit(".", 1)[0]
+
+
+def _module_source(name, is_init, node):
+    """The absolute module an ImportFrom names."""
+    if not node.level:
+        return node.module or ""
+    base = name.split(".") if is_init else name.split(".")[:-1]
+    base = base[:len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _definitions(modules, trees):
+    """{private name: packages defining it} as an attribute (methods, class-level names,
+    `self.x =`/`cls.x =`), as a parameter, and as a module-level name, kept apart."""
+    attributes, parameters = collections.defaultdict(set), collections.defaultdict(set)
+    module_level = {}
+    for name, tree in trees.items():
+        package = _package_of(name, modules)
+        top = set()
+        for node in tree.body:
+            for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
+                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    top.add(sub.name)
+                elif isinstance(sub, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                    targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target]
+                    top.update(n.id for t in targets for n in ast.walk(t)
+                               if isinstance(n, ast.Name))
+        module_level[name] = top
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                        attributes[item.name].add(package)
+                    elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+                        targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                        for t in targets:
+                            if isinstance(t, ast.Name):
+                                attributes[t.id].add(package)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                attributes[node.attr].add(package)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                args = node.args
+                for arg in args.posonlyargs + args.args + args.kwonlyargs:
+                    parameters[arg.arg].add(package)
+    return attributes, parameters, module_level
+
+
+def _private_crossings(checked=_is_runtime):
+    """'module:line: what' for each private name a `checked` module takes from another
+    package."""
+    modules = _modules()
+    trees = {name: ast.parse(path.read_text(), str(path))
+             for name, (path, _) in modules.items()}
+    attributes, parameters, module_level = _definitions(modules, trees)
+    found = []
+    for name, tree in sorted(trees.items()):
+        if not checked(name):
+            continue
+        package, is_init = _package_of(name, modules), modules[name][1]
+        aliases = {}                     # local name -> pipe_horovod module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases.update((a.asname, a.name) for a in node.names
+                               if a.asname and a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                source = _module_source(name, is_init, node)
+                if source not in modules:
+                    continue
+                for a in node.names:
+                    if f"{source}.{a.name}" in modules:
+                        aliases[a.asname or a.name] = f"{source}.{a.name}"
+                    elif _private(a.name) and _package_of(source, modules) != package:
+                        found.append(f"{name}:{node.lineno}: from {source} import {a.name}")
+
+        def other(owners):               # defined by pipe_horovod, not by this package
+            return owners and package not in owners
+
+        for node in ast.walk(tree):
+            where = f"{name}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                target = aliases.get(node.value.id) if isinstance(node.value, ast.Name) else None
+                if target is not None:
+                    if _package_of(target, modules) != package:
+                        found.append(f"{where}: {target}.{node.attr}")
+                elif other(attributes.get(node.attr)):
+                    found.append(f"{where}: ._{node.attr[1:]} of "
+                                 f"{', '.join(sorted(attributes[node.attr]))}")
+            elif isinstance(node, ast.Call):
+                func = node.func
+                if isinstance(func, ast.Name) and func.id in (
+                        "getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1 and \
+                        isinstance(node.args[1], ast.Constant) and \
+                        isinstance(node.args[1].value, str) and _private(node.args[1].value):
+                    attr = node.args[1].value
+                    if other(attributes.get(attr)):
+                        found.append(f"{where}: {func.id}(..., {attr!r}) of "
+                                     f"{', '.join(sorted(attributes[attr]))}")
+                for keyword in node.keywords:
+                    if keyword.arg and _private(keyword.arg) and \
+                            other(parameters.get(keyword.arg)):
+                        found.append(f"{where}: keyword {keyword.arg}= of "
+                                     f"{', '.join(sorted(parameters[keyword.arg]))}")
+    return found
+
+
+def test_no_private_name_crosses_packages():
+    found = _private_crossings()
+    assert not found, ("a private name used outside the package that defines it (give "
+                       "that package a public, documented method instead):\n" + "\n".join(found))
+
+
+def test_private_crossings_are_found(tmp_path, monkeypatch):
+    """The check above sees each kind of crossing (on a small package of its own)."""
+    root = tmp_path / "pipe_horovod"
+    (root / "core").mkdir(parents=True)
+    (root / "user").mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "core" / "__init__.py").write_text("")
+    (root / "core" / "thing.py").write_text(
+        "_table = {}\n"
+        "class Thing:\n"
+        "    def __init__(self):\n"
+        "        self._count = 0\n"
+        "    def _hidden(self):\n"
+        "        pass\n"
+        "def make(x, _secret=None):\n"
+        "    return Thing()\n")
+    (root / "user" / "__init__.py").write_text("")
+    (root / "user" / "use.py").write_text(
+        "from ..core import thing as t\n"
+        "from ..core.thing import _table\n"
+        "def f(obj):\n"
+        "    obj._hidden()\n"
+        "    getattr(obj, '_count')\n"
+        "    t._table.clear()\n"
+        "    t.make(1, _secret=2)\n"
+        "    obj._version\n"                  # defined nowhere here: not ours
+        "    obj.__class__\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", root)
+    found = _private_crossings(checked=lambda m: m.startswith("pipe_horovod.user"))
+    text = "\n".join(found)
+    for expected in (":2: from pipe_horovod.core.thing import _table", ":4: ._hidden",
+                     ":5: getattr(..., '_count')", ":6: pipe_horovod.core.thing._table",
+                     ":7: keyword _secret="):
+        assert expected in text, (expected, text)
+    assert len(found) == 5, text
