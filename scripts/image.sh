@@ -14,6 +14,8 @@
 #   BUILD_CA       a CA bundle for a TLS proxy, passed as a build secret
 #                  (default: PIP_CERT or pip's own `cert` setting, when there is one)
 #   IMAGE_TEST=0   build only
+# Exit status: 0 built (and tested), 1 a failure, 3 this machine cannot build
+# it (no Docker daemon it may start, or too little disk), said in one line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 IMAGE=${IMAGE:-pipe-horovod:latest}
@@ -33,8 +35,19 @@ if [ -n "${CUDA_CC_LIST:-}" ]; then
   done
 fi
 
-# ---- a Docker daemon ----
-bash scripts/docker_daemon.sh "$LOG_DIR/dockerd.log"
+# ---- a Docker daemon, and room for the image ----
+bash scripts/docker_daemon.sh "$LOG_DIR/dockerd.log" || exit 3
+# The image (11.5 GB) and its build cache (pip's wheels, the build stage) take
+# about 25 GB the first time; a full disk would fail the build far in.
+NEED_GB=${NEED_GB:-25}
+if ! docker image inspect "$IMAGE" >/dev/null 2>&1; then
+  root=$(docker info --format '{{.DockerRootDir}}' 2>/dev/null || echo /var/lib/docker)
+  free_gb=$(( $(df -Pk "$root" 2>/dev/null | awk 'NR == 2 {print $4}' || echo 0) / 1048576 ))
+  if [ "$free_gb" -lt "$NEED_GB" ]; then
+    echo "make image: building $IMAGE needs about $NEED_GB GB free under $root; $free_gb GB are" >&2
+    exit 3
+  fi
+fi
 
 # BuildKit (secret and cache mounts): a client with buildx, or a pre-23 client
 # (Debian's docker.io is 20.10) that has it built in under DOCKER_BUILDKIT=1.
