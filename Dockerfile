@@ -117,7 +117,7 @@ RUN if [ "${USER_NAME}" != root ]; then \
         && home=$(getent passwd "${USER_NAME}" | cut -d: -f6) \
         && printf 'Port %s\nPidFile %s/sshd.pid\nHostKey %s/.ssh/id_rsa\nStrictModes no\n' \
             "${SSH_PORT}" "$home" "$home" > "$home/.sshd_config" \
-        && mkdir -p /opt/pipe_horovod && chown -R "${USER_NAME}" "$home" /opt/pipe_horovod; \
+        && chown -R "${USER_NAME}" "$home" /opt/pipe_horovod; \
     fi
 
 # This repository last, so that a change to it rebuilds only this layer.
