@@ -108,6 +108,38 @@ def test_a_dead_process_on_this_host_is_named():
         "every other rank on this host still runs; ranks on elsewhere cannot be checked from here")
 
 
+def test_a_rank_that_ended_because_a_peer_died_passes_the_death_on():
+    """Rank 0 saw rank 1 die and shut down; rank 2, still waiting, must name rank 1's death
+    (RankLostError), not blame uneven steps on rank 0, and pass the cause on in turn."""
+    from pipe_horovod.engine.stall import Stall
+    lost = "rank 1 (pid 41 on node1) no longer runs"
+    posted = {}
+
+    class Board:
+        def post(self, rank, **status):
+            posted[rank] = status
+
+    class Engine:
+        _board, _closed, _lost, step = Board(), False, None, 7
+        def rank(self):
+            return 2
+        def size(self):
+            return 3
+        def _missing(self, what):
+            return ""
+
+    engine = Engine()
+    others = {0: {"state": "ended", "step": 7, "lost": lost}, 1: None}
+    error = Stall(engine, "allreduce 'g'", time.monotonic())._error(others, time.time(), [0])
+    assert isinstance(error, faults.RankLostError), error
+    assert str(error).startswith(f"rank 0 stopped while rank 2 waits in allreduce 'g': {lost}; "
+                                 f"rank 0 ended (shut down after 7 step(s), as {lost})"), error
+    assert engine._lost == lost
+    others[0].pop("lost")                    # ended normally: the steps differ
+    error = Stall(engine, "allreduce 'g'", time.monotonic())._error(others, time.time(), [0])
+    assert type(error).__name__ == "StepMismatchError" and "hvd.join()" in str(error), error
+
+
 # --- a rank killed, on real ranks -----------------------------------------------------
 def _free_port():
     with socket.socket() as s:

@@ -91,6 +91,7 @@ class Engine:
         self.timeout_s = timeout_s  # how long a wait may block (faults.py)
         self._peers = None        # [(host, pid)] by rank: who to look for when a collective fails
         self._failed = False      # a collective failed: shutdown waits for nothing more
+        self._lost = None         # why it failed, when a rank was lost: posted at shutdown
         self._board = None        # where ranks post what they do when a wait stalls (stall.py)
         self.step = None          # the step count of the pipeline (set by the step machine)
         self._refused = set()     # steps this rank refused (refuse()): others must read them
@@ -380,7 +381,7 @@ class Engine:
                 result = self._wait(handle)
         except (EngineError, MismatchError):
             raise
-        except StepMismatchError:
+        except (StepMismatchError, RankLostError):   # from the stall checks: diagnosed
             self._failed = True          # the others will not start what is in flight
             raise
         except RuntimeError as exc:
@@ -465,8 +466,8 @@ class Engine:
             return WaitTimeoutError(f"{exc}; {describe_lost(self._peers, self.rank(), gone)}")
         if not gone:
             return exc
-        return RankLostError(f"{what} failed on rank {self.rank()}: "
-                             f"{describe_lost(self._peers, self.rank(), gone)} "
+        self._lost = describe_lost(self._peers, self.rank(), gone)
+        return RankLostError(f"{what} failed on rank {self.rank()}: {self._lost} "
                              f"({type(exc).__name__}: {str(exc).strip()})")
 
     def refuse(self, exc):
@@ -675,7 +676,8 @@ class Engine:
             return
         self._closed = True
         if self._board is not None:      # the others' waits can now say who stopped, when
-            self._board.post(self.rank(), state="ended", step=self.step)
+            cause = {} if self._lost is None else {"lost": self._lost}
+            self._board.post(self.rank(), state="ended", step=self.step, **cause)
         try:
             if self._failed:             # the others cannot complete anything now
                 return

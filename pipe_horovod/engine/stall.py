@@ -33,7 +33,7 @@ import time
 import urllib.request
 import warnings
 
-from .faults import WaitError
+from .faults import RankLostError, WaitError
 
 CHECK_VARIABLE = "HOROVOD_STALL_CHECK_TIME_SECONDS"
 SHUTDOWN_VARIABLE = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
@@ -139,7 +139,8 @@ def _doing(rank, status, now):
     step = "" if status.get("step") is None else f" after {status['step']} step(s)"
     if status["state"] == "ended":
         steps = "" if status.get("step") is None else f" after {status['step']} step(s)"
-        return f"rank {rank} ended (shut down{steps})"
+        cause = f", as {status['lost']}" if status.get("lost") else ""
+        return f"rank {rank} ended (shut down{steps}{cause})"
     if status["state"] in ("waiting", "failed"):
         return (f"rank {rank} waits in {status['what']}{step} (for "
                 f"{max(0.0, now - status['since']):.0f} s)")
@@ -220,6 +221,12 @@ class Stall:
                          for r in range(self.engine.size()))
 
     def _error(self, others, now, ended, why=None):
+        lost = [(r, others[r]["lost"]) for r in ended if others[r].get("lost")]
+        if lost:                    # it stopped because a rank died: name that one, not steps
+            rank, cause = lost[0]
+            self.engine._lost = cause   # and this rank's own end passes the cause on
+            return RankLostError(f"rank {rank} stopped while rank {self.me} waits in "
+                                 f"{self.what}: {cause}; {self._everyone(others, now)}")
         if ended:
             lead = (f"{', '.join(f'rank {r}' for r in ended)} ended while rank {self.me} "
                     f"waits in {self.what}, which {'it' if len(ended) == 1 else 'they'} "
