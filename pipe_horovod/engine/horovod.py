@@ -120,6 +120,7 @@ class HorovodEngine(Engine):
         self.hvd = hvd
         self._object_calls = 0
         self._pool = None
+        self._hosts_board = False      # rank 0 under MPI: the board is its TCPStore
         # Checked before hvd.init, which answers a bad set with "initialization failed".
         size = int(os.environ["HOROVOD_SIZE"]) if "HOROVOD_SIZE" in os.environ else None
         sets = check_new_sets(process_sets, size, [list(range(size))] if size else [])
@@ -143,8 +144,8 @@ class HorovodEngine(Engine):
 
     def _store_board(self):
         """A status board on a TCPStore that rank 0 hosts (its address in one broadcast at
-        init), for MPI launches, which have no key-value server. It lives as long as rank 0:
-        when rank 0 itself ended, the others read nothing and say what Horovod says."""
+        init), for MPI launches, which have no key-value server. It lives as long as rank 0,
+        which on leaving stays until the others have read its end (_close)."""
         import datetime
         import socket
 
@@ -162,6 +163,7 @@ class HorovodEngine(Engine):
         where = self.hvd.broadcast_object(where, root_rank=0, name="pipe_horovod.board")
         if where is None:
             return None
+        self._hosts_board = store is not None
         if store is None:
             host = "127.0.0.1" if where[0] == socket.gethostname() else where[0]
             try:
@@ -408,9 +410,14 @@ class HorovodEngine(Engine):
         self.hvd.remove_process_set(library_set)
 
     def _close(self):
+        others = [r for r in range(self.size()) if r != self.rank()]
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
         self.hvd.shutdown()            # fails the alltoalls a pool thread may still block on
         if pool is not None:
             pool.shutdown(wait=True)
+        if self._hosts_board:      # the board dies with this process: stay until the others
+            # posted their own end, so a rank waiting for this one reads that it ended and
+            # names it, instead of Horovod's "has been shut down"
+            self._board.wait_for_ends(others)

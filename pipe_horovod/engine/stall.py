@@ -99,6 +99,15 @@ class Board:
         """`rank` has raised `refuser`'s refusal (the refuser may leave now)."""
         self.post(rank, kind=f"told.{refuser}", seen=True)
 
+    def wait_for_ends(self, ranks, bound_s=2 * STATUS_AFTER_S + 1.0):
+        """Until every rank of `ranks` posted that it ended, or `bound_s` passed (a rank
+        that was killed never does)."""
+        deadline = time.monotonic() + bound_s
+        while ranks and time.monotonic() < deadline:
+            ranks = [r for r, s in self.read(ranks).items() if not s or s["state"] != "ended"]
+            if ranks:
+                time.sleep(0.05)
+
     def post(self, rank, kind="status", **status):
         try:
             self._put(f"pipe_horovod.{kind}.{rank}", json.dumps(status))

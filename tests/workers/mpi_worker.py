@@ -1,10 +1,12 @@
 """Under an MPI launch (horovodrun --mpi, mpirun): the engine checks, then the
 optimizer against the single-process oracle, in one launch per launcher; last, on
-the horovod engine, rank 1 ends after 3 steps while rank 0 takes a 4th: rank 0
-raises StepMismatchError naming rank 1 and its step count (issue 31: the status
-board on MPI is a TCPStore rank 0 hosts), not Horovod's "has been shut down".
+the horovod engine, rank ENDER ends after 3 steps while the other takes a 4th: that
+one raises StepMismatchError naming ENDER and its step count (issue 31: the status
+board on MPI is a TCPStore rank 0 hosts, which stays up until the others read that
+rank 0 ended), not Horovod's "has been shut down".
 
-`python mpi_worker.py ENGINE SIZE`: ENGINE is the engine the environment must pick.
+`python mpi_worker.py ENGINE SIZE [ENDER]`: ENGINE is the engine the environment must
+pick; ENDER 1 by default.
 """
 import sys
 import time
@@ -23,12 +25,12 @@ def main():
     assert engine.current().capabilities()["mpi_enabled"] is want_mpi, engine.current().capabilities()
     optimizer_worker.check_oracle()        # K in 1..3 on the engine already running
     if want_mpi:
-        check_rank_that_ended()
+        check_rank_that_ended(int(sys.argv[3]) if len(sys.argv) > 3 else 1)
     print(f"WORKER_OK rank={engine.rank()}", flush=True)
     engine.shutdown()
 
 
-def check_rank_that_ended():
+def check_rank_that_ended(ender):
     import torch
 
     import pipe_horovod.torch as hvd
@@ -44,7 +46,7 @@ def check_rank_that_ended():
         opt.step()
     for _ in range(3):
         step()
-    if rank != 0:
+    if rank == ender:
         return                               # ends: main() shuts the engine down
     start = time.monotonic()
     try:
@@ -52,12 +54,12 @@ def check_rank_that_ended():
     except hvd.HorovodInternalError as exc:
         text = str(exc)
     else:
-        raise AssertionError("rank 0 took a step that rank 1 never took")
+        raise AssertionError(f"rank {rank} took a step that rank {ender} never took")
     took = time.monotonic() - start
-    assert "rank 1 ended while rank 0 waits in allreduce" in text, text
-    assert "rank 1 ended (shut down after 3 step(s))" in text and "hvd.join()" in text, text
-    assert took < 5.0, took                  # rank 1 ends at once: no stall time, no timeout
-    print(f"ENDED_NAMED rank=0 after {took:.2f} s", flush=True)
+    assert f"rank {ender} ended while rank {rank} waits in allreduce" in text, text
+    assert f"rank {ender} ended (shut down after 3 step(s))" in text and "hvd.join()" in text, text
+    assert took < 5.0, took                  # it ends at once: no stall time, no timeout
+    print(f"ENDED_NAMED rank={rank} after {took:.2f} s", flush=True)
 
 
 if __name__ == "__main__":
