@@ -71,3 +71,36 @@ def test_worker_runs_a_few_steps(tmp_path, framework, configs):
     if framework == "torch":       # one process: lookahead predicts the next update exactly
         by = {r["config"]: r["val_loss"] for r in raw["runs"]}
         assert by["k2-lookahead"] == by["sync"]
+
+
+def test_predict_unclipped_lifts_clipping_inside_the_prediction_only():
+    """predict_unclipped goes through the Keras optimizer's public prediction_scope, which the
+    torch backend's prediction enters around its steps (state saved and put back)."""
+    code = """
+import os
+os.environ["KERAS_BACKEND"] = "torch"
+import keras
+import pipe_horovod.keras as hvd
+from pipe_horovod.tools.bench import convergence_lm as lm
+hvd.init()
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+opt = hvd.DistributedOptimizer(keras.optimizers.AdamW(0.1, global_clipnorm=1.0),
+                               pipeline_depth=2)
+lm.predict_unclipped(opt)
+opt.build(model.trainable_variables)
+stand_in = opt._path.torch_optimizer
+seen = []
+with stand_in.pipe_horovod_state_restored():
+    seen.append(opt.global_clipnorm)
+    opt.iterations.assign(7)
+seen += [opt.global_clipnorm, int(opt.iterations.numpy())]
+assert seen == [None, 1.0, 0], seen
+assert opt.time_handoffs(lambda key, fn: fn) is False       # nothing to time on torch
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in env.items()
+           if not k.startswith(("HOROVOD_", "OMPI_", "PMI", "PIPE_HOROVOD_ENGINE"))}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]

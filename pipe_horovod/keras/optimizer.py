@@ -15,6 +15,7 @@ The data path depends on the backend:
   adapter's hooks do it (`torch_path`), unchanged.
 Both paths share pipeline.StepMachine with the PyTorch adapter.
 """
+import contextlib
 import json
 import warnings
 import weakref
@@ -130,6 +131,49 @@ class _PipelinedKeras:
     def in_flight(self):
         """How many computed gradients are not applied yet."""
         return 0 if self._path is None else self._path.in_flight()
+
+    def prediction_scope(self):
+        """The context the "lookahead" prediction runs this optimizer's updates in.
+
+        The prediction is this optimizer's own update run on this rank's local
+        gradients; entering a different context here changes what it sees without
+        touching the real update (the convergence bench lifts `global_clipnorm` so as
+        to measure what clipping the local gradient does to the prediction). On
+        TensorFlow it is entered while the prediction is traced; on torch around each
+        prediction.
+
+        Returns:
+            A context manager; this one does nothing. Override the method, or assign
+            a function returning a context manager to it on the instance.
+        """
+        return contextlib.nullcontext()
+
+    def time_handoffs(self, timed):
+        """Let a benchmark time the TensorFlow path's Python work of each step.
+
+        Args:
+            timed: called as `timed(key, fn)` for each function the graph calls back
+                into Python, with key "fill_s" (copying a bucket's gradients into its
+                buffer), "handoff_s" (one bucket's hand-off, fill and launch included)
+                or "finish_s" (the step's last hand-off: launch what is left, wait,
+                hand the averaged gradient back); it returns the function to run in
+                fn's place (fn inside a timer, say).
+
+        Returns:
+            True when there was a TensorFlow path to time; False on the torch backend,
+            whose work runs in the PyTorch adapter's hooks.
+
+        Raises:
+            ValueError: the optimizer is not built yet; build it (`opt.build(variables)`)
+                before the first trace, since the graph keeps the functions it traced.
+        """
+        if self._path is None:
+            raise ValueError("build the optimizer (opt.build(model.trainable_variables)) "
+                             "before time_handoffs")
+        if _backend() != "tensorflow":
+            return False
+        self._path.time_handoffs(timed)
+        return True
 
     # --- serialization -----------------------------------------------------
     def get_config(self):

@@ -52,26 +52,21 @@ class _KerasUpdate(torch.optim.Optimizer):
         finally:
             setattr(self._keras, self._attribute, saved)
 
+    @contextlib.contextmanager
     def pipe_horovod_state_restored(self):
         """A context manager: torch/lookahead.py's `stepped` calls it in place of saving
         `optimizer.state`, which is empty here (the state is in Keras variables).
 
         Returns:
-            A context manager that saves the Keras optimizer's variables and puts them
-            back on exit, around the steps the prediction runs.
+            A context manager that saves the Keras optimizer's variables, runs the
+            prediction's steps inside the Keras optimizer's `prediction_scope()`, and
+            puts the variables back on exit.
         """
-        # Delegates so that code patching the implementation on the class (the
-        # convergence bench's predict_unclipped) keeps working.
-        return self._pipe_horovod_state_restored()
-
-    @contextlib.contextmanager
-    def _pipe_horovod_state_restored(self):
-        """pipe_horovod_state_restored's work: saved in temporaries while the
-        prediction's update runs, put back afterwards."""
         variables = self._keras.variables
         saved = [v.value.clone() for v in variables]
         try:
-            yield
+            with self._keras.prediction_scope():
+                yield
         finally:
             for v, value in zip(variables, saved):
                 v.assign(value)

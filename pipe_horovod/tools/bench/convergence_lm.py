@@ -263,10 +263,12 @@ def keras_model(keras, s):
     return keras.Model(inp, layers.Dense(VOCAB)(x))
 
 
-def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True):
+def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True,
+                unclipped=False):
     """One run of the Keras adapter (model.fit); returns the same record as train_torch.
     flush=False leaves PipelineFlushCallback out: fit then validates at the weights the
-    optimizer left in the model (with lookahead: the predicted ones)."""
+    optimizer left in the model (with lookahead: the predicted ones). unclipped: see
+    predict_unclipped."""
     import keras
 
     import pipe_horovod.keras as hvd
@@ -291,6 +293,8 @@ def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True):
         keras.optimizers.AdamW(learning_rate=WarmupCosine(), weight_decay=s.weight_decay,
                                beta_1=s.beta1, beta_2=s.beta2, global_clipnorm=s.clip),
         pipeline_depth=depth, staleness_compensation=option)
+    if unclipped:
+        predict_unclipped(opt)
     model.compile(optimizer=opt,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     xs = batches(train, s, seed, rank)
@@ -331,41 +335,24 @@ def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True):
     return hist, checksum
 
 
-def predict_unclipped():
+def predict_unclipped(opt):
     """Issue 24's check of one difference between the adapters: Keras's lookahead predicts by
     the optimizer's own apply(), which clips this rank's *local* gradient by
     global_clipnorm, while the PyTorch prediction uses the unclipped local gradient (users
-    clip the averaged one after synchronize()). This makes Keras's prediction unclipped too
-    (the real update still clips), on whichever backend is in use, to measure what it does."""
+    clip the averaged one after synchronize()). This makes the prediction of the Keras
+    DistributedOptimizer `opt` unclipped too (the real update still clips), on whichever
+    backend is in use, through its prediction_scope, to measure what it does."""
     import contextlib
 
-    import keras
-
     @contextlib.contextmanager
-    def unclipped(opt):
+    def unclipped():
         saved, opt.global_clipnorm = opt.global_clipnorm, None
         try:
             yield
         finally:
             opt.global_clipnorm = saved
 
-    if keras.backend.backend() == "tensorflow":
-        from pipe_horovod.keras import tensorflow_path
-        look_ahead = tensorflow_path.TensorFlowPath._look_ahead
-
-        def patched(self, *args):
-            with unclipped(self.optimizer):          # read while tracing the prediction
-                return look_ahead(self, *args)
-        tensorflow_path.TensorFlowPath._look_ahead = patched
-    else:
-        from pipe_horovod.keras import torch_path
-        restored = torch_path._KerasUpdate._pipe_horovod_state_restored
-
-        @contextlib.contextmanager
-        def patched_restored(self):
-            with restored(self), unclipped(self._keras):
-                yield
-        torch_path._KerasUpdate._pipe_horovod_state_restored = patched_restored
+    opt.prediction_scope = unclipped
 
 
 # ---------------------------------------------------------------------- worker
@@ -387,9 +374,8 @@ def worker(args):
         import torch
         torch.set_num_threads(1)
         import pipe_horovod.keras as hvd
-        train_fn = functools.partial(train_keras, flush=not args.no_flush)
-        if args.predict_unclipped:
-            predict_unclipped()
+        train_fn = functools.partial(train_keras, flush=not args.no_flush,
+                                     unclipped=args.predict_unclipped)
     from pipe_horovod.tools.bench.worker import Progress, write_json
 
     hvd.init()

@@ -11,14 +11,14 @@ jit_compile=False; or torch). Launched by `pipe-horovod bench --framework
 keras` on every worker, like `pipe_horovod.tools.bench.worker`.
 
 The time breakdown of the TensorFlow path is measured here, by wrapping
-(bench-only, per instance) the engine's `allreduce_async` / `wait` and the
-TensorFlowPath's hand-off functions before the first trace: per step, the
-seconds spent copying gradients into bucket buffers (`fill_s`), inside the
-per-bucket numpy_function hand-offs (`handoff_s`, fill and launch
-included), inside the final hand-off (`finish_s`: launching what backward
-left, waiting, handing the averaged gradient back), launching reductions
-(`launch_s`), and blocked waiting for them (`wait_s`, the exposed
-communication).
+(bench-only, per instance) the engine's `allreduce_async` / `wait`, and the
+TensorFlow path's hand-off functions through the optimizer's public
+`time_handoffs` before the first trace: per step, the seconds spent copying
+gradients into bucket buffers (`fill_s`), inside the per-bucket
+numpy_function hand-offs (`handoff_s`, fill and launch included), inside the
+final hand-off (`finish_s`: launching what backward left, waiting, handing
+the averaged gradient back), launching reductions (`launch_s`), and blocked
+waiting for them (`wait_s`, the exposed communication).
 """
 import argparse
 import os
@@ -42,6 +42,8 @@ class Timers:
 
     def timed(self, key, fn):
         def wrapper(*args, **kwargs):
+            if key == "handoff_s":
+                self.total["handoffs"] += 1
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -59,23 +61,6 @@ class Timers:
 def instrument_engine(eng, timers):
     eng.allreduce_async = timers.timed("launch_s", eng.allreduce_async)
     eng.wait = timers.timed("wait_s", eng.wait)
-
-
-def instrument_tf_path(path, timers):
-    """Time the TensorFlow path's Python hand-offs; must run before the first trace."""
-    path._fill = timers.timed("fill_s", path._fill)
-    handoff_for = path._handoff_for
-
-    def timed_handoff_for(bucket):
-        inner = timers.timed("handoff_s", handoff_for(bucket))
-
-        def handoff(*args):
-            timers.total["handoffs"] += 1
-            return inner(*args)
-        return handoff
-
-    path._handoff_for = timed_handoff_for
-    path._finish = timers.timed("finish_s", path._finish)
 
 
 class FitRunner:
@@ -100,8 +85,7 @@ class FitRunner:
         if self.pipelined:
             # Build now (every rank, same order), so the path exists before the first trace.
             self.opt.build(self.model.trainable_variables)
-            if keras.backend.backend() == "tensorflow":
-                instrument_tf_path(self.opt._path, timers)
+            self.opt.time_handoffs(timers.timed)     # before the first trace
 
     def block(self, warmup, steps):
         self.timer.reset()

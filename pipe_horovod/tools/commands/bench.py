@@ -41,7 +41,7 @@ def _rate(text):
     if str(text).strip().startswith("-"):
         raise argparse.ArgumentTypeError(f"link rate must not be negative, got {text!r}")
     try:
-        value = emulate_network._rate_bytes(text)
+        value = emulate_network.rate_bytes(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"unrecognised link rate {text!r}: use a number and a tc unit, e.g. 1gbit, 4gbit, "

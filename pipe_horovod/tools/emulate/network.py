@@ -58,8 +58,19 @@ def _run(cmd, check=True):
     return res
 
 
-def _rate_bytes(rate):
-    """Bytes/s of a tc rate ("1gbit", "500mbit", "10mbps", 1e9): tbf's burst is sized from it."""
+def rate_bytes(rate):
+    """Bytes/s of a tc rate: tbf's burst is sized from it; `bench --emulate` checks by it.
+
+    Args:
+        rate: a number (bits/s) or a tc rate string ("1gbit", "500mbit", "10mbps"; a
+            bare number is bits/s, "bps" bytes/s).
+
+    Returns:
+        The rate in bytes per second, as a float.
+
+    Raises:
+        ValueError: `rate` is not a number nor a tc rate.
+    """
     if isinstance(rate, (int, float)):
         return float(rate) / 8
     m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(bit|bps)?\s*", str(rate).lower())
@@ -158,7 +169,7 @@ class Topology:
         if not net.is_private or net.num_addresses < workers + 3:
             raise ValueError(f"subnet {subnet} must be private and hold {workers} workers")
         if rate is not None:
-            _rate_bytes(rate)
+            rate_bytes(rate)
         if len(prefix) + 1 + len(str(workers - 1)) > 15:
             raise ValueError("prefix too long for 15-character interface names")
         self.workers, self.rate, self.latency, self.prefix = workers, rate, latency, prefix
@@ -244,7 +255,7 @@ class Topology:
         peak bucket drains at 1.02x the rate and holds one GSO super-packet, so after
         an idle moment at most PEAK_BUCKET bytes go early, as on a wire that cannot
         bank time (docs/bench/log.md, "A link that cannot bank idle time")."""
-        rate = _rate_bytes(self.rate)
+        rate = rate_bytes(self.rate)
         burst = max(int(rate * 0.002), 64 * 1024)
         _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
               "rate", _tc_rate(self.rate), "burst", str(burst), "latency", self.latency,
