@@ -14,8 +14,9 @@ communicator (the thread that runs them), exchange (one collective's
 encode/send/receive/decode), layout (blocks and chunk counts), cost_model (the
 alpha-beta formulas layout picks lp's chunks by), channel
 (tags), group (the gloo group), buffers (persistent buffers), arrivals
-(which receives have completed, without blocking), lp/ring/mst/be (the
-algorithms), ddp_hooks (the same for torch DDP).
+(which receives have completed, without blocking), linear_pipeline / ring /
+binomial_tree / bidirectional_exchange (the algorithms `collective=` names
+"lp", "ring", "mst", "be"), ddp_hooks (the same for torch DDP).
 """
 from .api import allreduce, allreduce_async, broadcast, broadcast_async, reduce, reduce_async
 from .cost_model import Network

@@ -9,7 +9,7 @@ Unlike Horovod's name matching, ranks must start these in the same order
 from .. import engine as _engine
 from ..compression import Compression
 from ..engine.base import Average, Sum
-from ..engine.checks import check_op, check_root, check_scale, check_tensor
+from ..engine.argument_checks import check_op, check_root, check_scale, check_tensor
 from .communicator import Job, communicator
 from .spec import check_collective, check_dtype
 

@@ -2,7 +2,7 @@
 
 Sending m bytes costs alpha + m*beta, reducing m bytes costs m*gamma
 (Thakur, Rabenseifner & Gropp 2005; Wang et al. 2016); sizes in bytes,
-times in seconds. The linear pipeline (collectives/lp.py) cuts a message
+times in seconds. The linear pipeline (collectives/linear_pipeline.py) cuts a message
 into the chunk count that minimises its cost under these formulas
 (layout.lp_chunks), and a `Collective("lp", network=Network(...))` names the
 link it is tuned for. The planner (pipe_horovod.tools.planner) builds every
@@ -79,7 +79,7 @@ def optimal_chunks(net, p, nbytes):
 
 
 def lp_allreduce_chunks(net, p, nbytes, topology="star"):
-    """Chunks minimising lp_allreduce: the count pipe_horovod.collectives.lp picks (for
+    """Chunks minimising lp_allreduce: the count collectives.linear_pipeline picks (for
     a star: the collective does not know how it is wired)."""
     if p <= 1:
         return 1

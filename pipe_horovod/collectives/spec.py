@@ -5,9 +5,11 @@ tuning). Everything that can be refused is refused here, on the calling
 rank, with the valid choices named; what must agree across ranks (the
 algorithm, the codec) is compared by the optimizer when it wraps.
 """
-from . import be, lp, mst, ring
+from . import bidirectional_exchange, binomial_tree, linear_pipeline, ring
 
-ALGORITHMS = {"lp": lp, "ring": ring, "mst": mst, "be": be}
+# The names users pass (collective="lp", ...) -> the module that runs each.
+ALGORITHMS = {"lp": linear_pipeline, "ring": ring, "mst": binomial_tree,
+              "be": bidirectional_exchange}
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 

@@ -14,8 +14,8 @@ import math
 import threading
 import time
 
-from .checks import (check_name, check_op, check_reducible, check_root, check_rows, check_scale,
-                     check_splits, check_tensor, check_tensors)
+from .argument_checks import (check_name, check_op, check_reducible, check_root, check_rows,
+                              check_scale, check_splits, check_tensor, check_tensors)
 from .faults import (DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, HorovodInternalError,  # noqa: F401
                      HostsUpdatedInterrupt, RankLostError, WaitTimeoutError,
                      describe_lost, lost_ranks, wait_until, whoami)

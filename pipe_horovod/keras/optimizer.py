@@ -28,7 +28,7 @@ from ..collectives.communicator import communicator
 from ..compression import Compression
 from ..pipeline import (announce_depth, check_options, check_reduction, check_staleness,
                         compare_across_ranks, report_unapplied, resolve_depth, staleness)
-from .paths import momentum_attribute
+from .naming import momentum_attribute
 
 SUPPORTED_BACKENDS = ("tensorflow", "torch")
 # staleness_compensation options per backend (None works everywhere): on torch the

@@ -37,7 +37,7 @@ import tensorflow as tf
 import torch
 
 from ..pipeline import StepGradient, StepMachine
-from .paths import next_prefix, variable_names
+from .naming import next_prefix, variable_names
 
 
 class TensorFlowPath:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..torch import optimizer as torch_optimizer
-from .paths import momentum_attribute, variable_names
+from .naming import momentum_attribute, variable_names
 
 
 class _KerasUpdate(torch.optim.Optimizer):

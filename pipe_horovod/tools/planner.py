@@ -99,7 +99,7 @@ def lp_reduce(net, p, nbytes, chunks=None):
 
 @_collective
 def lp_allreduce(net, p, nbytes, chunks=None, topology="star"):
-    """What pipe_horovod.collectives.lp runs: reduce along the chain 0..p-1
+    """What pipe_horovod.collectives.linear_pipeline runs: reduce along the chain 0..p-1
     and broadcast back, overlapped (chunk c returns while c+1 still goes
     out), so a one-way chain of 2p-1 positions. On a star each worker has one
     full-duplex link, so for p >= 3 a middle rank's link carries the reduce
@@ -142,7 +142,7 @@ def _exchanging(p):
 def _be_bandwidth(p, nbytes, transfers=2):
     """(bytes on the busiest link's critical path, bytes it adds): for p not a
     power of two the partner of a folded rank first takes the whole vector in
-    and at the end sends the result back (collectives/be.py), `transfers`
+    and at the end sends the result back (collectives/bidirectional_exchange.py), `transfers`
     whole messages beside the power-of-two exchange among q (allreduce 2,
     broadcast and reduce 1)."""
     q = _exchanging(p)

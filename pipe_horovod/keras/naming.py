@@ -1,4 +1,6 @@
-"""What the backends' data paths share."""
+"""Names both backends' data paths agree on: the tensor-name prefix of an optimizer,
+variable names that match across ranks and survive save/load, and which attribute of
+a Keras optimizer holds its momentum."""
 import itertools
 
 _builds = itertools.count()
