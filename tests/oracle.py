@@ -31,7 +31,8 @@ def average(grads, size):
 
 
 def reference(model, optimizer, loss_fn, data, size, steps, pipeline_depth, warmup_steps,
-              scheduler=None, skip=(), compensation=None, edit_grads=None, edit_weights=None):
+              scheduler=None, skip=(), compensation=None, edit_grads=None, edit_weights=None,
+              reduce=None):
     """Train `model` in place as the pipelined optimizer should, then flush.
 
     data(rank, step) -> list of (x, y) micro-batches. Gradients whose step is
@@ -105,7 +106,9 @@ def reference(model, optimizer, loss_fn, data, size, steps, pipeline_depth, warm
             for p, w in zip(params, real):
                 p.copy_(w)
         fifo_weights[t] = real
-        fifo.append((t, [average(gs, size) for gs in zip(*per_rank)], per_rank))
+        averaged = (reduce(t, per_rank) if reduce is not None
+                    else [average(gs, size) for gs in zip(*per_rank)])
+        fifo.append((t, averaged, per_rank))
         need = 1 if t < warmup_steps else pipeline_depth
         before = real
         stepped = True

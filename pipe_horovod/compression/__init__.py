@@ -7,15 +7,16 @@ on the wire; the reduction itself then runs in 16 bits, as in Horovod
 
 Each codec also names its per-hop form (`hop(dtype)`, compression/hops.py),
 which pipe_horovod.collectives applies at every hop of its own allreduce.
-int8 exists only in that form: an 8-bit sum overflows, so no library
-allreduce can carry it.
+int8 and fp8 have no compress() of a whole tensor: an 8-bit sum overflows,
+so they run inside the reduction, in two stages on the engine's own
+alltoall and allgather (compression/two_stage.py) or per hop.
 """
 
 
 class Compressor:
     name = "none"
     error_feedback = False
-    needs_collective = False     # True: only a per-hop collective can carry it
+    wire = None                  # a two-stage wire format: the codec runs inside the reduction
 
     @staticmethod
     def compress(tensor):
@@ -77,19 +78,47 @@ class BF16Compressor(_Truncate):
     dtype_name = "bfloat16"
 
 
-class INT8Compressor(Compressor):
-    """Pipe-SGD's scalar quantization to 8 bits, one float32 scale per chunk.
+class _Quantized(Compressor):
+    """A codec whose reduction must sum in float32: it runs inside the reduction.
 
-    A quarter of float32's bytes, but only inside a per-hop collective
-    (`collective="ring"` or `"lp"`), which adds in float32 at every hop.
+    With no `collective=`, the optimizer reduces it in two stages on the engine's
+    own alltoall and allgather (compression/two_stage.py: quantize, exchange,
+    sum in float32, quantize again, gather; NCCL on GPUs); with
+    `collective="ring"|"lp"|...` per hop in pipe_horovod.collectives (CPU).
+    `wire` names the two-stage wire format, `block_size` the elements per scale.
     """
 
-    name = "int8"
-    needs_collective = True
+    wire = None
+    block_size = None
+    per_hop = True                # False: only the two-stage path carries it
 
     @classmethod
     def compress(cls, tensor):
-        raise ValueError(_NEEDS_COLLECTIVE.format(name=cls.name))
+        raise ValueError(_INSIDE_THE_REDUCTION.format(name=cls.name))
+
+    @classmethod
+    def with_block_size(cls, block_size):
+        """This codec with `block_size` elements per float32 scale (checked here)."""
+        from .two_stage import check_block_size
+
+        check_block_size(block_size)
+        return type(cls.__name__, (cls,), {"block_size": block_size})
+
+    @classmethod
+    def describe(cls):
+        return f"{cls.name}(block_size={cls.block_size})"
+
+
+class INT8Compressor(_Quantized):
+    """Pipe-SGD's scalar quantization to 8 bits, one float32 scale per block.
+
+    A quarter of float32's bytes (plus 4 bytes per block of 256 values). Per
+    hop, the blocks are the collective's chunks instead.
+    """
+
+    name = "int8"
+    wire = "int8"
+    block_size = 256
 
     @staticmethod
     def hop(dtype):
@@ -107,10 +136,46 @@ class INT8FeedbackCompressor(INT8Compressor):
     error_feedback = True
 
 
-_NEEDS_COLLECTIVE = (
-    "compression {name!r} needs a collective that adds at every hop: an 8-bit sum in the "
-    "engine's own allreduce would overflow. Pass collective=\"ring\" or collective=\"lp\" "
-    "(pipe_horovod.collectives), or use fp16/bf16")
+class _FP8(_Quantized):
+    """8-bit floats with one float32 scale per block (max|x| maps to the format's
+    largest value): e4m3 keeps more mantissa, e5m2 more range. Two-stage only."""
+
+    block_size = 256
+    per_hop = False
+
+    @classmethod
+    def hop(cls, dtype):
+        raise ValueError(_NOT_PER_HOP.format(name=cls.name))
+
+
+class FP8E4M3Compressor(_FP8):
+    name = "fp8_e4m3"
+    wire = "float8_e4m3fn"
+
+
+class FP8E4M3FeedbackCompressor(FP8E4M3Compressor):
+    name = "fp8_e4m3_ef"
+    error_feedback = True
+
+
+class FP8E5M2Compressor(_FP8):
+    name = "fp8_e5m2"
+    wire = "float8_e5m2"
+
+
+class FP8E5M2FeedbackCompressor(FP8E5M2Compressor):
+    name = "fp8_e5m2_ef"
+    error_feedback = True
+
+
+_INSIDE_THE_REDUCTION = (
+    "compression {name!r} quantizes inside the reduction (an 8-bit sum would overflow), so "
+    "it has no compress() of a whole tensor: use it through DistributedOptimizer (the "
+    "engine's own alltoall + allgather, or collective=\"ring\"/\"lp\"), "
+    "pipe_horovod.compression.two_stage.allreduce_async, or use fp16/bf16")
+_NOT_PER_HOP = (
+    "compression {name!r} runs only in the two-stage reduction on the engine's own "
+    "collectives: leave collective=None, or use int8/int8_ef per hop")
 
 
 class Compression:
@@ -119,10 +184,15 @@ class Compression:
     bf16 = BF16Compressor
     int8 = INT8Compressor
     int8_ef = INT8FeedbackCompressor
+    fp8_e4m3 = FP8E4M3Compressor
+    fp8_e4m3_ef = FP8E4M3FeedbackCompressor
+    fp8_e5m2 = FP8E5M2Compressor
+    fp8_e5m2_ef = FP8E5M2FeedbackCompressor
 
     @classmethod
     def by_name(cls, name):
-        known = (cls.none, cls.fp16, cls.bf16, cls.int8, cls.int8_ef)
+        known = (cls.none, cls.fp16, cls.bf16, cls.int8, cls.int8_ef, cls.fp8_e4m3,
+                 cls.fp8_e4m3_ef, cls.fp8_e5m2, cls.fp8_e5m2_ef)
         try:
             return {c.name: c for c in known}[name]
         except KeyError:
@@ -130,10 +200,35 @@ class Compression:
                              f"{', '.join(c.name for c in known)}") from None
 
 
+def wire_format(compression):
+    """The two-stage WireFormat of a codec that quantizes inside the reduction, else None."""
+    kind = getattr(compression, "wire", None)
+    if kind is None:
+        return None
+    from .two_stage import DEFAULT_BLOCK_SIZE, WireFormat
+
+    block_size = getattr(compression, "block_size", None)
+    return WireFormat(kind, DEFAULT_BLOCK_SIZE if block_size is None else block_size)
+
+
+def describe(compression):
+    """What ranks must agree on about a codec (compared at wrap time)."""
+    describe_ = getattr(compression, "describe", None)
+    return describe_() if callable(describe_) else getattr(compression, "name",
+                                                            repr(compression))
+
+
 def check_compression(compression, collective=None):
-    """Refuse a codec that is not one, or int8 where no collective adds per hop."""
+    """Refuse a codec that is not one, one this torch cannot carry (fp8 without fp8
+    dtypes), a bad block size, or a two-stage-only codec given a per-hop collective."""
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise TypeError(f"compression must provide compress() and decompress() like "
                         f"pipe_horovod.Compression.fp16, got {compression!r}")
-    if collective is None and getattr(compression, "needs_collective", False):
-        raise ValueError(_NEEDS_COLLECTIVE.format(name=compression.name))
+    if getattr(compression, "wire", None) is not None:
+        try:
+            wire_format(compression)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"compression {getattr(compression, 'name', compression)!r}: "
+                            f"{exc}") from None
+        if collective is not None and not getattr(compression, "per_hop", True):
+            raise ValueError(_NOT_PER_HOP.format(name=compression.name))

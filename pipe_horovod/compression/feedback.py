@@ -10,6 +10,14 @@ slot is reused, which is the first step that can see it on every rank at
 the same point (K=1: the next step). Deterministic, so a checkpoint that
 carries the residuals resumes bit-exactly.
 
+The two-stage reduction on the engine's collectives (two_stage.py)
+quantizes twice and keeps two residuals per (slot, bucket): stage 1 (what
+this rank's quantization of the whole bucket lost) and stage 2 (what the
+quantization of the reduced shard this rank owns lost; full size, only
+that shard's range used). Checkpoints hold stage 1 under the slot's
+number and stage 2 under -1 - slot, so every adapter's {int: {name:
+tensor}} format carries both.
+
 Residuals are kept as flat tensors per (slot, bucket), views named by
 parameter: a new bucket plan (the first step's agreed order) or a
 checkpoint moves them by name, not by offset. They are this rank's own:
@@ -22,17 +30,18 @@ class ErrorFeedback:
         self._flat = {}          # (slot, bucket index) -> flat residual of that bucket
         self._named = {}         # slot -> {name: residual}, views of the flats or loaded ones
 
-    def residual(self, slot, bucket):
-        """The persistent residual of `bucket` in `slot`, in the accumulator's type."""
+    def residual(self, slot, bucket, stage=1):
+        """The persistent residual of `bucket` in `slot` (of quantization `stage`), in
+        the accumulator's type, on the bucket's device."""
         import torch
 
-        key = (slot, bucket.index)
+        key = (slot, bucket.index, stage)
         flat = self._flat.get(key)
         if flat is None or flat.numel() != bucket.numel:
-            dtype, _ = bucket.kind
+            dtype, device = bucket.kind
             acc = torch.float64 if dtype == torch.float64 else torch.float32
-            flat = torch.zeros(bucket.numel, dtype=acc)
-            named = self._named.setdefault(slot, {})
+            flat = torch.zeros(bucket.numel, dtype=acc, device=device)
+            named = self._named.setdefault(slot if stage == 1 else -1 - slot, {})
             for name, start, numel in bucket.offsets():
                 kept = named.get(name)
                 if kept is not None:

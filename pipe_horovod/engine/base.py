@@ -9,6 +9,7 @@ instead of in each engine. Engines implement the `_start_*` hooks; process
 sets, automatic names, the timeline and the handles in flight are kept here.
 """
 import collections
+import concurrent.futures
 import itertools
 import math
 import threading
@@ -29,6 +30,30 @@ from .work import Done, Then, Work, WorkList  # noqa: F401 -- engines import the
 
 class EngineError(RuntimeError):
     """A communication engine cannot be used as asked."""
+
+
+# Pool threads of two-stage reductions (alltoall, then allgather) are created only
+# while that many are blocked at once in their alltoall; see Engine.two_stage_async.
+TWO_STAGE_THREADS = 64
+
+
+class TwoStage(Work):
+    """An alltoall whose result a pool thread reduces and allgathers (Engine.two_stage_async)."""
+
+    def __init__(self, future, finish):
+        self.future = future        # -> the allgather's Work
+        self.finish = finish        # finish(gathered) -> the operation's result
+
+    def poll(self):
+        future = self.future
+        if not future.done():
+            return False
+        if future.exception() is not None:
+            return True             # wait raises at once
+        return future.result().poll()
+
+    def wait(self):
+        return self.finish(self.future.result().wait())   # re-raises the pool thread's error
 
 
 class Handle:
@@ -96,6 +121,7 @@ class Engine:
         self.step = None          # the step count of the pipeline (set by the step machine)
         self._refused = set()     # steps this rank refused (refuse()): others must read them
         self._told = set()        # (rank, step) of others' refusals already raised here
+        self._pool = None         # threads of two-stage reductions (two_stage_async)
 
     # --- identity -------------------------------------------------------
     def rank(self):
@@ -343,6 +369,54 @@ class Engine:
         ps = self._resolve(process_set)
         name = self._claim(kind, name, ps)
         return self._track(kind, name, tensor, op, start(ps), started)
+
+    def two_stage_async(self, kind, tensor, name, op, send, splits, reduce, finish, *,
+                        process_set=None):
+        """A reduction in two collectives, tracked as one operation under `name`.
+
+        `<name>.a2a`: alltoall of `send` (splits[i] rows to the set's i-th rank); a pool
+        thread then calls `reduce(received, counts)` and allgathers what it returns under
+        `<name>.ag`; `wait` returns `finish(gathered)`. The quantized allreduce
+        (compression/two_stage.py) and Horovod's bfloat16 path run on it.
+
+        Why a pool thread: the second collective needs the first one's result, and
+        the optimizer starts reductions during backward and waits for them later,
+        so the alltoall is started on the caller's thread and the rest runs on a
+        pool thread. A pool thread blocks only on an alltoall, which completes once
+        every rank has *started* that reduction, never on another rank's pool; so
+        while fewer than TWO_STAGE_THREADS reductions wait at once for other ranks
+        to start them, any start order that works with the library's own allreduce
+        works here (a single worker thread would not: it would hold one reduction's
+        allgather behind another's alltoall, which can wait on a rank that is itself
+        waiting for that allgather). The names `<name>.a2a` and `<name>.ag` must not
+        be in flight as other tensors' names.
+        """
+        if name is None:             # the automatic name, which adopt_async then claims
+            name = self._claim(kind, None, self._resolve(process_set))
+
+        def start(ps):
+            a2a = self._start_alltoall(send, splits, f"{name}.a2a", ps)
+            return TwoStage(self._submit(self._second_stage, a2a, name, ps, reduce), finish)
+
+        return self.adopt_async(kind, tensor, name, op, start, process_set=process_set)
+
+    def _submit(self, fn, *args):
+        """Run `fn(*args)` on the engine's pool of two-stage threads; its Future."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=TWO_STAGE_THREADS, thread_name_prefix="pipe_horovod-two-stage")
+        return self._pool.submit(fn, *args)
+
+    def _second_stage(self, a2a, name, ps, reduce):
+        """Pool thread: finish the alltoall, reduce, start the allgather (its Work)."""
+        if not wait_until(lambda: self._closed or a2a.poll(),
+                          time.monotonic() + self.timeout_s):
+            raise WaitTimeoutError(f"alltoall {name + '.a2a'!r} did not complete within "
+                                   f"{self.timeout_s:g} s: a rank has not started it")
+        if self._closed and not a2a.poll():
+            raise EngineError(f"the engine shut down while {name!r} waited for its alltoall")
+        received, counts = a2a.wait()
+        return self._start_allgather(reduce(received, counts.tolist()), f"{name}.ag", ps)
 
     def _known(self, handle):
         if not isinstance(handle, Handle) or self._in_flight.get(handle.id) is not handle:
@@ -689,6 +763,9 @@ class Engine:
             self._in_flight.clear()
             self._names.clear()
             self._close()
+            pool, self._pool = self._pool, None
+            if pool is not None:     # its threads see _closed and leave
+                pool.shutdown(wait=True, cancel_futures=True)
             self._linger_for_refusal()
 
     def _close(self):

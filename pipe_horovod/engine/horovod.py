@@ -30,18 +30,11 @@ bytes as a ring allreduce in 16 bits. The sum is done once in float32 and
 rounded once, so it is at least as accurate as a ring accumulating in
 bfloat16 (which rounds after every hop). With one rank nothing is sent.
 
-Step 2 needs step 1's result, and the optimizer starts reductions during
-backward and waits for them later, so step 1 is queued on the caller's
-thread and steps 2-3 run on a pool thread owned by the engine; `wait`
-finishes the allgather. A pool thread blocks only on an alltoall, which
-completes once every rank has *started* that reduction, never on another
-rank's pool, so as long as fewer than `_BF16_THREADS` bfloat16 reductions
-wait at once for other ranks to start them, any start order that works
-with Horovod's own allreduce also works here (a single worker thread
-would not: it would hold one reduction's allgather behind another's
-alltoall, which can wait on a rank that is itself waiting for that
-allgather). The names `<name>.a2a` and `<name>.ag` must not be in flight as
-other tensors' names. A tensor whose size differs across ranks is reported
+Step 1 is queued on the caller's thread and steps 2-3 run on the engine's
+pool of two-stage threads (`Engine._submit`, shared with
+`Engine.two_stage_async`, whose docstring gives the reason and why it
+cannot deadlock); `wait` finishes the allgather. The names `<name>.a2a` and
+`<name>.ag` must not be in flight as other tensors' names. A tensor whose size differs across ranks is reported
 (EngineError on `wait`) by the ranks whose shard sizes then disagree.
 Other dtypes use `allreduce_async_` directly. Min, Max and Product of
 bfloat16 take the same path, combining the shards in float32; so do
@@ -65,10 +58,6 @@ from .stall import http_board, torch_board
 
 _HOROVOD_OPS = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
                 Product: "Product"}
-
-# Pool threads are created only while that many bfloat16 reductions are
-# blocked at once in their alltoall; see the module docstring.
-_BF16_THREADS = 64
 
 
 def _torch():
@@ -119,7 +108,6 @@ class HorovodEngine(Engine):
 
         self.hvd = hvd
         self._object_calls = 0
-        self._pool = None
         self._hosts_board = False      # rank 0 under MPI: the board is its TCPStore
         # Checked before hvd.init, which answers a bad set with "initialization failed".
         size = int(os.environ["HOROVOD_SIZE"]) if "HOROVOD_SIZE" in os.environ else None
@@ -281,11 +269,8 @@ class HorovodEngine(Engine):
         splits = shard_sizes(wire.numel(), size)
         a2a = self.hvd.alltoall_async(wire, splits=splits, name=f"{name}.a2a",
                                       process_set=library_set)
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=_BF16_THREADS, thread_name_prefix="pipe_horovod-bf16")
         shard = splits[process_set.ranks.index(self.rank())]
-        future = self._pool.submit(self._reduce_shard, a2a, shard, size, tensor.dtype, op, name,
+        future = self._submit(self._reduce_shard, a2a, shard, size, tensor.dtype, op, name,
                                    library_set, prescale_factor, postscale_factor)
         return _Split16Reduction(wire, future)
 

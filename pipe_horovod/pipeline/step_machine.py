@@ -16,7 +16,7 @@ import functools
 import threading
 
 from .. import collectives, engine
-from ..compression import Compression
+from ..compression import Compression, two_stage, wire_format
 from ..compression.feedback import ErrorFeedback
 from .buckets import plan_buckets
 from .fifo import GradientFifo
@@ -97,6 +97,12 @@ class StepMachine:
         # A pipe_horovod.collectives.Collective runs the codec per hop; None: the
         # engine's allreduce of the compressed tensor.
         self.collective = collective
+        # A codec that quantizes inside the reduction, with no collective=: two stages
+        # on the engine's own alltoall and allgather (compression/two_stage.py).
+        self.wire = wire_format(compression) if collective is None else None
+        if self.wire is not None and op not in (engine.Average, engine.Sum):
+            raise ValueError(f"compression {compression.name!r} reduces with Average or Sum "
+                             f"only (it sums dequantized shards), got op={op}")
         self.feedback = ErrorFeedback() if getattr(compression, "error_feedback", False) else None
         # Autograd runs CPU and CUDA leaves (or several GPUs') on different
         # threads: claiming and launching the next bucket must be atomic.
@@ -120,8 +126,9 @@ class StepMachine:
                                          name=f"{self.prefix}.agree", process_set=ps)
                        if included else _alone)
         # One rank, no codec, no scaling: averaging is the identity, nothing to send.
-        self.solo = not included or (self.size == 1 and self.compression is Compression.none
-                                     and self.predivide == 1.0)
+        # (The two-stage codecs quantize nothing with one rank.)
+        self.solo = not included or (self.size == 1 and self.predivide == 1.0 and (
+            self.compression is Compression.none or self.wire is not None))
 
     # --- buckets ----------------------------------------------------------
     def plan(self, members):
@@ -196,6 +203,15 @@ class StepMachine:
         # gradient_predivide_factor splits the average around the sum, as Horovod's does.
         scaling = {"process_set": self.process_set, "prescale_factor": 1.0 / self.predivide,
                    "postscale_factor": self.predivide}
+        if self.wire is not None:
+            residuals = (None if self.feedback is None else
+                         (self.feedback.residual(self.slot, bucket),
+                          self.feedback.residual(self.slot, bucket, stage=2)))
+            handle = two_stage.allreduce_async(flat, name, self.op, fmt=self.wire,
+                                               residuals=residuals, **scaling)
+            self.launched.append(BucketReduction(bucket, self.fifo.steps, handle, None,
+                                                 Compression.none))
+            return
         if self.collective is not None:
             residual = (None if self.feedback is None
                         else self.feedback.residual(self.slot, bucket))

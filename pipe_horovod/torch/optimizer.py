@@ -38,6 +38,7 @@ from ..engine.process_sets import ProcessSet, global_process_set
 from ..collectives import check_collective
 from ..collectives.communicator import communicator
 from ..compression import Compression
+from ..compression import describe as describe_compression
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
                         check_reduction, check_staleness, compare_across_ranks,
                         report_unapplied, resolve_depth, staleness)
@@ -1027,7 +1028,7 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
     bucket_groups = _group_names(groups, num_groups, name_of)
     options = {"pipeline_depth": pipeline_depth, "warmup_steps": warmup_steps,
                "backward_passes_per_step": backward_passes_per_step,
-               "compression": getattr(compression, "name", repr(compression)),
+               "compression": describe_compression(compression),
                "op": op.value, "bucket_cap_mb": bucket_cap_mb,
                "gradient_predivide_factor": float(gradient_predivide_factor),
                "groups": bucket_groups, "staleness_compensation": compensation,

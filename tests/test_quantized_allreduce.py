@@ -1,0 +1,136 @@
+"""The two-stage quantized allreduce on the engine's own collectives (issue 28).
+
+One launch per (engine, ranks) runs every reduction case against the single-process
+reference of tests/workers/quantized_worker.py, bit for bit; the "all" launches add
+training with the wrapped optimizer (int8 and int8_ef, K=1 and K=2, plain and the
+default compensation) against tests/oracle.py and a bit-exact resume mid-pipeline
+with both residuals. Every launch checks 2, 3 or 4 ranks on both engines; training
+runs on Horovod at 2 ranks and torch.distributed at 3, and in one plain process.
+"""
+import pytest
+import torch
+
+import launcher
+import pipe_horovod.torch as phvd
+from pipe_horovod.compression import Compression, check_compression, two_stage
+from pipe_horovod.compression.two_stage import WireFormat, dequantize, quantize
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("engine_name, np, scope", [
+    ("horovod", 2, "all"), ("horovod", 3, "allreduce"), ("horovod", 4, "allreduce"),
+    ("torch", 2, "allreduce"), ("torch", 3, "all"), ("torch", 4, "allreduce"),
+    ("local", 1, "all")])
+def test_quantized_allreduce_matches_the_reference(engine_name, np, scope):
+    if engine_name == "horovod":
+        pytest.importorskip("horovod.torch")
+    launcher.run(engine_name, np, "quantized_worker.py", engine_name, scope, timeout=240,
+                 env={"PIPE_HOROVOD_TIMEOUT": "120"})
+
+
+# --- the pure functions ---------------------------------------------------------
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3fn", "float8_e5m2"])
+def test_a_block_loses_at_most_half_a_step_and_the_loss_is_exact(kind):
+    if not hasattr(torch, kind):
+        pytest.skip(f"torch {torch.__version__} has no {kind}")
+    fmt = WireFormat(kind, 64)
+    x = torch.randn(1000, dtype=torch.float32) * 3
+    x[100:164] = 0                                   # a block of zeros stays zeros
+    wire, back = quantize(x, fmt)
+    assert wire.dtype == torch.uint8 and wire.numel() == fmt.shard_bytes(1000)
+    assert fmt.shard_bytes(1000) % 4 == 0
+    assert torch.equal(back, dequantize(wire, 1000, fmt, torch.float32))   # what receivers see
+    blocks = torch.nn.functional.pad(x, (0, 24)).view(-1, 64)
+    step = blocks.abs().amax(1, keepdim=True) / fmt.qmax
+    err = (torch.nn.functional.pad(x - back, (0, 24)).view(-1, 64)).abs()
+    if kind == "int8":                               # uniform steps: half a step
+        assert (err <= step / 2 * (1 + 1e-6)).all()
+    else:                                            # relative to the value, plus subnormals
+        mantissa = 3 if kind == "float8_e4m3fn" else 2
+        tiny = torch.finfo(getattr(torch, kind)).smallest_normal
+        limit = (blocks.abs() * 2.0 ** -(mantissa + 1) + step * tiny)
+        assert (err <= limit * (1 + 1e-6)).all()
+    assert not back[100:164].any()
+
+
+def test_shards_and_wire_sizes_follow_one_rule():
+    assert two_stage.shard_sizes(10, 4) == [3, 3, 2, 2]
+    assert two_stage.shard_sizes(2, 3) == [1, 1, 0]
+    fmt = WireFormat("int8", 16)
+    assert fmt.shard_bytes(0) == 0
+    assert fmt.shard_bytes(17) == 2 * 4 + 20         # two scales, 17 values padded to 20
+    assert WireFormat("bfloat16").shard_bytes(3) == 8
+    x = torch.randn(5, dtype=torch.float64)
+    wire, back = quantize(x, WireFormat("float16"))
+    assert torch.equal(back, x.to(torch.float16).double())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_on_cuda_every_step_stays_on_the_device_and_matches_the_cpu():
+    fmt = WireFormat("int8")
+    x = torch.randn(4099)
+    wire, back = quantize(x.cuda(), fmt)
+    assert wire.is_cuda and back.is_cuda
+    cpu_wire, cpu_back = quantize(x, fmt)
+    assert torch.equal(wire.cpu(), cpu_wire) and torch.equal(back.cpu(), cpu_back)
+
+
+# --- wrap-time refusals (item 5) --------------------------------------------------
+@pytest.fixture
+def local():
+    phvd.init("local")
+    yield
+    phvd.shutdown()
+
+
+def _wrap(**kw):
+    model = torch.nn.Linear(3, 2)
+    return phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(), **kw)
+
+
+def test_int8_and_fp8_wrap_without_a_collective(local):
+    for codec in (Compression.int8, Compression.int8_ef, Compression.fp8_e4m3_ef,
+                  Compression.fp8_e5m2, Compression.int8.with_block_size(1024)):
+        _wrap(compression=codec)
+    _wrap(compression=Compression.int8_ef, collective="ring")      # per hop: still there
+
+
+@pytest.mark.parametrize("block_size, error, text", [
+    (3, ValueError, "block_size must be between 16 and"),
+    (2 ** 21, ValueError, "block_size must be between 16 and"),
+    (0, ValueError, "block_size must be between"),
+    (256.0, TypeError, "block_size must be an int"),
+    (True, TypeError, "block_size must be an int")])
+def test_a_bad_block_size_is_refused(local, block_size, error, text):
+    with pytest.raises(error, match=text):
+        Compression.int8.with_block_size(block_size)
+    odd = type("Odd", (Compression.int8_ef,), {"block_size": block_size})
+    with pytest.raises(error, match=text):
+        _wrap(compression=odd)
+
+
+def test_fp8_without_fp8_dtypes_is_refused_at_wrap(local, monkeypatch):
+    monkeypatch.delattr(torch, "float8_e4m3fn", raising=False)
+    with pytest.raises(ValueError, match="needs torch.float8_e4m3fn, which torch"):
+        _wrap(compression=Compression.fp8_e4m3)
+    with pytest.raises(ValueError, match="needs torch.float8_e4m3fn"):
+        check_compression(Compression.fp8_e4m3_ef)
+
+
+@pytest.mark.parametrize("kw, text", [
+    ({"compression": Compression.fp8_e5m2, "collective": "lp"},
+     "runs only in the two-stage reduction"),
+    ({"compression": Compression.int8, "op": phvd.Max}, "Average or pipe_horovod.Sum"),
+])
+def test_what_the_two_stage_path_cannot_do_is_refused(local, kw, text):
+    with pytest.raises(ValueError, match=text):
+        _wrap(**kw)
+
+
+def test_a_lone_rank_quantizes_nothing(local):
+    t = torch.randn(300)
+    want = t.clone()
+    out = phvd.synchronize(two_stage.allreduce_async(t, "solo", fmt=WireFormat("int8")))
+    assert out is t and torch.equal(t, want)

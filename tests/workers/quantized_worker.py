@@ -1,0 +1,308 @@
+"""Launched on N ranks (or one plain process): the two-stage quantized allreduce on the
+engine's own collectives against a single-process reference, bit for bit.
+
+The reference below (`reference_two_stage`) runs every rank's part of the same math in
+one process, without communication: the same chunking (shard_sizes), the same
+quantize/dequantize of each shard, the sum in rank order in the accumulator's type,
+and both residuals per rank. It is exact by construction, so every comparison is
+`torch.equal` (no tolerance): outputs on every rank and every rank's residuals.
+
+Then training with the wrapped optimizer (int8_ef, no collective=) at pipeline depth
+1 and 2, plain Pipe-SGD and the default compensation, against tests/oracle.py whose
+average is replaced by the reference (the bucket layouts each step used are logged
+from the step machine), and a checkpoint mid-pipeline that resumes bit-exactly.
+"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import oracle  # noqa: E402
+import pipe_horovod.torch as phvd  # noqa: E402
+from pipe_horovod import engine  # noqa: E402
+from pipe_horovod.compression import Compression, two_stage  # noqa: E402
+from pipe_horovod.compression.two_stage import (WireFormat, accumulator, dequantize,  # noqa: E402
+                                                quantize, shard_sizes)
+from pipe_horovod.pipeline import step_machine  # noqa: E402
+from tolerance import THREADS  # noqa: E402
+
+torch.set_num_threads(THREADS)
+failures = []
+
+
+def reference_two_stage(xs, fmt, average=True, prescale=1.0, postscale=1.0, first=None,
+                        second=None):
+    """Every rank's result (the same on all) of the two-stage reduction of `xs` (one flat
+    tensor per rank); `first`/`second`: per-rank residuals, updated in place."""
+    p, n, dtype = len(xs), xs[0].numel(), xs[0].dtype
+    acc = accumulator(dtype)
+    if p == 1:
+        factor = prescale * postscale
+        return xs[0].clone() if factor == 1 else (xs[0].to(acc) * factor).to(dtype)
+    sizes = shard_sizes(n, p)
+    starts = [sum(sizes[:s]) for s in range(p)]
+    sent = []                                   # sent[r][s]: rank r's shard s, as decoded
+    for r in range(p):
+        v = xs[r].to(acc)
+        if first is not None:
+            v = v + first[r]
+        parts = [dequantize(quantize(v[a:a + m].clone(), fmt)[0], m, fmt, acc)
+                 for a, m in zip(starts, sizes)]
+        sent.append(parts)
+        if first is not None:
+            first[r].copy_(v - torch.cat(parts))
+    out = []
+    for s in range(p):
+        total = None
+        for r in range(p):
+            value = sent[r][s] * prescale if prescale != 1 else sent[r][s]
+            total = value.clone() if total is None else total + value
+        if average:
+            total = total / p
+        if postscale != 1:
+            total = total * postscale
+        if second is not None:
+            total = total + second[s][starts[s]:starts[s] + sizes[s]]
+        back = dequantize(quantize(total.clone(), fmt)[0], sizes[s], fmt, acc)
+        if second is not None:
+            second[s][starts[s]:starts[s] + sizes[s]] = total - back
+        out.append(back)
+    return torch.cat(out).to(dtype)
+
+
+def inputs(p, numel, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(numel, generator=g, dtype=torch.float64) * (1 + r) for r in range(p)]
+    for x in xs:                                # a large value, and a zero block
+        if numel > 40:
+            x[3] = 50.0
+            x[-17:] = 0
+    return [x.to(dtype) for x in xs]
+
+
+def formats():
+    kinds = ["int8", "float16", "bfloat16"] + [k for k in two_stage.FLOAT8 if hasattr(torch, k)]
+    return [WireFormat(k) for k in kinds] + [WireFormat("int8", 16)]
+
+
+def allreduce_cases(r, p):
+    """Formats x dtypes x sizes x ops, scaling, several in flight, residuals over steps."""
+    eng = engine.current()
+    seed = 0
+    sizes = sorted({1, max(1, p - 1), 7, 300, 1001, 4099})
+    for fmt in formats():
+        for dtype in (torch.float32, torch.float64, torch.float16):
+            handles = []
+            for numel in sizes:
+                for average in (True, False):
+                    seed += 1
+                    xs = inputs(p, numel, dtype, seed)
+                    mine = xs[r].clone()
+                    op = engine.Average if average else engine.Sum
+                    handles.append((two_stage.allreduce_async(mine, f"q.{seed}", op, fmt=fmt),
+                                    mine, reference_two_stage(xs, fmt, average),
+                                    f"{fmt.describe()} {dtype} n={numel} {op}"))
+            for handle, mine, want, what in reversed(handles):   # waited out of order
+                got = eng.wait(handle)
+                if got is not mine or not torch.equal(got, want):
+                    failures.append(f"allreduce {what}: differs from the reference "
+                                    f"(max diff {(got.double() - want.double()).abs().max():.3g})")
+    # Scaling (gradient_predivide_factor's split) and unnamed handles.
+    fmt = WireFormat("int8")
+    xs = inputs(p, 1001, torch.float32, 999)
+    mine = xs[r].clone()
+    got = eng.wait(two_stage.allreduce_async(mine, None, engine.Average, fmt=fmt,
+                                             prescale_factor=0.25, postscale_factor=4.0))
+    if not torch.equal(got, reference_two_stage(xs, fmt, True, 0.25, 4.0)):
+        failures.append("allreduce with prescale/postscale differs from the reference")
+    # Error feedback over steps, both residuals, every rank's own.
+    for fmt in (WireFormat("int8"), WireFormat("int8", 64), WireFormat("bfloat16")):
+        for dtype in (torch.float32, torch.float64):
+            n = 1003
+            acc = accumulator(dtype)
+            ref_first = [torch.zeros(n, dtype=acc) for _ in range(p)]
+            ref_second = [torch.zeros(n, dtype=acc) for _ in range(p)]
+            first, second = torch.zeros(n, dtype=acc), torch.zeros(n, dtype=acc)
+            for step in range(3):
+                seed += 1
+                xs = inputs(p, n, dtype, seed)
+                mine = xs[r].clone()
+                got = eng.wait(two_stage.allreduce_async(mine, f"ef.{seed}", fmt=fmt,
+                                                         residuals=(first, second)))
+                want = reference_two_stage(xs, fmt, True, first=ref_first, second=ref_second)
+                what = f"error feedback {fmt.describe()} {dtype} step {step}"
+                if not torch.equal(got, want):
+                    failures.append(f"{what}: result differs from the reference")
+                if not (torch.equal(first, ref_first[r]) and torch.equal(second, ref_second[r])):
+                    failures.append(f"{what}: residuals differ from the reference")
+                if p > 1 and not (first.any() and second.any()):
+                    failures.append(f"{what}: a residual stayed zero")
+
+
+# --- training ---------------------------------------------------------------------
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 40), nn.Linear(40, 5)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def data(rank, step):
+    g = torch.Generator().manual_seed(10007 * rank + 101 * step)
+    return [(torch.randn(6, 8, generator=g), torch.randint(0, 5, (6,), generator=g))
+            for _ in range(2)]
+
+
+LAYOUTS = []      # (step, slot, bucket index, [(name, start, numel)]) of every launch
+
+
+def _logged_launch(original):
+    def launch(self, bucket, fill):
+        LAYOUTS.append((self.fifo.steps, self.slot, bucket.index, list(bucket.offsets())))
+        return original(self, bucket, fill)
+    return launch
+
+
+def oracle_reduce(model, p, fmt, feedback):
+    """oracle.reference's `reduce`: the buckets each step launched, each reduced by the
+    reference with per-rank residuals kept by (slot, stage) and parameter name."""
+    names = [n for n, q in model.named_parameters() if q.requires_grad]
+    index = {n: i for i, n in enumerate(names)}
+    residuals = [{} for _ in range(p)]          # rank -> (slot, stage) -> {name: tensor}
+
+    def flat(kept, offsets, total, acc):
+        out = torch.zeros(total, dtype=acc)
+        for name, start, numel in offsets:
+            if name in kept:
+                out[start:start + numel] = kept[name]
+        return out
+
+    def reduce(t, per_rank):
+        layouts = [entry for entry in LAYOUTS if entry[0] == t]
+        if not layouts:                         # one rank: nothing was launched
+            return [oracle.average(gs, p) for gs in zip(*per_rank)]
+        out = [None] * len(names)
+        for _, slot, _, offsets in layouts:
+            xs = [torch.cat([per_rank[r][index[n]].reshape(-1) for n, _, _ in offsets])
+                  for r in range(p)]
+            total, acc = xs[0].numel(), accumulator(xs[0].dtype)
+            res = None
+            if feedback:
+                res = [[flat(residuals[r].get((slot, stage), {}), offsets, total, acc)
+                        for r in range(p)] for stage in (1, 2)]
+            reduced = reference_two_stage(xs, fmt, True, first=res and res[0],
+                                          second=res and res[1])
+            for name, start, numel in offsets:
+                out[index[name]] = reduced[start:start + numel].view_as(per_rank[0][index[name]])
+                if feedback:
+                    for stage in (1, 2):
+                        for r in range(p):
+                            residuals[r].setdefault((slot, stage), {})[name] = \
+                                res[stage - 1][r][start:start + numel].clone()
+        return out
+    return reduce
+
+
+def wrap(model, **kw):
+    return phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     named_parameters=model.named_parameters(),
+                                     backward_passes_per_step=2, bucket_cap_mb=0.0006,
+                                     **kw)   # two micro-batches a step; a few buckets
+
+
+def train(model, opt, start, stop):
+    for t in range(start, stop):
+        opt.zero_grad()
+        for x, y in data(phvd.rank(), t):
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def training_matches_oracle(p, steps=8):
+    fmt = WireFormat("int8")
+    for depth in (1, 2):
+        for compensation in (None, "lookahead"):
+            if depth == 1 and compensation is not None:
+                continue
+            for codec in (Compression.int8_ef, Compression.int8):
+                torch.manual_seed(0)
+                model, ref = MLP(), MLP()
+                ref.load_state_dict(model.state_dict())
+                LAYOUTS.clear()
+                opt = wrap(model, compression=codec, pipeline_depth=depth,
+                           staleness_compensation=compensation)
+                train(model, opt, 0, steps)
+                opt.flush()
+                if p > 1 and len({entry[2] for entry in LAYOUTS}) < 2:
+                    failures.append(f"training {codec.name}: expected several buckets, "
+                                    f"launched {LAYOUTS[:3]}")
+                oracle.reference(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+                                 F.cross_entropy, data, p, steps, depth, 0,
+                                 compensation=compensation,
+                                 reduce=oracle_reduce(ref, p, fmt, codec.error_feedback))
+                for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+                    if not torch.equal(a, b):
+                        failures.append(f"training {codec.name} K={depth} {compensation}: "
+                                        f"{name} differs from the oracle by "
+                                        f"{(a - b).abs().max():.3g}")
+
+
+def resume_is_exact(p, steps=9, cut=4):
+    """K=2, default compensation, int8_ef: a checkpoint taken with a step in flight
+    (and both residuals) resumes bit-exactly."""
+    def fresh():
+        torch.manual_seed(1)
+        return MLP()
+
+    options = {"compression": Compression.int8_ef, "pipeline_depth": 2}
+    full = fresh()
+    opt = wrap(full, **options)
+    train(full, opt, 0, steps)
+    opt.flush()
+    first = fresh()
+    opt = wrap(first, **options)
+    train(first, opt, 0, cut)
+    saved = {"model": {k: v.clone() for k, v in first.state_dict().items()},
+             "opt": opt.state_dict()}
+    pipe = saved["opt"]["pipe_horovod"]
+    fed = pipe["error_feedback"]
+    if p > 1 and (len(pipe["in_flight"]) != 1 or sorted(fed) != [-2, -1, 0, 1] or not all(
+            any(t.abs().sum() > 0 for t in fed[key].values()) for key in fed)):
+        failures.append(f"int8_ef checkpoint: expected a step in flight and residuals of "
+                        f"both stages in both slots, got {len(pipe['in_flight'])} in flight "
+                        f"and residual keys {sorted(fed)}")
+    resumed = fresh()
+    resumed.load_state_dict(saved["model"])
+    opt = wrap(resumed, **options)
+    opt.load_state_dict(saved["opt"])
+    train(resumed, opt, cut, steps)
+    opt.flush()
+    for (name, a), b in zip(full.named_parameters(), resumed.parameters()):
+        if not torch.equal(a, b):
+            failures.append(f"int8_ef resume: {name} differs from the uninterrupted run by "
+                            f"{(a - b).abs().max():.3g}")
+
+
+def main():
+    engine_name, scope = sys.argv[1], sys.argv[2]    # scope: "all", or "allreduce" only
+    eng = phvd.init(engine_name)
+    r, p = eng.rank(), eng.size()
+    step_machine.StepMachine._launch = _logged_launch(step_machine.StepMachine._launch)
+    allreduce_cases(r, p)
+    if scope == "all":
+        training_matches_oracle(p)
+        resume_is_exact(p)
+    if failures:
+        print(f"rank {r}: {len(failures)} failure(s):\n  " + "\n  ".join(failures[:60]),
+              flush=True)
+        sys.exit(1)
+    print(f"WORKER_OK rank={r}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
