@@ -43,6 +43,10 @@ loss = model(torch.randn(8, 4)).square().mean()
 hvd.init()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 """,
+    "compression=hvd.Compression.int8_ef)  # two stages": TORCH + """
+hvd.init()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+""",
     "import pipe_horovod.keras as hvd": """
 import numpy as np, keras
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
