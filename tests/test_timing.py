@@ -133,6 +133,14 @@ def test_lp_nearly_independent_of_p_mst_grows_with_log_p():
     assert lp64 < mst[64] / 5
 
 
+def test_the_emulator_builds_every_topology_the_cost_model_names():
+    """One list of topologies (cost_model.TOPOLOGIES): the emulator, stdlib only, keeps
+    its own table of classes and must build exactly those."""
+    from pipe_horovod.tools.emulate import network
+
+    assert tuple(network.CLASSES) == timing.TOPOLOGIES
+
+
 def test_lp_on_a_chain_carries_one_stream_per_link_direction():
     net = Network(2e-5, 8e-9, 1e-10)
     n, k = 64 * 2**20, 50

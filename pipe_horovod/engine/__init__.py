@@ -81,17 +81,41 @@ def build_info(name=None):
     return engine_class(detect() if name is None else name).build_info()
 
 
-def init(engine=None, *, comm=None, process_sets=None, timeout=None):
-    """Start the engine (once per process) and return it.
+def init(comm=None, process_sets=None, *, engine=None, timeout=None):
+    """Start pipe_horovod (once per process): Horovod's `init(comm=None, process_sets=None)`.
 
-    `comm` and `process_sets` mean what they mean to Horovod's init:
-    process_sets is a list of ProcessSet (or of rank lists) to register, or
-    "dynamic" to allow add_process_set later (the torch and local engines
-    always allow it). Sets passed after the engine started are added.
-    `timeout`: seconds any wait may block before it raises WaitTimeoutError
-    (default: $PIPE_HOROVOD_TIMEOUT, else faults.DEFAULT_TIMEOUT_S; math.inf: never).
+    The one init behind `pipe_horovod.init`, `pipe_horovod.torch.init` and
+    `pipe_horovod.keras.init`, so a Horovod script's call works unchanged and
+    `init("local")` names an engine wherever it is called.
+
+    Args:
+        comm: what Horovod's comm means (a list of ranks or an MPI communicator),
+            passed to Horovod; or a string, which Horovod's comm never is, naming the
+            engine ("horovod", "torch" or "local") like `engine=`.
+        process_sets: a list of ProcessSet (or of rank lists) to register, or
+            "dynamic" to allow add_process_set later (the torch and local engines
+            always allow it). Sets passed after the engine started are added.
+        engine: the engine's name; default: the launcher's environment picks it
+            (horovodrun: horovod, torchrun: torch, plain python: local;
+            $PIPE_HOROVOD_ENGINE overrides).
+        timeout: seconds any wait for a collective may block before it raises
+            WaitTimeoutError (default: $PIPE_HOROVOD_TIMEOUT, else
+            faults.DEFAULT_TIMEOUT_S; math.inf: never).
+
+    Returns:
+        The running engine (the one already running, if init was called before).
+
+    Raises:
+        ValueError: `engine=` and a string `comm` name two engines, or process_sets
+            is a string other than "dynamic".
+        EngineError: another engine is running already (call shutdown() first).
     """
     global _current
+    if isinstance(comm, str):
+        if engine is not None and engine != comm:
+            raise ValueError(f"hvd.init was given two engines: comm={comm!r} and "
+                             f"engine={engine!r}; name one")
+        engine, comm = comm, None
     name = engine if engine is not None else detect()
     timeout_s = resolve_timeout(timeout) if timeout is not None or _current is None else None
     if isinstance(process_sets, str):

@@ -5,6 +5,7 @@ Each turns bad input into `argparse.ArgumentTypeError`, so argparse exits with
 status 2 and the converter's own message, never a traceback.
 """
 import argparse
+import re
 
 
 def checked(convert):
@@ -49,3 +50,51 @@ def positive_int(what=""):
 def positive(kind=float, what=""):
     """An argparse type for a `kind` > 0; `what` names it in the error."""
     return number(0, kind=kind, what=what, strict=True)
+
+
+def seconds(what):
+    """An argparse type for a number of seconds > 0; `what` names it in the error."""
+    def convert(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{what} must be a number of seconds, got {text!r}") from None
+        if not value > 0:
+            raise ValueError(f"{what} must be > 0 seconds, got {text!r}")
+        return value
+    convert.__name__ = what
+    return checked(convert)
+
+
+@checked
+def link_rate(text):
+    """An argparse type for an emulated link's rate: a number and a tc unit (1gbit,
+    500mbit, 100mbps), > 0; returned as written, lowercased, for tc."""
+    from pipe_horovod.tools.emulate.network import rate_bytes
+
+    if str(text).strip().startswith("-"):
+        raise ValueError(f"link rate must not be negative, got {text!r}")
+    try:
+        value = rate_bytes(text)
+    except ValueError:
+        raise ValueError(
+            f"unrecognised link rate {text!r}: use a number and a tc unit, e.g. 1gbit, 4gbit, "
+            "500mbit, 100mbps (bit = bits/s, bps = bytes/s)") from None
+    if not value > 0:
+        raise ValueError(f"link rate must be > 0, got {text!r}")
+    return str(text).strip().lower()
+
+
+def names(choices, what):
+    """An argparse type for a list of names from `choices`, separated by commas or
+    spaces, returned in order without repeats; `what` (singular) names them in errors."""
+    def convert(text):
+        given = [n for n in re.split(r"[,\s]+", str(text).strip()) if n]
+        for name in given:
+            if name not in choices:
+                raise ValueError(f"unknown {what} {name!r}; choose from {', '.join(choices)}")
+        if not given:
+            raise ValueError(f"no {what} given")
+        return list(dict.fromkeys(given))
+    convert.__name__ = what
+    return checked(convert)

@@ -31,28 +31,7 @@ def _current():
 
 
 # --- life cycle, identity, build ---------------------------------------------
-def init(comm=None, process_sets=None, *, engine=None, timeout=None):
-    """Start pipe_horovod: Horovod's `init(comm=None, process_sets=None)`.
-
-    The launcher's environment picks the engine (horovodrun: horovod,
-    torchrun: torch, plain python: local; PIPE_HOROVOD_ENGINE overrides).
-    `engine=` ("horovod", "torch" or "local") names it instead, pipe_horovod's
-    extension; so does a string `comm` (Horovod's comm is a list of ranks or an
-    MPI communicator, never a string). `timeout` (seconds; default
-    $PIPE_HOROVOD_TIMEOUT, else 600) bounds every wait for a collective, another
-    extension.
-
-    Raises:
-        ValueError: `engine=` and a string `comm` name two engines.
-    """
-    if isinstance(comm, str):
-        if engine is not None and engine != comm:
-            raise ValueError(f"hvd.init was given two engines: comm={comm!r} and "
-                             f"engine={engine!r}; name one")
-        engine, comm = comm, None
-    return _engine.init(engine, comm=comm, process_sets=process_sets, timeout=timeout)
-
-
+init = _engine.init                 # Horovod's signature; a string comm names the engine
 shutdown = _engine.shutdown
 is_initialized = _engine.is_initialized
 

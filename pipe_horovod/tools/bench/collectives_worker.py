@@ -246,23 +246,14 @@ def run(args):
     return raw
 
 
-def _names(choices):
-    def convert(text):
-        names = [n for n in text.split(",") if n]
-        bad = [n for n in names if n not in choices]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}, got {text!r}")
-        return names
-    return convert
-
-
 def add_arguments(parser):
     """What the worker and `pipe-horovod bench-collectives` (which forwards it) accept."""
-    from pipe_horovod.tools.validators import positive_int
+    from pipe_horovod.tools.validators import names, positive_int
 
-    parser.add_argument("--algorithms", type=_names(ALGORITHMS), default=list(ALGORITHMS),
+    parser.add_argument("--algorithms", type=names(ALGORITHMS, "algorithm"),
+                        default=list(ALGORITHMS),
                         help="comma-separated algorithms (default lp,ring,mst,be)")
-    parser.add_argument("--codecs", type=_names(CODECS), default=list(CODECS),
+    parser.add_argument("--codecs", type=names(CODECS, "codec"), default=list(CODECS),
                         help="comma-separated per-hop codecs (default none,bf16,int8)")
     parser.add_argument("--reps", type=positive_int("reps"), default=5,
                         help="timed repetitions per size, configurations interleaved "

@@ -61,7 +61,7 @@ from pipe_horovod.tools.bench import convergence_tasks, models
 from pipe_horovod.tools.bench.models import (MLP_CLASSES, MLP_IN, build_model,  # noqa: F401
                                        mlp_width, model_numel, synthetic_batch)
 from pipe_horovod.collectives.group import free_port, start_beside  # noqa: F401 -- free_port: launchers import it from here
-from pipe_horovod.tools.validators import number, positive
+from pipe_horovod.tools.validators import checked, number, positive
 
 DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16",
                    "compute", "contention", "allreduce"]
@@ -660,13 +660,6 @@ def run_benchmark(args):
 
 # ------------------------------------------------------------------- command line
 
-def _configs(text):
-    try:
-        return parse_configs(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_model_arguments(parser):
     """Arguments shared by the worker and `pipe-horovod bench` (which forwards them)."""
     parser.add_argument("--model", choices=models.MODEL_CHOICES, default="mlp",
@@ -707,7 +700,7 @@ def add_model_arguments(parser):
                         help="untimed steps before each timed block (default 5)")
     parser.add_argument("--rounds", type=positive(int), default=3,
                         help="rounds of all configurations, interleaved (default 3)")
-    parser.add_argument("--configs", type=_configs, nargs="+", default=None,
+    parser.add_argument("--configs", type=checked(parse_configs), nargs="+", default=None,
                         help=f"configurations (default: {' '.join(DEFAULT_CONFIGS)}; the ones "
                              "the engine cannot run are skipped and noted)")
     parser.add_argument("--bucket-cap-mb", type=positive(float), default=25.0,

@@ -15,7 +15,6 @@ progress file; afterwards the report
 (`pipe_horovod.tools.bench.report`) is printed and saved under --out as
 <name>.md, <name>.json and <name>.png, next to the raw <name>-raw.json.
 """
-import argparse
 import json
 import os
 import re
@@ -29,47 +28,21 @@ from pipe_horovod.tools.bench import keras_launch, models
 from pipe_horovod.tools.bench import worker as bench_worker
 from pipe_horovod.tools.emulate import read_progress, tail_file
 from pipe_horovod.tools.launch import UsageError, check, horovodrun, worker_env
-from pipe_horovod.tools.validators import positive_int
+from pipe_horovod.tools.validators import link_rate, positive_int, seconds
 
 ENGINES = ("horovod", "torch", "local")
 _POLL = 0.5
 
 
-def _rate(text):
-    from pipe_horovod.tools.emulate import network as emulate_network
-
-    if str(text).strip().startswith("-"):
-        raise argparse.ArgumentTypeError(f"link rate must not be negative, got {text!r}")
-    try:
-        value = emulate_network.rate_bytes(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"unrecognised link rate {text!r}: use a number and a tc unit, e.g. 1gbit, 4gbit, "
-            "500mbit, 100mbps (bit = bits/s, bps = bytes/s)") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"link rate must be > 0, got {text!r}")
-    return str(text).strip().lower()
-
-
 _workers = positive_int("workers")
-
-
-def _timeout(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"timeout must be a number of seconds, got {text!r}") \
-            from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"timeout must be > 0 seconds, got {text!r}")
-    return value
+_timeout = seconds("timeout")
 
 
 def add_arguments(parser):
     # "-1" and "-10gbit" reach the converters (which say "must be >= 1" / "must not be
     # negative") instead of argparse's "expected one argument".
     parser._negative_number_matcher = re.compile(r"^-\.?\d")
-    parser.add_argument("--emulate", metavar="RATE", type=_rate,
+    parser.add_argument("--emulate", metavar="RATE", type=link_rate,
                         help="run the workers in an emulated cluster whose links are capped at "
                              "RATE (e.g. 1gbit, 4gbit); needs root")
     parser.add_argument("--workers", type=_workers, default=2, help="worker processes (default 2)")

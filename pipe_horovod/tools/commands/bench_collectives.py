@@ -16,11 +16,11 @@ import re
 import shlex
 import sys
 
-from pipe_horovod.tools.emulate import network as emulate_network
+from pipe_horovod.collectives.cost_model import TOPOLOGIES
 from pipe_horovod.tools.bench import collectives_worker
 from pipe_horovod.tools.commands import bench
 from pipe_horovod.tools.launch import UsageError, check
-from pipe_horovod.tools.validators import positive_int
+from pipe_horovod.tools.validators import link_rate, positive_int
 
 # 4 KB, 16 KB, ... 64 MB
 DEFAULT_SIZES = [4 * 2**10 * 4**i for i in range(8)]
@@ -41,10 +41,10 @@ def _sizes(text):
 
 def add_arguments(parser):
     parser._negative_number_matcher = re.compile(r"^-\.?\d")
-    parser.add_argument("--emulate", metavar="RATE", type=bench._rate,
+    parser.add_argument("--emulate", metavar="RATE", type=link_rate,
                         help="run the workers in an emulated cluster whose links are capped at "
                              "RATE (e.g. 1gbit); needs root")
-    parser.add_argument("--topology", choices=tuple(emulate_network.TOPOLOGIES), default="star",
+    parser.add_argument("--topology", choices=TOPOLOGIES, default="star",
                         help="with --emulate: star (every worker's link to one switch) or chain "
                              "(worker i linked to i-1 and i+1 only, the ones between forwarding; "
                              "what linear pipelining was designed for) (default star)")

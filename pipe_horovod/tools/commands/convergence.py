@@ -21,10 +21,8 @@ Outputs under --out: <name>.md, <name>.json, <name>.png and the raw
 <name>-<task>-raw.json per task (`--report-only` rebuilds the report from
 them, e.g. with step times added).
 """
-import argparse
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -35,39 +33,19 @@ from pipe_horovod.tools.bench import convergence_worker as cw
 from pipe_horovod.tools.commands.bench import wait_group
 from pipe_horovod.tools.emulate import read_progress, tail_file
 from pipe_horovod.tools.launch import REPO, horovodrun, run_files, worker_env
+from pipe_horovod.tools.validators import checked, link_rate, names, positive_int, seconds
 
 _POLL = 0.5
 
 
-def _configs(text):
-    try:
-        return cw.parse_configs(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _tasks(text):
-    names = [n for n in re.split(r"[,\s]+", str(text).strip()) if n]
-    for name in names:
-        if name not in tasks_mod.TASK_NAMES:
-            raise argparse.ArgumentTypeError(
-                f"unknown task {name!r}; choose from {', '.join(tasks_mod.TASK_NAMES)}")
-    if not names:
-        raise argparse.ArgumentTypeError("no task given")
-    return list(dict.fromkeys(names))
-
-
 def add_arguments(parser):
-    from pipe_horovod.tools.commands.bench import _rate, _timeout
-    from pipe_horovod.tools.validators import positive_int
-
     _positive_int = positive_int()
 
     others = [t for t in tasks_mod.TASK_NAMES if t not in tasks_mod.DEFAULT_TASKS]
-    parser.add_argument("--tasks", type=_tasks, default=list(tasks_mod.DEFAULT_TASKS),
+    parser.add_argument("--tasks", type=names(tasks_mod.TASK_NAMES, "task"), default=list(tasks_mod.DEFAULT_TASKS),
                         help=f"comma-separated tasks (default {','.join(tasks_mod.DEFAULT_TASKS)}"
                              f"; also: {', '.join(others)})")
-    parser.add_argument("--configs", type=_configs, default=list(cw.DEFAULT_CONFIGS),
+    parser.add_argument("--configs", type=checked(cw.parse_configs), default=list(cw.DEFAULT_CONFIGS),
                         help="comma-separated configurations (default "
                              f"{','.join(cw.DEFAULT_CONFIGS)}): sync = pipeline_depth 1; kK = pipeline_depth K, no staleness "
                              "compensation; kK-OPTION = staleness_compensation=OPTION")
@@ -81,7 +59,7 @@ def add_arguments(parser):
     parser.add_argument("--engine", choices=("torch", "horovod"), default="torch",
                         help="torch: torch.distributed.run (gloo); horovod: horovodrun --gloo "
                              "(default torch)")
-    parser.add_argument("--emulate", metavar="RATE", type=_rate,
+    parser.add_argument("--emulate", metavar="RATE", type=link_rate,
                         help="time each task's model with `pipe-horovod bench --emulate RATE` "
                              "(an emulated cluster with RATE links, e.g. 1gbit; needs root) for "
                              "the wall-clock columns")
@@ -99,7 +77,7 @@ def add_arguments(parser):
                         help="output directory (default docs/convergence)")
     parser.add_argument("--name", default="convergence",
                         help="file name stem of the outputs (default convergence)")
-    parser.add_argument("--timeout", type=_timeout, default=7200.0,
+    parser.add_argument("--timeout", type=seconds("timeout"), default=7200.0,
                         help="give up on a task's launch after this many seconds (default 7200)")
     parser.add_argument("--report-only", action="store_true",
                         help="do not train: rebuild the report from <out>/<name>-<task>-raw.json "

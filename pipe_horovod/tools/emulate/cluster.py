@@ -34,10 +34,10 @@ from typing import NamedTuple
 from . import guard as emulate_guard
 from . import network as emulate_network
 from .network import KILL_GRACE as _KILL_GRACE, POLL as _POLL
-from .network import TOPOLOGIES, cleanup, leftovers, unavailable_reason
+from .network import cleanup, leftovers, unavailable_reason
 
-__all__ = ["EmulatedCluster", "Job", "ClusterError", "leftovers", "cleanup",
-           "unavailable_reason", "cpu_times", "CpuTimes", "TOPOLOGIES"]
+__all__ = ["EmulatedCluster", "Launch", "ClusterError", "leftovers", "cleanup",
+           "unavailable_reason", "cpu_times", "CpuTimes"]
 
 # Inherited variables that would make a worker join the wrong job.
 _SCRUB = re.compile(r"^(HOROVOD_|OMPI_|PMI_|PMIX_|TORCHELASTIC_)"
@@ -118,7 +118,7 @@ def cpu_times(proc):
     return CpuTimes(ut + cut, st + cst)
 
 
-class Job:
+class Launch:
     """One launch: a process per worker, their logs, and (horovod) the rendezvous helper."""
 
     def __init__(self, procs, logs, deadline, helper=None):
@@ -332,7 +332,7 @@ class EmulatedCluster:
             extra["rendezvous_port"] = int(line)
         run_id = len(self._jobs)
         procs, logs = [], []
-        job = Job(procs, logs, time.monotonic() + timeout, helper)
+        job = Launch(procs, logs, time.monotonic() + timeout, helper)
         with self._lock:
             self._jobs.append(job)
             for rank, ns in enumerate(self.namespaces):
@@ -350,7 +350,7 @@ class EmulatedCluster:
         """Exit codes once every worker is done. Raises `ClusterError` with every worker's
         log tail if one fails or the time runs out; the rest are then killed, so it never
         hangs on a worker stuck in a collective whose peer died."""
-        procs = job.procs if isinstance(job, Job) else list(job)
+        procs = job.procs if isinstance(job, Launch) else list(job)
         deadline = (time.monotonic() + timeout if timeout is not None
                     else getattr(job, "deadline", time.monotonic() + 600.0))
         failed = None
@@ -364,14 +364,14 @@ class EmulatedCluster:
             time.sleep(_POLL)
         if failed is not None or None in codes:
             self._stop(procs)
-        if isinstance(job, Job):
+        if isinstance(job, Launch):
             self._stop_helper(job)
         if failed is None and None not in codes:
             return codes
         why = "timed out" if failed is None else "a worker failed"
         lines = [f"emulated cluster {self.prefix}: {why}; exit codes {codes}"]
         for rank, p in enumerate(procs):
-            tail = job.tail(rank) if isinstance(job, Job) else "<log in job.logs>"
+            tail = job.tail(rank) if isinstance(job, Launch) else "<log in job.logs>"
             lines.append(f"--- worker {rank} (exit {p.returncode}) ---\n{tail}")
         raise ClusterError("\n".join(lines))
 

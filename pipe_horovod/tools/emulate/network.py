@@ -365,14 +365,17 @@ class Chain(Topology):
             if rank < self.workers - 1 else [])
 
 
-TOPOLOGIES = {"star": Star, "chain": Chain}
+# The class that builds each wiring pipe_horovod.collectives.cost_model.TOPOLOGIES names
+# (the one list of topologies; not imported here, since this module is stdlib only:
+# tests/test_timing.py checks the keys are those names).
+CLASSES = {"star": Star, "chain": Chain}
 
 
 def topology(name, workers, rate, *, prefix, subnet, latency):
-    """The `Topology` called ``name`` (a key of TOPOLOGIES), not yet built."""
+    """The `Topology` called ``name`` (a key of CLASSES), not yet built."""
     try:
-        cls = TOPOLOGIES[name]
+        cls = CLASSES[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown topology {name!r}; choose one of "
-                         f"{', '.join(TOPOLOGIES)}") from None
+                         f"{', '.join(CLASSES)}") from None
     return cls(workers, rate, prefix=prefix, subnet=subnet, latency=latency)
