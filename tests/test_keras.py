@@ -54,8 +54,8 @@ def test_save_load_continue_is_bit_identical(tmp_path, backend, engine_name):
     """model.save with gradients in flight (K=3: two), load_model in new processes, fit on;
     plain Pipe-SGD in Horovod's pattern (rank 0 alone loads; BroadcastGlobalVariablesCallback
     gives the others its weights, slots and gradients in flight), with lookahead (its real
-    weights and kept gradients saved too) and int8 per ring hop with error feedback (each
-    rank's residuals saved too)."""
+    weights and kept gradients saved too), and int8 with error feedback per ring hop and in
+    two stages on the engine's collectives (each rank's residuals saved too)."""
     needs(engine_name)
     env = {"KERAS_BACKEND": backend}
     full, resumed, ckpt = tmp_path / "full.npz", tmp_path / "resumed.npz", tmp_path / "m.keras"
@@ -63,7 +63,7 @@ def test_save_load_continue_is_bit_identical(tmp_path, backend, engine_name):
                  timeout=300)
     launcher.run(engine_name, 2, "keras_worker.py", "resume", 3, ckpt, resumed, env=env,
                  timeout=300)
-    for case in ("None", "lookahead", "int8"):
+    for case in ("None", "lookahead", "int8", "int8-engine"):
         want = np.load(tmp_path / f"{case}-full.npz")
         got = np.load(tmp_path / f"{case}-resumed.npz")
         assert want.files == got.files

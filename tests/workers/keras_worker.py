@@ -13,7 +13,8 @@ NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
   resume K CKPT OUT      new processes: load CKPT, fit the rest, flush (each of these three
                          runs plain Pipe-SGD in Horovod's pattern: rank 0 saves, rank 0 alone
                          loads and BroadcastGlobalVariablesCallback gives the others its
-                         state; and "lookahead" and int8 with error feedback per ring hop,
+                         state; and "lookahead", int8 with error feedback per ring hop and
+                         int8 with error feedback in two stages on the engine's collectives,
                          each rank saving and loading its own: the files are named after the
                          case, and the rank)
   callbacks              the four callbacks together, different initial weights per rank
@@ -220,6 +221,8 @@ CHECKPOINT_CASES = {
     "lookahead": {"staleness_compensation": "lookahead"},
     "int8": {"staleness_compensation": None, "compression": phvd.Compression.int8_ef,
              "collective": "ring"},
+    # int8 in two stages on the engine's own alltoall + allgather: both residuals saved.
+    "int8-engine": {"staleness_compensation": None, "compression": phvd.Compression.int8_ef},
 }
 
 
