@@ -262,7 +262,7 @@ def allreduce_async(tensor, name=None, op=None, *, fmt, residuals=None, process_
                                  f"{tensor.numel()} elements on {tensor.device}, got "
                                  f"{residual!r:.80}")
     eng = _engine.current()
-    ps = eng._resolve(process_set)
+    ps = eng.resolve_process_set(process_set)
     size, me = len(ps.ranks), ps.ranks.index(eng.rank())
     flat = tensor.view(-1)
     if size == 1:                       # nothing sent, nothing quantized

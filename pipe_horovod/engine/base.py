@@ -187,8 +187,22 @@ class Engine:
         process_set.process_set_id = None
         return True
 
-    def _resolve(self, process_set):
-        """The registered ProcessSet an operation runs on (None: every rank)."""
+    def resolve_process_set(self, process_set):
+        """The registered ProcessSet an operation runs on, checked before anything is sent.
+
+        Why public: code that builds its own collective on the engine's (the two-stage
+        quantized allreduce) must refuse the same process sets, the same way.
+
+        Args:
+            process_set: a ProcessSet, or None for every rank.
+
+        Returns:
+            The ProcessSet (global_process_set for None).
+
+        Raises:
+            TypeError: not a pipe_horovod ProcessSet.
+            ValueError: not registered with this engine, or this rank is not a member.
+        """
         ps = global_process_set if process_set is None else process_set
         if not isinstance(ps, ProcessSet):
             raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {ps!r}")
@@ -246,7 +260,7 @@ class Engine:
         check_scale(prescale_factor, "prescale_factor")
         check_scale(postscale_factor, "postscale_factor")
         started = self._clock()
-        ps = self._resolve(process_set)
+        ps = self.resolve_process_set(process_set)
         name = self._claim("allreduce", name, ps)
         self._check_adasum(op, ps, [tensor])
         backend = self._start_allreduce(tensor, name, op, ps, prescale_factor, postscale_factor)
@@ -262,7 +276,7 @@ class Engine:
         check_scale(prescale_factor, "prescale_factor")
         check_scale(postscale_factor, "postscale_factor")
         started = self._clock()
-        ps = self._resolve(process_set)
+        ps = self.resolve_process_set(process_set)
         name = self._claim("grouped_allreduce", name, ps)
         self._check_adasum(op, ps, tensors)
         backend = self._start_grouped_allreduce(tensors, name, op, ps, prescale_factor,
@@ -295,7 +309,7 @@ class Engine:
         check_scale(prescale_factor, "prescale_factor")
         check_scale(postscale_factor, "postscale_factor")
         started = self._clock()
-        ps = self._resolve(process_set)
+        ps = self.resolve_process_set(process_set)
         name = self._claim("reducescatter", name, ps)
         backend = self._start_reducescatter(tensor, name, op, ps, prescale_factor,
                                             postscale_factor)
@@ -312,7 +326,7 @@ class Engine:
         check_scale(prescale_factor, "prescale_factor")
         check_scale(postscale_factor, "postscale_factor")
         started = self._clock()
-        ps = self._resolve(process_set)
+        ps = self.resolve_process_set(process_set)
         name = self._claim("grouped_reducescatter", name, ps)
         backend = self._start_grouped_reducescatter(tensors, name, op, ps, prescale_factor,
                                                     postscale_factor)
@@ -324,7 +338,7 @@ class Engine:
         check_tensor(tensor, "allgather")
         check_rows(tensor, "allgather")
         started = self._clock()
-        ps = self._resolve(process_set)
+        ps = self.resolve_process_set(process_set)
         name = self._claim("allgather", name, ps)
         return self._track("allgather", name, tensor, None,
                            self._start_allgather(tensor, name, ps), started)
@@ -334,7 +348,7 @@ class Engine:
         for tensor in tensors:
             check_rows(tensor, "grouped_allgather")
         started = self._clock()
-        ps = self._resolve(process_set)
+        ps = self.resolve_process_set(process_set)
         name = self._claim("grouped_allgather", name, ps)
         return self._track("grouped_allgather", name, tensors, None,
                            self._start_grouped_allgather(tensors, name, ps), started)
@@ -343,7 +357,7 @@ class Engine:
         """Overwrite `tensor` in place with global rank `root`'s value."""
         check_tensor(tensor, "broadcast")
         started = self._clock()
-        ps = self._resolve(process_set)
+        ps = self.resolve_process_set(process_set)
         name = self._claim("broadcast", name, ps)
         self._check_root_in(root, ps)
         return self._track("broadcast", name, tensor, None,
@@ -355,7 +369,7 @@ class Engine:
         check_tensor(tensor, "alltoall")
         check_rows(tensor, "alltoall")
         started = self._clock()
-        ps = self._resolve(process_set)
+        ps = self.resolve_process_set(process_set)
         name = self._claim("alltoall", name, ps)
         splits = check_splits(splits, tensor.shape[0], len(ps.ranks))
         return self._track("alltoall", name, tensor, None,
@@ -366,7 +380,7 @@ class Engine:
         `start(process_set)` returns its Work; names, poll/wait, the timeline and
         shutdown's completion of what is in flight then apply as to the library's own."""
         started = self._clock()
-        ps = self._resolve(process_set)
+        ps = self.resolve_process_set(process_set)
         name = self._claim(kind, name, ps)
         return self._track(kind, name, tensor, op, start(ps), started)
 
@@ -392,7 +406,7 @@ class Engine:
         be in flight as other tensors' names.
         """
         if name is None:             # the automatic name, which adopt_async then claims
-            name = self._claim(kind, None, self._resolve(process_set))
+            name = self._claim(kind, None, self.resolve_process_set(process_set))
 
         def start(ps):
             a2a = self._start_alltoall(send, splits, f"{name}.a2a", ps)
@@ -651,7 +665,7 @@ class Engine:
     def broadcast_object(self, obj, root, *, name=None, process_set=None):
         """Root's picklable `obj`, on every rank of the set."""
         check_name(name, "broadcast_object")
-        ps = self._resolve(process_set)
+        ps = self.resolve_process_set(process_set)
         self._check_root_in(root, ps)
         return self._guarded(_called("broadcast_object", name), self._broadcast_object, obj,
                              root, name, ps)
@@ -660,7 +674,7 @@ class Engine:
         """Every rank's `obj`, in rank order (for cross-rank consistency checks)."""
         check_name(name, "allgather_object")
         return self._guarded(_called("allgather_object", name), self._allgather_object, obj,
-                             name, self._resolve(process_set))
+                             name, self.resolve_process_set(process_set))
 
     def gather_despite_join(self, obj, *, name, process_set=None):
         """Every rank's picklable `obj` in set order, None for a rank that has joined.
@@ -674,7 +688,7 @@ class Engine:
 
         import torch
 
-        ps = self._resolve(process_set)
+        ps = self.resolve_process_set(process_set)
         me = ps.ranks.index(self.rank())
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         sizes = torch.zeros(len(ps.ranks), dtype=torch.int64)
@@ -689,7 +703,7 @@ class Engine:
 
     def barrier(self, *, process_set=None):
         """Return once every rank of the set has called barrier."""
-        self._guarded("barrier", self._barrier, self._resolve(process_set))
+        self._guarded("barrier", self._barrier, self.resolve_process_set(process_set))
 
     def join(self, device=-1):
         """Declare this rank done; return the rank that joined last.
