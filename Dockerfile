@@ -65,7 +65,7 @@ RUN apt-get update -q \
 RUN --mount=type=secret,id=ca --mount=type=cache,target=/root/.cache/pip \
     bash /opt/pipe_horovod/scripts/with_build_ca.sh \
         pip install -q "torch==${TORCH_VERSION}" numpy "cmake==${CMAKE_VERSION}" packaging psutil cloudpickle pyyaml wheel setuptools
-COPY scripts/install_horovod.sh scripts/cxx17 /opt/pipe_horovod/scripts/
+COPY scripts/install_horovod.sh scripts/cuda_archs.sh scripts/cxx17 /opt/pipe_horovod/scripts/
 # PIPE_HOROVOD_MPI=1 fails the build rather than silently leaving MPI out.
 RUN --mount=type=secret,id=ca --mount=type=cache,target=/root/.cache/pip \
     PYTHON=python HOROVOD_VERSION="${HOROVOD_VERSION}" PIPE_HOROVOD_MPI=1 HOROVOD_GPU_OPERATIONS=NCCL \

@@ -28,12 +28,9 @@ start=$SECONDS
 die() { echo "make image: $*" >&2; exit 1; }
 stage() { printf '[%4ds] %s\n' $(( SECONDS - start )) "$*"; }
 
-if [ -n "${CUDA_CC_LIST:-}" ]; then
-  for cc in ${CUDA_CC_LIST//,/ }; do
-    [[ $cc =~ ^[0-9]+$ ]] && [ "$cc" -ge 75 ] \
-      || die "CUDA_CC_LIST=$CUDA_CC_LIST: CUDA 13 compiles for compute capability 75 (Turing) and newer, not '$cc'"
-  done
-fi
+source scripts/cuda_archs.sh
+problem=$(cuda_cc_problem CUDA_CC_LIST "${CUDA_CC_LIST:-}")
+[ -z "$problem" ] || die "$problem"
 
 # ---- a Docker daemon, and room for the image ----
 bash scripts/docker_daemon.sh "$LOG_DIR/dockerd.log" || exit 3

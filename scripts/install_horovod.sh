@@ -45,10 +45,9 @@ esac
 if [ "$with_mpi" = 1 ]; then controllers=mpi-gloo; else controllers=gloo; fi
 die() { echo "$*" >&2; exit 1; }
 cc_list=${HOROVOD_BUILD_CUDA_CC_LIST:-75,80,86,89,90,100,120}
-for cc in ${cc_list//,/ }; do
-  [[ $cc =~ ^[0-9]+$ ]] && [ "$cc" -ge 75 ] \
-    || die "HOROVOD_BUILD_CUDA_CC_LIST=$cc_list: CUDA 13 compiles for compute capability 75 (Turing) and newer, not '$cc'"
-done
+source "$here/cuda_archs.sh"
+problem=$(cuda_cc_problem HOROVOD_BUILD_CUDA_CC_LIST "$cc_list")
+[ -z "$problem" ] || die "$problem"
 
 torch_version=$("$PY" -c 'import torch; print(torch.__version__)')
 py_tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')

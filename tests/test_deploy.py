@@ -323,6 +323,22 @@ def test_install_horovod_nccl_refuses_what_cannot_build(tmp_path, torch_version,
     assert not list((tmp_path / "cache").glob("**/*.whl")), "something was built"
 
 
+@pytest.mark.parametrize("cc_list, problem", [
+    ("75,80,86,89,90,100,120", ""), ("", ""), ("90", ""),
+    ("70,90", "X=70,90: CUDA 13 compiles for compute capability 75 (Turing) and newer, not '70'"),
+    ("75,sm_90", "X=75,sm_90: CUDA 13 compiles for compute capability 75 (Turing) and newer, "
+                 "not 'sm_90'")])
+def test_cuda_architectures_follow_one_rule(cc_list, problem):
+    """scripts/cuda_archs.sh, which image.sh and install_horovod.sh both source."""
+    res = subprocess.run([shutil.which("bash"), "-c", 'source scripts/cuda_archs.sh && '
+                          'cuda_cc_problem X "$1"', "bash", cc_list], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == problem, res.stdout + res.stderr
+    for script in ("image.sh", "install_horovod.sh"):
+        text = (REPO / "scripts" / script).read_text()
+        assert "cuda_archs.sh" in text and "-ge 75" not in text, script
+
+
 # ---- make image: what it refuses before building ----
 
 def test_image_refuses_architectures_below_75():
