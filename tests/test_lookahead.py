@@ -73,6 +73,8 @@ OPTIMIZERS = {
     "sgd-momentum": (lambda ps: O.SGD(ps, lr=0.1, momentum=0.9), {}),
     "sgd-nesterov-wd-maximize": (lambda ps: O.SGD(ps, lr=0.1, momentum=0.9, nesterov=True,
                                                   weight_decay=0.01, maximize=True), {}),
+    "sgd-dampening-wd": (lambda ps: O.SGD(ps, lr=0.1, momentum=0.9, dampening=0.3,
+                                          weight_decay=0.01), {}),
     "sgd-dampening-foreach": (lambda ps: O.SGD(ps, lr=0.1, momentum=0.9, dampening=0.3,
                                                foreach=True), {}),
     "sgd-fused": (lambda ps: O.SGD(ps, lr=0.1, momentum=0.9, fused=True), {}),
@@ -102,7 +104,8 @@ if hasattr(O, "Muon"):
     OPTIMIZERS["muon"] = (lambda ps: O.Muon(ps, lr=0.01), {"embedding": False, "only": "2d"})
 # differentiable=True is left out: its step works on non-leaf parameters only (torch
 # raises for a model's leaves, wrapped or not).
-ONE_PASS = {"sgd", "sgd-momentum", "sgd-nesterov-wd-maximize", "sgd-dampening-foreach", "adam",
+ONE_PASS = {"sgd", "sgd-momentum", "sgd-nesterov-wd-maximize", "sgd-dampening-wd",
+            "sgd-dampening-foreach", "adam",
             "adam-amsgrad-wd-maximize", "adam-foreach", "adamw", "adamw-amsgrad-foreach"}
 
 

@@ -8,7 +8,9 @@ bytes; on CUDA also torch.cuda.max_memory_allocated over those steps. Rank 0
 prints one JSON line per (width, optimizer, configuration), with the median
 over steps of the milliseconds the compensation took (putting the real
 weights back in step() and the prediction at the next forward) and the
-median of one step of the bare optimizer on the same parameters.
+median of one step of the bare optimizer on the same parameters, each as
+wall-clock time and (on CPU) as this thread's CPU time, and the median of
+the per-step ratios of the two.
 
 Configurations: horovod (Horovod's DistributedOptimizer; engine horovod
 only), ddp (DistributedDataParallel; under engine horovod in a gloo group
@@ -94,15 +96,20 @@ def measure(config, kind, width, steps, device, one_process, twin=None):
     x = torch.randn(8, width, generator=g).to(device)
     timings = getattr(opt, "timings", None)
     charged, bare = [], []                       # compensation, bare step: seconds per step
+    charged_cpu, bare_cpu = [], []               # the same in the thread's CPU seconds
     for t in range(steps):
         before = timings["compensation_s"] if timings else 0.0
+        before_cpu = timings.get("compensation_cpu_s", 0.0) if timings else 0.0
         opt.zero_grad()
         net(x).square().mean().backward()        # the prediction: at this forward
         opt.step()                               # the real weights back: in this step
         if timings and t >= WARM_STEPS:          # the first predictions build state: skipped
             charged.append(timings["compensation_s"] - before)
+            charged_cpu.append(timings.get("compensation_cpu_s", 0.0) - before_cpu)
             if twin is not None:                 # under the same load, side by side
-                bare.append(timed_step(twin, device))
+                wall, cpu = timed_step(twin, device, cpu=True)
+                bare.append(wall)
+                bare_cpu.append(cpu)
     if hasattr(opt, "flush") and config.startswith("ours"):
         live = live_bytes(device) - base_bytes    # before flush: the pipeline is full
         opt.flush()
@@ -117,6 +124,13 @@ def measure(config, kind, width, steps, device, one_process, twin=None):
         row["compensation_ms"] = 1e3 * statistics.median(charged)
         if bare:
             row["optimizer_step_ms"] = 1e3 * statistics.median(bare)
+            row["ratio"] = statistics.median(c / b for c, b in zip(charged, bare))
+        if bare_cpu and any(charged_cpu) and device.type == "cpu":
+            # CPU seconds of this thread: other jobs on a shared machine preempt the wall
+            # clock of either side; this counts only the work (one intra-op thread).
+            row["compensation_cpu_ms"] = 1e3 * statistics.median(charged_cpu)
+            row["optimizer_step_cpu_ms"] = 1e3 * statistics.median(bare_cpu)
+            row["cpu_ratio"] = statistics.median(c / b for c, b in zip(charged_cpu, bare_cpu))
     del net, opt, model
     return row
 
@@ -131,15 +145,16 @@ def bare_optimizer(kind, width, device):
     return opt
 
 
-def timed_step(opt, device):
-    """Seconds of one step of `opt`."""
+def timed_step(opt, device, cpu=False):
+    """Seconds of one step of `opt` (with cpu=True: and this thread's CPU seconds)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.thread_time()
     opt.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    return (wall, time.thread_time() - start_cpu) if cpu else wall
 
 
 def main(argv=None):

@@ -9,7 +9,9 @@ after a few steps in units of the parameters' bytes (Horovod with Adam:
 4.0), the compensation's milliseconds per step (median over the steps after
 the first two) beside one step of the bare optimizer on a twin of the same
 parameters (on CPU timed right after each of those steps, under the same
-load), and, with `--device cuda` (one process),
+load; the ratio is the median of the per-step ratios), the same in the
+thread's CPU time (which other jobs on a shared machine do not inflate),
+and, with `--device cuda` (one process),
 torch.cuda.max_memory_allocated in the same units.
 """
 import json
@@ -20,10 +22,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipe_horovod.tools.bench import memory_worker
+from pipe_horovod.tools.bench import keras_memory_worker, memory_worker
 
 REPO = Path(__file__).resolve().parents[3]
 MODULE = "pipe_horovod.tools.bench.memory_worker"
+KERAS_MODULE = "pipe_horovod.tools.bench.keras_memory_worker"
 
 
 def add_arguments(parser):
@@ -33,8 +36,15 @@ def add_arguments(parser):
     parser.add_argument("--widths", default="2048",
                         help="comma-separated MLP widths: two width x width layers each "
                              "(2048: 8.4 M parameters)")
-    parser.add_argument("--configs", default=",".join(memory_worker.CONFIGS),
-                        help="comma-separated, from " + ", ".join(memory_worker.CONFIGS))
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated, from " + ", ".join(memory_worker.CONFIGS)
+                        + " (PyTorch; default all), or from "
+                        + ", ".join(keras_memory_worker.CONFIGS) + " (--framework keras)")
+    parser.add_argument("--framework", default="torch", choices=("torch", "keras"),
+                        help="torch: the PyTorch adapter beside Horovod and DDP; keras: the "
+                             "Keras adapter beside the unwrapped Keras optimizer")
+    parser.add_argument("--backends", default="tensorflow,torch",
+                        help="--framework keras: comma-separated Keras backends")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--optimizers", default="sgd-momentum,adam",
                         help=f"comma-separated, from {', '.join(memory_worker.OPTIMIZERS)}")
@@ -49,7 +59,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _command(engine, workers, worker_args):
+def _command(engine, workers, worker_args, module=MODULE):
     py = sys.executable
     if engine == "horovod":
         horovodrun = Path(py).parent / "horovodrun"
@@ -57,23 +67,33 @@ def _command(engine, workers, worker_args):
         if horovodrun is None:
             raise SystemExit("pipe-horovod memory: horovodrun was not found")
         return [horovodrun, "-np", str(workers), "-H", f"localhost:{workers}", "--gloo", py,
-                "-m", MODULE, *worker_args]
+                "-m", module, *worker_args]
     if engine == "torch":
         return [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                str(workers), "-m", MODULE, *worker_args]
+                str(workers), "-m", module, *worker_args]
     if engine == "local":
-        return [py, "-m", MODULE, *worker_args]
+        return [py, "-m", module, *worker_args]
     raise SystemExit(f"pipe-horovod memory: unknown engine {engine!r} (horovod, torch)")
 
 
-def collect(engine, args):
+def collect(engine, args, backend=None):
+    """Rows of one launch: the PyTorch worker, or (backend given) the Keras one."""
     worker_args = ["--widths", args.widths, "--steps", str(args.steps),
-                   "--optimizers", args.optimizers, "--configs", args.configs,
-                   "--device", args.device]
+                   "--optimizers", args.optimizers]
+    if args.configs:
+        worker_args += ["--configs", args.configs]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
-    env[memory_worker.DDP_ENV] = f"127.0.0.1:{_free_port()}"
-    proc = subprocess.run(_command(engine, args.workers, worker_args), env=env,
+    if backend is None:
+        module = MODULE
+        worker_args += ["--device", args.device]
+        env[memory_worker.DDP_ENV] = f"127.0.0.1:{_free_port()}"
+    else:
+        module = KERAS_MODULE
+        # TensorFlow's CPU allocator counts its bytes only as the BFC allocator.
+        env.update(KERAS_BACKEND=backend, TF_CPU_ALLOCATOR_USE_BFC="true",
+                   TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(_command(engine, args.workers, worker_args, module), env=env,
                           capture_output=True, text=True, timeout=args.timeout)
     rows = []
     for line in proc.stdout.splitlines():
@@ -92,19 +112,62 @@ def table(rows):
     head = ["parameters (M)", "optimizer", "engine", "configuration", "live tensors (x params)"]
     head += ["CUDA peak (x params)"] if cuda else []
     head += ["compensation ms/step", "optimizer step ms", "compensation / step"]
+    cpu = any("cpu_ratio" in r for r in rows)
+    head += ["CPU: compensation ms", "CPU: step ms", "CPU: compensation / step"] if cpu else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [f"{2 * r['width'] * (r['width'] + 1) / 1e6:.1f}", r["optimizer"],
-                 r["engine"], r["config"], f"{r['live']:.2f}"]
+        cells = [_millions(r), r["optimizer"], r["engine"], r["config"], f"{r['live']:.2f}"]
         cells += [f"{r['cuda_peak']:.2f}" if "cuda_peak" in r else "–"] if cuda else []
         ms = r.get("compensation_ms")
-        cells += [f"{ms:.2f}" if ms else "–", f"{r['optimizer_step_ms']:.2f}",
-                  f"{ms / r['optimizer_step_ms']:.2f}" if ms else "–"]
+        step = r.get("optimizer_step_ms")
+        ratio = r.get("ratio", ms / step if ms and step else None)
+        cells += [_ms(ms), _ms(step), f"{ratio:.2f}" if ms and ratio else "–"]
+        if cpu:
+            cells += [_ms(r.get("compensation_cpu_ms")), _ms(r.get("optimizer_step_cpu_ms")),
+                      f"{r['cpu_ratio']:.2f}" if "cpu_ratio" in r else "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _millions(row):
+    """Parameters in millions: the row's own count, else the MLP's two width x width layers."""
+    if "params" in row:
+        return f"{row['params'] / 1e6:.2f}"
+    return f"{2 * row['width'] * (row['width'] + 1) / 1e6:.1f}"
+
+
+def _ms(value):
+    return f"{value:.2f}" if value else "–"
+
+
+def keras_table(rows):
+    """The Keras adapter's rows: live bytes (TensorFlow's allocator + torch storages) and
+    TensorFlow's peak over the steps, in the parameters' bytes."""
+    head = ["parameters (M)", "optimizer", "Keras backend", "engine", "configuration",
+            "live (x params)", "of it TensorFlow", "of it torch", "TensorFlow peak (x params)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        peak = r.get("tf_peak")
+        cells = [_millions(r), r["optimizer"], r["backend"], r["engine"], r["config"],
+                 f"{r['live']:.2f}", f"{r['tf']:.2f}", f"{r['torch']:.2f}",
+                 f"{peak:.2f}" if peak is not None else "–"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def run(args):
+    if args.framework == "keras":
+        if args.device != "cpu":
+            raise SystemExit("pipe-horovod memory --framework keras: CPU only")
+        rows = []
+        for backend in args.backends.split(","):
+            for engine in args.engines.split(","):
+                rows += collect(engine, args, backend)
+        workers = {r.get("workers", args.workers) for r in rows}
+        print(f"Live memory of the Keras adapter after {args.steps} steps, "
+              f"{'/'.join(map(str, sorted(workers)))} workers (units: the parameters' bytes)")
+        print(keras_table(rows))
+        return 0
     engines = ["local"] if args.device != "cpu" else args.engines.split(",")
     rows = []
     for engine in engines:
