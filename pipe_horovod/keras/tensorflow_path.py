@@ -37,6 +37,7 @@ import tensorflow as tf
 import torch
 
 from ..pipeline import StepGradient, StepMachine
+from ..pipeline.buckets import bucket_cap_bytes
 from .naming import next_prefix, variable_names
 
 
@@ -56,7 +57,7 @@ class TensorFlowPath:
             next_prefix(), options["pipeline_depth"], options["warmup_steps"],
             compression=options["compression"], op=options["op"],
             predivide=options["gradient_predivide_factor"], process_set=options["process_set"],
-            cap_bytes=int(options["bucket_cap_mb"] * 2**20), groups=options["groups"],
+            cap_bytes=bucket_cap_bytes(options["bucket_cap_mb"]), groups=options["groups"],
             collective=options["collective"])
         # Ready order: backward produces the last layer's gradients first.
         self.machine.plan([(name, int(np.prod(v.shape)), np.dtype(v.dtype).itemsize,

@@ -3,20 +3,36 @@
 A Horovod script calls these after building its model and optimizer (and
 after rank 0 alone restored a checkpoint), so every rank starts alike.
 """
+from __future__ import annotations
+
 import collections
 import itertools
-from typing import NamedTuple
+from typing import Iterable, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from .. import engine
 
 
-def broadcast_parameters(params, root_rank):
+def broadcast_parameters(
+        params: Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]],
+                      Iterable[torch.Tensor]],
+        root_rank: int) -> None:
     """Copy root's parameters to every rank, in place.
 
-    `params`: a state_dict, model.named_parameters(), or a list of tensors,
-    as Horovod accepts.
+    Why: ranks that start from different random weights average gradients
+    computed at different points, and never converge to the same model;
+    Horovod's resume pattern also restores a checkpoint on root alone and
+    relies on this to hand it out.
+
+    Args:
+        params: a state_dict, model.named_parameters(), or a list of tensors,
+            as Horovod accepts. A dict is sent in sorted key order, so ranks
+            whose dicts were built in different orders still match.
+        root_rank: the rank whose values every rank ends with.
+
+    Raises:
+        TypeError: an entry is not a tensor (the name says which).
     """
     items = sorted(params.items()) if isinstance(params, dict) else list(params)
     for item in items:
@@ -31,7 +47,8 @@ def broadcast_parameters(params, root_rank):
                 tensor.copy_(engine.broadcast(tensor.contiguous(), root_rank))
 
 
-def broadcast_optimizer_state(optimizer, root_rank, model=None):
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: Optional[torch.nn.Module] = None) -> None:
     """Give every rank root's optimizer state: momentum, Adam moments, LR, step counts,
     and for a DistributedOptimizer the pipeline's own (gradients in flight, step,
     bucket order).
@@ -46,6 +63,16 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
     would unpickle CUDA storages onto root's device index on every rank. As
     Horovod does, a fresh optimizer's trainable parameters are left with a
     zero `.grad` (sparse for SparseAdam and for sparse embeddings of `model`).
+
+    Args:
+        optimizer: any torch optimizer, a DistributedOptimizer included; on the
+            other ranks its state is replaced by root's (load_state_dict).
+        root_rank: the rank whose state every rank ends with.
+        model: only to find sparse embeddings, whose fresh `.grad` must be sparse.
+
+    Raises:
+        TypeError: `optimizer` is not a torch.optim.Optimizer, or its state holds a
+            tensor that is neither dense nor sparse COO.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state needs a torch.optim.Optimizer, got "

@@ -15,14 +15,17 @@ across ranks that start them in the same order (Horovod's own rule).
 Under the horovod engine every call reaches `horovod.torch`; see
 pipe_horovod/engine/ for what the torch and local engines do instead.
 """
+from __future__ import annotations
+
 import warnings
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from .. import engine as _engine
 from ..compression import Compression
-from ..engine import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet, Sum,
-                      global_process_set)
+from ..engine import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet,
+                      ReduceOp, Sum, global_process_set)
 from ..engine.base import Handle
 
 
@@ -182,14 +185,37 @@ def _tensors(tensors, what):
 
 
 # --- completion ----------------------------------------------------------------
-def poll(handle):
-    """True when `synchronize(handle)` would return without blocking."""
+def poll(handle: Union[Handle, Callable[[], torch.Tensor]]) -> bool:
+    """Whether an `*_async` operation has finished, without waiting for it.
+
+    Why: a training loop can do other work while a reduction runs and only
+    block (synchronize) when the result is needed.
+
+    Args:
+        handle: what an `*_async` function returned.
+
+    Returns:
+        True when `synchronize(handle)` would return without blocking.
+    """
     return _current().poll(handle)
 
 
-def synchronize(handle):
-    """Wait for an `*_async` operation and return its result (a failed collective
-    raises HorovodInternalError, as in Horovod)."""
+def synchronize(handle: Union[Handle, Callable[[], torch.Tensor]]) -> Any:
+    """Wait for an `*_async` operation and return its result.
+
+    Args:
+        handle: what an `*_async` function returned; each handle is synchronized once.
+
+    Returns:
+        The operation's result: the reduced, gathered or broadcast tensor (a list
+        for the grouped operations, (output, received_splits) for alltoall).
+
+    Raises:
+        HorovodInternalError: the collective failed, as Horovod raises it, so elastic
+            training and Horovod-style retry loops catch it; its subclasses
+            RankLostError (a peer died) and WaitTimeoutError (no result within
+            init(timeout=...)) say which.
+    """
     if callable(handle) and not isinstance(handle, Handle):
         return handle()                     # sparse_allreduce_async's handle
     try:
@@ -201,25 +227,77 @@ def synchronize(handle):
 
 
 # --- allreduce -----------------------------------------------------------------
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=global_process_set):
-    """Start reducing a copy of `tensor` (the input is not modified)."""
+def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
+                    name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start reducing a copy of `tensor` across ranks, and return at once.
+
+    Why async: the reduction runs while this rank computes; pipe_horovod's
+    optimizer is built on exactly this overlap.
+
+    Args:
+        tensor: the tensor to reduce; its dtype and shape must match on every rank.
+        average: Horovod's deprecated flag (True: Average, False: Sum); use `op`.
+        name: a name that matches the operation across ranks; None: one counted
+            per kind, which agrees where every rank starts the same operations in
+            the same order.
+        op: Average (the default), Sum, Adasum, Min, Max or Product.
+        prescale_factor, postscale_factor: multiply the input before and the
+            result after the reduction (Horovod's way to split an average).
+        process_set: the ranks that take part; every one of them must call it.
+
+    Returns:
+        A handle for poll() and synchronize(), which returns the reduced copy
+        (the input is not modified).
+
+    Raises:
+        TypeError, ValueError: a bad argument (not a tensor, an op the engine cannot
+            run, `average` and `op` both given), on this rank, before anything is sent.
+    """
     return _current().allreduce_async(
         _copy(tensor, "allreduce_async"), name, _op(op, average), process_set=process_set,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0, process_set=global_process_set):
-    """Start reducing `tensor` in place."""
+def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
+                     name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """Start reducing `tensor` in place: no copy, for large buffers.
+
+    Args:
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set:
+            as for allreduce_async; `tensor` is overwritten with the result.
+
+    Returns:
+        A handle for poll() and synchronize(), which returns `tensor`.
+
+    Raises:
+        TypeError, ValueError: as for allreduce_async.
+    """
     return _current().allreduce_async(
         _tensor(tensor, "allreduce_async_"), name, _op(op, average), process_set=process_set,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-               postscale_factor=1.0, process_set=global_process_set):
-    """Reduce `tensor` in place and return it."""
+def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None,
+               name: Optional[str] = None, op: Optional[ReduceOp] = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce `tensor` in place and return it (allreduce_async_ then synchronize).
+
+    Args:
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set:
+            as for allreduce_async.
+
+    Returns:
+        `tensor`, now holding the result.
+
+    Raises:
+        TypeError, ValueError: as for allreduce_async; HorovodInternalError as for
+            synchronize.
+    """
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
                                         postscale_factor, process_set))
 
@@ -238,9 +316,28 @@ class _Allreduce(torch.autograd.Function):
         return (allreduce(grad_output, **ctx.options),) + (None,) * 5
 
 
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
-    """The reduction of `tensor` across ranks, as a new tensor; differentiable."""
+def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              compression: Any = Compression.none, op: Optional[ReduceOp] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """The reduction of `tensor` across ranks, as a new tensor.
+
+    Differentiable, with Horovod's backward (the same reduction of the incoming
+    gradient), so it can sit inside a model, e.g. to average a statistic.
+
+    Args:
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set:
+            as for allreduce_async.
+        compression: a Compression codec applied to what travels (Compression.fp16
+            halves the bytes); the result has `tensor`'s dtype again.
+
+    Returns:
+        A new tensor holding the result; `tensor` is not modified.
+
+    Raises:
+        TypeError, ValueError: as for allreduce_async; HorovodInternalError as for
+            synchronize.
+    """
     op = _op(op, average)
     _checked(tensor, "allreduce")
     wire, ctx = compression.compress(tensor)
@@ -342,9 +439,25 @@ class _Allgather(torch.autograd.Function):
         return grad.narrow(0, offset, ctx.rows), None, None
 
 
-def allgather(tensor, name=None, process_set=global_process_set):
-    """Every rank's `tensor` concatenated along dimension 0 (first dimensions may
-    differ); differentiable."""
+def allgather(tensor: torch.Tensor, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Every rank's `tensor` concatenated along dimension 0, in rank order.
+
+    Differentiable: backward averages the gradient over ranks and keeps this
+    rank's rows (Horovod's definition).
+
+    Args:
+        tensor: this rank's rows; the first dimension may differ between ranks, the
+            others and the dtype must not.
+        name, process_set: as for allreduce_async.
+
+    Returns:
+        A new tensor with the rows of every rank of `process_set`.
+
+    Raises:
+        TypeError, ValueError: not a tensor, or shapes or dtypes that differ between
+            ranks beyond the first dimension; HorovodInternalError as for synchronize.
+    """
     _checked(tensor, "allgather")
     return _Allgather.apply(tensor, name, process_set)
 
@@ -391,7 +504,19 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
                                       process_set=process_set)
 
 
-def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Overwrite `tensor` with root's value and return it (no copy).
+
+    Args:
+        tensor, root_rank, name, process_set: as for broadcast.
+
+    Returns:
+        `tensor`, now holding root's value.
+
+    Raises:
+        As broadcast.
+    """
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
@@ -411,8 +536,26 @@ class _Broadcast(torch.autograd.Function):
         return grad, None, None, None
 
 
-def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
-    """Root's `tensor`, as a new tensor on every rank; differentiable."""
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Root's `tensor`, as a new tensor on every rank.
+
+    Differentiable: backward gives root the gradient averaged over ranks and
+    the others zero (Horovod's definition).
+
+    Args:
+        tensor: root's value; on the other ranks a tensor of the same shape and
+            dtype, whose values are ignored.
+        root_rank: the global rank whose value everyone receives.
+        name, process_set: as for allreduce_async.
+
+    Returns:
+        A new tensor holding root's value; `tensor` is not modified.
+
+    Raises:
+        TypeError, ValueError: not a tensor, or a root outside `process_set`;
+            HorovodInternalError as for synchronize.
+    """
     _checked(tensor, "broadcast")
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
