@@ -5,7 +5,7 @@ happens to them as flat engine tensors (StepMachine), so both frameworks
 share one implementation of the Pipe-SGD math.
 """
 from .buckets import Bucket, plan_buckets
-from .checks import check_options, check_reduction, compare_across_ranks
+from .option_checks import check_options, check_reduction, compare_across_ranks
 from .depth import DEPTH_VARIABLE, announce_depth, report_unapplied, resolve_depth
 from .fifo import GradientFifo
 from .staleness import check_staleness
