@@ -409,10 +409,14 @@ class Engine:
             name = self._claim(kind, None, self.resolve_process_set(process_set))
 
         def start(ps):
-            a2a = self._start_alltoall(send, splits, f"{name}.a2a", ps)
-            return TwoStage(self._submit(self._second_stage, a2a, name, ps, reduce), finish)
+            return self._start_two_stage(send, splits, name, ps, reduce, finish)
 
         return self.adopt_async(kind, tensor, name, op, start, process_set=process_set)
+
+    def _start_two_stage(self, send, splits, name, ps, reduce, finish):
+        """two_stage_async's backend state (a TwoStage Work), for engines' own hooks."""
+        a2a = self._start_alltoall(send, splits, f"{name}.a2a", ps)
+        return TwoStage(self._submit(self._second_stage, a2a, name, ps, reduce), finish)
 
     def _submit(self, fn, *args):
         """Run `fn(*args)` on the engine's pool of two-stage threads; its Future."""

@@ -31,11 +31,12 @@ rounded once, so it is at least as accurate as a ring accumulating in
 bfloat16 (which rounds after every hop). With one rank nothing is sent.
 
 Step 1 is queued on the caller's thread and steps 2-3 run on the engine's
-pool of two-stage threads (`Engine._submit`, shared with
+pool of two-stage threads (`Engine._start_two_stage`, shared with
 `Engine.two_stage_async`, whose docstring gives the reason and why it
 cannot deadlock); `wait` finishes the allgather. The names `<name>.a2a` and
-`<name>.ag` must not be in flight as other tensors' names. A tensor whose size differs across ranks is reported
-(EngineError on `wait`) by the ranks whose shard sizes then disagree.
+`<name>.ag` must not be in flight as other tensors' names. A tensor whose
+size differs across ranks is reported (EngineError on `wait`) by the ranks
+whose shard sizes then disagree.
 Other dtypes use `allreduce_async_` directly. Min, Max and Product of
 bfloat16 take the same path, combining the shards in float32; so do
 process sets and Horovod's prescale/postscale factors.
@@ -46,13 +47,12 @@ Everything else delegates to `horovod.torch`, except Adasum without MPI
 (Horovod runs Adasum only through MPI): that gathers every rank's tensor
 and combines them with engine/adasum.py.
 """
-import concurrent.futures
 import io
 import os
 
 from .adasum import combine as adasum_combine
-from .base import (DEFAULT_TIMEOUT_S, Adasum, Average, Engine, EngineError, Max, Min, Product,
-                   Sum, Work, scale_, shard_sizes)
+from .base import (DEFAULT_TIMEOUT_S, Adasum, Average, Done, Engine, EngineError, Max, Min,
+                   Product, Sum, Work, scale_, shard_sizes)
 from .process_sets import check_new_sets
 from .stall import http_board, torch_board
 
@@ -87,16 +87,6 @@ class _HorovodWork(Work):
     def wait(self):
         out = self.hvd.synchronize(self.handle)
         return out if self.finish is None else self.finish(out)
-
-
-class _Split16Reduction:
-    """Backend state of one alltoall + allgather reduction (see the module docstring)."""
-
-    __slots__ = ("wire", "future")
-
-    def __init__(self, wire, future):
-        self.wire = wire            # the caller's tensor, flat, as int16
-        self.future = future        # -> allgather handle, or None with one rank
 
 
 class HorovodEngine(Engine):
@@ -255,35 +245,36 @@ class HorovodEngine(Engine):
         return _HorovodWork(self.hvd, handle, list)
 
     def _start_split16(self, tensor, name, op, process_set, prescale_factor, postscale_factor):
-        """Start the alltoall of a 16-bit float tensor; a pool thread does the rest."""
+        """Start the alltoall of a 16-bit float tensor; a pool thread does the rest
+        (Engine._start_two_stage)."""
         torch = _torch()
         wire = tensor.view(-1).view(torch.int16)
         size = len(process_set.ranks)
         if size == 1:                  # one value: the input, bit for bit unless scaled
             if prescale_factor != 1 or postscale_factor != 1:
                 tensor.copy_(tensor.float().mul_(prescale_factor).mul_(postscale_factor))
-            done = concurrent.futures.Future()
-            done.set_result(None)
-            return _Split16Reduction(wire, done)
-        library_set = self._library_set(process_set)
+            return Done(tensor)
         splits = shard_sizes(wire.numel(), size)
-        a2a = self.hvd.alltoall_async(wire, splits=splits, name=f"{name}.a2a",
-                                      process_set=library_set)
         shard = splits[process_set.ranks.index(self.rank())]
-        future = self._submit(self._reduce_shard, a2a, shard, size, tensor.dtype, op, name,
-                                   library_set, prescale_factor, postscale_factor)
-        return _Split16Reduction(wire, future)
 
-    def _reduce_shard(self, a2a, shard, size, dtype, op, name, library_set, prescale_factor,
+        def reduce(received, counts):
+            return self._reduce_shard(received, counts, shard, size, tensor.dtype, op, name,
+                                      prescale_factor, postscale_factor)
+
+        def finish(gathered):
+            wire.copy_(gathered)
+            return tensor
+
+        return self._start_two_stage(wire, splits, name, process_set, reduce, finish)
+
+    def _reduce_shard(self, received, counts, shard, size, dtype, op, name, prescale_factor,
                       postscale_factor):
-        """Pool thread: finish the alltoall, reduce this rank's shard, start the allgather."""
+        """Pool thread: this rank's shard of every rank, reduced in float32 (int16 bits)."""
         torch = _torch()
-        received, received_splits = self.hvd.synchronize(a2a)
-        got = received_splits.tolist()
-        if got != [shard] * size:
+        if counts != [shard] * size:
             raise EngineError(
                 f"{dtype} reduction {name!r}: rank {self.rank()} expected {shard} element(s) "
-                f"from every rank, received {got}; the tensor's size differs across ranks")
+                f"from every rank, received {counts}; the tensor's size differs across ranks")
         values = received.view(dtype).view(size, shard).float()
         if prescale_factor != 1:
             values.mul_(prescale_factor)
@@ -302,29 +293,13 @@ class HorovodEngine(Engine):
             total.div_(size)
         if postscale_factor != 1:
             total.mul_(postscale_factor)
-        reduced = total.to(dtype).view(torch.int16)
-        return self.hvd.allgather_async(reduced, name=f"{name}.ag", process_set=library_set)
+        return total.to(dtype).view(torch.int16)
 
     def _poll(self, handle):
-        backend = handle.backend
-        if not isinstance(backend, _Split16Reduction):
-            return self.hvd.poll(backend)
-        future = backend.future
-        if not future.done():
-            return False
-        if future.exception() is not None:
-            return True                # wait raises at once
-        ag = future.result()
-        return ag is None or self.hvd.poll(ag)
+        return self.hvd.poll(handle.backend)
 
     def _wait(self, handle):
-        backend = handle.backend
-        if not isinstance(backend, _Split16Reduction):
-            return self.hvd.synchronize(backend)
-        ag = backend.future.result()   # re-raises the pool thread's error
-        if ag is not None:
-            backend.wire.copy_(self.hvd.synchronize(ag))
-        return handle.tensor
+        return self.hvd.synchronize(handle.backend)
 
     # --- data movement --------------------------------------------------
     def _start_allgather(self, tensor, name, process_set):
