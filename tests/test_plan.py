@@ -68,3 +68,60 @@ def test_resnet50_plan_and_plot(tmp_path, capsys):
     assert len(steps) == 7
     assert steps["ours-k2-int8"] < steps["ours-k2-fp16"] < steps["ours-k2"] < steps["ours-k1"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in out
+
+
+# Issue 28 item 4: with bucket_cap_mb at its default (auto, pipeline.buckets.auto_bucket_cap_mb)
+# our K=1 is >= 0.97x and K=2 >= 1.0x Horovod's DistributedOptimizer for ResNet-50 (batch 64,
+# 100 TFLOP/s) and BERT-base (batch 32, 200 TFLOP/s) at 8, 64 and 256 workers on 10, 25 and
+# 100 Gbit/s (20 us). One cell misses, and docs/planner.md says why: ResNet-50 at 64 workers on
+# 100 Gbit/s, where no cap chosen from the cluster alone serves both models.
+SCALES = [8, 64, 256]
+LINKS = ["10gbit", "25gbit", "100gbit"]
+SCALE_MODELS = {"resnet50": ("64", "100"), "bert-base": ("32", "200")}
+BELOW_K1_TARGET = {("resnet50", 64, 100.0)}
+
+
+def _sweep(capsys, model, *extra):
+    batch, tflops = SCALE_MODELS[model]
+    assert main(["plan", "--model", model, "--batch-size", batch, "--device-tflops", tflops,
+                 "--workers", ",".join(map(str, SCALES)), "--bandwidth", ",".join(LINKS),
+                 *extra]) == 0
+    out = capsys.readouterr().out
+    cells = {}
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.strip("|").split("|")]
+        if len(parts) == 8 and parts[0].isdigit():
+            cells[(model, int(parts[0]), float(parts[1].split()[0]))] = (
+                float(parts[2]), float(parts[4].rstrip("x")), float(parts[5].rstrip("x")))
+    assert len(cells) == len(SCALES) * len(LINKS)
+    return out, cells
+
+
+@pytest.mark.parametrize("model", sorted(SCALE_MODELS))
+def test_auto_buckets_keep_up_with_horovod_at_scale(capsys, model):
+    out, cells = _sweep(capsys, model)
+    assert "our buckets auto" in out
+    for key, (cap, k1, k2) in cells.items():
+        assert k2 >= 1.0, (key, cap, k2)
+        if key in BELOW_K1_TARGET:
+            assert k1 < 0.97, f"{key} now meets the target: update docs/planner.md"
+        else:
+            assert k1 >= 0.97, (key, cap, k1)
+        # the planner's cap is the runtime's
+        from pipe_horovod.pipeline.buckets import auto_bucket_cap_mb
+        assert cap == pytest.approx(auto_bucket_cap_mb(key[1], key[2] * 1e9 / 8, 20e-6), abs=0.05)
+
+
+def test_the_cell_auto_misses_meets_the_target_with_an_explicit_cap(capsys):
+    _, cells = _sweep(capsys, "resnet50", "--bucket-cap-mb", "64")
+    cap, k1, k2 = cells[("resnet50", 64, 100.0)]
+    assert cap == 64 and k1 >= 0.97 and k2 >= 1.0
+    # and 25 MiB, the old default, is what the issue measured: 0.93x at 64 workers, 25 Gbit/s
+    _, cells = _sweep(capsys, "resnet50", "--bucket-cap-mb", "25")
+    assert cells[("resnet50", 64, 25.0)][1] == pytest.approx(0.93, abs=0.005)
+
+
+def test_sweep_refuses_a_plot(capsys, tmp_path):
+    with pytest.raises(SystemExit, match="--plot draws one cluster"):
+        main(["plan", "--model", "resnet50", "--batch-size", "1", "--device-tflops", "1",
+              "--workers", "8,64", "--bandwidth", "25gbit", "--plot", str(tmp_path / "x.png")])

@@ -26,6 +26,7 @@ from .. import engine
 from ..collectives import Collective, check_collective
 from ..collectives.communicator import communicator
 from ..compression import Compression
+from ..pipeline.buckets import resolve_bucket_cap_mb
 from ..pipeline import (announce_depth, check_options, check_reduction, check_staleness,
                         compare_across_ranks, report_unapplied, resolve_depth, staleness)
 from .naming import momentum_attribute
@@ -343,7 +344,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          backward_passes_per_step=1, average_aggregated_gradients=False,
                          num_groups=0, groups=None, process_set=None,
                          scale_local_gradients=True, *, pipeline_depth=None, warmup_steps=0,
-                         bucket_cap_mb=25, staleness_compensation=staleness.DEFAULT,
+                         bucket_cap_mb=None, staleness_compensation=staleness.DEFAULT,
                          collective=None):
     """Wrap a Keras 3 optimizer so its gradients are averaged across ranks, pipelined.
 
@@ -377,6 +378,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     pipe_horovod's collectives, where `compression` works at every hop, so
     Compression.int8 and int8_ef (error feedback, whose residuals checkpoints
     carry, per rank) become possible; as in the PyTorch adapter.
+    bucket_cap_mb: MiB per bucket; None (default): chosen from the number of
+    ranks and the link, as in the PyTorch adapter (docs/planner.md).
     Every rank must build the same model: differences are raised as
     ValueError on every rank at the first step (or at
     BroadcastGlobalVariablesCallback's on_train_begin), not when the
@@ -395,6 +398,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if scale_local_gradients is not True:
         raise ValueError("scale_local_gradients=False is not supported")
     pipeline_depth, depth_source = resolve_depth(pipeline_depth)
+    bucket_cap_mb = resolve_bucket_cap_mb(bucket_cap_mb, process_set)   # None: auto
     check_options(pipeline_depth, warmup_steps, 1, bucket_cap_mb)
     collective = check_collective(collective, compression)
     check_reduction(op, gradient_predivide_factor)

@@ -34,8 +34,8 @@ def check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real):
         raise TypeError(f"bucket_cap_mb must be a number, got {type(bucket_cap_mb).__name__}")
     if not (bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
-        raise ValueError(f"bucket_cap_mb must be a finite number of megabytes > 0 (25 by "
-                         f"default, as DDP's), got {bucket_cap_mb}")
+        raise ValueError(f"bucket_cap_mb must be a finite number of megabytes > 0 (or None, "
+                         f"the default: chosen from the ranks and the link), got {bucket_cap_mb}")
 
 
 def check_reduction(op, gradient_predivide_factor):

@@ -455,7 +455,9 @@ class Bucketing:
     """How a system groups gradients (in ready order) into allreduces.
 
     "cap" (our optimizer, pipeline/buckets.py): a bucket closes before the
-    next gradient would take it past cap_bytes. "ddp" (torch's Reducer): a
+    next gradient would take it past cap_bytes; with first_cap_bytes (our
+    automatic size, bucket_cap_mb=None) the first bucket also closes once it
+    holds that much. "ddp" (torch's Reducer): a
     bucket closes once it reaches its limit, the first limit being
     first_cap_bytes. "fusion" (Horovod's tensor fusion): when the link
     frees, everything ready by then goes, up to cap_bytes per allreduce.
@@ -480,7 +482,9 @@ class Bucketing:
         out, ready, used = [], 0.0, 0.0
         limit = self.first_cap_bytes if self.kind == "ddp" and self.first_cap_bytes else self.cap_bytes
         for r, n in gradients:
-            if self.kind == "cap" and used and used + n > self.cap_bytes:
+            first = self.kind == "cap" and self.first_cap_bytes and not out
+            if self.kind == "cap" and used and (
+                    used + n > self.cap_bytes or (first and used >= self.first_cap_bytes)):
                 out.append((ready, used))
                 used = 0.0
             ready, used = r, used + n
@@ -505,16 +509,36 @@ class Bucketing:
 
 MIB = 2**20
 OURS = Bucketing("cap", 25 * MIB)                       # DistributedOptimizer(bucket_cap_mb=25)
+# (its default, bucket_cap_mb=None, depends on the cluster: auto_bucketing(workers, network))
 DDP = Bucketing("ddp", 25 * MIB, first_cap_bytes=MIB)   # torch's bucket_cap_mb=25, first bucket 1 MiB
-HOROVOD = Bucketing("fusion", 128 * MIB)                # HOROVOD_FUSION_THRESHOLD default
+HOROVOD = Bucketing("fusion", 128 * MIB)  # HOROVOD_FUSION_THRESHOLD default (128 MiB since 0.21, 0.28.1 too)
 
 
-def bucketings(cap_bytes=OURS.cap_bytes, fusion_bytes=HOROVOD.cap_bytes):
+def auto_bucketing(workers, network):
+    """Our optimizer's buckets at bucket_cap_mb=None: the cap the runtime picks for
+    `workers` ranks on `network` (pipe_horovod.pipeline.buckets.auto_bucket_cap_mb, the
+    function training calls), the first bucket closing once it holds AUTO_FIRST_MB."""
+    from pipe_horovod.pipeline.buckets import AUTO_FIRST_MB, auto_bucket_cap_mb
+
+    bandwidth = 1.0 / network.beta if network.beta > 0 else 1e30    # beta 0: no byte cost
+    cap = auto_bucket_cap_mb(workers, bandwidth, network.alpha)
+    return Bucketing("cap", cap * MIB, first_cap_bytes=AUTO_FIRST_MB * MIB)
+
+
+def bucketings(cap_bytes=OURS.cap_bytes, fusion_bytes=HOROVOD.cap_bytes, workers=None,
+               network=None):
     """{"horovod", "ddp", "ours": Bucketing}: ours and DDP at one bucket cap (as their
-    shared bucket_cap_mb), Horovod at its fusion threshold."""
+    shared bucket_cap_mb), Horovod at its fusion threshold. cap_bytes=None: ours at its
+    default, the automatic size for `workers` on `network` (auto_bucketing), and DDP at
+    its own default (25 MiB)."""
+    if cap_bytes is None:
+        ours = auto_bucketing(workers, network)
+        cap_bytes = DDP.cap_bytes
+    else:
+        ours = Bucketing("cap", cap_bytes)
     return {"horovod": Bucketing("fusion", fusion_bytes),
             "ddp": Bucketing("ddp", cap_bytes, first_cap_bytes=DDP.first_cap_bytes),
-            "ours": Bucketing("cap", cap_bytes)}
+            "ours": ours}
 
 
 # name -> (wire ratio, codec seconds per byte of the fp32 gradient, encode +

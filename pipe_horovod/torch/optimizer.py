@@ -39,6 +39,7 @@ from ..collectives import check_collective
 from ..collectives.communicator import communicator
 from ..compression import Compression
 from ..compression import describe as describe_compression
+from ..pipeline.buckets import bucket_cap_bytes, resolve_bucket_cap_mb
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
                         check_reduction, check_staleness, compare_across_ranks,
                         report_unapplied, resolve_depth, staleness)
@@ -90,7 +91,8 @@ class _PipelinedOptimizer(_Compensation):
         self._number = next(_instances)          # creation order: the same on every rank
         self._machine = StepMachine(f"pipe{self._number}", pipeline_depth, warmup_steps,
                                     compression=compression, op=op, predivide=predivide,
-                                    process_set=process_set, cap_bytes=int(bucket_cap_mb * 2**20),
+                                    process_set=process_set,
+                                    cap_bytes=bucket_cap_bytes(bucket_cap_mb),
                                     groups=groups, collective=collective)
         self._process_set = process_set          # None: every rank
         self._passes_per_step = backward_passes_per_step
@@ -917,13 +919,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step=1, op=engine.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=None, *, pipeline_depth=None,
-                         warmup_steps=0, bucket_cap_mb=25, grad_scaler=None, collective=None,
+                         warmup_steps=0, bucket_cap_mb=None, grad_scaler=None, collective=None,
                          staleness_compensation=staleness.DEFAULT):
     """Wrap `optimizer` so its gradients are averaged across ranks, pipelined.
 
     The arguments up to `process_set` are Horovod's, in Horovod's order and
     with its meaning; `groups` (or the older `num_groups`) fixes which
     gradients share a bucket instead of `bucket_cap_mb`.
+    bucket_cap_mb: MiB per bucket; None (default): chosen from the number of ranks
+        and the link ($PIPE_HOROVOD_LINK_GBPS, $PIPE_HOROVOD_LINK_LATENCY_US;
+        pipe_horovod/pipeline/buckets.py, docs/planner.md), 32 to 128 MiB.
     pipeline_depth: 1 applies g_t at step t (synchronous, like Horovod);
         K >= 2 applies g_{t-K+1} and overlaps the reduction with K-1 steps.
         Default: $PIPE_HOROVOD_PIPELINE_DEPTH if set, else 2.
@@ -984,7 +989,7 @@ def is_distributed(optimizer):
 def _wrap(optimizer, named_parameters=None, compression=Compression.none,
           backward_passes_per_step=1, op=engine.Average, gradient_predivide_factor=1.0,
           num_groups=0, groups=None, sparse_as_dense=False, process_set=None, *,
-          pipeline_depth=None, warmup_steps=0, bucket_cap_mb=25, grad_scaler=None,
+          pipeline_depth=None, warmup_steps=0, bucket_cap_mb=None, grad_scaler=None,
           collective=None, staleness_compensation=staleness.DEFAULT, join_ranks=None):
     """DistributedOptimizer's work; `join_ranks`: see wrap_for_adapter. Warnings
     given here name the caller of DistributedOptimizer or wrap_for_adapter (one frame
@@ -996,6 +1001,7 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
         raise ValueError("this optimizer is a DistributedOptimizer already; wrap the original "
                          "torch.optim optimizer once")
     pipeline_depth, depth_source = resolve_depth(pipeline_depth)
+    bucket_cap_mb = resolve_bucket_cap_mb(bucket_cap_mb, process_set)   # None: auto
     check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket_cap_mb)
     collective = check_collective(collective, compression)
     check_reduction(op, gradient_predivide_factor)

@@ -33,9 +33,23 @@ def add_arguments(parser):
     parser.add_argument("--device-tflops", type=number(0, what="device throughput", strict=True),
                         required=True, help="sustained TFLOP/s of one worker's accelerator")
     add_cluster_arguments(parser)
-    parser.add_argument("--bucket-cap-mb", type=number(0, what="bucket cap", strict=True), default=25.0,
-                        help="bucket cap of ours and DDP in MiB, as their bucket_cap_mb (default 25)")
+    for action in parser._actions:       # plan also takes lists: one table per model, a sweep
+        if action.dest in ("workers", "bandwidth"):
+            action.type = _list_of(action.type)
+            action.help += "; a comma-separated list prints the sweep table of ours vs Horovod"
+    parser.add_argument("--bucket-cap-mb", type=number(0, what="bucket cap", strict=True), default=None,
+                        help="bucket cap of ours and DDP in MiB, as their bucket_cap_mb (default: "
+                             "auto, ours as DistributedOptimizer(bucket_cap_mb=None) picks it for "
+                             "the workers and link, DDP at its 25)")
     parser.add_argument("--plot", metavar="PNG", help="also draw the table as a bar chart")
+
+
+def _list_of(convert):
+    """An argparse type for one value or a comma-separated list of them (a list)."""
+    def parse(text):
+        return [convert(part.strip()) for part in str(text).split(",")]
+    parse.__name__ = getattr(convert, "__name__", "value")
+    return parse
 
 
 def _codecs():
@@ -70,12 +84,15 @@ def workload(layers, device_tflops):
         for t, layer in zip(layer_times(layers, device_tflops), layers))
 
 
-def plan(layers, device_tflops, workers, network, bucket_cap_bytes):
-    """(planner.Workload, {row name: planner.Row} for ROWS); speedup is over the "horovod" row."""
-    work = workload(layers, device_tflops)
+def plan(layers, device_tflops, workers, network, bucket_cap_bytes=None, work=None):
+    """(planner.Workload, {row name: planner.Row} for ROWS); speedup is over the "horovod" row.
+    bucket_cap_bytes None: ours at its automatic size (planner.auto_bucketing), DDP at 25 MiB.
+    `work`: the workload of `layers`, when the caller has it already."""
+    work = workload(layers, device_tflops) if work is None else work
     predictions = {name: planner.predict(work, workers, network, compressions=_codecs() if name == "ours" else {},
                                         bucketing=b)
-                   for name, b in planner.bucketings(bucket_cap_bytes).items()}
+                   for name, b in planner.bucketings(bucket_cap_bytes, workers=workers,
+                                                     network=network).items()}
     rows = {name: predictions[system].rows[row] for name, _, system, row in ROWS}
     base = rows["horovod"].step_s
     return work, {name: dataclasses.replace(r, name=name, speedup=base / r.step_s if r.step_s > 0 else 1.0)
@@ -87,7 +104,7 @@ def format_table(args, work, rows):
     lines = [
         f"Plan: {args.model}, batch {args.batch_size} per worker, {args.workers} workers, "
         f"{args.device_tflops:g} TFLOP/s per device, {args.bandwidth * 8 / 1e9:g} Gbit/s links, "
-        f"latency {args.latency * 1e6:g} us, buckets {args.bucket_cap_mb:g} MiB",
+        f"latency {args.latency * 1e6:g} us, buckets {_buckets(args)}",
         f"Model: {n_params / 1e6:.1f} M parameters ({work.model_bytes / 1e6:.1f} MB of fp32 gradients); "
         f"forward {work.forward_s * 1e3:.2f} ms, backward {work.backward_s * 1e3:.2f} ms per step",
         "",
@@ -106,7 +123,8 @@ def format_table(args, work, rows):
         "forward = layer FLOPs / device throughput (matrix products and convolutions only), "
         "backward = 2 x forward, the optimizer update not counted; fp32 gradients; codecs run on the "
         "device at no cost; one link per worker carries buckets in the order backward makes them "
-        "ready. Ours and DDP bucket by --bucket-cap-mb (DDP's first bucket 1 MiB); Horovod fuses "
+        "ready. Ours and DDP bucket by --bucket-cap-mb (DDP's first bucket 1 MiB; by default ours at "
+        "the automatic size, its first bucket closing at 4 MiB, and DDP at 25 MiB); Horovod fuses "
         "whatever is ready, up to 128 MiB (its defaults; its 1 ms cycle not counted). "
         "comm ms: the link's busy time per step; step ms: max(compute, comm) for K=2, "
         "forward + the last bucket's landing for sync (see pipe_horovod/tools/planner.py).",
@@ -136,20 +154,78 @@ def plot(path, args, work, rows):
     ax.set_xlabel("predicted step time (ms)")
     ax.set_title(f"{args.model}, batch {args.batch_size}, {args.workers} workers, "
                  f"{args.device_tflops:g} TFLOP/s, {args.bandwidth * 8 / 1e9:g} Gbit/s, "
-                 f"{args.latency * 1e6:g} us, buckets {args.bucket_cap_mb:g} MiB", fontsize=10)
+                 f"{args.latency * 1e6:g} us, buckets {_buckets(args)}", fontsize=10)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=9, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
+def _buckets(args):
+    """The header's bucket size: the cap given, or the automatic one with its value."""
+    if args.bucket_cap_mb is not None:
+        return f"{args.bucket_cap_mb:g} MiB"
+    ours = planner.auto_bucketing(args.workers, _network(args))
+    return (f"auto ({ours.cap_bytes / planner.MIB:.1f} MiB, first {ours.first_cap_bytes / planner.MIB:g} "
+            f"MiB; DDP 25 MiB)")
+
+
+def _network(args):
+    return planner.Network(alpha=args.latency, beta=1.0 / args.bandwidth)
+
+
+def sweep(layers, device_tflops, workers, bandwidths, latency, bucket_cap_bytes=None):
+    """[(workers, bandwidth bytes/s, our cap in bytes, {row name: planner.Row})] for every
+    pair: the rows of `plan` (speedup over Horovod) at each cluster size and link."""
+    work, out = workload(layers, device_tflops), []
+    for p in workers:
+        for bandwidth in bandwidths:
+            network = planner.Network(alpha=latency, beta=1.0 / bandwidth)
+            cap = (planner.auto_bucketing(p, network).cap_bytes if bucket_cap_bytes is None
+                   else bucket_cap_bytes)
+            _, rows = plan(layers, device_tflops, p, network, bucket_cap_bytes, work=work)
+            out.append((p, bandwidth, cap, rows))
+    return work, out
+
+
+def format_sweep(args, work, results):
+    """Our K=1 and K=2 against Horovod per cluster size and link, with DDP for reference."""
+    cap = "auto" if args.bucket_cap_mb is None else f"{args.bucket_cap_mb:g} MiB"
+    lines = [
+        f"Sweep: {args.model}, batch {args.batch_size} per worker, {args.device_tflops:g} TFLOP/s "
+        f"per device, latency {args.latency * 1e6:g} us, our buckets {cap}",
+        f"Model: {work.model_bytes / FP32 / 1e6:.1f} M parameters; forward {work.forward_s * 1e3:.2f} ms, "
+        f"backward {work.backward_s * 1e3:.2f} ms per step",
+        "",
+        "| workers | link | our bucket MiB | Horovod step ms | ours K=1 | ours K=2 | DDP | bottleneck (Horovod) |",
+        "|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for p, bandwidth, cap_bytes, rows in results:
+        lines.append(f"| {p} | {bandwidth * 8 / 1e9:g} Gbit/s | {cap_bytes / planner.MIB:.1f} | "
+                     f"{rows['horovod'].step_s * 1e3:.2f} | {rows['ours-k1'].speedup:.3f}x | "
+                     f"{rows['ours-k2'].speedup:.3f}x | {rows['ddp'].speedup:.3f}x | "
+                     f"{rows['horovod'].bottleneck} |")
+    lines += ["", "ours K=1, K=2, DDP: step-time ratio to Horovod's DistributedOptimizer (above 1: "
+                  "faster), same assumptions as the single-cluster table (ring allreduce, "
+                  "full-bisection network, Horovod fusing up to 128 MiB, its cycle not counted)."]
+    return "\n".join(lines)
+
+
 def run(args):
     from pipe_horovod.tools.workloads.architectures import layer_table
 
     layers = layer_table(args.model, args.batch_size)
-    network = planner.Network(alpha=args.latency, beta=1.0 / args.bandwidth)
-    work, rows = plan(layers, args.device_tflops, args.workers, network,
-                      args.bucket_cap_mb * planner.MIB)
+    cap_bytes = None if args.bucket_cap_mb is None else args.bucket_cap_mb * planner.MIB
+    if len(args.workers) > 1 or len(args.bandwidth) > 1:
+        if args.plot:
+            raise SystemExit("pipe-horovod plan: --plot draws one cluster; give one --workers "
+                             "and one --bandwidth")
+        work, results = sweep(layers, args.device_tflops, args.workers, args.bandwidth,
+                              args.latency, cap_bytes)
+        print(format_sweep(args, work, results))
+        return 0
+    args.workers, args.bandwidth = args.workers[0], args.bandwidth[0]
+    work, rows = plan(layers, args.device_tflops, args.workers, _network(args), cap_bytes)
     print(format_table(args, work, rows))
     if args.plot:
         plot(args.plot, args, work, rows)
