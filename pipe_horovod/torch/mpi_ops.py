@@ -18,7 +18,7 @@ pipe_horovod/engine/ for what the torch and local engines do instead.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 
@@ -34,36 +34,46 @@ def _current():
 
 
 # --- life cycle, identity, build ---------------------------------------------
+# Identity and capability queries ask the running engine, so each raises ValueError
+# before init(), except the *_built ones, which Horovod answers before init() too
+# (scripts ask them first, to skip what the build lacks).
 init = _engine.init                 # Horovod's signature; a string comm names the engine
 shutdown = _engine.shutdown
 is_initialized = _engine.is_initialized
 
 
-def size():
+def size() -> int:
+    """The number of processes (ranks) in the job."""
     return _current().size()
 
 
-def local_size():
+def local_size() -> int:
+    """The number of ranks on this machine, for choosing a GPU per rank."""
     return _current().local_size()
 
 
-def cross_size():
+def cross_size() -> int:
+    """The number of machines that run a rank with this local rank."""
     return _current().cross_size()
 
 
-def rank():
+def rank() -> int:
+    """This process's rank, 0 to size() - 1; rank 0 usually logs and saves."""
     return _current().rank()
 
 
-def local_rank():
+def local_rank() -> int:
+    """This process's rank on its machine: `torch.cuda.set_device(local_rank())`."""
     return _current().local_rank()
 
 
-def cross_rank():
+def cross_rank() -> int:
+    """The index of this machine among those running this local rank."""
     return _current().cross_rank()
 
 
-def is_homogeneous():
+def is_homogeneous() -> bool:
+    """True when every machine runs the same number of ranks."""
     return _current().is_homogeneous()
 
 
@@ -73,7 +83,12 @@ def _capability(name):
     return _current().capabilities()[name]
 
 
-def mpi_threads_supported():
+def mpi_threads_supported() -> bool:
+    """Whether MPI runs with multiple threads (MPI_THREAD_MULTIPLE), as Horovod reports it.
+
+    Raises:
+        ValueError: MPI is not enabled on the running engine (Horovod raises too).
+    """
     supported = _capability("mpi_threads_supported")
     if supported is None:
         raise ValueError(f"MPI is not enabled on the {_current().name} engine; "
@@ -81,61 +96,98 @@ def mpi_threads_supported():
     return supported
 
 
-def mpi_enabled():
+def mpi_enabled() -> bool:
+    """True when the running engine talks MPI (Horovod's MPI controller)."""
     return _capability("mpi_enabled")
 
 
-def mpi_built():
+def mpi_built() -> bool:
+    """True when the engine was built with MPI."""
     return _capability("mpi_built")
 
 
-def gloo_enabled():
+def gloo_enabled() -> bool:
+    """True when the running engine talks Gloo."""
     return _capability("gloo_enabled")
 
 
-def gloo_built():
+def gloo_built() -> bool:
+    """True when the engine was built with Gloo."""
     return _capability("gloo_built")
 
 
-def nccl_built():
+def nccl_built() -> int:
     """NCCL's version code when built with NCCL, else 0 (as in Horovod)."""
     return _capability("nccl_built")
 
 
-def ddl_built():
+def ddl_built() -> bool:
+    """True when built with IBM DDL (never here; Horovod's name, kept)."""
     return _capability("ddl_built")
 
 
-def ccl_built():
+def ccl_built() -> bool:
+    """True when built with oneCCL."""
     return _capability("ccl_built")
 
 
-def cuda_built():
+def cuda_built() -> bool:
+    """True when the engine can reduce CUDA tensors."""
     return _capability("cuda_built")
 
 
-def rocm_built():
+def rocm_built() -> bool:
+    """True when the engine can reduce ROCm tensors."""
     return _capability("rocm_built")
 
 
-def start_timeline(file_path, mark_cycles=False):
-    """Record collectives to a Chrome-trace file (the horovod engine needs
-    HOROVOD_TIMELINE=DYNAMIC at start, as Horovod does)."""
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record collectives to a Chrome-trace file, to see where a step waits.
+
+    Rank 0 writes it. On the horovod engine Horovod does, and needs
+    HOROVOD_TIMELINE=DYNAMIC at start for a timeline started at run time.
+
+    Args:
+        file_path: the trace file (chrome://tracing, Perfetto).
+        mark_cycles: also mark Horovod's background cycles (horovod engine).
+    """
     _current().start_timeline(file_path, mark_cycles)
 
 
-def stop_timeline():
+def stop_timeline() -> None:
+    """Stop the recording start_timeline began and close its file."""
     _current().stop_timeline()
 
 
-def add_process_set(process_set):
-    """Register a ProcessSet (or list of ranks) on every rank and return it (collective).
-    The horovod engine needs init(process_sets="dynamic") first, as Horovod does."""
+def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
+    """Register a process set on every rank, so collectives can run on a subset of ranks.
+
+    A collective: every rank calls it, with the same ranks. The horovod engine
+    needs init(process_sets="dynamic") first, as Horovod does.
+
+    Args:
+        process_set: a ProcessSet or a list of global ranks.
+
+    Returns:
+        The registered ProcessSet.
+
+    Raises:
+        ValueError: no ranks, a rank out of range, or a set registered already (the
+            global one included); on the horovod engine without
+            init(process_sets="dynamic"), Horovod's own error.
+    """
     return _current().add_process_set(process_set)
 
 
-def remove_process_set(process_set):
-    """Unregister a process set (collective); False if it was not registered."""
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set (a collective: every rank calls it).
+
+    Args:
+        process_set: one add_process_set or init(process_sets=...) registered.
+
+    Returns:
+        True if it was registered, False if not.
+    """
     return _current().remove_process_set(process_set)
 
 
@@ -345,18 +397,48 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     return compression.decompress(reduced, ctx)
 
 
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=global_process_set):
-    """Start reducing copies of a list of tensors as one operation."""
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                            name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Start reducing copies of a list of tensors as one operation.
+
+    Why grouped: one negotiation and one fused transfer for many small
+    tensors, where one allreduce each would pay the latency each time.
+
+    Args:
+        tensors: the tensors to reduce (not modified).
+        average, name, op, prescale_factor, postscale_factor, process_set: as for
+            allreduce_async; `name` names the group.
+
+    Returns:
+        A handle; synchronize() returns the list of reduced copies.
+
+    Raises:
+        TypeError: `tensors` is one tensor or not iterable; else as allreduce_async.
+    """
     copies = [_copy(t, "grouped_allreduce_async") for t in _tensors(tensors, "grouped_allreduce")]
     return _current().grouped_allreduce_async(
         copies, name, _op(op, average), process_set=process_set,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=global_process_set):
-    """Start reducing a list of tensors in place as one operation."""
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                             name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> Handle:
+    """Start reducing a list of tensors in place as one operation.
+
+    Args:
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set:
+            as for grouped_allreduce_async; each tensor is overwritten.
+
+    Returns:
+        A handle; synchronize() returns `tensors`.
+
+    Raises:
+        As grouped_allreduce_async.
+    """
     tensors = [_tensor(t, "grouped_allreduce_async_")
                for t in _tensors(tensors, "grouped_allreduce_async_")]
     return _current().grouped_allreduce_async(
@@ -364,8 +446,22 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
         prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                       postscale_factor=1.0, process_set=global_process_set):
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                       name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    """Reduce a list of tensors in place as one operation and return them.
+
+    Args:
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set:
+            as for grouped_allreduce_async.
+
+    Returns:
+        `tensors`, now holding the results.
+
+    Raises:
+        As grouped_allreduce_async, and HorovodInternalError as for synchronize.
+    """
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
                                                 postscale_factor, process_set))
 
@@ -383,9 +479,24 @@ class _GroupedAllreduce(torch.autograd.Function):
         return (None,) * 5 + tuple(grouped_allreduce(list(grad_outputs), **ctx.options))
 
 
-def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
-    """Reductions of a list of tensors, as new tensors; differentiable."""
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                      name: Optional[str] = None, compression: Any = Compression.none,
+                      op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    """Reductions of a list of tensors, as new tensors; differentiable like allreduce.
+
+    Args:
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set:
+            as for grouped_allreduce_async.
+        compression: as for allreduce, applied to each tensor.
+
+    Returns:
+        A list of new tensors, in the order of `tensors`.
+
+    Raises:
+        As grouped_allreduce_async, and HorovodInternalError as for synchronize.
+    """
     op = _op(op, average)
     pairs = [compression.compress(_checked(t, "grouped_allreduce"))
              for t in _tensors(tensors, "grouped_allreduce")]
@@ -394,9 +505,28 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, pairs)]
 
 
-def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
-    """Reduce a sparse COO tensor by allgathering its indices and values;
-    returns a callable handle (pass it to synchronize, or call it)."""
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: ReduceOp,
+                           process_set: ProcessSet = global_process_set
+                           ) -> Callable[[], torch.Tensor]:
+    """Start reducing a sparse COO tensor by allgathering its indices and values.
+
+    Why not allreduce: ranks touch different rows (embeddings), so the sum of
+    sparse tensors is their concatenation, which costs what was touched, not
+    the whole table.
+
+    Args:
+        tensor: a sparse COO tensor of the same size on every rank.
+        name: names the two allgathers (".indices", ".values"); None: counted names.
+        op: Average divides the values by the set's size; Sum keeps them.
+        process_set: as for allreduce_async.
+
+    Returns:
+        A callable handle: synchronize(handle), or handle(), returns the reduced
+        sparse tensor (uncoalesced: indices may repeat).
+
+    Raises:
+        TypeError: `tensor` is not a sparse COO tensor.
+    """
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
         raise TypeError(f"sparse_allreduce_async expects a sparse COO tensor, got {tensor!r}")
     indices_name, values_name = (None, None) if name is None else (f"{name}.indices",
@@ -416,8 +546,19 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 
 
 # --- allgather -----------------------------------------------------------------
-def allgather_async(tensor, name=None, process_set=global_process_set):
-    """Start concatenating every rank's `tensor` along dimension 0."""
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start concatenating every rank's `tensor` along dimension 0.
+
+    Args:
+        tensor, name, process_set: as for allgather (`tensor` is not modified).
+
+    Returns:
+        A handle; synchronize() returns the concatenated tensor.
+
+    Raises:
+        TypeError, ValueError: as for allgather, before anything is sent.
+    """
     return _current().allgather_async(_source(tensor, "allgather_async"), name,
                                       process_set=process_set)
 
@@ -462,7 +603,19 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None,
     return _Allgather.apply(tensor, name, process_set)
 
 
-def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Start allgathering a list of tensors as one operation (one negotiation).
+
+    Args:
+        tensors: this rank's rows of each; name, process_set: as for allgather.
+
+    Returns:
+        A handle; synchronize() returns the list of concatenated tensors.
+
+    Raises:
+        TypeError: `tensors` is one tensor or not iterable; else as allgather.
+    """
     sources = [_source(t, "grouped_allgather_async")
                for t in _tensors(tensors, "grouped_allgather_async")]
     return _current().grouped_allgather_async(sources, name, process_set=process_set)
@@ -485,21 +638,56 @@ class _GroupedAllgather(torch.autograd.Function):
                                     for g, c, n in zip(grads, counts, ctx.rows))
 
 
-def grouped_allgather(tensors, name=None, process_set=global_process_set):
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    """Allgather of each tensor of a list, as one operation; differentiable like allgather.
+
+    Args:
+        tensors, name, process_set: as for grouped_allgather_async.
+
+    Returns:
+        A list of new tensors, in the order of `tensors`.
+
+    Raises:
+        As grouped_allgather_async, and HorovodInternalError as for synchronize.
+    """
     tensors = [_checked(t, "grouped_allgather")
                for t in _tensors(tensors, "grouped_allgather")]
     return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
 # --- broadcast -----------------------------------------------------------------
-def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
-    """Start broadcasting global rank `root_rank`'s value into a copy of `tensor`."""
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start broadcasting global rank `root_rank`'s value into a copy of `tensor`.
+
+    Args:
+        tensor, root_rank, name, process_set: as for broadcast (`tensor` is not
+            modified).
+
+    Returns:
+        A handle; synchronize() returns the copy holding root's value.
+
+    Raises:
+        TypeError, ValueError: as for broadcast, before anything is sent.
+    """
     return _current().broadcast_async(_copy(tensor, "broadcast_async"), root_rank, name,
                                       process_set=process_set)
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
-    """Start broadcasting root's value into `tensor` in place."""
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """Start broadcasting root's value into `tensor` in place (no copy).
+
+    Args:
+        tensor, root_rank, name, process_set: as for broadcast.
+
+    Returns:
+        A handle; synchronize() returns `tensor`.
+
+    Raises:
+        TypeError, ValueError: as for broadcast, before anything is sent.
+    """
     return _current().broadcast_async(_tensor(tensor, "broadcast_async_"), root_rank, name,
                                       process_set=process_set)
 
@@ -561,8 +749,20 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 
 
 # --- alltoall ------------------------------------------------------------------
-def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
-    """Start an alltoall; synchronize returns (output, received_splits)."""
+def alltoall_async(tensor: torch.Tensor, splits: Union[torch.Tensor, Sequence[int], None] = None,
+                   name: Optional[str] = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
+    """Start an alltoall.
+
+    Args:
+        tensor, splits, name, process_set: as for alltoall.
+
+    Returns:
+        A handle; synchronize() returns (output, received_splits).
+
+    Raises:
+        TypeError, ValueError: as for alltoall, before anything is sent.
+    """
     return _current().alltoall_async(_source(tensor, "alltoall_async"), splits, name,
                                      process_set=process_set)
 
@@ -585,19 +785,47 @@ class _Alltoall(torch.autograd.Function):
         return grad, None, None, None
 
 
-def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+def alltoall(tensor: torch.Tensor, splits: Union[torch.Tensor, Sequence[int], None] = None,
+             name: Optional[str] = None, process_set: ProcessSet = global_process_set):
     """Send rows `splits[i]` to the set's i-th rank, receive theirs; differentiable.
 
-    Returns the received rows, and with `splits` also the int32 tensor of rows
-    received from each rank (without `splits`, rows divide equally)."""
+    Why: the exchange behind expert-parallel layers and data reshuffles, where
+    each rank sends each other rank a different part.
+
+    Args:
+        tensor: the rows to send, in order of destination rank.
+        splits: rows for each rank of the set (a list or integer tensor summing to
+            tensor.shape[0]); None: the rows divide equally.
+        name, process_set: as for allreduce_async.
+
+    Returns:
+        The received rows; with `splits`, (rows, the int32 tensor of rows received
+        from each rank).
+
+    Raises:
+        TypeError, ValueError: not a tensor, or splits that do not fit the tensor or
+            the set; HorovodInternalError as for synchronize.
+    """
     _checked(tensor, "alltoall")
     return _Alltoall.apply(tensor, splits, name, process_set)
 
 
 # --- reducescatter -------------------------------------------------------------
-def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
-                        prescale_factor=1.0, postscale_factor=1.0):
-    """Start a reducescatter (Average or Sum, as in Horovod); the input is not modified."""
+def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None,
+                        op: ReduceOp = Average, process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start a reducescatter; the input is not modified.
+
+    Args:
+        tensor, name, op, process_set, prescale_factor, postscale_factor: as for
+            reducescatter.
+
+    Returns:
+        A handle; synchronize() returns this rank's block of the result.
+
+    Raises:
+        TypeError, ValueError: as for reducescatter, before anything is sent.
+    """
     return _current().reducescatter_async(
         _source(tensor, "reducescatter_async"), name, op, process_set=process_set,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor)
@@ -624,10 +852,29 @@ class _Reducescatter(torch.autograd.Function):
         return (grad,) + (None,) * 5
 
 
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
-                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
-    """Reduce `tensor` across ranks and keep this rank's block of rows (the first
-    ranks take one more row when they do not divide evenly); differentiable."""
+def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
+                  compression: Any = Compression.none, op: ReduceOp = Average,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce `tensor` across ranks and keep this rank's block of rows; differentiable.
+
+    Why: half an allreduce, for sharded optimizers (ZeRO) that need only their
+    own shard of the averaged gradient.
+
+    Args:
+        tensor: the same shape and dtype on every rank.
+        name, process_set, prescale_factor, postscale_factor: as for allreduce_async.
+        compression: as for allreduce.
+        op: Average or Sum (Horovod's reducescatter takes no other).
+
+    Returns:
+        This rank's block of rows of the result (the first ranks take one more row
+        when the rows do not divide evenly).
+
+    Raises:
+        TypeError, ValueError: not a tensor, or an op other than Average or Sum;
+            HorovodInternalError as for synchronize.
+    """
     _checked(tensor, "reducescatter")
     wire, ctx = compression.compress(tensor)
     reduced = _Reducescatter.apply(wire, name, op, process_set, prescale_factor,
@@ -635,8 +882,23 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
     return compression.decompress(reduced, ctx)
 
 
-def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
-                                prescale_factor=1.0, postscale_factor=1.0):
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                                op: ReduceOp = Average,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
+    """Start a reducescatter of each tensor of a list, as one operation.
+
+    Args:
+        tensors: the tensors (not modified); name, op, process_set,
+            prescale_factor, postscale_factor: as for reducescatter.
+
+    Returns:
+        A handle; synchronize() returns the list of this rank's blocks.
+
+    Raises:
+        TypeError: `tensors` is one tensor or not iterable; else as reducescatter.
+    """
     sources = [_source(t, "grouped_reducescatter_async")
                for t in _tensors(tensors, "grouped_reducescatter_async")]
     return _current().grouped_reducescatter_async(
@@ -659,9 +921,23 @@ class _GroupedReducescatter(torch.autograd.Function):
         return (None,) * 5 + tuple(grads)
 
 
-def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
-                          process_set=global_process_set, prescale_factor=1.0,
-                          postscale_factor=1.0):
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                          compression: Any = Compression.none, op: ReduceOp = Average,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """Reducescatter of each tensor of a list, as one operation; differentiable.
+
+    Args:
+        tensors, name, op, process_set, prescale_factor, postscale_factor: as for
+            grouped_reducescatter_async; compression: as for allreduce.
+
+    Returns:
+        The list of this rank's blocks, in the order of `tensors`.
+
+    Raises:
+        As grouped_reducescatter_async, and HorovodInternalError as for synchronize.
+    """
     pairs = [compression.compress(_checked(t, "grouped_reducescatter"))
              for t in _tensors(tensors, "grouped_reducescatter")]
     reduced = _GroupedReducescatter.apply(name, op, process_set, prescale_factor,
@@ -670,28 +946,69 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 
 
 # --- synchronization and objects -------------------------------------------------
-def join(device=-1):
-    """Declare this rank out of data; returns the rank that joined last.
+def join(device: int = -1) -> int:
+    """Declare this rank out of data, for epochs where ranks get uneven batches.
 
     Horovod (the horovod engine) lets joined ranks take part in the others'
     later allreduces with zeros; the torch engine's join is a plain collective
-    that every rank must reach after the same collectives."""
+    that every rank must reach after the same collectives.
+
+    Args:
+        device: Horovod's device for the zeros (-1: the CPU); unused elsewhere.
+
+    Returns:
+        The rank that joined last.
+    """
     return _current().join(device)
 
 
-def barrier(process_set=global_process_set):
-    """Return once every rank of `process_set` has called barrier."""
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank of `process_set` has called barrier.
+
+    Args:
+        process_set: the ranks that wait for each other.
+
+    Raises:
+        HorovodInternalError: a rank died or the wait timed out (see synchronize).
+    """
     _current().barrier(process_set=process_set)
 
 
-def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Root's picklable `obj` on every rank (others may pass anything, e.g. None)."""
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Root's picklable `obj` on every rank: checkpoints' metadata, epoch counters.
+
+    Args:
+        obj: root's object; the others may pass anything (None, say).
+        root_rank, process_set: as for broadcast.
+        name: names the transfer; None: pipe_horovod names it (Horovod 0.28.1 named
+            it after the object's type, which deadlocks when the types differ).
+
+    Returns:
+        A copy of root's object (root gets its own back).
+
+    Raises:
+        HorovodInternalError: as for synchronize; pickling errors on root.
+    """
     return _current().broadcast_object(obj, root_rank, name=name, process_set=process_set)
 
 
-def allgather_object(obj, name=None, process_set=global_process_set):
-    """Every rank's picklable `obj`, in rank order. (`process_set` is pipe_horovod's
-    addition: Horovod 0.28.1's allgather_object has none.)"""
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> List[Any]:
+    """Every rank's picklable `obj`, in rank order: to compare or merge per-rank results.
+
+    Args:
+        obj: this rank's object.
+        name: as for broadcast_object.
+        process_set: pipe_horovod's addition (Horovod 0.28.1's allgather_object has
+            none): the ranks whose objects are gathered.
+
+    Returns:
+        A list with one object per rank of `process_set`.
+
+    Raises:
+        HorovodInternalError: as for synchronize.
+    """
     return _current().allgather_object(obj, name=name, process_set=process_set)
 
 
