@@ -114,3 +114,34 @@ def test_an_automatic_cap_sends_the_first_bucket_early():
     # a cap below the first-bucket size: the cap rules
     tiny = plan_buckets(members, bucket_cap_bytes(AutoBucketCap(1)))
     assert [b.numel * 4 for b in tiny] == sizes
+
+
+def test_the_torch_adapter_resolves_and_reports_the_automatic_size(monkeypatch, caplog):
+    torch = pytest.importorskip("torch")
+    import pipe_horovod.torch as phvd
+    from pipe_horovod.pipeline import buckets
+
+    monkeypatch.setenv(LINK_GBPS_VARIABLE, "100")
+    monkeypatch.setattr(buckets, "_told", set())
+    phvd.init("local")
+    try:
+        model = torch.nn.Linear(3, 2)
+        with caplog.at_level("INFO", logger="pipe_horovod"):
+            opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            named_parameters=model.named_parameters())
+        # one rank: nothing to amortize, the floor; recorded as a number, first bucket early
+        assert opt._machine.cap_bytes == AUTO_MIN_MB * MIB
+        assert opt._machine.cap_bytes.first_bytes == AUTO_FIRST_MB * MIB
+        assert "bucket_cap_mb=None (auto): 32.0 MiB buckets" in caplog.text
+        assert "1 ranks on a 100 Gbit/s, 20 us link (environment" in caplog.text
+        explicit = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             named_parameters=model.named_parameters(),
+                                             bucket_cap_mb=25)
+        assert type(explicit._machine.cap_bytes) is int
+        assert explicit._machine.cap_bytes == 25 * MIB
+        monkeypatch.setenv(LINK_LATENCY_VARIABLE, "soon")
+        with pytest.raises(ValueError, match="PIPE_HOROVOD_LINK_LATENCY_US must be a number"):
+            phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters())
+    finally:
+        phvd.shutdown()
