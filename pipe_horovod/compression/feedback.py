@@ -13,10 +13,10 @@ carries the residuals resumes bit-exactly.
 The two-stage reduction on the engine's collectives (two_stage.py)
 quantizes twice and keeps two residuals per (slot, bucket): stage 1 (what
 this rank's quantization of the whole bucket lost) and stage 2 (what the
-quantization of the reduced shard this rank owns lost; full size, only
-that shard's range used). Checkpoints hold stage 1 under the slot's
-number and stage 2 under -1 - slot, so every adapter's {int: {name:
-tensor}} format carries both.
+quantization of the reduced shard this rank owns lost: kept for that
+shard's range only, whole parameters with zeros elsewhere in checkpoints).
+Checkpoints hold stage 1 under the slot's number and stage 2 under
+-1 - slot, so every adapter's {int: {name: tensor}} format carries both.
 
 Residuals are kept as flat tensors per (slot, bucket), views named by
 parameter: a new bucket plan (the first step's agreed order) or a
@@ -27,27 +27,44 @@ each rank must load its own checkpoint to resume them exactly.
 
 class ErrorFeedback:
     def __init__(self):
-        self._flat = {}          # (slot, bucket index) -> flat residual of that bucket
-        self._named = {}         # slot -> {name: residual}, views of the flats or loaded ones
+        self._flat = {}          # (slot, bucket index, stage) -> flat residual (or its part)
+        self._layout = {}        # same key -> (bucket numel, part start, part numel)
+        self._named = {}         # slot (stage 2: -1 - slot) -> {name: (offset, residual)}:
+        #                          views of the flats covering the parameter's elements
+        #                          [offset, offset + numel), or whole loaded ones
+        self._numel = {}         # name -> its parameter's numel (for the checkpoints)
 
-    def residual(self, slot, bucket, stage=1):
+    def residual(self, slot, bucket, stage=1, part=None):
         """The persistent residual of `bucket` in `slot` (of quantization `stage`), in
-        the accumulator's type, on the bucket's device."""
+        the accumulator's type, on the bucket's device. `part` (start, numel): keep only
+        that range of the bucket (stage 2: the shard this rank reduces)."""
         import torch
 
         key = (slot, bucket.index, stage)
+        low, size = (0, bucket.numel) if part is None else part
         flat = self._flat.get(key)
-        if flat is None or flat.numel() != bucket.numel:
+        if flat is None or self._layout.get(key) != (bucket.numel, low, size):
             dtype, device = bucket.kind
             acc = torch.float64 if dtype == torch.float64 else torch.float32
-            flat = torch.zeros(bucket.numel, dtype=acc, device=device)
+            flat = torch.zeros(size, dtype=acc, device=device)
             named = self._named.setdefault(slot if stage == 1 else -1 - slot, {})
             for name, start, numel in bucket.offsets():
+                self._numel[name] = numel
+                first, last = max(start, low), min(start + numel, low + size)
+                if first >= last:
+                    continue                 # outside the part: kept as it was
+                view = flat[first - low:last - low]
                 kept = named.get(name)
-                if kept is not None:
-                    flat[start:start + numel].copy_(kept.reshape(-1))
-                named[name] = flat[start:start + numel]
+                if kept is not None:         # the overlap, in the parameter's elements
+                    offset, values = kept[0], kept[1].reshape(-1)
+                    a = max(first - start, offset)
+                    b = min(last - start, offset + values.numel())
+                    if a < b:
+                        view[a - (first - start):b - (first - start)].copy_(
+                            values[a - offset:b - offset])
+                named[name] = (first - start, view)
             self._flat[key] = flat
+            self._layout[key] = (bucket.numel, low, size)
         return flat
 
     def replan(self):
@@ -56,13 +73,24 @@ class ErrorFeedback:
         a reduction still in flight (the first step's, re-planned right after it
         launched) writes its residual there, and the slot's next launch, which
         comes after that reduction landed, reads it through the view."""
-        self._flat = {}
+        self._flat, self._layout = {}, {}
 
     def state(self):
-        return {slot: {n: t.clone() for n, t in named.items()}
-                for slot, named in self._named.items()}
+        """{slot (stage 2: -1 - slot): {name: residual of the whole parameter}}."""
+        out = {}
+        for slot, named in self._named.items():
+            tensors = out[slot] = {}
+            for name, (offset, values) in named.items():
+                total = self._numel.get(name, offset + values.numel())
+                if offset == 0 and values.numel() == total:
+                    tensors[name] = values.clone()
+                else:                        # a part: zeros elsewhere
+                    whole = values.new_zeros(total)
+                    whole[offset:offset + values.numel()] = values
+                    tensors[name] = whole
+        return out
 
     def load(self, state):
-        self._named = {int(slot): {n: t.clone() for n, t in named.items()}
+        self._named = {int(slot): {n: (0, t.clone()) for n, t in named.items()}
                        for slot, named in (state or {}).items()}
-        self._flat = {}
+        self._flat, self._layout = {}, {}

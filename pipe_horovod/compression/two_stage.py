@@ -25,10 +25,11 @@ aligned view of one uint8 buffer. Each rank sends and receives about
 2(p-1)/p of the tensor's wire bytes, as a ring allreduce of them would.
 
 Error feedback (`residuals=(first, second)`, tensors of the accumulator's
-type, the tensor's size and device): `first` receives what this rank's
-first quantization lost, `second` (only this rank's shard range is used)
-what the second lost; each is added before the same quantization of the
-next reduction that uses them (compression/feedback.py decides which).
+type on the tensor's device): `first` (the tensor's size) receives what
+this rank's first quantization lost, `second` (the size of this rank's
+shard, `own_shard`) what the second lost; each is added before the same
+quantization of the next reduction that uses them (compression/feedback.py
+decides which).
 
 With one rank nothing is sent and nothing is quantized: the result is
 postscale * prescale * tensor, and the residuals are left alone.
@@ -112,6 +113,12 @@ def shard_sizes(numel, size):
     """`size` near-equal contiguous shards, larger ones first (Horovod's split)."""
     base, extra = divmod(numel, size)
     return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+def own_shard(numel, size, index):
+    """(start, numel) of the shard that the set's `index`-th rank reduces."""
+    sizes = shard_sizes(numel, size)
+    return sum(sizes[:index]), sizes[index]
 
 
 def quantize(x, fmt, wire=None):
@@ -254,16 +261,17 @@ def allreduce_async(tensor, name=None, op=None, *, fmt, residuals=None, process_
         raise ValueError(f"a quantized allreduce reduces floating-point tensors, got "
                          f"{tensor.dtype}")
     acc = accumulator(tensor.dtype)
-    if residuals is not None:
-        for residual in residuals:
-            if (residual.dtype != acc or residual.numel() != tensor.numel()
-                    or residual.device != tensor.device or not residual.is_contiguous()):
-                raise ValueError(f"residuals must be contiguous {acc} tensors of "
-                                 f"{tensor.numel()} elements on {tensor.device}, got "
-                                 f"{residual!r:.80}")
     eng = _engine.current()
     ps = eng.resolve_process_set(process_set)
     size, me = len(ps.ranks), ps.ranks.index(eng.rank())
+    if residuals is not None:
+        for residual, numel, what in zip(residuals, (tensor.numel(), own_shard(
+                tensor.numel(), size, me)[1]), ("the tensor's", "this rank's shard's")):
+            if (residual.dtype != acc or residual.numel() != numel
+                    or residual.device != tensor.device or not residual.is_contiguous()):
+                raise ValueError(f"residuals must be contiguous {acc} tensors on "
+                                 f"{tensor.device} of {what} size ({numel}), got "
+                                 f"{residual!r:.80}")
     flat = tensor.view(-1)
     if size == 1:                       # nothing sent, nothing quantized
         factor = prescale_factor * postscale_factor
@@ -274,11 +282,10 @@ def allreduce_async(tensor, name=None, op=None, *, fmt, residuals=None, process_
     sizes = shard_sizes(flat.numel(), size)
     first, second = (None, None) if residuals is None else residuals
     send, splits = first_stage(flat, sizes, fmt, first)
-    start = sum(sizes[:me])
     reduce = functools.partial(
         _second_stage, name=name, size=size, numel=sizes[me], fmt=fmt, acc=acc,
         average=op is Average, prescale=prescale_factor, postscale=postscale_factor,
-        residual=None if second is None else second[start:start + sizes[me]])
+        residual=second)
 
     def finish(gathered):
         decode(gathered, sizes, fmt, flat)
@@ -295,4 +302,4 @@ def wire_ratio(fmt, dtype=torch.float32, numel=2 ** 20):
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "FORMATS", "WireFormat", "accumulator", "allreduce_async",
            "check_block_size", "check_format", "decode", "dequantize", "encode", "first_stage",
-           "quantize", "reduce_shard", "shard_sizes"]
+           "own_shard", "quantize", "reduce_shard", "shard_sizes"]

@@ -204,9 +204,14 @@ class StepMachine:
         scaling = {"process_set": self.process_set, "prescale_factor": 1.0 / self.predivide,
                    "postscale_factor": self.predivide}
         if self.wire is not None:
-            residuals = (None if self.feedback is None else
-                         (self.feedback.residual(self.slot, bucket),
-                          self.feedback.residual(self.slot, bucket, stage=2)))
+            residuals = None
+            if self.feedback is not None:       # the second: the shard this rank reduces
+                ps = self.process_set
+                index = (self.engine.rank() if ps is None
+                         else ps.ranks.index(self.engine.rank()))
+                residuals = (self.feedback.residual(self.slot, bucket),
+                             self.feedback.residual(self.slot, bucket, stage=2, part=(
+                                 two_stage.own_shard(bucket.numel, self.size, index))))
             handle = two_stage.allreduce_async(flat, name, self.op, fmt=self.wire,
                                                residuals=residuals, **scaling)
             self.launched.append(BucketReduction(bucket, self.fifo.steps, handle, None,

@@ -125,7 +125,8 @@ def allreduce_cases(r, p):
             acc = accumulator(dtype)
             ref_first = [torch.zeros(n, dtype=acc) for _ in range(p)]
             ref_second = [torch.zeros(n, dtype=acc) for _ in range(p)]
-            first, second = torch.zeros(n, dtype=acc), torch.zeros(n, dtype=acc)
+            start, own = two_stage.own_shard(n, p, r)
+            first, second = torch.zeros(n, dtype=acc), torch.zeros(own, dtype=acc)
             for step in range(3):
                 seed += 1
                 xs = inputs(p, n, dtype, seed)
@@ -136,7 +137,8 @@ def allreduce_cases(r, p):
                 what = f"error feedback {fmt.describe()} {dtype} step {step}"
                 if not torch.equal(got, want):
                     failures.append(f"{what}: result differs from the reference")
-                if not (torch.equal(first, ref_first[r]) and torch.equal(second, ref_second[r])):
+                if not (torch.equal(first, ref_first[r])
+                        and torch.equal(second, ref_second[r][start:start + own])):
                     failures.append(f"{what}: residuals differ from the reference")
                 if p > 1 and not (first.any() and second.any()):
                     failures.append(f"{what}: a residual stayed zero")
