@@ -29,6 +29,7 @@ import os
 import time
 import warnings
 import weakref
+from typing import Any, Iterable, Optional, Tuple, Union
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -915,35 +916,73 @@ def _group_names(groups, num_groups, name_of):
     return result
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
-                         backward_passes_per_step=1, op=engine.Average,
-                         gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         sparse_as_dense=False, process_set=None, *, pipeline_depth=None,
-                         warmup_steps=0, bucket_cap_mb=None, grad_scaler=None, collective=None,
-                         staleness_compensation=staleness.DEFAULT):
+def DistributedOptimizer(
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
+        compression: Any = Compression.none, backward_passes_per_step: int = 1,
+        op: engine.ReduceOp = engine.Average, gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0, groups: Union[int, list, None] = None,
+        sparse_as_dense: bool = False, process_set: Optional[ProcessSet] = None, *,
+        pipeline_depth: Optional[int] = None, warmup_steps: int = 0,
+        bucket_cap_mb: Optional[float] = None, grad_scaler: Any = None,
+        collective: Any = None,
+        staleness_compensation: Optional[str] = staleness.DEFAULT) -> torch.optim.Optimizer:
     """Wrap `optimizer` so its gradients are averaged across ranks, pipelined.
 
-    The arguments up to `process_set` are Horovod's, in Horovod's order and
-    with its meaning; `groups` (or the older `num_groups`) fixes which
-    gradients share a bucket instead of `bucket_cap_mb`.
-    bucket_cap_mb: MiB per bucket; None (default): chosen from the number of ranks
-        and the link ($PIPE_HOROVOD_LINK_GBPS, $PIPE_HOROVOD_LINK_LATENCY_US;
-        pipe_horovod/pipeline/buckets.py, docs/planner.md), 32 to 128 MiB.
-    pipeline_depth: 1 applies g_t at step t (synchronous, like Horovod);
-        K >= 2 applies g_{t-K+1} and overlaps the reduction with K-1 steps.
-        Default: $PIPE_HOROVOD_PIPELINE_DEPTH if set, else 2.
-    warmup_steps: synchronous steps before the pipeline starts.
-    grad_scaler: the torch.amp.GradScaler in use, if any; a delayed gradient
-        is rescaled when the scaler's scale changed since it was computed.
-    staleness_compensation: "lookahead" (default), "predict", "dc", "momentum" or
-        None (plain Pipe-SGD): how a gradient K-1 steps old is made to act like a
-        fresh one (pipe_horovod/pipeline/staleness.py; docs/convergence.md measures
-        them). No effect at K=1.
-    collective: None (the engine's own allreduce), "lp", "ring", "mst", "be" or a
-        pipe_horovod.collectives.Collective: reduce the buckets with pipe_horovod's
-        own algorithm, which runs the codec at every hop (needed for int8).
-    Every rank must call this with the same model: differences are detected
-    here and raised as ValueError on every rank.
+    Why pipelined: the reduction of step t's gradient runs while step t+1
+    computes, so communication hides behind compute instead of adding to
+    it (DESIGN.md, "Semantics", states the math). A Horovod script switches by
+    changing its import: the arguments up to `process_set` are Horovod's, in
+    Horovod's order and with its meaning.
+
+    Args:
+        optimizer: the torch optimizer to wrap; its own rule (SGD, Adam, ...)
+            makes every update.
+        named_parameters: model.named_parameters(), so errors and checkpoints name
+            tensors by the model's names; None: param.0, param.1, ... in
+            param_groups order.
+        compression: a Compression codec for what travels (Compression.fp16,
+            bf16, int8, int8_ef, ...).
+        backward_passes_per_step: backward passes accumulated locally per step().
+        op: Average (default), Sum or Adasum, as in Horovod.
+        gradient_predivide_factor: divide before the sum and the rest after, to
+            keep fp16 sums in range (Average only), as in Horovod.
+        num_groups, groups: which gradients share a bucket (a count, or lists of
+            parameters), in place of `bucket_cap_mb`; num_groups is deprecated,
+            as in Horovod.
+        sparse_as_dense: reduce sparse gradients densely, as in Horovod.
+        process_set: the ranks that train together; None: all.
+        pipeline_depth: 1 applies g_t at step t (synchronous, like Horovod); K >= 2
+            applies g_{t-K+1} and overlaps the reduction with K-1 steps. Default:
+            $PIPE_HOROVOD_PIPELINE_DEPTH if set, else 2.
+        warmup_steps: synchronous steps before the pipeline starts, for the first
+            steps' large gradients.
+        bucket_cap_mb: MiB per bucket; None (default): chosen from the number of
+            ranks and the link ($PIPE_HOROVOD_LINK_GBPS,
+            $PIPE_HOROVOD_LINK_LATENCY_US; pipe_horovod/pipeline/buckets.py,
+            docs/planner.md), 32 to 128 MiB.
+        grad_scaler: the torch.amp.GradScaler in use, if any; a delayed gradient is
+            rescaled when the scaler's scale changed since it was computed.
+        collective: None (the engine's own allreduce), "lp", "ring", "mst", "be" or a
+            pipe_horovod.collectives.Collective: reduce the buckets with
+            pipe_horovod's own algorithm, which runs the codec at every hop.
+        staleness_compensation: "lookahead" (default), "predict", "dc", "momentum"
+            or None (plain Pipe-SGD): how a gradient K-1 steps old is made to act
+            like a fresh one (pipe_horovod/pipeline/staleness.py;
+            docs/convergence.md measures them). No effect at K=1.
+
+    Returns:
+        The optimizer to use in place of `optimizer`: an instance of a pipelined
+        subclass of its class that adopts its parameters, hyper-parameters, state
+        and hooks. step(), zero_grad(), state_dict() and load_state_dict() keep
+        their meaning; flush() applies every gradient still in flight.
+
+    Raises:
+        TypeError: `optimizer` is not a torch optimizer, or an option has the
+            wrong type.
+        ValueError: a bad option value, an optimizer wrapped twice, or a model
+            that differs between ranks (raised on every rank, here, rather than
+            as a hang inside the first reduction).
     """
     return _wrap(optimizer, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
