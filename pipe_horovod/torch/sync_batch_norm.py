@@ -21,6 +21,8 @@ sum(dy * xhat), then
 
     dx = w * invstd * (dy - sum(dy) / N - xhat * sum(dy * xhat) / N).
 """
+from typing import Optional
+
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -28,13 +30,28 @@ from .mpi_ops import Sum, allgather_async, allreduce_async, size, synchronize
 
 
 class SyncBatchNorm(_BatchNorm):
-    """Synchronized N-dimensional batch normalization (Horovod's signature).
+    """Batch normalization whose statistics come from every rank's batch.
 
-    Arguments are torch.nn.BatchNorm*'s: num_features is C of an (N, C, ...) input.
+    Why: with a small per-rank batch, each rank's own mean and variance are
+    noisy and differ between ranks; normalizing by the global batch's gives
+    every rank the statistics one large batch would have. Horovod's
+    signature; runs on CPU too (see the module docstring).
+
+    Args:
+        num_features: C of an (N, C, ...) input.
+        eps: added to the variance, as torch.nn.BatchNorm*'s.
+        momentum: of the running statistics; None: a cumulative average.
+        affine: learn a per-channel weight and bias.
+        track_running_stats: keep running statistics for evaluation (then
+            evaluation is local, as in Horovod).
+
+    Raises (in forward):
+        ValueError: an input of fewer than 2 dimensions, or 1 value per channel
+            or fewer across every rank in training.
     """
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
-                 track_running_stats=True):
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 affine: bool = True, track_running_stats: bool = True) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
 
     def _check_input_dim(self, input):
