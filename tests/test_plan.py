@@ -125,3 +125,37 @@ def test_sweep_refuses_a_plot(capsys, tmp_path):
     with pytest.raises(SystemExit, match="--plot draws one cluster"):
         main(["plan", "--model", "resnet50", "--batch-size", "1", "--device-tflops", "1",
               "--workers", "8,64", "--bandwidth", "25gbit", "--plot", str(tmp_path / "x.png")])
+
+
+def test_two_stage_int8_model():
+    from pipe_horovod.tools import planner
+
+    net = planner.Network(alpha=1e-3, beta=1e-9)
+    n = 1e8                                            # float32 bytes
+    # int8 values + a float32 scale per 256: 0.25 + 1/256 of the float32 bytes.
+    assert planner.two_stage_wire_ratio() == pytest.approx(0.25 + 1 / 256)
+    wire = n * (0.25 + 1 / 256)
+    # 4 ranks: alltoall 3 messages + 3/4 of the wire, allgather the same.
+    expected = 2 * (3 * 1e-3 + 0.75 * wire * 1e-9)
+    assert planner.two_stage_allreduce(net, 4, n) == pytest.approx(expected)
+    # what the plan's row uses: a ring allreduce of the wire bytes costs the same (gamma 0)
+    assert planner.allreduce_time(net, 4, wire) == pytest.approx(expected)
+    # the float32 sum of the own shard: (p-1)/p of the float32 bytes through gamma
+    with_gamma = planner.Network(1e-3, 1e-9, gamma=1e-10)
+    assert planner.two_stage_allreduce(with_gamma, 4, n) == pytest.approx(expected + 0.75 * n * 1e-10)
+    assert planner.two_stage_allreduce(net, 1, n) == 0.0
+    assert planner.two_stage_wire_ratio(16) == pytest.approx(0.25 + 1 / 16)
+    with pytest.raises(ValueError, match="block_size"):
+        planner.two_stage_wire_ratio(0)
+
+
+def test_plan_shows_the_two_stage_row_on_request(monkeypatch, capsys):
+    monkeypatch.setattr(architectures, "layer_table", lambda model, batch: STAND_IN)
+    assert main(ARGV) == 0
+    assert "2stage" not in capsys.readouterr().out
+    assert main(ARGV + ["--int8-two-stage"]) == 0
+    out = capsys.readouterr().out
+    # 24 MB * (0.25 + 1/256) = 6.09 MB on the wire; 3 buckets of 2 ms latency + 6.09 ms of
+    # bytes = 12.09 ms of link time, below 21 ms of compute: compute-bound as int8 per hop.
+    assert ("| ours-k2-int8-2stage (ours, K=2, int8 in two stages on the engine's collectives) "
+            "| 2 | 6.1 | 12.09 | 21.00 | 762 | 1.76x | compute |") in out

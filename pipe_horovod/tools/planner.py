@@ -244,6 +244,37 @@ def _hop_counts(p, algorithm, blocks=None):
     return p / blocks, (p - 1) / blocks, 1.0
 
 
+TWO_STAGE_BLOCK = 256   # compression/two_stage.py's DEFAULT_BLOCK_SIZE (elements per scale)
+
+
+def two_stage_wire_ratio(block_size=TWO_STAGE_BLOCK, value_bytes=1, scale_bytes=4):
+    """Wire bytes per byte of float32 gradient in the two-stage quantized allreduce
+    (compression/two_stage.py, compression=int8 / int8_ef with no collective=): one
+    `value_bytes` value per element plus one float32 scale per block of `block_size`
+    (int8, 256: 0.2539, 1.6% above the values alone)."""
+    if block_size != int(block_size) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    return (value_bytes + scale_bytes / block_size) / 4
+
+
+@_collective
+def two_stage_allreduce(net, p, nbytes, block_size=TWO_STAGE_BLOCK, value_bytes=1,
+                        scale_bytes=4):
+    """The engine path of a quantized allreduce of `nbytes` float32 bytes: quantize, an
+    alltoall of the shards (each rank sends and receives (p-1)/p of the wire bytes in
+    p-1 messages), dequantize and sum the own shard in float32 ((p-1)/p of the float32
+    bytes through gamma), quantize again, an allgather ((p-1)/p of the wire bytes, p-1
+    messages on a ring). So 2(p-1) latencies and 2(p-1)/p of the quantized bytes, as a
+    ring allreduce of them, one quantization per stage rather than per hop. Assumes the
+    engine's alltoall and allgather run at the link rate, as its allreduce does (Horovod
+    0.28.1's gloo ones reach about half of it, DESIGN.md; NCCL's do not lose it)."""
+    wire = nbytes * two_stage_wire_ratio(block_size, value_bytes, scale_bytes)
+    f = (p - 1) / p
+    alltoall = (p - 1) * net.alpha + f * wire * net.beta
+    allgather = (p - 1) * net.alpha + f * wire * net.beta
+    return alltoall + f * nbytes * net.gamma + allgather
+
+
 def codec_costs_at(table, block_bytes):
     """(encode, decode-add, decode) seconds per accumulator byte for blocks of
     `block_bytes`, from `table` = {block bytes: (encode, decode-add, decode) s per byte}

@@ -41,6 +41,9 @@ def add_arguments(parser):
                         help="bucket cap of ours and DDP in MiB, as their bucket_cap_mb (default: "
                              "auto, ours as DistributedOptimizer(bucket_cap_mb=None) picks it for "
                              "the workers and link, DDP at its 25)")
+    parser.add_argument("--int8-two-stage", action="store_true",
+                        help="add a row for int8 in two stages on the engine's alltoall and "
+                             "allgather (compression=int8 with no collective=), beside int8 per ring hop")
     parser.add_argument("--plot", metavar="PNG", help="also draw the table as a bar chart")
 
 
@@ -52,13 +55,22 @@ def _list_of(convert):
     return parse
 
 
-def _codecs():
+def _codecs(two_stage=False):
     """The K=2 codec rows: name -> (wire ratio, codec seconds per byte). Codecs run on
     the device beside backward, so they cost no time here. int8 carries one float32
-    scale per block of at most PIECE_BYTES of the float32 gradient."""
+    scale per block of at most PIECE_BYTES of the float32 gradient per ring hop, and
+    one per block of the engine's block size in two stages ("int8-2stage": a ring
+    allreduce of that many bytes costs what planner.two_stage_allreduce does, its
+    reduction's gamma aside)."""
     from pipe_horovod.tools.hop_codecs import PER_HOP, wire_ratio
 
-    return {"fp16": (0.5, 0.0), **{name: (wire_ratio(name), 0.0) for name in PER_HOP}}
+    codecs = {"fp16": (0.5, 0.0), **{name: (wire_ratio(name), 0.0) for name in PER_HOP}}
+    if two_stage:
+        from pipe_horovod.compression.two_stage import DEFAULT_BLOCK_SIZE, SCALE_BYTES
+
+        codecs["int8-2stage"] = (planner.two_stage_wire_ratio(DEFAULT_BLOCK_SIZE, 1, SCALE_BYTES),
+                                 0.0)
+    return codecs
 
 
 # (row name, what the configuration is, bucketing, predict's row)
@@ -71,6 +83,8 @@ ROWS = (
     ("ours-k2-bf16hop", "ours, K=2, bf16 per ring hop", "ours", "pipelined+bf16hop"),
     ("ours-k2-int8", "ours, K=2, int8 per ring hop", "ours", "pipelined+int8"),
 )
+TWO_STAGE_ROW = ("ours-k2-int8-2stage", "ours, K=2, int8 in two stages on the engine's collectives",
+                 "ours", "pipelined+int8-2stage")
 
 
 def workload(layers, device_tflops):
@@ -84,16 +98,24 @@ def workload(layers, device_tflops):
         for t, layer in zip(layer_times(layers, device_tflops), layers))
 
 
-def plan(layers, device_tflops, workers, network, bucket_cap_bytes=None, work=None):
-    """(planner.Workload, {row name: planner.Row} for ROWS); speedup is over the "horovod" row.
-    bucket_cap_bytes None: ours at its automatic size (planner.auto_bucketing), DDP at 25 MiB.
-    `work`: the workload of `layers`, when the caller has it already."""
+def rows_of(two_stage=False):
+    """ROWS, and the two-stage int8 row when asked for."""
+    return ROWS + ((TWO_STAGE_ROW,) if two_stage else ())
+
+
+def plan(layers, device_tflops, workers, network, bucket_cap_bytes=None, work=None,
+         two_stage=False):
+    """(planner.Workload, {row name: planner.Row} for rows_of(two_stage)); speedup is over
+    the "horovod" row. bucket_cap_bytes None: ours at its automatic size
+    (planner.auto_bucketing), DDP at 25 MiB. `work`: the workload of `layers`, when the
+    caller has it already."""
     work = workload(layers, device_tflops) if work is None else work
-    predictions = {name: planner.predict(work, workers, network, compressions=_codecs() if name == "ours" else {},
-                                        bucketing=b)
+    predictions = {name: planner.predict(work, workers, network,
+                                         compressions=_codecs(two_stage) if name == "ours" else {},
+                                         bucketing=b)
                    for name, b in planner.bucketings(bucket_cap_bytes, workers=workers,
                                                      network=network).items()}
-    rows = {name: predictions[system].rows[row] for name, _, system, row in ROWS}
+    rows = {name: predictions[system].rows[row] for name, _, system, row in rows_of(two_stage)}
     base = rows["horovod"].step_s
     return work, {name: dataclasses.replace(r, name=name, speedup=base / r.step_s if r.step_s > 0 else 1.0)
                   for name, r in rows.items()}
@@ -111,7 +133,7 @@ def format_table(args, work, rows):
         "| configuration | K | wire MB | comm ms | step ms | samples/s | vs Horovod | bottleneck |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for name, desc, _, _ in ROWS:
+    for name, desc, _, _ in rows_of(getattr(args, "int8_two_stage", False)):
         r = rows[name]
         lines.append(f"| {name} ({desc}) | {r.pipeline_depth} | {r.wire_bytes / 1e6:.1f} | "
                      f"{r.comm_s * 1e3:.2f} | {r.step_s * 1e3:.2f} | "
@@ -138,7 +160,7 @@ def plot(path, args, work, rows):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [name for name, *_ in ROWS][::-1]            # Horovod on top
+    names = [name for name, *_ in rows_of(getattr(args, "int8_two_stage", False))][::-1]  # Horovod on top
     compute = work.forward_s + work.backward_s
     steps = [rows[n].step_s * 1e3 for n in names]
     busy = [min(compute * 1e3, s) for s in steps]
@@ -225,7 +247,8 @@ def run(args):
         print(format_sweep(args, work, results))
         return 0
     args.workers, args.bandwidth = args.workers[0], args.bandwidth[0]
-    work, rows = plan(layers, args.device_tflops, args.workers, _network(args), cap_bytes)
+    work, rows = plan(layers, args.device_tflops, args.workers, _network(args), cap_bytes,
+                      two_stage=args.int8_two_stage)
     print(format_table(args, work, rows))
     if args.plot:
         plot(args.plot, args, work, rows)
