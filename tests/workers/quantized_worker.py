@@ -12,6 +12,7 @@ Then training with the wrapped optimizer (int8_ef, no collective=) at pipeline d
 average is replaced by the reference (the bucket layouts each step used are logged
 from the step machine), and a checkpoint mid-pipeline that resumes bit-exactly.
 """
+import os
 import sys
 from pathlib import Path
 
@@ -142,6 +143,31 @@ def allreduce_cases(r, p):
                     failures.append(f"{what}: residuals differ from the reference")
                 if p > 1 and not (first.any() and second.any()):
                     failures.append(f"{what}: a residual stayed zero")
+
+
+def process_set_case(r, p):
+    """Ranks 0 and 2 of 3 or more reduce on their own process set (shards, residuals and
+    Average follow the set, not the world)."""
+    eng = engine.current()
+    ps = eng.add_process_set([0, 2])             # collective: every rank
+    if r in ps.ranks:
+        fmt, n, index = WireFormat("int8"), 1001, ps.ranks.index(r)
+        start, own = two_stage.own_shard(n, 2, index)
+        ref_first, ref_second = [torch.zeros(n) for _ in range(2)], [torch.zeros(n)
+                                                                      for _ in range(2)]
+        first, second = torch.zeros(n), torch.zeros(own)
+        for step in range(2):
+            xs = inputs(2, n, torch.float32, 5000 + step)
+            mine = xs[index].clone()
+            got = eng.wait(two_stage.allreduce_async(mine, f"set.{step}", fmt=fmt,
+                                                     residuals=(first, second),
+                                                     process_set=ps))
+            want = reference_two_stage(xs, fmt, True, first=ref_first, second=ref_second)
+            if not (torch.equal(got, want) and torch.equal(first, ref_first[index])
+                    and torch.equal(second, ref_second[index][start:start + own])):
+                failures.append(f"process set [0, 2], step {step}: differs from the reference")
+    eng.barrier()
+    eng.remove_process_set(ps)
 
 
 # --- training ---------------------------------------------------------------------
@@ -346,10 +372,13 @@ def resume_is_exact(p, steps=9, cut=4):
 
 def main():
     engine_name, scope = sys.argv[1], sys.argv[2]    # scope: "all", or "allreduce" only
+    os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # Horovod: add_process_set after init
     eng = phvd.init(engine_name)
     r, p = eng.rank(), eng.size()
     step_machine.StepMachine._launch = _logged_launch(step_machine.StepMachine._launch)
     allreduce_cases(r, p)
+    if p >= 3:
+        process_set_case(r, p)
     if scope == "all":
         training_matches_oracle(p)
         sparse_beside_quantized_buckets(p)
