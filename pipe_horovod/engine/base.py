@@ -122,6 +122,7 @@ class Engine:
         self._refused = set()     # steps this rank refused (refuse()): others must read them
         self._told = set()        # (rank, step) of others' refusals already raised here
         self._pool = None         # threads of two-stage reductions (two_stage_async)
+        self._releasing = False   # shutdown lets go of the library: pool threads stop waiting
 
     # --- identity -------------------------------------------------------
     def rank(self):
@@ -427,11 +428,12 @@ class Engine:
 
     def _second_stage(self, a2a, name, ps, reduce):
         """Pool thread: finish the alltoall, reduce, start the allgather (its Work)."""
-        if not wait_until(lambda: self._closed or a2a.poll(),
+        # Not `_closed`: shutdown first completes what is in flight, these included.
+        if not wait_until(lambda: self._releasing or a2a.poll(),
                           time.monotonic() + self.timeout_s):
             raise WaitTimeoutError(f"alltoall {name + '.a2a'!r} did not complete within "
                                    f"{self.timeout_s:g} s: a rank has not started it")
-        if self._closed and not a2a.poll():
+        if self._releasing and not a2a.poll():
             raise EngineError(f"the engine shut down while {name!r} waited for its alltoall")
         received, counts = a2a.wait()
         return self._start_allgather(reduce(received, counts.tolist()), f"{name}.ag", ps)
@@ -780,9 +782,10 @@ class Engine:
         finally:
             self._in_flight.clear()
             self._names.clear()
+            self._releasing = True
             self._close()
             pool, self._pool = self._pool, None
-            if pool is not None:     # its threads see _closed and leave
+            if pool is not None:     # its threads see _releasing and leave
                 pool.shutdown(wait=True, cancel_futures=True)
             self._linger_for_refusal()
 

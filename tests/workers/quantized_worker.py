@@ -14,6 +14,7 @@ from the step machine), and a checkpoint mid-pipeline that resumes bit-exactly.
 """
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -370,6 +371,19 @@ def resume_is_exact(p, steps=9, cut=4):
                             f"{(a - b).abs().max():.3g}")
 
 
+def shutdown_completes_what_is_in_flight(r, p):
+    """A reduction started and never waited for, as at the end of a script: shutdown
+    completes it, though rank 0 starts it half a second after the others shut down."""
+    x = torch.full((1001,), float(r + 1))
+    if r == 0:
+        time.sleep(0.5)
+    two_stage.allreduce_async(x, "left.in.flight", fmt=WireFormat("int8"))
+    phvd.shutdown()
+    mean = (p + 1) / 2
+    if not (x - mean).abs().max() <= mean / 127:
+        failures.append(f"shutdown: the reduction in flight gave {x[:3]}, not about {mean}")
+
+
 def main():
     engine_name, scope = sys.argv[1], sys.argv[2]    # scope: "all", or "allreduce" only
     os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # Horovod: add_process_set after init
@@ -383,6 +397,7 @@ def main():
         training_matches_oracle(p)
         sparse_beside_quantized_buckets(p)
         resume_is_exact(p)
+    shutdown_completes_what_is_in_flight(r, p)
     if failures:
         print(f"rank {r}: {len(failures)} failure(s):\n  " + "\n  ".join(failures[:60]),
               flush=True)
