@@ -65,7 +65,6 @@ class TensorFlowPath:
                            for name, v, device in reversed(list(zip(self.names, variables,
                                                                     devices)))])
         self._arrays = {}                        # this step's gradients (torch views), by name
-        self._zeros = None
         self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0}
         depth = options["pipeline_depth"]
         self.lookahead = options["staleness_compensation"] == "lookahead" and depth > 1
@@ -209,11 +208,12 @@ class TensorFlowPath:
         return [self.transfer.to_tf(grads[n].reshape(self.shapes[n])) for n in self.names]
 
     def _zeros_tf(self):
-        if self._zeros is None:
-            self._zeros = [self.transfer.to_tf(torch.zeros(self.shapes[n], dtype=b.kind[0],
-                                                           device=b.kind[1]))
-                           for n, b in ((n, self.machine.bucket_of[n]) for n in self.names)]
-        return list(self._zeros)
+        # Made per call, not kept: only the steps that fill the pipeline (and, at depth
+        # K >= 3, its older slots until it is full) need them, and kept they were a
+        # copy of the model alive for the whole run.
+        return [self.transfer.to_tf(torch.zeros(self.shapes[n], dtype=b.kind[0],
+                                                device=b.kind[1]))
+                for n, b in ((n, self.machine.bucket_of[n]) for n in self.names)]
 
     # --- outside the step ---------------------------------------------------------
     def flush(self):

@@ -54,7 +54,7 @@ def reset_tf_peak(backend):
         tf.config.experimental.reset_memory_stats("CPU:0")
 
 
-def measure(config, kind, width, steps, rank, backend):
+def measure(config, kind, width, steps, rank, backend, predivide=1.0):
     import keras
     import torch
 
@@ -76,6 +76,7 @@ def measure(config, kind, width, steps, rank, backend):
     if config != "keras":
         opt = hvd.DistributedOptimizer(
             opt, pipeline_depth=1 if config == "ours-k1" else 2,
+            gradient_predivide_factor=predivide,
             staleness_compensation="lookahead" if config == "ours-k2-default" else None)
     model.compile(optimizer=opt, loss="mse", jit_compile=False)
     for _ in range(steps):
@@ -105,6 +106,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--optimizers", default="sgd-momentum,adam")
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--predivide", type=float, default=1.0,
+                        help="gradient_predivide_factor: 2 sends one process's gradients "
+                             "through the pipeline as on many ranks (exact in floating point)")
     args = parser.parse_args(argv)
     import keras
 
@@ -118,7 +122,8 @@ def main(argv=None):
     for width in [int(w) for w in args.widths.split(",")]:
         for kind in args.optimizers.split(","):
             for config in args.configs.split(","):
-                row = measure(config, kind, width, args.steps, hvd.rank(), backend)
+                row = measure(config, kind, width, args.steps, hvd.rank(), backend,
+                              args.predivide)
                 row["engine"] = engine.current().name
                 row["workers"] = hvd.size()
                 if hvd.rank() == 0:

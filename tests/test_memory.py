@@ -1,0 +1,68 @@
+"""`pipe-horovod memory`: its tables, and the Keras adapter's live memory at the floor.
+
+The Keras measurement runs in a subprocess: TensorFlow's CPU allocator counts its
+bytes only when $TF_CPU_ALLOCATOR_USE_BFC is set before TensorFlow starts. One process
+with a gradient predivide factor of 2 sends the gradients through the pipeline (the
+FIFO, the slot buffers, the lookahead's shadow weights) as on many ranks.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipe_horovod.tools.commands import memory
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_tables_show_every_column():
+    torch_rows = [{"width": 64, "optimizer": "adam", "engine": "torch", "config": "ours-k2-default",
+                   "live": 6.0, "compensation_ms": 2.0, "optimizer_step_ms": 4.0, "ratio": 0.45,
+                   "compensation_cpu_ms": 1.0, "optimizer_step_cpu_ms": 2.5, "cpu_ratio": 0.4},
+                  {"width": 64, "optimizer": "adam", "engine": "torch", "config": "ours-k1",
+                   "live": 4.0, "optimizer_step_ms": 4.0}]
+    text = memory.table(torch_rows)
+    assert "| 0.0 | adam | torch | ours-k2-default | 6.00 | 2.00 | 4.00 | 0.45 | 1.00 | 2.50 " \
+           "| 0.40 |" in text
+    assert "| ours-k1 | 4.00 | – | 4.00 | – | – | – | – |" in text
+    keras_rows = [{"params": 2_100_000, "optimizer": "sgd-momentum", "backend": "tensorflow",
+                   "engine": "torch", "config": "ours-k2-default", "live": 5.01, "tf": 3.01,
+                   "torch": 2.0, "tf_peak": 5.0},
+                  {"params": 2_100_000, "optimizer": "adam", "backend": "torch",
+                   "engine": "torch", "config": "keras", "live": 4.0, "tf": 0.0, "torch": 4.0}]
+    text = memory.keras_table(keras_rows)
+    assert "| 2.10 | sgd-momentum | tensorflow | torch | ours-k2-default | 5.01 | 3.01 | 2.00 " \
+           "| 5.00 |" in text
+    assert "| 2.10 | adam | torch | torch | keras | 4.00 | 0.00 | 4.00 | – |" in text
+
+
+def test_keras_on_tensorflow_keeps_no_copy_beyond_the_slots_and_the_real_weights():
+    # Plain K=2 adds the two slot buffers to what the unwrapped Keras optimizer holds
+    # (the gradient in flight, the one applied last); the default adds the real weights
+    # (its shadow variables) and nothing else: no cached zeros for the steps that fill
+    # the pipeline (a whole copy until 2026-11-25), no saved optimizer state.
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPU_ALLOCATOR_USE_BFC="true",
+               TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
+                                                        os.environ.get("PYTHONPATH")])))
+    for key in ("RANK", "WORLD_SIZE", "HOROVOD_RANK", "HOROVOD_SIZE", "PIPE_HOROVOD_ENGINE"):
+        env.pop(key, None)
+    out = subprocess.run(
+        [sys.executable, "-m", "pipe_horovod.tools.bench.keras_memory_worker", "--widths", "1024",
+         "--steps", "3", "--optimizers", "sgd-momentum", "--predivide", "2",
+         "--configs", "ours-k2,ours-k2-default"],
+        env=env, capture_output=True, text=True, timeout=300)
+    rows = {r["config"]: r for r in (json.loads(line.split("MEMORY ", 1)[1])
+                                     for line in out.stdout.splitlines() if "MEMORY " in line)}
+    assert set(rows) == {"ours-k2", "ours-k2-default"}, \
+        out.stdout[-2000:] + out.stderr[-2000:]
+    # The pipeline's torch side holds the two slot buffers and nothing else; TensorFlow's
+    # side grows by the real weights alone under the default. (2.1 M parameters: on small
+    # models TensorFlow's own allocations of ~100 kB come and go between measurements.)
+    assert rows["ours-k2"]["torch"] == pytest.approx(2.0, abs=0.01), rows
+    assert rows["ours-k2-default"]["torch"] == pytest.approx(2.0, abs=0.01), rows
+    assert rows["ours-k2-default"]["tf"] - rows["ours-k2"]["tf"] == pytest.approx(1.0, abs=0.1), \
+        rows
