@@ -61,20 +61,29 @@ collective (a joining worker would run it while the others synchronize),
 and a DistributedOptimizer over a process set cannot follow a reset.
 """
 import functools
+from typing import Any, Callable
 
 from ... import engine
 from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
 
 
-def run(func):
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorator: run `func(state, ...)` until it returns, surviving resets.
 
-    Before each attempt the state is synchronized from rank 0 (skipped
-    after a HostsUpdatedInterrupt that only removed hosts). On
-    HorovodInternalError the state is restored to its last commit; on
-    HostsUpdatedInterrupt it is kept; either way the engine is reset,
-    the state's reset callbacks run, and `func` is called again.
+    Why: a lost or added worker should cost the steps since the last commit,
+    not the whole job. Before each attempt the state is synchronized from
+    rank 0 (skipped after a HostsUpdatedInterrupt that only removed hosts).
+    On HorovodInternalError the state is restored to its last commit; on
+    HostsUpdatedInterrupt it is kept; either way the engine is reset, the
+    state's reset callbacks run, and `func` is called again.
+
+    Args:
+        func: the training function, called with the State (a TorchState, say)
+            first; it must not start with a collective (see above).
+
+    Returns:
+        A function of the same arguments that returns what `func` returns.
     """
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
