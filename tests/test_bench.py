@@ -360,3 +360,28 @@ def test_config_names():
     width = worker.mlp_width(50e6, 5)
     params = 1024 * width + width + 3 * (width * width + width) + width * 1000 + 1000
     assert abs(params * 4 - 50e6) / 50e6 < 0.01
+
+
+@pytest.mark.timeout(60)
+def test_report_of_a_run_with_automatic_buckets(tmp_path):
+    """--bucket-cap-mb auto: the worker records the size the optimizer picked and its first
+    bucket; the report's title names them and its predictions bucket ours that way."""
+    assert worker.auto_bucket_meta(25.0, 4) == {}
+    meta = worker.auto_bucket_meta(None, 2)
+    assert meta == {"bucket_cap_auto_mb": 32.0, "bucket_first_mb": 4.0}
+    cfg = {"bucket_cap_mb": None, **meta}
+    systems = report._bucketings(cfg)
+    assert systems["ours"].cap_bytes == 32 * 2**20 and systems["ours"].first_cap_bytes == 4 * 2**20
+    assert systems["ddp"].cap_bytes == 25 * 2**20
+    assert report._buckets_label(cfg) == "auto (32.0 MiB, first 4; DDP 25)"
+    assert report._buckets_label({"bucket_cap_mb": 25.0}) == "25 MB"
+    assert report._bucketings({"bucket_cap_mb": 10.0})["ours"].first_cap_bytes is None
+
+
+def test_bucket_cap_flag_round_trips():
+    from pipe_horovod.tools.validators import bucket_cap, bucket_cap_flag
+
+    assert bucket_cap("auto") is None and bucket_cap("12.5") == 12.5
+    assert bucket_cap(bucket_cap_flag(None)) is None and bucket_cap(bucket_cap_flag(0.5)) == 0.5
+    with pytest.raises(Exception, match="bucket cap must be > 0"):
+        bucket_cap("0")

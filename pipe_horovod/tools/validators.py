@@ -42,6 +42,19 @@ def number(low, high=None, kind=float, what="value", strict=False):
     return checked(convert)
 
 
+def bucket_cap(text):
+    """--bucket-cap-mb: "auto" (None: the optimizer's bucket_cap_mb=None, its size picked
+    for the ranks and $PIPE_HOROVOD_LINK_*) or a number of MiB > 0."""
+    if str(text).strip().lower() in ("auto", "none"):
+        return None
+    return number(0, what="bucket cap", strict=True)(text)
+
+
+def bucket_cap_flag(value):
+    """A --bucket-cap-mb value as the command line writes it back ("auto" for None)."""
+    return "auto" if value is None else f"{value:g}"
+
+
 def positive_int(what=""):
     """An argparse type for an integer >= 1; `what` names it in the error."""
     return number(1, kind=int, what=what)

@@ -22,6 +22,7 @@ from . import keras_report, mwms_worker
 from . import worker as bench_worker
 from pipe_horovod.tools.emulate import read_progress, tail_file
 from pipe_horovod.tools.launch import UsageError, horovodrun, worker_env
+from pipe_horovod.tools.validators import bucket_cap_flag
 
 DEFAULT_CONFIGS = ["ours-k1", "ours-k2", "compute", "allreduce", mwms_worker.NAME]
 _OURS = ("compute", "allreduce")
@@ -76,7 +77,7 @@ def command_line(args, configs):
     parts += ["--steps", str(args.steps), "--warmup", str(args.warmup),
               "--rounds", str(args.rounds), "--configs", *configs]
     if args.bucket_cap_mb != 25.0:
-        parts += ["--bucket-cap-mb", f"{args.bucket_cap_mb:g}"]
+        parts += ["--bucket-cap-mb", bucket_cap_flag(args.bucket_cap_mb)]
     if args.threads != 1:
         parts += ["--threads", str(args.threads)]
     if args.keras_torch:
@@ -121,7 +122,7 @@ def _argv(args, job, rnd, raw, progress):
             "--round-offset", str(rnd), "--threads", str(args.threads), "--seed", str(args.seed),
             "--idle-probe-s", repr(args.idle_probe_s), "--out", raw, "--progress", progress]
     if job.configs:
-        argv += ["--configs", ",".join(job.configs), "--bucket-cap-mb", repr(args.bucket_cap_mb)]
+        argv += ["--configs", ",".join(job.configs), "--bucket-cap-mb", bucket_cap_flag(args.bucket_cap_mb)]
     return argv
 
 

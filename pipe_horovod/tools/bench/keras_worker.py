@@ -27,6 +27,7 @@ import time
 
 from . import keras_common as common
 from . import worker as torch_worker
+from pipe_horovod.tools.validators import bucket_cap
 
 TIMERS = ("fill_s", "handoff_s", "finish_s", "launch_s", "wait_s")
 
@@ -204,6 +205,7 @@ def run(args):
             "layers": args.layers, "params": numel, "model_bytes": numel * 4,
             "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
             "rounds": args.rounds, "bucket_cap_mb": args.bucket_cap_mb,
+            **torch_worker.auto_bucket_meta(args.bucket_cap_mb, size),
             "threads": args.threads, "configs": configs, "requested": configs, "skipped": {},
             "cpu_count": os.cpu_count(), "versions": versions,
             "config_backends": {n: (None if n == "compute" else
@@ -226,7 +228,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_arguments(parser)
     parser.add_argument("--configs", default="ours-k1,ours-k2,compute,allreduce")
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--bucket-cap-mb", type=bucket_cap, default=25.0)
     run(parser.parse_args(argv))
     return 0
 

@@ -359,11 +359,15 @@ def _replay_workload(replayed, measured):
 def _bucketings(meta):
     """Each system's buckets in this run: ours and DDP at --bucket-cap-mb, Horovod's fusion
     at --horovod-fusion-mb (0: no fusion, one allreduce per tensor) or its default."""
-    cap = meta.get("bucket_cap_mb", 25.0) * planner.MIB
+    cap = meta.get("bucket_cap_mb", 25.0)
     fusion = meta.get("horovod_fusion_mb")
-    if fusion is None:
-        return planner.bucketings(cap)
-    return planner.bucketings(cap, max(fusion * planner.MIB, 1.0))
+    systems = planner.bucketings(
+        (planner.DDP.cap_bytes if cap is None else cap * planner.MIB),
+        *(() if fusion is None else (max(fusion * planner.MIB, 1.0),)))
+    if cap is None:              # --bucket-cap-mb auto: ours as the optimizer sized it
+        systems["ours"] = planner.Bucketing("cap", meta["bucket_cap_auto_mb"] * planner.MIB,
+                                            first_cap_bytes=meta["bucket_first_mb"] * planner.MIB)
+    return systems
 
 
 def _predicted(name, s, prediction, network, p, model_bytes, compute, wire_ratio):
@@ -407,6 +411,14 @@ def hidden_cell(row):
     return cell
 
 
+def _buckets_label(meta):
+    cap = meta.get("bucket_cap_mb", 25.0)
+    if cap is None:
+        return (f"auto ({meta.get('bucket_cap_auto_mb', float('nan')):.1f} MiB, first "
+                f"{meta.get('bucket_first_mb', float('nan')):g}; DDP 25)")
+    return f"{cap:g} MB"
+
+
 def title(summary):
     meta, launch = summary["meta"], summary["launch"]
     link = launch.get("emulate")
@@ -415,7 +427,7 @@ def title(summary):
     return (f"engine {meta['engine']}, {meta['workers']} worker(s), {where}, "
             f"{meta['model'].upper()} {meta['model_bytes'] / 1e6:.1f} MB "
             f"({meta['params'] / 1e6:.2f} M params), batch {meta['batch_size']}/worker, "
-            f"buckets {meta.get('bucket_cap_mb', 25.0):g} MB, "
+            f"buckets {_buckets_label(meta)}, "
             f"{models.compute_label(meta.get('compute'))}")
 
 

@@ -61,7 +61,7 @@ from pipe_horovod.tools.bench import convergence_tasks, models
 from pipe_horovod.tools.bench.models import (MLP_CLASSES, MLP_IN, build_model,  # noqa: F401
                                        mlp_width, model_numel, synthetic_batch)
 from pipe_horovod.collectives.group import free_port, start_beside  # noqa: F401 -- free_port: launchers import it from here
-from pipe_horovod.tools.validators import checked, number, positive
+from pipe_horovod.tools.validators import bucket_cap, checked, number, positive
 
 DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16",
                    "compute", "contention", "allreduce"]
@@ -368,7 +368,8 @@ def make_runner(name, args, eng):
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=25.0 if args.bucket_cap_mb is None
+                                      else args.bucket_cap_mb)
         return TrainRunner(name, "ddp", ddp, torch.optim.SGD(ddp.parameters(), **sgd),
                            data, target)
     opt = torch.optim.SGD(model.parameters(), **sgd)
@@ -422,6 +423,18 @@ def _threads():
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return None
+
+
+def auto_bucket_meta(bucket_cap_mb, size):
+    """With --bucket-cap-mb auto: the size the optimizer picks in this run (the runtime's
+    own function, for `size` ranks and this environment's link) and its first bucket, so
+    the report predicts the buckets that ran; {} for a number."""
+    if bucket_cap_mb is not None:
+        return {}
+    from pipe_horovod.pipeline.buckets import AUTO_FIRST_MB, resolve_bucket_cap_mb
+
+    return {"bucket_cap_auto_mb": float(resolve_bucket_cap_mb(None, world_size=size)),
+            "bucket_first_mb": AUTO_FIRST_MB}
 
 
 def codec_seconds(numel, bucket_cap_mb, reps=5):
@@ -605,12 +618,13 @@ def run_benchmark(args):
                 f"{busy if busy is None else round(busy, 2)} cores")
             progress(f"round {rnd + 1}/{args.rounds} {name}")
 
+    auto_cap = auto_bucket_meta(args.bucket_cap_mb, size).get("bucket_cap_auto_mb")
     sweep = None
     if args.fit and size > 1:
         sweep = allreduce_sweep(eng, args.fit_max_mb * 1e6, progress)
     codecs = None
     if any(compression_of(n) != "none" for n in configs):
-        codecs = codec_seconds(numel, args.bucket_cap_mb)
+        codecs = codec_seconds(numel, auto_cap or args.bucket_cap_mb)
     per_hop = sorted({compression_of(n) for n in configs} & {"int8", "bf16hop"})
     hop_costs = hop_codec_costs(per_hop) if per_hop else None
 
@@ -624,6 +638,7 @@ def run_benchmark(args):
             "params": numel, "model_bytes": numel * 4, "batch_size": args.batch_size,
             "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
             "bucket_cap_mb": args.bucket_cap_mb, "threads": args.threads,
+            **auto_bucket_meta(args.bucket_cap_mb, size),
             "configs": configs, "requested": requested, "skipped": skipped,
             "cpu_count": os.cpu_count(), "hostname": socket.gethostname(),
             "threads_before_configs": threads_before, "versions": _versions(),
@@ -703,8 +718,10 @@ def add_model_arguments(parser):
     parser.add_argument("--configs", type=checked(parse_configs), nargs="+", default=None,
                         help=f"configurations (default: {' '.join(DEFAULT_CONFIGS)}; the ones "
                              "the engine cannot run are skipped and noted)")
-    parser.add_argument("--bucket-cap-mb", type=positive(float), default=25.0,
-                        help="bucket size of ours and DDP (default 25)")
+    parser.add_argument("--bucket-cap-mb", type=bucket_cap, default=25.0,
+                        help="bucket size of ours and DDP in MiB (default 25); auto: ours at "
+                             "bucket_cap_mb=None (the size it picks for the workers and "
+                             "$PIPE_HOROVOD_LINK_GBPS / _LATENCY_US), DDP at its 25")
     parser.add_argument("--fit", action="store_true",
                         help="also sweep allreduce sizes 1 KB..--fit-max-mb for planner.fit")
     parser.add_argument("--fit-max-mb", type=positive(float), default=64.0,

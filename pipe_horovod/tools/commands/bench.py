@@ -28,7 +28,7 @@ from pipe_horovod.tools.bench import keras_launch, models
 from pipe_horovod.tools.bench import worker as bench_worker
 from pipe_horovod.tools.emulate import read_progress, tail_file
 from pipe_horovod.tools.launch import UsageError, check, horovodrun, worker_env
-from pipe_horovod.tools.validators import link_rate, positive_int, seconds
+from pipe_horovod.tools.validators import bucket_cap_flag, link_rate, positive_int, seconds
 
 ENGINES = ("horovod", "torch", "local")
 _POLL = 0.5
@@ -98,7 +98,7 @@ def command_line(args):
     parts += ["--steps", str(args.steps), "--warmup", str(args.warmup),
               "--rounds", str(args.rounds), "--configs", *args.configs]
     if args.bucket_cap_mb != 25.0:
-        parts += ["--bucket-cap-mb", f"{args.bucket_cap_mb:g}"]
+        parts += ["--bucket-cap-mb", bucket_cap_flag(args.bucket_cap_mb)]
     if args.fit:
         parts += ["--fit"] + (["--fit-max-mb", f"{args.fit_max_mb:g}"]
                               if args.fit_max_mb != 64.0 else [])
@@ -118,7 +118,7 @@ def _worker_argv(args, raw, progress):
     argv = ["--model", args.model, "--model-mb", repr(args.model_mb), "--layers",
             str(args.layers), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-            "--configs", ",".join(args.configs), "--bucket-cap-mb", repr(args.bucket_cap_mb),
+            "--configs", ",".join(args.configs), "--bucket-cap-mb", bucket_cap_flag(args.bucket_cap_mb),
             "--threads", str(args.threads), "--seed", str(args.seed),
             "--idle-probe-s", repr(args.idle_probe_s), "--compute", args.compute,
             "--seq-len", str(args.seq_len), "--out", raw, "--progress", progress]
