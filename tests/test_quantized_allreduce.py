@@ -4,8 +4,11 @@ One launch per (engine, ranks) runs every reduction case against the single-proc
 reference of tests/workers/quantized_worker.py, bit for bit; the "all" launches add
 training with the wrapped optimizer (int8 and int8_ef, K=1 and K=2, plain and the
 default compensation) against tests/oracle.py and a bit-exact resume mid-pipeline
-with both residuals. Every launch checks 2, 3 or 4 ranks on both engines; training
-runs on Horovod at 2 ranks and torch.distributed at 3, and in one plain process.
+with both residuals, and a sparse embedding beside quantized buckets. From 3 ranks a
+process set of two reduces alone; every launch ends with a reduction left in flight
+that shutdown must complete. Every launch checks 2, 3 or 4 ranks on both engines;
+training runs on Horovod at 2 ranks and torch.distributed at 3, and in one plain
+process.
 """
 import pytest
 import torch
