@@ -15,6 +15,7 @@ import torch
 
 import launcher
 import pipe_horovod.torch as phvd
+from pipe_horovod.collectives import quantized
 from pipe_horovod.compression import Compression, check_compression, two_stage
 from pipe_horovod.compression.two_stage import WireFormat, dequantize, quantize
 
@@ -135,5 +136,5 @@ def test_what_the_two_stage_path_cannot_do_is_refused(local, kw, text):
 def test_a_lone_rank_quantizes_nothing(local):
     t = torch.randn(300)
     want = t.clone()
-    out = phvd.synchronize(two_stage.allreduce_async(t, "solo", fmt=WireFormat("int8")))
+    out = phvd.synchronize(quantized.allreduce_async(t, "solo", fmt=WireFormat("int8")))
     assert out is t and torch.equal(t, want)

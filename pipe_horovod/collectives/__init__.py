@@ -16,7 +16,10 @@ alpha-beta formulas layout picks lp's chunks by), channel
 (tags), group (the gloo group), buffers (persistent buffers), arrivals
 (which receives have completed, without blocking), linear_pipeline / ring /
 binomial_tree / bidirectional_exchange (the algorithms `collective=` names
-"lp", "ring", "mst", "be"), ddp_hooks (the same for torch DDP).
+"lp", "ring", "mst", "be"), ddp_hooks (the same for torch DDP), quantized
+(the other way: int8/fp8 in two stages on the engine's own alltoall and
+allgather, NCCL included, no per-hop algorithm; what the optimizer uses
+for those codecs when no `collective=` is given).
 """
 from .api import allreduce, allreduce_async, broadcast, broadcast_async, reduce, reduce_async
 from .cost_model import Network

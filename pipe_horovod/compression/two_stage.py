@@ -34,12 +34,11 @@ decides which).
 With one rank nothing is sent and nothing is quantized: the result is
 postscale * prescale * tensor, and the residuals are left alone.
 
-Every step runs on the tensor's own device. The functions below are pure
-(no communication) so that a single process can run the same math as an
-oracle; `allreduce_async` chains them on the engine (Engine.two_stage_async).
+Every step runs on the tensor's own device. The functions here are pure
+(no communication, no engine) so that a single process can run the same
+math as an oracle; pipe_horovod/collectives/quantized.py chains them on the
+engine (Engine.two_stage_async).
 """
-import functools
-
 import torch
 
 DEFAULT_BLOCK_SIZE = 256      # int8: 4 bytes of scale per 256 values, 1.6% more bytes
@@ -226,80 +225,10 @@ def first_stage(flat, sizes, fmt, residual=None):
     return send, splits
 
 
-# --- on the engine -------------------------------------------------------------
-def _check_counts(counts, nbytes, name, fmt):
-    if any(c != nbytes for c in counts):
-        from ..engine.base import EngineError
-
-        raise EngineError(f"quantized reduction {name!r} ({fmt.describe()}): expected "
-                          f"{nbytes} byte(s) from every rank, received {counts}; the tensor's "
-                          "size or the codec differs across ranks")
-
-
-def _second_stage(received, counts, *, name, size, numel, fmt, acc, average, prescale,
-                  postscale, residual):
-    _check_counts(counts, fmt.shard_bytes(numel), name, fmt)
-    return reduce_shard(received, size, numel, fmt, acc, average, prescale, postscale,
-                        residual)
-
-
-def allreduce_async(tensor, name=None, op=None, *, fmt, residuals=None, process_set=None,
-                    prescale_factor=1.0, postscale_factor=1.0):
-    """Start the two-stage quantized reduction of `tensor` in place (Average or Sum);
-    `engine.wait(handle)` returns the tensor. `fmt`: a WireFormat; `residuals`: None or
-    (first, second), see the module docstring."""
-    from .. import engine as _engine
-    from ..engine.base import Average, Done, Sum
-    from ..engine.argument_checks import check_op, check_scale, check_tensor
-
-    op = Average if op is None else op
-    check_tensor(tensor, "quantized allreduce")
-    check_op(op, (Average, Sum), "quantized allreduce")
-    check_scale(prescale_factor, "prescale_factor")
-    check_scale(postscale_factor, "postscale_factor")
-    if not tensor.is_floating_point():
-        raise ValueError(f"a quantized allreduce reduces floating-point tensors, got "
-                         f"{tensor.dtype}")
-    acc = accumulator(tensor.dtype)
-    eng = _engine.current()
-    ps = eng.resolve_process_set(process_set)
-    size, me = len(ps.ranks), ps.ranks.index(eng.rank())
-    if residuals is not None:
-        for residual, numel, what in zip(residuals, (tensor.numel(), own_shard(
-                tensor.numel(), size, me)[1]), ("the tensor's", "this rank's shard's")):
-            if (residual.dtype != acc or residual.numel() != numel
-                    or residual.device != tensor.device or not residual.is_contiguous()):
-                raise ValueError(f"residuals must be contiguous {acc} tensors on "
-                                 f"{tensor.device} of {what} size ({numel}), got "
-                                 f"{residual!r:.80}")
-    flat = tensor.view(-1)
-    if size == 1:                       # nothing sent, nothing quantized
-        factor = prescale_factor * postscale_factor
-        if factor != 1:
-            flat.copy_(flat.to(acc) * factor)
-        return eng.adopt_async("allreduce", tensor, name, op, lambda _: Done(tensor),
-                               process_set=process_set)
-    sizes = shard_sizes(flat.numel(), size)
-    first, second = (None, None) if residuals is None else residuals
-    send, splits = first_stage(flat, sizes, fmt, first)
-    reduce = functools.partial(
-        _second_stage, name=name, size=size, numel=sizes[me], fmt=fmt, acc=acc,
-        average=op is Average, prescale=prescale_factor, postscale=postscale_factor,
-        residual=second)
-
-    def finish(gathered):
-        decode(gathered, sizes, fmt, flat)
-        return tensor
-
-    return eng.two_stage_async("allreduce", tensor, name, op, send, splits, reduce, finish,
-                               process_set=process_set)
-
-
 def wire_ratio(fmt, dtype=torch.float32, numel=2 ** 20):
     """Bytes on the wire per byte of `dtype` (for reports)."""
     return fmt.shard_bytes(numel) / (numel * torch.empty((), dtype=dtype).element_size())
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "FORMATS", "WireFormat", "accumulator", "allreduce_async",
-           "check_block_size", "check_format", "decode", "dequantize", "encode", "first_stage",
+__all__ = ["DEFAULT_BLOCK_SIZE", "FORMATS", "WireFormat", "accumulator", "check_block_size", "check_format", "decode", "dequantize", "encode", "first_stage",
            "own_shard", "quantize", "reduce_shard", "shard_sizes"]

@@ -392,7 +392,7 @@ class Engine:
         `<name>.a2a`: alltoall of `send` (splits[i] rows to the set's i-th rank); a pool
         thread then calls `reduce(received, counts)` and allgathers what it returns under
         `<name>.ag`; `wait` returns `finish(gathered)`. The quantized allreduce
-        (compression/two_stage.py) and Horovod's bfloat16 path run on it.
+        (collectives/quantized.py) and Horovod's bfloat16 path run on it.
 
         Why a pool thread: the second collective needs the first one's result, and
         the optimizer starts reductions during backward and waits for them later,

@@ -16,6 +16,7 @@ import functools
 import threading
 
 from .. import collectives, engine
+from ..collectives import quantized
 from ..compression import Compression, two_stage, wire_format
 from ..compression.feedback import ErrorFeedback
 from .buckets import plan_buckets
@@ -98,7 +99,7 @@ class StepMachine:
         # engine's allreduce of the compressed tensor.
         self.collective = collective
         # A codec that quantizes inside the reduction, with no collective=: two stages
-        # on the engine's own alltoall and allgather (compression/two_stage.py).
+        # on the engine's own alltoall and allgather (collectives/quantized.py).
         self.wire = wire_format(compression) if collective is None else None
         if self.wire is not None and op not in (engine.Average, engine.Sum):
             raise ValueError(f"compression {compression.name!r} reduces with Average or Sum "
@@ -212,7 +213,7 @@ class StepMachine:
                 residuals = (self.feedback.residual(self.slot, bucket),
                              self.feedback.residual(self.slot, bucket, stage=2, part=(
                                  two_stage.own_shard(bucket.numel, self.size, index))))
-            handle = two_stage.allreduce_async(flat, name, self.op, fmt=self.wire,
+            handle = quantized.allreduce_async(flat, name, self.op, fmt=self.wire,
                                                residuals=residuals, **scaling)
             self.launched.append(BucketReduction(bucket, self.fifo.steps, handle, None,
                                                  Compression.none))

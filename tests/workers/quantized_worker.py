@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import oracle  # noqa: E402
 import pipe_horovod.torch as phvd  # noqa: E402
 from pipe_horovod import engine  # noqa: E402
+from pipe_horovod.collectives import quantized  # noqa: E402
 from pipe_horovod.compression import Compression, two_stage  # noqa: E402
 from pipe_horovod.compression.two_stage import (WireFormat, accumulator, dequantize,  # noqa: E402
                                                 quantize, shard_sizes)
@@ -108,7 +109,7 @@ def allreduce_cases(r, p):
                     xs = inputs(p, numel, dtype, seed)
                     mine = xs[r].clone()
                     op = engine.Average if average else engine.Sum
-                    handles.append((two_stage.allreduce_async(mine, f"q.{seed}", op, fmt=fmt),
+                    handles.append((quantized.allreduce_async(mine, f"q.{seed}", op, fmt=fmt),
                                     mine, reference_two_stage(xs, fmt, average),
                                     f"{fmt.describe()} {dtype} n={numel} {op}"))
             for handle, mine, want, what in reversed(handles):   # waited out of order
@@ -120,7 +121,7 @@ def allreduce_cases(r, p):
     fmt = WireFormat("int8")
     xs = inputs(p, 1001, torch.float32, 999)
     mine = xs[r].clone()
-    got = eng.wait(two_stage.allreduce_async(mine, None, engine.Average, fmt=fmt,
+    got = eng.wait(quantized.allreduce_async(mine, None, engine.Average, fmt=fmt,
                                              prescale_factor=0.25, postscale_factor=4.0))
     if not torch.equal(got, reference_two_stage(xs, fmt, True, 0.25, 4.0)):
         failures.append("allreduce with prescale/postscale differs from the reference")
@@ -137,7 +138,7 @@ def allreduce_cases(r, p):
                 seed += 1
                 xs = inputs(p, n, dtype, seed)
                 mine = xs[r].clone()
-                got = eng.wait(two_stage.allreduce_async(mine, f"ef.{seed}", fmt=fmt,
+                got = eng.wait(quantized.allreduce_async(mine, f"ef.{seed}", fmt=fmt,
                                                          residuals=(first, second)))
                 want = reference_two_stage(xs, fmt, True, first=ref_first, second=ref_second)
                 what = f"error feedback {fmt.describe()} {dtype} step {step}"
@@ -164,7 +165,7 @@ def process_set_case(r, p):
         for step in range(2):
             xs = inputs(2, n, torch.float32, 5000 + step)
             mine = xs[index].clone()
-            got = eng.wait(two_stage.allreduce_async(mine, f"set.{step}", fmt=fmt,
+            got = eng.wait(quantized.allreduce_async(mine, f"set.{step}", fmt=fmt,
                                                      residuals=(first, second),
                                                      process_set=ps))
             want = reference_two_stage(xs, fmt, True, first=ref_first, second=ref_second)
@@ -381,7 +382,7 @@ def shutdown_completes_what_is_in_flight(r, p):
     x = torch.full((1001,), float(r + 1))
     if r == 0:
         time.sleep(0.5)
-    two_stage.allreduce_async(x, "left.in.flight", fmt=WireFormat("int8"))
+    quantized.allreduce_async(x, "left.in.flight", fmt=WireFormat("int8"))
     phvd.shutdown()
     mean = (p + 1) / 2
     if not (x - mean).abs().max() <= mean / 127:

@@ -1,0 +1,89 @@
+"""The two-stage quantized allreduce on the engine's own alltoall and allgather.
+
+The math is compression/two_stage.py's (pure functions, also the tests'
+oracle); this chains it on the running engine: stage 1 on the caller's
+thread, the alltoall, stage 2 and the allgather on the engine's pool of
+two-stage threads (Engine.two_stage_async: why a pool thread, and why it
+cannot deadlock), the decode on `wait`. One handle, the engine's: poll,
+wait, names, the timeline and shutdown's completion apply as to its own
+collectives. The optimizer's buckets use it for a codec with a wire format
+and no `collective=` (pipeline/step_machine.py).
+"""
+import functools
+
+from .. import engine as _engine
+from ..compression.two_stage import (accumulator, decode, first_stage, own_shard, reduce_shard,
+                                     shard_sizes)
+from ..engine.argument_checks import check_op, check_scale, check_tensor
+from ..engine.base import Average, Done, EngineError, Sum
+
+
+def _check_counts(counts, nbytes, name, fmt):
+    if any(c != nbytes for c in counts):
+        raise EngineError(f"quantized reduction {name!r} ({fmt.describe()}): expected "
+                          f"{nbytes} byte(s) from every rank, received {counts}; the tensor's "
+                          "size or the codec differs across ranks")
+
+
+def _second_stage(received, counts, *, name, size, numel, fmt, acc, average, prescale,
+                  postscale, residual):
+    _check_counts(counts, fmt.shard_bytes(numel), name, fmt)
+    return reduce_shard(received, size, numel, fmt, acc, average, prescale, postscale,
+                        residual)
+
+
+def allreduce_async(tensor, name=None, op=None, *, fmt, residuals=None, process_set=None,
+                    prescale_factor=1.0, postscale_factor=1.0):
+    """Start the two-stage quantized reduction of `tensor` in place (Average or Sum);
+    `engine.wait(handle)` returns the tensor. `fmt`: a compression.two_stage.WireFormat;
+    `residuals`: None or (first, second), error feedback's carries in the accumulator's
+    type on the tensor's device: `first` of the tensor's size, `second` of this rank's
+    shard (`own_shard`). With one rank nothing is sent or quantized."""
+    op = Average if op is None else op
+    check_tensor(tensor, "quantized allreduce")
+    check_op(op, (Average, Sum), "quantized allreduce")
+    check_scale(prescale_factor, "prescale_factor")
+    check_scale(postscale_factor, "postscale_factor")
+    if not tensor.is_floating_point():
+        raise ValueError(f"a quantized allreduce reduces floating-point tensors, got "
+                         f"{tensor.dtype}")
+    acc = accumulator(tensor.dtype)
+    eng = _engine.current()
+    ps = eng.resolve_process_set(process_set)
+    size, me = len(ps.ranks), ps.ranks.index(eng.rank())
+    if residuals is not None:
+        for residual, numel, what in zip(residuals, (tensor.numel(), own_shard(
+                tensor.numel(), size, me)[1]), ("the tensor's", "this rank's shard's")):
+            if (residual.dtype != acc or residual.numel() != numel
+                    or residual.device != tensor.device or not residual.is_contiguous()):
+                raise ValueError(f"residuals must be contiguous {acc} tensors on "
+                                 f"{tensor.device} of {what} size ({numel}), got "
+                                 f"{residual!r:.80}")
+    flat = tensor.view(-1)
+    if size == 1:                       # nothing sent, nothing quantized
+        factor = prescale_factor * postscale_factor
+        if factor != 1:
+            flat.copy_(flat.to(acc) * factor)
+        return eng.adopt_async("allreduce", tensor, name, op, lambda _: Done(tensor),
+                               process_set=process_set)
+    sizes = shard_sizes(flat.numel(), size)
+    first, second = (None, None) if residuals is None else residuals
+    send, splits = first_stage(flat, sizes, fmt, first)
+    reduce = functools.partial(
+        _second_stage, name=name, size=size, numel=sizes[me], fmt=fmt, acc=acc,
+        average=op is Average, prescale=prescale_factor, postscale=postscale_factor,
+        residual=second)
+
+    def finish(gathered):
+        decode(gathered, sizes, fmt, flat)
+        return tensor
+
+    return eng.two_stage_async("allreduce", tensor, name, op, send, splits, reduce, finish,
+                               process_set=process_set)
+
+
+def allreduce(tensor, name=None, op=None, **options):
+    return _engine.wait(allreduce_async(tensor, name, op, **options))
+
+
+__all__ = ["allreduce", "allreduce_async"]
