@@ -13,6 +13,14 @@ load; the ratio is the median of the per-step ratios), the same in the
 thread's CPU time (which other jobs on a shared machine do not inflate),
 and, with `--device cuda` (one process),
 torch.cuda.max_memory_allocated in the same units.
+
+`--framework keras` does the same for the Keras adapter, one launch per
+Keras backend (`--backends`) and engine, of
+`pipe_horovod.tools.bench.keras_memory_worker`: the unwrapped Keras
+optimizer (what Horovod's Keras optimizer holds visibly; Horovod's own
+cannot run on Keras 3 here) beside ours K=1, K=2 plain and K=2 default,
+counting TensorFlow's CPU allocator (as the BFC allocator, which the command
+turns on) and the torch storages, and TensorFlow's peak over the steps.
 """
 import json
 import os
