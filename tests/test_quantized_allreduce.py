@@ -58,6 +58,20 @@ def test_a_block_loses_at_most_half_a_step_and_the_loss_is_exact(kind):
     assert not back[100:164].any()
 
 
+def test_a_block_size_survives_a_saved_config():
+    from pipe_horovod.compression import config_name
+
+    codec = Compression.by_name(config_name(Compression.int8_ef.with_block_size(1024)))
+    assert codec.name == "int8_ef" and codec.block_size == 1024 and codec.error_feedback
+    assert config_name(Compression.int8_ef) == "int8_ef"
+    assert config_name(Compression.fp16) == "fp16"
+    assert Compression.by_name("fp8_e5m2:64").block_size == 64
+    with pytest.raises(ValueError, match="only int8 and fp8 codecs take a block size"):
+        Compression.by_name("fp16:64")
+    with pytest.raises(ValueError, match="block_size must be between"):
+        Compression.by_name("int8:3")
+
+
 def test_shards_and_wire_sizes_follow_one_rule():
     assert two_stage.shard_sizes(10, 4) == [3, 3, 2, 2]
     assert two_stage.shard_sizes(2, 3) == [1, 1, 0]

@@ -191,13 +191,22 @@ class Compression:
 
     @classmethod
     def by_name(cls, name):
+        """The codec called `name`; "int8_ef:1024" is int8_ef with 1024 values per scale
+        (what `config_name` writes for a block size other than the default)."""
         known = (cls.none, cls.fp16, cls.bf16, cls.int8, cls.int8_ef, cls.fp8_e4m3,
                  cls.fp8_e4m3_ef, cls.fp8_e5m2, cls.fp8_e5m2_ef)
+        base, _, block = name.partition(":")
         try:
-            return {c.name: c for c in known}[name]
+            codec = {c.name: c for c in known}[base]
         except KeyError:
             raise ValueError(f"unknown compression {name!r}; choose one of "
                              f"{', '.join(c.name for c in known)}") from None
+        if not block:
+            return codec
+        if not hasattr(codec, "with_block_size") or not block.isdigit():
+            raise ValueError(f"compression {name!r}: only int8 and fp8 codecs take a block "
+                             f"size, as an int after ':' (e.g. 'int8_ef:1024')")
+        return codec.with_block_size(int(block))
 
 
 def wire_format(compression):
@@ -209,6 +218,14 @@ def wire_format(compression):
 
     block_size = getattr(compression, "block_size", None)
     return WireFormat(kind, DEFAULT_BLOCK_SIZE if block_size is None else block_size)
+
+
+def config_name(compression):
+    """The name `Compression.by_name` turns back into `compression` (saved configs)."""
+    name = compression.name
+    block = getattr(compression, "block_size", None)
+    default = getattr(Compression.by_name(name), "block_size", None)
+    return name if block == default else f"{name}:{block}"
 
 
 def describe(compression):

@@ -25,7 +25,7 @@ import numpy as np
 from .. import engine
 from ..collectives import Collective, check_collective
 from ..collectives.communicator import communicator
-from ..compression import Compression
+from ..compression import Compression, config_name
 from ..pipeline.buckets import resolve_bucket_cap_mb
 from ..pipeline import (announce_depth, check_options, check_reduction, check_staleness,
                         compare_across_ranks, report_unapplied, resolve_depth, staleness)
@@ -271,7 +271,7 @@ _told_saving = []
 def _config_value(key, value):
     """An option as get_config keeps it (plain values, for the saved model's JSON)."""
     if key == "compression":
-        return value.name
+        return config_name(value)
     if key == "op":
         return value.value
     if key == "collective":
