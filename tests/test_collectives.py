@@ -169,7 +169,7 @@ def test_codec_a_collective_cannot_carry(local):
 
 def test_int8_has_no_compress_of_a_whole_tensor(local):
     with pytest.raises(ValueError, match="quantizes inside the reduction"):
-        phvd.allreduce(torch.ones(3), compression=Compression.int8)
+        phvd.grouped_allreduce([torch.ones(3)], compression=Compression.int8)
     assert Compression.by_name("int8_ef") is Compression.int8_ef
     with pytest.raises(ValueError, match="int8, int8_ef"):
         Compression.by_name("int4")

@@ -147,6 +147,17 @@ def test_what_the_two_stage_path_cannot_do_is_refused(local, kw, text):
         _wrap(**kw)
 
 
+def test_horovods_functional_allreduce_takes_int8(local):
+    """hvd.allreduce(t, compression=int8): a new tensor, differentiable (one rank: exact)."""
+    t = torch.randn(300, requires_grad=True)
+    out = phvd.allreduce(t, compression=Compression.int8, op=phvd.Sum)
+    assert out is not t and torch.equal(out, t.detach())
+    out.sum().backward()
+    assert torch.equal(t.grad, torch.ones(300))
+    with pytest.raises(ValueError, match="Average, Sum"):
+        phvd.allreduce(t, compression=Compression.int8, op=phvd.Max)
+
+
 def test_a_lone_rank_quantizes_nothing(local):
     t = torch.randn(300)
     want = t.clone()

@@ -171,7 +171,7 @@ class FP8E5M2FeedbackCompressor(FP8E5M2Compressor):
 _INSIDE_THE_REDUCTION = (
     "compression {name!r} quantizes inside the reduction (an 8-bit sum would overflow), so "
     "it has no compress() of a whole tensor: use it through DistributedOptimizer (the "
-    "engine's own alltoall + allgather, or collective=\"ring\"/\"lp\"), "
+    "engine's own alltoall + allgather, or collective=\"ring\"/\"lp\"), allreduce(), "
     "pipe_horovod.collectives.quantized.allreduce_async, or use fp16/bf16")
 _NOT_PER_HOP = (
     "compression {name!r} runs only in the two-stage reduction on the engine's own "

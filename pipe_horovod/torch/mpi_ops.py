@@ -23,7 +23,8 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 
 from .. import engine as _engine
-from ..compression import Compression
+from ..collectives import quantized
+from ..compression import Compression, wire_format
 from ..engine import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet,
                       ReduceOp, Sum, global_process_set)
 from ..engine.base import Handle
@@ -368,6 +369,22 @@ class _Allreduce(torch.autograd.Function):
         return (allreduce(grad_output, **ctx.options),) + (None,) * 5
 
 
+class _QuantizedAllreduce(torch.autograd.Function):
+    """A codec that quantizes inside the reduction (int8, fp8): two stages on the engine's
+    alltoall and allgather (collectives/quantized.py); backward: the same reduction of the
+    incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, op, fmt, prescale_factor, postscale_factor, process_set):
+        ctx.options = dict(op=op, fmt=fmt, prescale_factor=prescale_factor,
+                           postscale_factor=postscale_factor, process_set=process_set)
+        return quantized.allreduce(tensor.detach().clone(), name, **ctx.options)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return (quantized.allreduce(grad_output.clone(), None, **ctx.options),) + (None,) * 6
+
+
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression: Any = Compression.none, op: Optional[ReduceOp] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -381,7 +398,9 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
         tensor, average, name, op, prescale_factor, postscale_factor, process_set:
             as for allreduce_async.
         compression: a Compression codec applied to what travels (Compression.fp16
-            halves the bytes); the result has `tensor`'s dtype again.
+            halves the bytes); the result has `tensor`'s dtype again. int8 and fp8
+            quantize inside the reduction, in two stages (Average or Sum; no error
+            feedback here: `int8_ef` reduces as `int8`).
 
     Returns:
         A new tensor holding the result; `tensor` is not modified.
@@ -392,6 +411,10 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     """
     op = _op(op, average)
     _checked(tensor, "allreduce")
+    fmt = wire_format(compression)
+    if fmt is not None:
+        return _QuantizedAllreduce.apply(tensor, name, op, fmt, prescale_factor,
+                                         postscale_factor, process_set)
     wire, ctx = compression.compress(tensor)
     reduced = _Allreduce.apply(wire, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(reduced, ctx)

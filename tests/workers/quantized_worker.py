@@ -125,6 +125,11 @@ def allreduce_cases(r, p):
                                              prescale_factor=0.25, postscale_factor=4.0))
     if not torch.equal(got, reference_two_stage(xs, fmt, True, 0.25, 4.0)):
         failures.append("allreduce with prescale/postscale differs from the reference")
+    # Horovod's functional allreduce with an int8 codec: the same two stages.
+    xs = inputs(p, 1001, torch.float32, 998)
+    got = phvd.allreduce(xs[r], name="functional", compression=Compression.int8_ef)
+    if not torch.equal(got, reference_two_stage(xs, WireFormat("int8"))):
+        failures.append("hvd.allreduce(compression=int8_ef) differs from the reference")
     # Error feedback over steps, both residuals, every rank's own.
     for fmt in (WireFormat("int8"), WireFormat("int8", 64), WireFormat("bfloat16")):
         for dtype in (torch.float32, torch.float64):
