@@ -24,7 +24,6 @@ import collections
 import contextlib
 import functools
 import itertools
-import logging
 import os
 import time
 import warnings
@@ -32,7 +31,6 @@ import weakref
 from typing import Any, Iterable, Optional, Tuple, Union
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import engine
 from ..engine.process_sets import ProcessSet, global_process_set
@@ -45,45 +43,25 @@ from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options
                         check_reduction, check_staleness, compare_across_ranks,
                         report_unapplied, resolve_depth, staleness)
 from . import edits, lookahead
+from .checkpoint import _PipelineCheckpoint
 from .compensation import _Compensation, _due, _momentum_key, _values
+from .parameters import _ParameterOwnership, _describe, _group_names, _named
+from .sparse import _SparseGradients
 
-IN_FLIGHT = "pipe_horovod_in_flight"   # marks the param group a plain optimizer cannot load
 _instances = itertools.count()
 _live = weakref.WeakSet()          # wrapped optimizers, for the exit report
-_log = logging.getLogger("pipe_horovod")
 _announced = set()                 # depth settings rank 0 has explained already
-_owner_of = WeakIdKeyDictionary()  # parameter -> weakref to the wrapper reducing it
 
 
-class _SparseReduction:
-    """One sparse gradient of one step: its indices and values allgathered, as Horovod does.
+class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwnership,
+                          _Compensation):
+    """Mixin placed before the user's optimizer class in the MRO: the step flow.
 
-    Each rank sends only the rows it touched; the sum over ranks is the
-    concatenation (duplicate indices add up when the optimizer coalesces).
+    Its parts, each a mixin in a module of its own: checkpoint state
+    (torch/checkpoint.py), the sparse-gradient path (torch/sparse.py),
+    parameter names, hooks and ownership (torch/parameters.py) and staleness
+    compensation (torch/compensation.py).
     """
-
-    __slots__ = ("name", "shape", "indices", "values", "scale", "result")
-
-    def __init__(self, name, shape, indices, values, scale):
-        self.name, self.shape, self.indices, self.values = name, shape, indices, values
-        self.scale = scale                       # applied to the gathered values
-        self.result = None
-
-    def results(self):
-        if self.result is None:
-            values = engine.wait(self.values)
-            indices = engine.wait(self.indices)
-            if self.scale != 1.0:
-                values = values * self.scale
-            # Indices come from every rank's coalesced gradient: valid, no check needed.
-            self.result = torch.sparse_coo_tensor(indices.t(), values, self.shape,
-                                                  check_invariants=False)
-            self.indices = self.values = None
-        yield self.name, self.result
-
-
-class _PipelinedOptimizer(_Compensation):
-    """Mixin placed before the user's optimizer class in the MRO."""
 
     def _setup_pipeline(self, name_of, compression, backward_passes_per_step, op,
                         pipeline_depth, warmup_steps, bucket_cap_mb, grad_scaler,
@@ -98,20 +76,13 @@ class _PipelinedOptimizer(_Compensation):
         self._process_set = process_set          # None: every rank
         self._passes_per_step = backward_passes_per_step
         self._op = op
-        self._sparse_as_dense = sparse_as_dense
-        self._sparse = {}                        # name -> sparse_dim, agreed by every rank
-        self._seen_sparse = {}                   # this process's, until the next agreement
+        self._setup_sparse(sparse_as_dense)
         self._grad_scaler = grad_scaler
-        self._name_of = dict(name_of)
-        self._parameter_names = self._name_of    # Horovod's attribute, read by its tests
-        self._params, self._param_of, self._passes, self._hook_handles = [], {}, {}, []
+        self._passes = {}                        # parameter -> backward passes this step
         self._grad_watch = edits.GradientWatch()
         self._told_passes = False                # warned: fewer backward passes than declared
-        self._replaced_by = None                 # name of a parameter a newer wrapper took
         self._join_ranks = None                  # called before the first reduction (Keras)
-        # The hooks hold this optimizer weakly; once it is collected, this removes them.
-        weakref.finalize(self, _remove_hooks, self._hook_handles)
-        self._track([p for group in self.param_groups for p in group["params"]])
+        self._setup_parameters(name_of)          # names, hooks; older wrappers retire
         self._observed = {}                      # ready order seen in this process's first step
         self._order_agreed = False
         self._plan([self._name_of[p] for p in reversed(self._params)])
@@ -124,6 +95,9 @@ class _PipelinedOptimizer(_Compensation):
         self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0, "compensation_s": 0.0}
         self._pipeline_depth = pipeline_depth
         self._setup_compensation(compensation, pipeline_depth)
+        # compensation.py takes the first class past the _Compensation subclasses in the
+        # MRO for the user's; the other mixins stand before it there, so name it here.
+        self._rule_class = _user_class(type(self))
         _live.add(self)
         self._attach_engine()
 
@@ -142,35 +116,12 @@ class _PipelinedOptimizer(_Compensation):
         self._engine.before_shutdown(__name__, _report_unapplied)
         self._engine.around_join(__name__, _flush_before_join, _align_after_join)
 
-    def _track(self, params):
-        """Reduce `params` (those that need a gradient) from the next step on."""
-        params = [p for p in params if p.requires_grad]
-        _take_over(params, self)
-        self._params += params
-        self._param_of.update((self._name_of[p], p) for p in params)
-        self._passes.update((p, 0) for p in params)
-        hook = _weak_hook(self)
-        self._hook_handles += [p.register_post_accumulate_grad_hook(hook) for p in params]
-
-    def _refuse_if_replaced(self):
-        if self._replaced_by is not None:
-            raise RuntimeError(
-                f"this DistributedOptimizer was replaced: a newer DistributedOptimizer reduces "
-                f"its parameter {self._replaced_by!r}. Two live wrappers cannot share a parameter "
-                "(each would average its gradient again); step the newer one, or wrap disjoint "
-                "sets of parameters")
-
-    def _retire(self, name):
-        """A newer wrapper reduces `name` (and maybe more) now: stop reducing anything."""
-        _remove_hooks(self._hook_handles)
-        self._replaced_by = name
-
     # --- buckets ----------------------------------------------------------
     def _plan(self, order):
         self._order = list(order)
         members = [(name, self._param_of[name].numel(), self._param_of[name].element_size(),
                     (self._param_of[name].dtype, self._param_of[name].device)) for name in order
-                   if self._sparse_as_dense or name not in self._sparse]
+                   if self._in_buckets(name)]
         self._machine.plan(members)
         self._reset_step()
 
@@ -245,11 +196,7 @@ class _PipelinedOptimizer(_Compensation):
             elif grad.dtype != part.dtype or grad.device != part.device:
                 raise _changed_after_wrapping(name, grad, part)
             elif grad.is_sparse:
-                self._seen_sparse[name] = grad.sparse_dim()
-                if self._sparse_as_dense or self._order_agreed:
-                    part.copy_(grad.to_dense().reshape(-1))
-                else:                            # first step: reduced by _launch_sparse instead
-                    part.zero_()
+                self._bucket_sparse(name, grad, part)
             elif grad.data_ptr() != part.data_ptr() or not grad.is_contiguous():
                 part.copy_(grad.reshape(-1))     # else: backward accumulated in place already
             if self._compensation == "lookahead" and grad is not None and \
@@ -329,38 +276,11 @@ class _PipelinedOptimizer(_Compensation):
             return None
         seen = [self._name_of[p] for p in self._observed]
         rest = [self._name_of[p] for p in reversed(self._params) if p not in self._observed]
-        dense = sorted(name for name, p in self._param_of.items()
-                       if p.grad is not None and not p.grad.is_sparse)
-        order, everyone = self._machine.agree(seen, rest, (self._seen_sparse, dense))
-        _check_sparse_agrees(everyone)
-        for theirs, _ in everyone:
-            self._sparse.update(theirs)
+        order, everyone = self._machine.agree(seen, rest, self._sparse_seen_here())
+        self._adopt_sparse(everyone)
         self._order_agreed = True
-        self._observed, self._seen_sparse = {}, {}
+        self._observed = {}
         return order
-
-    def _launch_sparse(self):
-        """Allgather this step's sparse gradients (not in buckets), in the agreed order."""
-        if self._sparse_as_dense:
-            return []
-        machine = self._machine
-        scale = 1.0 / machine.size if self._op is engine.Average else 1.0
-        gather = functools.partial(machine.engine.allgather_async, process_set=self._process_set)
-        reductions = []
-        for name in (n for n in self._order if n in self._sparse):
-            p = self._param_of[name]
-            grad = p.grad
-            if grad is None:                     # unused on this rank: sends no rows
-                sparse_dim = self._sparse[name]
-                indices = torch.empty(0, sparse_dim, dtype=torch.int64, device=p.device)
-                values = p.new_empty((0, *p.shape[sparse_dim:]))
-            else:
-                grad = grad.coalesce()
-                indices, values = grad.indices().t().contiguous(), grad.values().contiguous()
-            tag = f"{machine.prefix}.sparse.{name}.{machine.slot}"
-            reductions.append(_SparseReduction(name, p.shape, gather(indices, f"{tag}.i"),
-                                               gather(values, f"{tag}.v"), scale))
-        return reductions
 
     def _fill_grads(self, entry):
         start = time.perf_counter()
@@ -378,8 +298,8 @@ class _PipelinedOptimizer(_Compensation):
                 continue
             if grad.is_sparse:
                 p.grad = grad
-            elif name in self._sparse:           # sparse_as_dense: sparse again, as Horovod does
-                p.grad = grad.view_as(p).to_sparse(self._sparse[name])
+            elif name in self._sparse:           # sparse_as_dense: sparse again
+                p.grad = self._sparse_again(name, grad, p)
             elif p.is_contiguous():
                 p.grad = grad.view_as(p)         # the landed result itself: no copy
             else:
@@ -501,118 +421,6 @@ class _PipelinedOptimizer(_Compensation):
         return self._hooks_fired or (self._auto_synced == "pending"
                                      and self._grad_scaler is None)
 
-    def add_param_group(self, param_group):
-        """Add a group (unfreezing layers, say) whose gradients are reduced like the rest.
-
-        Every rank must add the same group: it is checked across ranks, and
-        the buckets are planned again (order agreed at the next step).
-        """
-        if not hasattr(self, "_fifo"):           # torch's own constructor, before wrapping
-            return super().add_param_group(param_group)
-        if self._hooks_fired or self._synchronized:
-            raise RuntimeError("add_param_group() called between backward and step(); "
-                               "call step() first")
-        if len(self._fifo):
-            raise RuntimeError(
-                f"add_param_group() with {len(self._fifo)} gradient(s) in flight: call flush() "
-                "first, so every gradient is applied to the parameters it was computed for")
-        super().add_param_group(param_group)
-        index = len(self.param_groups) - 1
-        added = self.param_groups[-1]["params"]
-        for i, p in enumerate(added):
-            self._name_of.setdefault(p, f"param_group{index}.{i}")
-        compare_across_ranks(self._machine.gather,
-                             _describe([(self._name_of[p], p) for p in added],
-                                       [self._name_of[p] for p in added], {}),
-                             what=f"parameter group {index} added after wrapping")
-        self._track(added)
-        self._observed, self._order_agreed = {}, False
-        self._plan([self._name_of[p] for p in reversed(self._params)])
-
-    # --- checkpoints --------------------------------------------------------
-    def state_dict(self):
-        """The wrapped optimizer's state plus the gradients still in flight.
-
-        Waiting for in-flight reductions is local (every rank started them),
-        so rank 0 alone may call this, as users write it.
-        """
-        if self._between_backward_and_step():
-            raise RuntimeError("state_dict() called between backward and step(): this step's "
-                               "gradient is not in the checkpoint yet; call step() first")
-        state = super().state_dict()
-        state["pipe_horovod"] = {
-            **self._machine.state(),
-            "bucket_order": self._order,
-            "order_agreed": self._order_agreed,
-            "sparse": dict(self._sparse),
-            # The prediction's real weights (the parameters hold the predicted ones)
-            # and dc's running mean square: a resume continues both exactly.
-            "real_weights": ({n: t.detach().clone() for n, t in self._real.items()}
-                             if self._predicted else None),
-            "prediction_due": self in _due,
-            # "predict" extrapolates from the weights before the last update.
-            "previous_weights": ({n: t.detach().clone() for n, t in self._previous.items()}
-                                 if self in _due and self._compensation == "predict" else None),
-            "mean_square": {n: t.detach().clone() for n, t in self._mean_square.items()},
-        }
-        if len(self._fifo):
-            # A plain torch optimizer ignores unknown keys: loaded there, the gradients in
-            # flight would vanish without a word. This extra group makes its
-            # load_state_dict() fail instead ("different number of parameter groups").
-            state["param_groups"] = [*state["param_groups"], {"params": [], IN_FLIGHT: (
-                f"{len(self._fifo)} averaged gradient(s) in flight: load this state_dict into "
-                "pipe_horovod's DistributedOptimizer, or call flush() before state_dict() for "
-                "a checkpoint any torch optimizer loads")}]
-        return state
-
-    def load_state_dict(self, state_dict):
-        """Restore the wrapped optimizer and, if present, the pipeline's state.
-
-        Reductions this process still has on the wire are completed first
-        (the other ranks started them too) and then replaced by the
-        checkpoint's, so loading on some ranks only, as Horovod's resume
-        pattern does before broadcast_optimizer_state, never strands one.
-        """
-        if self._between_backward_and_step():
-            raise RuntimeError("load_state_dict() called between backward and step(); "
-                               "call step() first")
-        state_dict = dict(state_dict)
-        state_dict["param_groups"] = [group for group in state_dict.get("param_groups", ())
-                                      if IN_FLIGHT not in group]
-        pipe = state_dict.pop("pipe_horovod", None)
-        super().load_state_dict(state_dict)
-        if pipe is None:
-            return
-        self._machine.settle()
-        unknown = set(pipe["bucket_order"]) ^ set(self._param_of)
-        if unknown:
-            raise ValueError(f"checkpoint parameters do not match this model: {sorted(unknown)}")
-        device_of = {name: p.device for name, p in self._param_of.items()}
-
-        def here(tensors):
-            return {n: t.to(device_of[n]) for n, t in tensors.items()}
-        fifo = self._machine.fifo
-        alone, fifo.pipeline_depth = fifo.pipeline_depth, self._pipeline_depth
-        try:        # (alone, a checkpoint's K-1 gradients in flight all pop at the next step)
-            self._machine.restore(
-                [here(grads) for grads in pipe["in_flight"]], pipe["scales"], pipe["steps"],
-                [{kind: here(tensors) for kind, tensors in k.items()}
-                 for k in pipe.get("kept", [])] or None, pipe.get("error_feedback"))
-        finally:
-            fifo.pipeline_depth = alone
-        real = pipe.get("real_weights")
-        self._real = here(real) if real else {}
-        self._predicted, self._swapped = bool(real), False
-        _due.discard(self)
-        if pipe.get("previous_weights"):
-            self._previous = here(pipe["previous_weights"])
-        if pipe.get("prediction_due"):
-            self._predict_at_forward()
-        self._mean_square = here(pipe.get("mean_square", {}))
-        self._order_agreed = pipe["order_agreed"]
-        self._sparse = dict(pipe.get("sparse", {}))
-        self._plan(pipe["bucket_order"])
-
     # --- for the Keras torch backend (pipe_horovod/keras/torch_path.py) -------
     # It drives this optimizer from Keras's train step rather than from a user's
     # torch loop; these are the few things it needs beyond step() and flush().
@@ -691,17 +499,6 @@ class _PipelinedOptimizer(_Compensation):
         self._attach_engine()
 
 
-def _weak_hook(opt):
-    """A post-accumulate-grad hook that does not keep `opt` alive."""
-    ref = weakref.ref(opt)
-
-    def hook(param):
-        owner = ref()
-        if owner is not None:
-            owner._on_grad_ready(param)
-    return hook
-
-
 def _weak_end(opt):
     """The end-of-backward callback, not keeping `opt` alive."""
     ref = weakref.ref(opt)
@@ -725,41 +522,6 @@ def _in_backward():
 def _queue_after_backward(callback):
     """Run `callback` once the running backward pass ends (only inside one)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
-
-
-def _remove_hooks(handles):
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-
-
-def _take_over(params, new):
-    """Make `new` the one wrapper reducing `params`, retiring older live ones.
-
-    A second training phase wraps the same parameters again, often without
-    flushing or deleting the first wrapper. Its gradients still in flight
-    are applied first (by it, as synchronous Horovod would have done), then
-    its hooks are removed and its step() raises.
-    """
-    older = {}
-    for p in params:
-        ref = _owner_of.get(p)
-        old = ref() if ref is not None else None
-        if old is not None and old is not new and old._replaced_by is None:
-            older.setdefault(id(old), (old, old._name_of[p]))
-    for old, name in older.values():
-        if old._between_backward_and_step():
-            raise RuntimeError(f"wrapping parameter {name!r} again while the DistributedOptimizer "
-                               "already wrapping it is between backward and step(); call its "
-                               "step() first")
-    for old, name in older.values():
-        if len(old._fifo):
-            _log.info("pipe_horovod: applying %d gradient(s) of the replaced "
-                      "DistributedOptimizer before the new one takes over", len(old._fifo))
-        old.flush()
-        old._retire(name)
-    for p in params:
-        _owner_of[p] = weakref.ref(new)
 
 
 def _wrapped_here():
@@ -819,22 +581,6 @@ def _changed_after_wrapping(name, grad, bucket):
         "type; convert the model first, then create its optimizer and DistributedOptimizer")
 
 
-def _check_sparse_agrees(everyone):
-    """Raise on every rank if a parameter's gradient is sparse on one rank and dense on another
-    (nn.Embedding(sparse=...) differing between ranks): they would be reduced differently."""
-    sparse_on = {}
-    for rank, (sparse, _) in enumerate(everyone):
-        for name in sparse:
-            sparse_on.setdefault(name, rank)
-    for rank, (_, dense) in enumerate(everyone):
-        for name in dense:
-            if name in sparse_on:
-                raise ValueError(
-                    f"the gradient of {name!r} is sparse on rank {sparse_on[name]} but dense on "
-                    f"rank {rank} (nn.Embedding(sparse=...) differs between ranks?); every rank "
-                    "must build the same model, or pass sparse_as_dense=True")
-
-
 def _describe_optimizer(optimizer):
     """The wrapped optimizer's class and hyper-parameters, as the ranks compare them."""
     groups = [{key: repr(value) for key, value in sorted(group.items()) if key != "params"}
@@ -842,78 +588,12 @@ def _describe_optimizer(optimizer):
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__} {groups}"
 
 
-def _describe(named, param_names, options):
-    description = {f"parameter {name!r}": f"shape {tuple(p.shape)} {p.dtype}"
-                                          f"{'' if p.requires_grad else ' (frozen)'}"
-                   for name, p in named}
-    description["parameters in the optimizer"] = tuple(param_names)
-    description.update({f"option {k}": v for k, v in options.items()})
-    return description
+def _user_class(cls):
+    """The user's optimizer class in a pipelined class's MRO."""
+    return next(c for c in cls.__mro__ if issubclass(c, torch.optim.Optimizer)
+                and not issubclass(c, _PipelinedOptimizer))
 
 
-def _named(optimizer, named_parameters):
-    """{parameter: name} for every named parameter, and the optimizer's in its order."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if named_parameters is None:
-        name_of = {p: f"param.{i}" for i, p in enumerate(params)}
-        return name_of, [(name_of[p], p) for p in params]
-    named = list(named_parameters)
-    for item in named:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                and isinstance(item[1], torch.Tensor)):
-            raise TypeError("named_parameters must yield (name, tensor) pairs as "
-                            f"model.named_parameters() does, got {item!r:.80}")
-    names = [n for n, _ in named]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise ValueError(f"named_parameters has duplicate names: {dupes}")
-    by_param = {}
-    for name, p in named:
-        if p in by_param:
-            raise ValueError(f"one parameter appears twice in named_parameters: "
-                             f"{by_param[p]!r} and {name!r}")
-        by_param[p] = name
-    missing = [i for i, p in enumerate(params) if p not in by_param]
-    if missing:
-        raise ValueError(f"{len(missing)} parameter(s) of the optimizer (positions {missing[:10]}) "
-                         "are missing from named_parameters; pass model.named_parameters() for "
-                         "the model the optimizer trains")
-    return by_param, [(by_param[p], p) for p in params]
-
-
-def _group_names(groups, num_groups, name_of):
-    """Horovod's `groups`/`num_groups` as a bucket count or lists of parameter names."""
-    if num_groups:
-        warnings.warn("num_groups is deprecated (as in Horovod); use groups", DeprecationWarning,
-                      stacklevel=4)
-        groups = num_groups if groups is None else groups
-    if groups is None or isinstance(groups, bool):
-        if isinstance(groups, bool):
-            raise TypeError("groups must be an int or a list of lists of parameters, got a bool")
-        return None
-    if isinstance(groups, int):
-        if groups < 0:
-            raise ValueError(f"groups must be a non-negative integer or a list of lists of "
-                             f"parameters, got {groups}")
-        return groups or None
-    if not isinstance(groups, (list, tuple)):
-        raise TypeError(f"groups must be an int or a list of lists of parameters, got "
-                        f"{type(groups).__name__}")
-    seen, result = set(), []
-    for group in groups:
-        names = []
-        for p in group:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"groups must consist of torch.Tensor, got {type(p).__name__}")
-            if p in seen:
-                raise ValueError("a parameter can appear only once in groups")
-            if p not in name_of:
-                raise ValueError("groups holds a tensor that is not one of the optimizer's "
-                                 "named parameters")
-            seen.add(p)
-            names.append(name_of[p])
-        result.append(names)
-    return result
 
 
 def DistributedOptimizer(

@@ -1,0 +1,123 @@
+"""The pipelined optimizer's checkpoint: the wrapped optimizer's state plus the pipeline's.
+
+`state_dict()` adds a "pipe_horovod" entry: the step machine's state (the
+averaged gradients in flight, their GradScaler scales, the step count,
+what compensation keeps with each step, error-feedback residuals), the
+bucket order and whether the ranks agreed on it, the sparse gradients'
+names, and compensation's own state (the real weights while the parameters
+hold a prediction, "predict"'s previous weights, "dc"'s running mean
+square). So save -> load -> continue is bit-exact with a run that never
+stopped (DESIGN.md, "Semantics").
+
+A mixin of _PipelinedOptimizer (torch/optimizer.py). It calls on the
+optimizer `_between_backward_and_step()` and `_plan(order)`, and reads
+`_machine` (state, settle, restore, fifo), `_fifo`, `_order`,
+`_order_agreed`, `_sparse`, `_param_of` and `_pipeline_depth`;
+compensation's part (`_compensation_state`, `_restore_compensation`
+below) reads and sets the _Compensation mixin's fields.
+"""
+from .compensation import _due
+
+IN_FLIGHT = "pipe_horovod_in_flight"   # marks the param group a plain optimizer cannot load
+
+
+class _PipelineCheckpoint:
+    """state_dict and load_state_dict of _PipelinedOptimizer (module docstring)."""
+
+    def state_dict(self):
+        """The wrapped optimizer's state plus the gradients still in flight.
+
+        Waiting for in-flight reductions is local (every rank started them),
+        so rank 0 alone may call this, as users write it.
+        """
+        if self._between_backward_and_step():
+            raise RuntimeError("state_dict() called between backward and step(): this step's "
+                               "gradient is not in the checkpoint yet; call step() first")
+        state = super().state_dict()
+        state["pipe_horovod"] = {
+            **self._machine.state(),
+            "bucket_order": self._order,
+            "order_agreed": self._order_agreed,
+            "sparse": dict(self._sparse),
+            **_compensation_state(self),
+        }
+        if len(self._fifo):
+            # A plain torch optimizer ignores unknown keys: loaded there, the gradients in
+            # flight would vanish without a word. This extra group makes its
+            # load_state_dict() fail instead ("different number of parameter groups").
+            state["param_groups"] = [*state["param_groups"], {"params": [], IN_FLIGHT: (
+                f"{len(self._fifo)} averaged gradient(s) in flight: load this state_dict into "
+                "pipe_horovod's DistributedOptimizer, or call flush() before state_dict() for "
+                "a checkpoint any torch optimizer loads")}]
+        return state
+
+    def load_state_dict(self, state_dict):
+        """Restore the wrapped optimizer and, if present, the pipeline's state.
+
+        Reductions this process still has on the wire are completed first
+        (the other ranks started them too) and then replaced by the
+        checkpoint's, so loading on some ranks only, as Horovod's resume
+        pattern does before broadcast_optimizer_state, never strands one.
+        """
+        if self._between_backward_and_step():
+            raise RuntimeError("load_state_dict() called between backward and step(); "
+                               "call step() first")
+        state_dict = dict(state_dict)
+        state_dict["param_groups"] = [group for group in state_dict.get("param_groups", ())
+                                      if IN_FLIGHT not in group]
+        pipe = state_dict.pop("pipe_horovod", None)
+        super().load_state_dict(state_dict)
+        if pipe is None:
+            return
+        self._machine.settle()
+        unknown = set(pipe["bucket_order"]) ^ set(self._param_of)
+        if unknown:
+            raise ValueError(f"checkpoint parameters do not match this model: {sorted(unknown)}")
+        device_of = {name: p.device for name, p in self._param_of.items()}
+
+        def here(tensors):
+            return {n: t.to(device_of[n]) for n, t in tensors.items()}
+        fifo = self._machine.fifo
+        alone, fifo.pipeline_depth = fifo.pipeline_depth, self._pipeline_depth
+        try:        # (alone, a checkpoint's K-1 gradients in flight all pop at the next step)
+            self._machine.restore(
+                [here(grads) for grads in pipe["in_flight"]], pipe["scales"], pipe["steps"],
+                [{kind: here(tensors) for kind, tensors in k.items()}
+                 for k in pipe.get("kept", [])] or None, pipe.get("error_feedback"))
+        finally:
+            fifo.pipeline_depth = alone
+        _restore_compensation(self, pipe, here)
+        self._order_agreed = pipe["order_agreed"]
+        self._sparse = dict(pipe.get("sparse", {}))
+        self._plan(pipe["bucket_order"])
+
+
+# Compensation's part of the checkpoint. It reads and sets the _Compensation mixin's
+# fields (torch/compensation.py): _real, _predicted, _swapped, _previous, _mean_square,
+# _compensation, the module's _due set, and _predict_at_forward().
+def _compensation_state(opt):
+    """The prediction's real weights (the parameters hold the predicted ones) and dc's
+    running mean square: a resume continues both exactly."""
+    return {
+        "real_weights": ({n: t.detach().clone() for n, t in opt._real.items()}
+                         if opt._predicted else None),
+        "prediction_due": opt in _due,
+        # "predict" extrapolates from the weights before the last update.
+        "previous_weights": ({n: t.detach().clone() for n, t in opt._previous.items()}
+                             if opt in _due and opt._compensation == "predict" else None),
+        "mean_square": {n: t.detach().clone() for n, t in opt._mean_square.items()},
+    }
+
+
+def _restore_compensation(opt, pipe, here):
+    """Compensation's state from a checkpoint's "pipe_horovod" entry, `here` moving its
+    tensors to their parameters' devices."""
+    real = pipe.get("real_weights")
+    opt._real = here(real) if real else {}
+    opt._predicted, opt._swapped = bool(real), False
+    _due.discard(opt)
+    if pipe.get("previous_weights"):
+        opt._previous = here(pipe["previous_weights"])
+    if pipe.get("prediction_due"):
+        opt._predict_at_forward()
+    opt._mean_square = here(pipe.get("mean_square", {}))
