@@ -385,3 +385,17 @@ def test_bucket_cap_flag_round_trips():
     assert bucket_cap(bucket_cap_flag(None)) is None and bucket_cap(bucket_cap_flag(0.5)) == 0.5
     with pytest.raises(Exception, match="bucket cap must be > 0"):
         bucket_cap("0")
+
+
+@pytest.mark.timeout(200)
+def test_ours_int8eng_trains_on_the_engines_two_stage_path(tmp_path):
+    # ours-kK-int8eng: compression=int8_ef with no collective= (the two-stage quantized
+    # allreduce on the engine's own collectives), beside the per-hop ring int8
+    assert worker.compression_of("ours-k2-int8eng-none") == "int8eng"
+    assert worker.parse_configs("ours-k2-int8eng ours-k2-int8eng-none") == [
+        "ours-k2-int8eng", "ours-k2-int8eng-none"]
+    configs = ["ours-k2-int8eng", "ours-k2-int8-none", "compute"]
+    stdout = _bench(tmp_path, "--engine", "torch", "--workers", "2", *TINY,
+                    "--configs", *configs, timeout=180)
+    summary, _ = _check_outputs(tmp_path, stdout, configs)
+    assert summary["configs"]["ours-k2-int8eng"]["compression"] == "int8eng"

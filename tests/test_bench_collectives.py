@@ -168,3 +168,52 @@ def test_one_worker_and_missing_results_exit_2(capsys, tmp_path):
     assert cli.main(["bench-collectives", "--engine", "horovod", "--unmatched",
                      "--out", str(tmp_path)]) == 2
     assert "--unmatched" in capsys.readouterr().err
+
+
+def test_two_stage_configs_run_only_codecs_with_a_wire_format():
+    names = collectives_worker.config_names(("ring", "two-stage"), ("none", "int8", "fp8_e4m3"))
+    assert names == ["native/none", "ring/none", "ring/int8", "two-stage/int8",
+                     "two-stage/fp8_e4m3"]
+    # the report predicts two-stage from planner.two_stage_allreduce and adds the speed-up
+    net = timing.Network(alpha=1e-4, beta=8e-9)
+    assert collectives_report.predicted_seconds(net, 4, 2**26, "two-stage/int8") == \
+        pytest.approx(timing.two_stage_allreduce(net, 4, 2**26))
+    # the target: int8 two-stage >= 3x the engine's allreduce at 64 MB
+    sizes, configs = [2**20, 2**26], ["native/none", "two-stage/int8"]
+    seconds = {"native/none": 0.6, "two-stage/int8": 0.15}
+    times = {c: {str(n): [seconds[c] * n / 2**26] for n in sizes} for c in configs}
+    raw = {"meta": {"workers": 2, "sizes": sizes, "configs": configs, "reps": 1,
+                    "engine": "torch"}, "times": [times] * 2}
+    summary = collectives_report.summarize(raw)
+    target = next(t for t in summary["targets"] if t["target"].startswith("native/none time"))
+    assert target["target"] == "native/none time / two-stage/int8 time >= 3.0"
+    assert target["value"] == pytest.approx(4.0) and target["met"]
+    assert "| 64 MB | 4.00x |" in collectives_report.markdown(summary)
+
+
+@pytest.mark.timeout(120)
+def test_local_run_times_the_engines_two_stage_quantized_allreduce(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    env.pop("PIPE_HOROVOD_ENGINE", None)
+    cmd = [sys.executable, "-m", "pipe_horovod.tools.cli", "bench-collectives", "--no-progress",
+           "--workers", "2", "--engine", "torch", "--sizes", "4KiB,64KiB", "--reps", "1",
+           "--algorithms", "ring,two-stage", "--codecs", "none,int8,fp8_e4m3",
+           "--out", str(tmp_path), "--name", "ts"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=110,
+                         stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+    summary = json.loads((tmp_path / "ts.json").read_text())
+    configs = ["native/none", "ring/none", "ring/int8", "two-stage/int8", "two-stage/fp8_e4m3"]
+    assert summary["meta"]["configs"] == configs
+    rows = {(r["config"], r["bytes"]): r for r in summary["rows"]}
+    assert set(rows) == {(c, n) for c in configs for n in (4096, 65536)}
+    assert all(r["time_s"] > 0 and r["predicted_s"] is not None for r in rows.values())
+    text = (tmp_path / "ts.md").read_text()
+    assert "`two-stage/int8`" in text and "`two-stage/fp8_e4m3`" in text
+    assert "Speed-up over the engine's own allreduce" in text
+    speedups = [line for line in text.split("Speed-up over")[1].splitlines()
+                if line.startswith("| 64 KB |")]
+    assert len(speedups) == 1 and speedups[0].count("x |") == len(configs) - 1
+    raw = json.loads((tmp_path / "ts-raw.json").read_text())
+    assert set(raw["meta"]["codec_costs_s_per_byte"]) == {"int8"}    # fp8 has no per-hop form

@@ -182,3 +182,17 @@ def test_tiny_run_matches_the_digits_example(tmp_path):
     assert rc == 0, log
     expected = [h["accuracy"] for h in json.loads(example.read_text())["history"]]
     assert raw["runs"][0]["accuracy"] == expected
+
+
+def test_codec_suffix_reduces_on_the_engines_two_stage_path():
+    from pipe_horovod.tools.bench import convergence_worker as cw
+
+    assert cw.parse_configs("sync,sync-int8_ef k2-lookahead-int8_ef") == [
+        "sync", "sync-int8_ef", "k2-lookahead-int8_ef"]
+    assert cw.config_settings("sync-int8_ef") == (1, None)
+    assert cw.config_settings("k2-lookahead-int8_ef") == (2, "lookahead")
+    assert [cw.config_compression(c) for c in ("k2", "k2-int8_ef")] == ["none", "int8_ef"]
+    assert cw.bench_config("k2-lookahead-int8_ef") == "ours-k2-int8eng-lookahead"
+    assert cw.bench_config("sync-int8_ef") == "ours-k1-int8eng"
+    with pytest.raises(ValueError, match="unknown configuration"):
+        cw.parse_configs("k2-int4")

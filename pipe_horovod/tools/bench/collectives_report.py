@@ -22,8 +22,8 @@ markdown (printed and saved), a JSON summary, a PNG of bus bandwidth against siz
 import json
 
 from pipe_horovod.tools import planner
-from pipe_horovod.tools.bench.collectives_worker import FORMAT, IN_FLIGHT, NATIVE, UNMATCHED, \
-    in_flight
+from pipe_horovod.tools.bench.collectives_worker import FORMAT, IN_FLIGHT, NATIVE, TWO_STAGE, \
+    UNMATCHED, in_flight
 from pipe_horovod.tools.bench.report import _median, _num, _pct, _quartiles, save_outputs
 
 LARGE_BYTES = 16 * 2**20      # the issue's "at >= 16 MB"
@@ -46,8 +46,11 @@ def bus_bandwidth(nbytes, seconds, p):
     return nbytes / seconds * 2 * (p - 1) / p
 
 
-def wire_bytes(nbytes, codec):
-    """Bytes an uncompressed float32 message of `nbytes` puts on the wire under `codec`."""
+def wire_bytes(nbytes, codec, algorithm=None):
+    """Bytes an uncompressed float32 message of `nbytes` puts on the wire under `codec`
+    (in the two-stage reduction: one byte per value plus a float32 scale per block)."""
+    if algorithm == TWO_STAGE:
+        return nbytes * planner.two_stage_wire_ratio()
     return nbytes * (1.0 if codec == "none" else planner.DEFAULT_COMPRESSIONS[codec][0])
 
 
@@ -70,6 +73,8 @@ def predicted_seconds(network, p, nbytes, config, codec_costs=None, message_s=No
     decode-add, decode) s per byte, one triple or {block bytes: triple}. None where
     the planner does not model the algorithm on `topology`."""
     algorithm, codec = config.split("/")
+    if algorithm == TWO_STAGE:     # the engine's alltoall + allgather at the fitted rates
+        return planner.two_stage_allreduce(network, p, nbytes) if topology == "star" else None
     wire = wire_bytes(nbytes, codec)
     if algorithm == NATIVE:
         return planner.allreduce_time(network, p, wire, "ring", topology)
@@ -218,6 +223,11 @@ def targets(summary):
                 add(f"{algorithm}/none time / {algorithm}/{codec} time >= {bound}", value,
                     value >= bound, note)
     for config in summary["meta"]["configs"]:
+        if config.startswith(f"{TWO_STAGE}/") and codec_size:
+            value = _ratio(rows, f"{NATIVE}/none", config, codec_size)
+            if value is not None:
+                add(f"{NATIVE}/none time / {config} time >= 3.0", value, value >= 3.0, note)
+    for config in summary["meta"]["configs"]:
         errors = [r["prediction_error"] for r in rows if r["config"] == config
                   and r["bytes"] >= MODEL_BYTES]
         value = worst(errors, max)
@@ -253,7 +263,8 @@ def markdown(summary, heading="#"):
     if summary["launch"].get("command"):
         lines += ["```", summary["launch"]["command"], "```", ""]
     lines += [f"busbw (MB/s) = bytes / time × 2(p−1)/p; `{NATIVE}/none` is the engine's own "
-              "allreduce; codecs are per hop.", ""]
+              f"allreduce; codecs are per hop, except in `{TWO_STAGE}/…` (the engine's "
+              "two-stage quantized allreduce: once per stage).", ""]
     lines.append("| size | " + " | ".join(f"`{c}`" for c in configs) + " |")
     lines.append("|---" * (len(configs) + 1) + "|")
     for nbytes in sizes:
@@ -272,13 +283,15 @@ def markdown(summary, heading="#"):
             cells.append(cell)
         lines.append(f"| {size_label(nbytes)} | " + " | ".join(cells) + " |")
     lines.append("")
+    lines += speedup_table(summary)
     net = summary["network"]
     if net:
         rate = 1 / net["beta_s_per_byte"] / 1e6 if net["beta_s_per_byte"] else None
         lines.append(f"- model: alpha {net['alpha_s'] * 1e6:.0f} us, 1/beta "
                      f"{_num(rate, '{:.1f}')} MB/s ({net['source']}, R² {net['r2']:.3f})")
     unmodelled = sorted({r["algorithm"] for r in rows
-                         if r["algorithm"] != NATIVE and r["algorithm"] not in YARDSTICKS
+                         if r["algorithm"] not in (NATIVE, TWO_STAGE)
+                         and r["algorithm"] not in YARDSTICKS
                          and r["algorithm"] not in planner.MODELLED[summary["topology"]]})
     if unmodelled:
         lines.append(f"- no prediction for {', '.join(unmodelled)} on a "
@@ -305,6 +318,23 @@ def markdown(summary, heading="#"):
                      f"{_num(t['value'])} | {met} |")
     lines.append("")
     return "\n".join(lines)
+
+
+def speedup_table(summary):
+    """Markdown lines: each configuration's speed-up over the engine's own allreduce
+    (`native/none` median time / the configuration's), per size."""
+    meta, rows = summary["meta"], summary["rows"]
+    others = [c for c in meta["configs"] if c != f"{NATIVE}/none"]
+    if not others:
+        return []
+    lines = [f"Speed-up over the engine's own allreduce (`{NATIVE}/none` time / time; "
+             "> 1 is faster):", "",
+             "| size | " + " | ".join(f"`{c}`" for c in others) + " |",
+             "|---" + "|---:" * len(others) + "|"]
+    for nbytes in meta["sizes"]:
+        cells = [_num(_ratio(rows, f"{NATIVE}/none", c, nbytes), "{:.2f}x") for c in others]
+        lines.append(f"| {size_label(nbytes)} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def name_matching_table(matching):
@@ -339,8 +369,8 @@ def plot(summary, path):
 
     colours = {NATIVE: "black", UNMATCHED: "#937860", in_flight(NATIVE): "#666666",
                in_flight(UNMATCHED): "#da8bc3", "lp": "#c44e52", "ring": "#4c72b0",
-               "mst": "#55a868", "be": "#8172b2"}
-    styles = {"none": "-", "bf16": "--", "int8": ":"}
+               "mst": "#55a868", "be": "#8172b2", TWO_STAGE: "#dd8452"}
+    styles = {"none": "-", "bf16": "--", "int8": ":", "fp8_e4m3": "-.", "fp8_e5m2": "-."}
     fig, ax = plt.subplots(figsize=(10, 6))
     for config in summary["meta"]["configs"]:
         rows = [r for r in summary["rows"] if r["config"] == config]

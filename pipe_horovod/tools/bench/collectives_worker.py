@@ -18,6 +18,11 @@ calibration), and the one-way time of a small point-to-point message on the
 collectives' own group, every pair of ranks at once (the per-message cost of
 our collectives: planner.with_message_cost).
 
+`--algorithms ...,two-stage` adds the engine's two-stage quantized allreduce
+(`two-stage/int8`, `two-stage/fp8_e4m3`: collectives/quantized.py on the
+engine's own alltoall and allgather, what the optimizer runs for
+compression=int8/int8_ef/fp8 with no collective=), beside the per-hop codecs.
+
 With --unmatched (torch engine only) a configuration `unmatched/none` is
 timed beside the others: a plain `torch.distributed.all_reduce` of the same
 tensor on the default group, then the same division by the world size
@@ -45,6 +50,14 @@ UNMATCHED = "unmatched"     # --unmatched: plain dist.all_reduce, no name matchi
 IN_FLIGHT = 8               # --unmatched also times bursts of this many collectives in flight
 ALGORITHMS = ("lp", "ring", "mst", "be")
 CODECS = ("none", "bf16", "int8")
+# Also accepted, not run by default: the engine's two-stage quantized allreduce
+# (collectives/quantized.py: quantize, the engine's alltoall, sum the own shard in float32,
+# quantize, the engine's allgather), which runs only the codecs with a wire format; and the
+# fp8 codecs, which have no per-hop form (they run only in "two-stage").
+TWO_STAGE = "two-stage"
+ALL_ALGORITHMS = ALGORITHMS + (TWO_STAGE,)
+FP8_CODECS = ("fp8_e4m3", "fp8_e5m2")
+ALL_CODECS = CODECS + FP8_CODECS
 # Messages up to this size are timed as INNER calls in a row (one call is too short to time).
 SMALL_BYTES = 1 << 20
 INNER = 8
@@ -58,13 +71,22 @@ def in_flight(algorithm):
     return f"{algorithm}-{IN_FLIGHT}"
 
 
+def runs(algorithm, codec):
+    """Whether `algorithm` carries `codec`: two-stage only the codecs with a wire format
+    (int8, fp8), our per-hop collectives every codec but fp8."""
+    if algorithm == TWO_STAGE:
+        return codec not in ("none", "bf16")
+    return codec not in FP8_CODECS
+
+
 def config_names(algorithms=ALGORITHMS, codecs=CODECS, unmatched=False):
     """`native/none` (the engine's own allreduce); with `unmatched`, `unmatched/none`
     (plain torch.distributed.all_reduce) and both IN_FLIGHT at once; then every
-    algorithm/codec."""
+    algorithm/codec the algorithm carries (`runs`)."""
     extra = [f"{UNMATCHED}/none", f"{in_flight(NATIVE)}/none",
              f"{in_flight(UNMATCHED)}/none"] if unmatched else []
-    return [f"{NATIVE}/none"] + extra + [f"{a}/{c}" for a in algorithms for c in codecs]
+    return [f"{NATIVE}/none"] + extra + [f"{a}/{c}" for a in algorithms for c in codecs
+                                         if runs(a, c)]
 
 
 def per_call(config):
@@ -105,6 +127,12 @@ def _allreduce(eng, config, buf, name, burst=()):
             work.wait()
             t.div_(eng.size())
         return burst
+    if algorithm == TWO_STAGE:
+        from pipe_horovod.collectives import quantized
+        from pipe_horovod.compression import wire_format
+
+        return quantized.allreduce(buf, name, engine.Average,
+                                   fmt=wire_format(Compression.by_name(codec)))
     return collectives.allreduce(buf, name, engine.Average, collective=algorithm,
                                  compression=Compression.by_name(codec))
 
@@ -135,7 +163,7 @@ def _codec_costs(codecs):
     from pipe_horovod.tools.hop_codecs import measure_costs
 
     return {c: {b: measure_costs(Compression.by_name(c).hop(torch.float32), b // 4)
-                for b in COST_BLOCKS} for c in codecs if c != "none"}
+                for b in COST_BLOCKS} for c in codecs if runs("ring", c) and c != "none"}
 
 
 def _message_seconds(eng):
@@ -250,11 +278,16 @@ def add_arguments(parser):
     """What the worker and `pipe-horovod bench-collectives` (which forwards it) accept."""
     from pipe_horovod.tools.validators import names, positive_int
 
-    parser.add_argument("--algorithms", type=names(ALGORITHMS, "algorithm"),
+    parser.add_argument("--algorithms", type=names(ALL_ALGORITHMS, "algorithm"),
                         default=list(ALGORITHMS),
-                        help="comma-separated algorithms (default lp,ring,mst,be)")
-    parser.add_argument("--codecs", type=names(CODECS, "codec"), default=list(CODECS),
-                        help="comma-separated per-hop codecs (default none,bf16,int8)")
+                        help="comma-separated algorithms (default lp,ring,mst,be); "
+                             f"{TWO_STAGE}: the engine's two-stage quantized allreduce "
+                             "(compression=int8/fp8 with no collective=), run with the "
+                             "codecs among --codecs that have a wire format")
+    parser.add_argument("--codecs", type=names(ALL_CODECS, "codec"), default=list(CODECS),
+                        help="comma-separated codecs (default none,bf16,int8): per hop in "
+                             f"lp/ring/mst/be, once per stage in {TWO_STAGE}; "
+                             f"{', '.join(FP8_CODECS)} run in {TWO_STAGE} only")
     parser.add_argument("--reps", type=positive_int("reps"), default=5,
                         help="timed repetitions per size, configurations interleaved "
                              "(default 5)")

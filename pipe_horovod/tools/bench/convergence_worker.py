@@ -28,7 +28,12 @@ import time
 
 DEFAULT_CONFIGS = ("sync", "k2", "k2-momentum", "k2-dc", "k2-predict", "k2-lookahead")
 STALENESS_OPTIONS = ("momentum", "dc", "predict", "lookahead")
-_CONFIG = re.compile(r"^(?:sync|k([2-9])(?:-(" + "|".join(STALENESS_OPTIONS) + r"))?)$")
+# A codec suffix (-int8_ef) reduces with that codec on the engine's own
+# collectives (the two-stage quantized allreduce, no collective=): sync-int8_ef,
+# k2-lookahead-int8_ef.
+CODECS = ("int8_ef",)
+_CONFIG = re.compile(r"^(?:sync|k([2-9])(?:-(" + "|".join(STALENESS_OPTIONS) + r"))?)"
+                     r"(?:-(" + "|".join(CODECS) + r"))?$")
 FORMAT = "pipe_horovod.convergence/1"
 
 
@@ -44,7 +49,8 @@ def parse_configs(text):
             raise ValueError(
                 f"unknown configuration {name!r}; choose from {', '.join(DEFAULT_CONFIGS)} "
                 f"(or kK, kK-OPTION for pipeline depth K = 2..9, OPTION one of "
-                f"{', '.join(STALENESS_OPTIONS)})")
+                f"{', '.join(STALENESS_OPTIONS)}; any of them -CODEC, CODEC one of "
+                f"{', '.join(CODECS)})")
         if name not in names:
             names.append(name)
     if not names:
@@ -54,20 +60,29 @@ def parse_configs(text):
 
 def config_settings(name):
     """(pipeline_depth, staleness_compensation) of a configuration name."""
-    if name == "sync":
-        return 1, None
     m = _CONFIG.match(name)
     if not m:
         raise ValueError(f"unknown configuration {name!r}")
+    if m.group(1) is None:                  # sync[-CODEC]
+        return 1, None
     return int(m.group(1)), m.group(2)
+
+
+def config_compression(name):
+    """The codec name of a configuration ('none' without a -CODEC suffix)."""
+    m = _CONFIG.match(name)
+    if not m:
+        raise ValueError(f"unknown configuration {name!r}")
+    return m.group(3) or "none"
 
 
 def bench_config(name):
     """The `pipe-horovod bench` configuration that times this one's step."""
     depth, option = config_settings(name)
+    codec = "-int8eng" if config_compression(name) != "none" else ""
     if depth == 1:
-        return "ours-k1"
-    return f"ours-k{depth}-{option or 'none'}"
+        return f"ours-k1{codec}"
+    return f"ours-k{depth}{codec}-{option or 'none'}"
 
 
 def staleness_supported():
@@ -115,7 +130,8 @@ def train_one(task, config, seed, data, eng_info, epochs, on_epoch):
                            "which this pipe_horovod does not have")
     optimizer = phvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), pipeline_depth=depth,
-        warmup_steps=0, compression=phvd.Compression.none, **kwargs)
+        warmup_steps=0, compression=phvd.Compression.by_name(config_compression(config)),
+        **kwargs)
     phvd.broadcast_parameters(model.state_dict(), root_rank=0)
     phvd.broadcast_optimizer_state(optimizer, root_rank=0)
 

@@ -14,6 +14,9 @@ C ..., so a slow minute on a shared machine hits every configuration alike:
   ours-kK[-fp16|-bf16]   pipe_horovod's DistributedOptimizer, pipeline_depth=K
   ours-kK-int8|-bf16hop  the same, reduced by collective="ring" with the codec per hop
                          (int8: int8 + error feedback; bf16hop: bfloat16 at every hop)
+  ours-kK-int8eng        the same with compression=int8_ef and no collective=: the
+                         two-stage quantized allreduce on the engine's own alltoall and
+                         allgather (collectives/quantized.py)
   compute                forward + backward + local SGD step, no communication
   contention             compute while a model-sized allreduce runs: how much the
                          communication slows compute on shared cores (timing model input)
@@ -68,7 +71,7 @@ DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours
 _CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|contention(?:-int8|-bf16hop)?"
                      r"|allreduce(?:-fp16|-bf16)?"
                      r"|tf-keras-mwms"
-                     r"|ours-k([1-9][0-9]*)(?:-(?:fp16|bf16|bf16hop|int8))?"
+                     r"|ours-k([1-9][0-9]*)(?:-(?:fp16|bf16|bf16hop|int8|int8eng))?"
                      r"(?:-(none|momentum|dc|predict|lookahead))?)$")
 DDP_ADDR_ENV = "PIPE_HOROVOD_BENCH_DDP_ADDR"
 DDP_PORT_ENV = "PIPE_HOROVOD_BENCH_DDP_PORT"
@@ -89,7 +92,8 @@ def parse_configs(value):
             if not m or (m.group(1) and int(m.group(1)) > 16):
                 raise ValueError(
                     f"unknown configuration {name!r}; choose from horovod, horovod-fp16, ddp, "
-                    "ours-kK, ours-kK-fp16, ours-kK-bf16, ours-kK-int8, ours-kK-bf16hop "
+                    "ours-kK, ours-kK-fp16, ours-kK-bf16, ours-kK-int8, ours-kK-bf16hop, "
+                    "ours-kK-int8eng "
                     "(K = pipeline depth 1..16; any of "
                     "them -none, -momentum, -dc, -predict, -lookahead: that "
                     "staleness_compensation), compute, contention, contention-int8, "
@@ -103,8 +107,9 @@ def parse_configs(value):
 
 
 def compression_of(name):
-    """'fp16' / 'bf16' / 'bf16hop' / 'int8' / 'none' for a configuration name."""
-    for codec in ("fp16", "bf16", "bf16hop", "int8"):
+    """'fp16' / 'bf16' / 'bf16hop' / 'int8' / 'int8eng' / 'none' for a configuration
+    name."""
+    for codec in ("fp16", "bf16", "bf16hop", "int8", "int8eng"):
         if re.search(rf"-{codec}(?:-(?:none|momentum|dc|predict|lookahead))?$", name):
             return codec
     return "none"
@@ -389,6 +394,8 @@ def make_runner(name, args, eng):
     codec, collective = compression_of(name), None
     if codec in PER_HOP:                  # per-hop codecs ride collectives' ring (issue 10)
         codec, collective = PER_HOP[codec][0], "ring"
+    elif codec == "int8eng":              # two-stage on the engine's collectives (issue 28)
+        codec = "int8_ef"
     compression = phvd.Compression.by_name(codec)
     explicit, option = staleness_of(name)
     extra = ({"staleness_compensation": option}
