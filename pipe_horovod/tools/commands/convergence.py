@@ -48,7 +48,9 @@ def add_arguments(parser):
     parser.add_argument("--configs", type=checked(cw.parse_configs), default=list(cw.DEFAULT_CONFIGS),
                         help="comma-separated configurations (default "
                              f"{','.join(cw.DEFAULT_CONFIGS)}): sync = pipeline_depth 1; kK = pipeline_depth K, no staleness "
-                             "compensation; kK-OPTION = staleness_compensation=OPTION")
+                             "compensation; kK-OPTION = staleness_compensation=OPTION; any of them "
+                             "-int8_ef: compression=int8_ef on the engine's own collectives "
+                             "(the two-stage quantized allreduce, no collective=)")
     parser.add_argument("--seeds", type=_positive_int, default=5,
                         help="seeds per configuration: --first-seed .. +N-1 (default 5)")
     parser.add_argument("--first-seed", type=int, default=1, help="(default 1)")
