@@ -12,12 +12,11 @@ stopped (DESIGN.md, "Semantics").
 A mixin of _PipelinedOptimizer (torch/optimizer.py). It calls on the
 optimizer `_between_backward_and_step()` and `_plan(order)`, and reads
 `_machine` (state, settle, restore, fifo), `_fifo`, `_order`,
-`_order_agreed`, `_sparse`, `_param_of` and `_pipeline_depth`;
-compensation's part (`_compensation_state`, `_restore_compensation`
-below) reads and sets the _Compensation mixin's fields.
+`_order_agreed`, `_sparse`, `_param_of` and `_pipeline_depth`.
+Compensation's part is the _Compensation mixin's (torch/compensation.py):
+`_compensation_state()` gives it, `_restore_compensation(pipe)` takes it
+back; this module touches none of compensation's fields.
 """
-from .compensation import _due
-
 IN_FLIGHT = "pipe_horovod_in_flight"   # marks the param group a plain optimizer cannot load
 
 
@@ -39,7 +38,7 @@ class _PipelineCheckpoint:
             "bucket_order": self._order,
             "order_agreed": self._order_agreed,
             "sparse": dict(self._sparse),
-            **_compensation_state(self),
+            **self._compensation_state(),
         }
         if len(self._fifo):
             # A plain torch optimizer ignores unknown keys: loaded there, the gradients in
@@ -86,38 +85,8 @@ class _PipelineCheckpoint:
                  for k in pipe.get("kept", [])] or None, pipe.get("error_feedback"))
         finally:
             fifo.pipeline_depth = alone
-        _restore_compensation(self, pipe, here)
+        self._restore_compensation(pipe)
         self._order_agreed = pipe["order_agreed"]
         self._sparse = dict(pipe.get("sparse", {}))
         self._plan(pipe["bucket_order"])
 
-
-# Compensation's part of the checkpoint. It reads and sets the _Compensation mixin's
-# fields (torch/compensation.py): _real, _predicted, _swapped, _previous, _mean_square,
-# _compensation, the module's _due set, and _predict_at_forward().
-def _compensation_state(opt):
-    """The prediction's real weights (the parameters hold the predicted ones) and dc's
-    running mean square: a resume continues both exactly."""
-    return {
-        "real_weights": ({n: t.detach().clone() for n, t in opt._real.items()}
-                         if opt._predicted else None),
-        "prediction_due": opt in _due,
-        # "predict" extrapolates from the weights before the last update.
-        "previous_weights": ({n: t.detach().clone() for n, t in opt._previous.items()}
-                             if opt in _due and opt._compensation == "predict" else None),
-        "mean_square": {n: t.detach().clone() for n, t in opt._mean_square.items()},
-    }
-
-
-def _restore_compensation(opt, pipe, here):
-    """Compensation's state from a checkpoint's "pipe_horovod" entry, `here` moving its
-    tensors to their parameters' devices."""
-    real = pipe.get("real_weights")
-    opt._real = here(real) if real else {}
-    opt._predicted, opt._swapped = bool(real), False
-    _due.discard(opt)
-    if pipe.get("previous_weights"):
-        opt._previous = here(pipe["previous_weights"])
-    if pipe.get("prediction_due"):
-        opt._predict_at_forward()
-    opt._mean_square = here(pipe.get("mean_square", {}))

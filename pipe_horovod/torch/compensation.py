@@ -1,9 +1,19 @@
 """Staleness compensation for the PyTorch adapter: the per-step side of
 pipe_horovod/pipeline/staleness.py (what the options keep, predict, correct).
 
-A mixin of _PipelinedOptimizer: it reads the optimizer's parameters, its
-state and the step machine's FIFO, and calls `_inner_step` for the
-optimizer steps a prediction runs where it cannot be computed in one pass.
+A mixin of _PipelinedOptimizer. Its state: `_compensation` (the kind, None at
+K=1), `_rule_class` (the user's optimizer class, passed to
+`_setup_compensation`), `_real`, `_predicted`, `_swapped`, `_previous`,
+`_mean_square`, `_kept_buffers`, and the module's `_due` set. It reads from
+the optimizer `_machine` (fifo, solo, slot), `_param_of`, `_step_local`,
+`_sparse`, `_pipeline_depth`, `timings`, `_number`, `param_groups` and
+`state`, and calls `_inner_step` for the optimizer steps a prediction runs
+where it cannot be computed in one pass. The rest calls on it:
+`_keep`, `_predict_at_forward`, `_prediction_missed`, `_restore_real`,
+`_compensate_delay`, `_compensated_momentum`; `_compensation_state()` and
+`_restore_compensation(state)` for the checkpoint (torch/checkpoint.py), and
+`_forget_prediction()` for elastic's drop_in_flight. Nothing else sets its
+fields.
 
 "lookahead" keeps only the real weights while the parameters hold the
 prediction, and by swapping storage rather than copying: the parameter
@@ -36,7 +46,9 @@ from . import lookahead
 
 
 class _Compensation:
-    def _setup_compensation(self, compensation, pipeline_depth):
+    def _setup_compensation(self, compensation, pipeline_depth, rule_class):
+        """`compensation` and `pipeline_depth` as the user passed them; `rule_class`: the
+        user's optimizer class, whose update rule torch/lookahead.py may know."""
         # Nothing to compensate at K=1.
         self._compensation = compensation if pipeline_depth > 1 else None
         self._kept_buffers = {}                  # (slot, kind, name) -> tensor kept with a step
@@ -45,9 +57,7 @@ class _Compensation:
         self._swapped = False                    # the parameters hold the prediction's storage
         self._previous = {}                      # "predict": the weights before this step's update
         self._mean_square = {}                   # "dc": running mean of g*g per parameter
-        # "lookahead": the user's optimizer class, whose rule torch/lookahead.py may know.
-        self._rule_class = next(c for c in type(self).__mro__[1:]
-                                if not issubclass(c, _Compensation))
+        self._rule_class = rule_class            # "lookahead": the user's optimizer class
 
     def _keep(self):
         """What this step must keep for its compensation until it is applied."""
@@ -96,6 +106,44 @@ class _Compensation:
                 for name, p in self._param_of.items():
                     p.copy_(self._real[name])
         self._predicted = self._swapped = False
+
+    def _forget_prediction(self):
+        """Forget the prediction, made or due, without restoring the real weights: for
+        elastic's drop_in_flight, whose committed state brings its own weights."""
+        self._predicted = False
+        _due.discard(self)
+
+    def _compensation_state(self):
+        """Compensation's part of a checkpoint's "pipe_horovod" entry: the prediction's
+        real weights (the parameters hold the predicted ones), whether a prediction is
+        due, "predict"'s previous weights and "dc"'s running mean square, so a resume
+        continues each exactly. The tensors are copies."""
+        due = self in _due
+        return {
+            "real_weights": ({n: t.detach().clone() for n, t in self._real.items()}
+                             if self._predicted else None),
+            "prediction_due": due,
+            # "predict" extrapolates from the weights before the last update.
+            "previous_weights": ({n: t.detach().clone() for n, t in self._previous.items()}
+                                 if due and self._compensation == "predict" else None),
+            "mean_square": {n: t.detach().clone() for n, t in self._mean_square.items()},
+        }
+
+    def _restore_compensation(self, state):
+        """Compensation's state from a checkpoint's "pipe_horovod" entry (the keys
+        _compensation_state() writes; absent ones are empty), its tensors moved to their
+        parameters' devices. The parameters already hold what was saved."""
+        def here(tensors):
+            return {n: t.to(self._param_of[n].device) for n, t in tensors.items()}
+        real = state.get("real_weights")
+        self._real = here(real) if real else {}
+        self._predicted, self._swapped = bool(real), False
+        _due.discard(self)
+        if state.get("previous_weights"):
+            self._previous = here(state["previous_weights"])
+        if state.get("prediction_due"):
+            self._predict_at_forward()
+        self._mean_square = here(state.get("mean_square", {}))
 
     def _predict_at_forward(self):
         """Predict at the next forward pass with gradients (module docstring)."""

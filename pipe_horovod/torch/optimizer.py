@@ -44,7 +44,7 @@ from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options
                         report_unapplied, resolve_depth, staleness)
 from . import edits, lookahead
 from .checkpoint import _PipelineCheckpoint
-from .compensation import _Compensation, _due, _momentum_key, _values
+from .compensation import _Compensation, _momentum_key, _values
 from .parameters import _ParameterOwnership, _describe, _group_names, _named
 from .sparse import _SparseGradients
 
@@ -94,10 +94,7 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
         self._auto_synced = None
         self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0, "compensation_s": 0.0}
         self._pipeline_depth = pipeline_depth
-        self._setup_compensation(compensation, pipeline_depth)
-        # compensation.py takes the first class past the _Compensation subclasses in the
-        # MRO for the user's; the other mixins stand before it there, so name it here.
-        self._rule_class = _user_class(type(self))
+        self._setup_compensation(compensation, pipeline_depth, _user_class(type(self)))
         _live.add(self)
         self._attach_engine()
 
@@ -468,11 +465,11 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
         failed backward may have left part of a gradient in it.
         """
         self._machine.forget()
-        self._predicted = False                  # the committed state brings its own weights
-        _due.discard(self)
+        self._forget_prediction()                # the committed state brings its own weights
         self._reset_step()
         self._synchronized, self._pending_apply, self._auto_synced = False, None, None
-        self._observed, self._seen_sparse = {}, {}
+        self._observed = {}
+        self._forget_seen_sparse()
         for p in self._params:
             p.grad = None
 

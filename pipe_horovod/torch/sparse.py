@@ -80,6 +80,11 @@ class _SparseGradients:
                        if p.grad is not None and not p.grad.is_sparse)
         return self._seen_sparse, dense
 
+    def _forget_seen_sparse(self):
+        """Forget this process's sparse gradients not agreed yet (elastic's
+        drop_in_flight: the step that saw them is dropped)."""
+        self._seen_sparse = {}
+
     def _adopt_sparse(self, everyone):
         """Every rank's `_sparse_seen_here()`: check they agree, keep the union."""
         _check_sparse_agrees(everyone)
