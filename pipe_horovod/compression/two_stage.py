@@ -135,18 +135,26 @@ def quantize(x, fmt, wire=None):
         wire[n * fmt.itemsize:].zero_()
         return wire, q.to(x.dtype)
     size, nb = fmt.block_size, fmt.blocks(n)
-    blocks = torch.nn.functional.pad(x, (0, nb * size - n)).view(nb, size)
-    scale = (blocks.abs().amax(1) / fmt.qmax).to(torch.float32)
+    # Few passes, no avoidable temporaries: this runs on the whole bucket before it can be
+    # sent (9 ns a byte on CPU with one temporary per operation, 2026-11-25).
+    blocks = (x.view(nb, size) if nb * size == n
+              else torch.nn.functional.pad(x, (0, nb * size - n)).view(nb, size))
+    amax = torch.linalg.vector_norm(blocks, float("inf"), dim=1)      # max |x|, exactly
+    scale = amax.div_(fmt.qmax).to(torch.float32)
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).to(x.dtype)
-    q = (blocks / divisor[:, None]).clamp_(-fmt.qmax, fmt.qmax)
-    if fmt.kind == "int8":
-        q.round_()
-    q = q.to(fmt.dtype)
+    q = torch.div(blocks, divisor[:, None]).clamp_(-fmt.qmax, fmt.qmax)
     head = SCALE_BYTES * nb
     wire[:head].view(torch.float32).copy_(scale)
-    wire[head:head + n].view(fmt.dtype).copy_(q.view(-1)[:n])
+    values = wire[head:head + n].view(fmt.dtype)
+    if fmt.kind == "int8":
+        q.round_()                    # integers within +-127: the wire's value, exactly
+        values.copy_(q.view(-1)[:n])
+    else:
+        q8 = q.to(fmt.dtype)
+        values.copy_(q8.view(-1)[:n])
+        q.copy_(q8)                   # what the receivers decode
     wire[head + n:].zero_()
-    return wire, (q.to(x.dtype) * scale.to(x.dtype)[:, None]).view(-1)[:n]
+    return wire, q.mul_(scale.to(x.dtype)[:, None]).view(-1)[:n]
 
 
 def dequantize(wire, numel, fmt, acc):
@@ -158,9 +166,10 @@ def dequantize(wire, numel, fmt, acc):
     size, nb = fmt.block_size, fmt.blocks(numel)
     head = SCALE_BYTES * nb
     scale = wire[:head].view(torch.float32).to(acc)
-    values = torch.nn.functional.pad(wire[head:head + numel].view(fmt.dtype).to(acc),
-                                     (0, nb * size - numel))
-    return (values.view(nb, size) * scale[:, None]).view(-1)[:numel]
+    values = wire[head:head + numel].view(fmt.dtype).to(acc)
+    if nb * size != numel:
+        values = torch.nn.functional.pad(values, (0, nb * size - numel))
+    return values.view(nb, size).mul_(scale[:, None]).view(-1)[:numel]
 
 
 def encode(x, sizes, fmt):
@@ -189,7 +198,7 @@ def reduce_shard(received, size, numel, fmt, acc, average, prescale=1.0, postsca
         value = dequantize(received[r * nbytes:(r + 1) * nbytes], numel, fmt, acc)
         if prescale != 1:
             value = value * prescale
-        total = value.clone() if total is None else total.add_(value)
+        total = value if total is None else total.add_(value)    # value: a new tensor
     if average:
         total.div_(size)
     if postscale != 1:
@@ -217,11 +226,18 @@ def first_stage(flat, sizes, fmt, residual=None):
     """`flat` in the accumulator's type plus `residual`, encoded (see `encode`); the
     residual then holds what the quantization lost."""
     x = flat.to(accumulator(flat.dtype), copy=True)
-    if residual is not None:
-        x.add_(residual)
-    send, splits, back = encode(x, sizes, fmt)
-    if residual is not None:
-        torch.sub(x, back, out=residual)
+    if residual is None:
+        send, splits, _ = encode(x, sizes, fmt)
+        return send, splits
+    x.add_(residual)
+    splits = [fmt.shard_bytes(s) for s in sizes]
+    send = torch.empty(sum(splits), dtype=torch.uint8, device=x.device)
+    at = pos = 0
+    for numel, nbytes in zip(sizes, splits):    # encode's loop, the loss written directly
+        shard = x[pos:pos + numel]
+        _, back = quantize(shard, fmt, send[at:at + nbytes])
+        torch.sub(shard, back, out=residual[pos:pos + numel])
+        at, pos = at + nbytes, pos + numel
     return send, splits
 
 
