@@ -7,7 +7,7 @@ Unlike Horovod's name matching, ranks must start these in the same order
 (as with torch.distributed): the optimizer's buckets do.
 """
 from .. import engine as _engine
-from ..compression import Compression
+from ..compression import Compression, accumulator
 from ..engine.base import Average, Sum
 from ..engine.argument_checks import check_op, check_root, check_scale, check_tensor
 from .communicator import Job, communicator
@@ -105,7 +105,7 @@ def _check_residual(residual, tensor):
         return
     import torch
 
-    acc = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+    acc = accumulator(tensor.dtype)
     if (not isinstance(residual, torch.Tensor) or residual.dtype != acc
             or residual.numel() != tensor.numel() or not residual.is_contiguous()
             or residual.device.type != "cpu"):

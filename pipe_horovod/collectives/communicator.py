@@ -13,6 +13,7 @@ import collections
 import concurrent.futures
 import weakref
 
+from ..compression import accumulator
 from ..engine.base import Average, Done, Work
 from .agreement import Agreement, signature
 from .buffers import Pool
@@ -63,9 +64,7 @@ class Job:
 
     @property
     def acc_dtype(self):
-        import torch
-
-        return torch.float64 if self.tensor.dtype == torch.float64 else torch.float32
+        return accumulator(self.tensor.dtype)
 
     @property
     def factor(self):

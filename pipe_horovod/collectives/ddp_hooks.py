@@ -9,7 +9,7 @@ collectives need. Error-feedback residuals are kept per DDP bucket (DDP
 re-buckets after its first iteration; a bucket of a new size starts at zero).
 """
 from .. import engine as _engine
-from ..compression import Compression
+from ..compression import Compression, accumulator
 from ..engine.base import Average
 from ..engine.process_sets import global_process_set
 from .api import checked_job
@@ -34,7 +34,7 @@ class HookState:
         import torch
 
         flat = bucket.buffer()
-        acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
+        acc = accumulator(flat.dtype)
         kept = self.residuals.get(bucket.index())
         if kept is None or kept.numel() != flat.numel():
             kept = self.residuals[bucket.index()] = torch.zeros(flat.numel(), dtype=acc)

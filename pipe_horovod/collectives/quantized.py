@@ -12,8 +12,8 @@ and no `collective=` (pipeline/step_machine.py).
 import functools
 
 from .. import engine as _engine
-from ..compression.two_stage import (accumulator, decode, first_stage, own_shard, reduce_shard,
-                                     shard_sizes)
+from ..compression import accumulator
+from ..compression.two_stage import decode, first_stage, own_shard, reduce_shard, shard_sizes
 from ..engine.argument_checks import check_op, check_scale, check_tensor
 from ..engine.base import Average, Done, EngineError, Sum
 

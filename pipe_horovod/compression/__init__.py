@@ -13,6 +13,14 @@ alltoall and allgather (compression/two_stage.py) or per hop.
 """
 
 
+def accumulator(dtype):
+    """The type reductions sum in and residuals are kept in: float64 for float64
+    tensors, float32 for every other floating type (a 16-bit or 8-bit sum loses too much)."""
+    import torch
+
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class Compressor:
     name = "none"
     error_feedback = False

@@ -23,6 +23,7 @@ parameter: a new bucket plan (the first step's agreed order) or a
 checkpoint moves them by name, not by offset. They are this rank's own:
 each rank must load its own checkpoint to resume them exactly.
 """
+from . import accumulator
 
 
 class ErrorFeedback:
@@ -45,8 +46,7 @@ class ErrorFeedback:
         flat = self._flat.get(key)
         if flat is None or self._layout.get(key) != (bucket.numel, low, size):
             dtype, device = bucket.kind
-            acc = torch.float64 if dtype == torch.float64 else torch.float32
-            flat = torch.zeros(size, dtype=acc, device=device)
+            flat = torch.zeros(size, dtype=accumulator(dtype), device=device)
             named = self._named.setdefault(slot if stage == 1 else -1 - slot, {})
             for name, start, numel in bucket.offsets():
                 self._numel[name] = numel

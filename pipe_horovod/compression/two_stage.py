@@ -41,6 +41,8 @@ engine (Engine.two_stage_async).
 """
 import torch
 
+from . import accumulator
+
 DEFAULT_BLOCK_SIZE = 256      # int8: 4 bytes of scale per 256 values, 1.6% more bytes
 MIN_BLOCK_SIZE = 16           # below, the scales cost a quarter of the bytes or more
 MAX_BLOCK_SIZE = 2 ** 20
@@ -101,11 +103,6 @@ class WireFormat:
     def shard_bytes(self, numel):
         """Wire bytes of a shard of `numel` elements: scales, values, padding to 4."""
         return SCALE_BYTES * self.blocks(numel) + -(-numel * self.itemsize // 4) * 4
-
-
-def accumulator(dtype):
-    """The type sums run in: float64 for float64 tensors, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def shard_sizes(numel, size):
@@ -246,5 +243,5 @@ def wire_ratio(fmt, dtype=torch.float32, numel=2 ** 20):
     return fmt.shard_bytes(numel) / (numel * torch.empty((), dtype=dtype).element_size())
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "FORMATS", "WireFormat", "accumulator", "check_block_size", "check_format", "decode", "dequantize", "encode", "first_stage",
+__all__ = ["DEFAULT_BLOCK_SIZE", "FORMATS", "WireFormat", "check_block_size", "check_format", "decode", "dequantize", "encode", "first_stage",
            "own_shard", "quantize", "reduce_shard", "shard_sizes"]

@@ -26,9 +26,9 @@ import oracle  # noqa: E402
 import pipe_horovod.torch as phvd  # noqa: E402
 from pipe_horovod import engine  # noqa: E402
 from pipe_horovod.collectives import quantized  # noqa: E402
-from pipe_horovod.compression import Compression, two_stage  # noqa: E402
-from pipe_horovod.compression.two_stage import (WireFormat, accumulator, dequantize,  # noqa: E402
-                                                quantize, shard_sizes)
+from pipe_horovod.compression import Compression, accumulator, two_stage  # noqa: E402
+from pipe_horovod.compression.two_stage import (WireFormat, dequantize, quantize,  # noqa: E402
+                                                shard_sizes)
 from pipe_horovod.pipeline import step_machine  # noqa: E402
 from tolerance import THREADS  # noqa: E402
 
