@@ -13,6 +13,10 @@ alltoall and allgather (compression/two_stage.py) or per hop.
 """
 
 
+DEFAULT_BLOCK_SIZE = 256      # elements per float32 scale: 4 bytes per 256 values, 1.6% more
+SCALE_BYTES = 4               # one float32 scale in front of each block
+
+
 def accumulator(dtype):
     """The type reductions sum in and residuals are kept in: float64 for float64
     tensors, float32 for every other floating type (a 16-bit or 8-bit sum loses too much)."""
@@ -97,7 +101,7 @@ class _Quantized(Compressor):
     """
 
     wire = None
-    block_size = None
+    block_size = DEFAULT_BLOCK_SIZE
     per_hop = True                # False: only the two-stage path carries it
 
     @classmethod
@@ -126,7 +130,6 @@ class INT8Compressor(_Quantized):
 
     name = "int8"
     wire = "int8"
-    block_size = 256
 
     @staticmethod
     def hop(dtype):
@@ -148,7 +151,6 @@ class _FP8(_Quantized):
     """8-bit floats with one float32 scale per block (max|x| maps to the format's
     largest value): e4m3 keeps more mantissa, e5m2 more range. Two-stage only."""
 
-    block_size = 256
     per_hop = False
 
     @classmethod
@@ -222,7 +224,7 @@ def wire_format(compression):
     kind = getattr(compression, "wire", None)
     if kind is None:
         return None
-    from .two_stage import DEFAULT_BLOCK_SIZE, WireFormat
+    from .two_stage import WireFormat
 
     block_size = getattr(compression, "block_size", None)
     return WireFormat(kind, DEFAULT_BLOCK_SIZE if block_size is None else block_size)

@@ -14,7 +14,7 @@ cost 6-19 ms per step where it was measured.
 """
 import torch
 
-SCALE_BYTES = 4        # int8: one float32 scale in front of each block
+from . import SCALE_BYTES
 
 
 class CastHop:

@@ -41,12 +41,10 @@ engine (Engine.two_stage_async).
 """
 import torch
 
-from . import accumulator
+from . import DEFAULT_BLOCK_SIZE, SCALE_BYTES, accumulator
 
-DEFAULT_BLOCK_SIZE = 256      # int8: 4 bytes of scale per 256 values, 1.6% more bytes
 MIN_BLOCK_SIZE = 16           # below, the scales cost a quarter of the bytes or more
 MAX_BLOCK_SIZE = 2 ** 20
-SCALE_BYTES = 4
 
 _SCALED = {"int8": 127.0}     # + the float8 formats, largest finite value from finfo
 _UNSCALED = ("float16", "bfloat16")

@@ -371,12 +371,7 @@ class HorovodEngine(Engine):
 
     def _close(self):
         others = [r for r in range(self.size()) if r != self.rank()]
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-        self.hvd.shutdown()            # fails the alltoalls a pool thread may still block on
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self.hvd.shutdown()            # two-stage pool threads already see _releasing (base)
         if self._hosts_board:      # the board dies with this process: stay until the others
             # posted their own end, so a rank waiting for this one reads that it ended and
             # names it, instead of Horovod's "has been shut down"

@@ -17,7 +17,7 @@ def wire_ratio(name):
     """Bytes on the wire per float32 gradient byte of a per-hop codec run by ring, which
     cuts messages into blocks of at most PIECE_BYTES: int8 adds one scale per block."""
     from pipe_horovod.collectives.layout import PIECE_BYTES
-    from pipe_horovod.compression.hops import SCALE_BYTES
+    from pipe_horovod.compression import SCALE_BYTES
 
     codec, ratio = PER_HOP[name]
     return ratio + (SCALE_BYTES / PIECE_BYTES if codec.startswith("int8") else 0.0)

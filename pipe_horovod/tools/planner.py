@@ -28,6 +28,7 @@ import numpy as np
 from pipe_horovod.collectives.cost_model import (TOPOLOGIES, Network, best_chunks,  # noqa: F401
                                                check_topology, lp_allreduce_chunks,
                                                lp_streams, optimal_chunks)
+from pipe_horovod.compression import DEFAULT_BLOCK_SIZE, SCALE_BYTES
 
 
 def _log2(p):
@@ -244,10 +245,8 @@ def _hop_counts(p, algorithm, blocks=None):
     return p / blocks, (p - 1) / blocks, 1.0
 
 
-TWO_STAGE_BLOCK = 256   # compression/two_stage.py's DEFAULT_BLOCK_SIZE (elements per scale)
-
-
-def two_stage_wire_ratio(block_size=TWO_STAGE_BLOCK, value_bytes=1, scale_bytes=4):
+def two_stage_wire_ratio(block_size=DEFAULT_BLOCK_SIZE, value_bytes=1,
+                         scale_bytes=SCALE_BYTES):
     """Wire bytes per byte of float32 gradient in the two-stage quantized allreduce
     (compression/two_stage.py, compression=int8 / int8_ef with no collective=): one
     `value_bytes` value per element plus one float32 scale per block of `block_size`
@@ -258,8 +257,8 @@ def two_stage_wire_ratio(block_size=TWO_STAGE_BLOCK, value_bytes=1, scale_bytes=
 
 
 @_collective
-def two_stage_allreduce(net, p, nbytes, block_size=TWO_STAGE_BLOCK, value_bytes=1,
-                        scale_bytes=4):
+def two_stage_allreduce(net, p, nbytes, block_size=DEFAULT_BLOCK_SIZE, value_bytes=1,
+                        scale_bytes=SCALE_BYTES):
     """The engine path of a quantized allreduce of `nbytes` float32 bytes: quantize, an
     alltoall of the shards (each rank sends and receives (p-1)/p of the wire bytes in
     p-1 messages), dequantize and sum the own shard in float32 ((p-1)/p of the float32

@@ -65,11 +65,8 @@ def _codecs(two_stage=False):
     from pipe_horovod.tools.hop_codecs import PER_HOP, wire_ratio
 
     codecs = {"fp16": (0.5, 0.0), **{name: (wire_ratio(name), 0.0) for name in PER_HOP}}
-    if two_stage:
-        from pipe_horovod.compression.two_stage import DEFAULT_BLOCK_SIZE, SCALE_BYTES
-
-        codecs["int8-2stage"] = (planner.two_stage_wire_ratio(DEFAULT_BLOCK_SIZE, 1, SCALE_BYTES),
-                                 0.0)
+    if two_stage:                 # int8 values, the runtime's default block of scales
+        codecs["int8-2stage"] = (planner.two_stage_wire_ratio(), 0.0)
     return codecs
 
 
