@@ -5,6 +5,7 @@ the message it names, on every rank. Cases that leave reductions in flight
 (an error raised inside step()) run last.
 """
 import copy
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -112,6 +113,17 @@ def check_options_and_models():
                      ({"pipeline_depth": 1000}, "depths above 64 are refused")):
         depth = kw.pop("pipeline_depth", 2)
         raises(ValueError, text, lambda: wrap(model, depth, **kw))
+    # Issue 28's options: a codec the chosen path cannot carry, a block size out of range,
+    # a link description that is not a number (read for the automatic bucket size).
+    raises(ValueError, "runs only in the two-stage reduction",
+           lambda: wrap(model, 2, compression=phvd.Compression.fp8_e4m3, collective="ring"))
+    raises(ValueError, "block_size must be between",
+           lambda: phvd.Compression.int8_ef.with_block_size(8))
+    os.environ["PIPE_HOROVOD_LINK_GBPS"] = "fast"
+    try:
+        raises(ValueError, "PIPE_HOROVOD_LINK_GBPS must be a number", lambda: wrap(model, 2))
+    finally:
+        del os.environ["PIPE_HOROVOD_LINK_GBPS"]
     with torch.device("meta"):
         meta = MLP()
     raises(ValueError, "is on the meta device", lambda: wrap(meta, 2))
