@@ -2,7 +2,7 @@
 
 One launch per (engine, ranks) runs every reduction case against the single-process
 reference of tests/workers/quantized_worker.py, bit for bit; the "all" launches add
-training with the wrapped optimizer (int8 and int8_ef, K=1 and K=2, plain and the
+training with the wrapped optimizer (int8 and int8_ef, K=1, 2 and 3, plain and the
 default compensation) against tests/oracle.py and a bit-exact resume mid-pipeline
 with both residuals, and a sparse embedding beside quantized buckets. From 3 ranks a
 process set of two reduces alone; every launch ends with a reduction left in flight

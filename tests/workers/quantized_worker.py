@@ -8,7 +8,7 @@ and both residuals per rank. It is exact by construction, so every comparison is
 `torch.equal` (no tolerance): outputs on every rank and every rank's residuals.
 
 Then training with the wrapped optimizer (int8_ef, no collective=) at pipeline depth
-1 and 2, plain Pipe-SGD and the default compensation, against tests/oracle.py whose
+1, 2 and 3, plain Pipe-SGD and the default compensation, against tests/oracle.py whose
 average is replaced by the reference (the bucket layouts each step used are logged
 from the step machine), and a checkpoint mid-pipeline that resumes bit-exactly.
 """
@@ -267,7 +267,7 @@ def train(model, opt, start, stop):
 
 def training_matches_oracle(p, steps=8):
     fmt = WireFormat("int8")
-    for depth in (1, 2):
+    for depth in (1, 2, 3):
         for compensation in (None, "lookahead"):
             if depth == 1 and compensation is not None:
                 continue
