@@ -11,8 +11,10 @@ import pytest
 from pipe_horovod.pipeline import check_options, plan_buckets
 from pipe_horovod.pipeline.buckets import (AUTO_FIRST_MB, AUTO_MAX_MB, AUTO_MIN_MB,
                                            LINK_GBPS_VARIABLE, LINK_LATENCY_VARIABLE,
-                                           AutoBucketCap, auto_bucket_cap_mb, bucket_cap_bytes,
-                                           link_from_environment, resolve_bucket_cap_mb)
+                                           AUTO_SPLIT_LATENCY_S, AutoBucketCap,
+                                           auto_bucket_cap_mb, auto_splits_model,
+                                           bucket_cap_bytes, link_from_environment,
+                                           resolve_bucket_cap_mb)
 
 GBIT = 1e9 / 8
 MIB = 2**20
@@ -114,6 +116,31 @@ def test_an_automatic_cap_sends_the_first_bucket_early():
     # a cap below the first-bucket size: the cap rules
     tiny = plan_buckets(members, bucket_cap_bytes(AutoBucketCap(1)))
     assert [b.numel * 4 for b in tiny] == sizes
+
+
+def test_an_automatic_cap_splits_the_model_while_latency_is_small():
+    # 64 ranks, 20 us: 126 latencies = 2.52 ms < 4 ms -> at most half the model per bucket;
+    # 256 ranks: 10.2 ms -> one fused bucket as before; one rank sends nothing.
+    assert AUTO_SPLIT_LATENCY_S == pytest.approx(4e-3)
+    assert auto_splits_model(64, 20e-6) and not auto_splits_model(256, 20e-6)
+    assert not auto_splits_model(1, 0.0) and auto_splits_model(2, 20e-6)
+    assert resolve_bucket_cap_mb(None, world_size=64, environ={}).split_model
+    assert not resolve_bucket_cap_mb(None, world_size=256, environ={}).split_model
+    # ResNet-50-like: 4 MiB ready first, then 94 MiB in 2 MiB gradients
+    members = [("a", MIB, 4, "f32")] + [(f"g{i}", MIB // 2, 4, "f32") for i in range(47)]
+    total = 98 * MIB
+    split = plan_buckets(members, bucket_cap_bytes(AutoBucketCap(128, split_model=True)))
+    assert [b.numel * 4 for b in split] == [4 * MIB, 48 * MIB, 46 * MIB]
+    assert all(b.numel * 4 <= total / 2 for b in split)
+    whole = plan_buckets(members, bucket_cap_bytes(AutoBucketCap(128)))
+    assert [b.numel * 4 for b in whole] == [4 * MIB, 94 * MIB]
+    # never below the floor: a small model keeps AUTO_MIN_MB buckets
+    small = [(f"s{i}", MIB // 4, 4, "f32") for i in range(40)]           # 40 MiB
+    assert [b.numel * 4 for b in plan_buckets(
+        small, bucket_cap_bytes(AutoBucketCap(128, split_model=True)))] == [4 * MIB, 32 * MIB,
+                                                                            4 * MIB]
+    # what a checkpoint or a rank's description pickles keeps the flag
+    assert pickle.loads(pickle.dumps(AutoBucketCap(128, split_model=True))).split_model
 
 
 def test_the_torch_adapter_resolves_and_reports_the_automatic_size(monkeypatch, caplog):

@@ -487,7 +487,8 @@ class Bucketing:
     "cap" (our optimizer, pipeline/buckets.py): a bucket closes before the
     next gradient would take it past cap_bytes; with first_cap_bytes (our
     automatic size, bucket_cap_mb=None) the first bucket also closes once it
-    holds that much. "ddp" (torch's Reducer): a
+    holds that much, and with split_model no bucket holds more than half the model
+    (pipeline.buckets.split_cap_bytes). "ddp" (torch's Reducer): a
     bucket closes once it reaches its limit, the first limit being
     first_cap_bytes. "fusion" (Horovod's tensor fusion): when the link
     frees, everything ready by then goes, up to cap_bytes per allreduce.
@@ -497,6 +498,7 @@ class Bucketing:
     kind: str
     cap_bytes: float
     first_cap_bytes: float = None
+    split_model: bool = False
 
     def __post_init__(self):
         if self.kind not in ("cap", "ddp", "fusion"):
@@ -509,12 +511,13 @@ class Bucketing:
         seconds (fusion decides what is ready by when the link frees)."""
         if self.kind == "fusion":
             return self._fuse(gradients, cost)
+        cap = self.cap_for(sum(n for _, n in gradients))
         out, ready, used = [], 0.0, 0.0
-        limit = self.first_cap_bytes if self.kind == "ddp" and self.first_cap_bytes else self.cap_bytes
+        limit = self.first_cap_bytes if self.kind == "ddp" and self.first_cap_bytes else cap
         for r, n in gradients:
             first = self.kind == "cap" and self.first_cap_bytes and not out
             if self.kind == "cap" and used and (
-                    used + n > self.cap_bytes or (first and used >= self.first_cap_bytes)):
+                    used + n > cap or (first and used >= self.first_cap_bytes)):
                 out.append((ready, used))
                 used = 0.0
             ready, used = r, used + n
@@ -522,6 +525,15 @@ class Bucketing:
                 out.append((ready, used))
                 used, limit = 0.0, self.cap_bytes
         return out + [(ready, used)] if used else out
+
+    def cap_for(self, total_bytes):
+        """The cap in force for `total_bytes` of gradients: cap_bytes, or with split_model
+        the runtime's split_cap_bytes of it."""
+        if not self.split_model:
+            return self.cap_bytes
+        from pipe_horovod.pipeline.buckets import split_cap_bytes
+
+        return split_cap_bytes(self.cap_bytes, total_bytes)
 
     def _fuse(self, gradients, cost):
         out, free, i = [], 0.0, 0
@@ -548,11 +560,13 @@ def auto_bucketing(workers, network):
     """Our optimizer's buckets at bucket_cap_mb=None: the cap the runtime picks for
     `workers` ranks on `network` (pipe_horovod.pipeline.buckets.auto_bucket_cap_mb, the
     function training calls), the first bucket closing once it holds AUTO_FIRST_MB."""
-    from pipe_horovod.pipeline.buckets import AUTO_FIRST_MB, auto_bucket_cap_mb
+    from pipe_horovod.pipeline.buckets import (AUTO_FIRST_MB, auto_bucket_cap_mb,
+                                               auto_splits_model)
 
     bandwidth = 1.0 / network.beta if network.beta > 0 else 1e30    # beta 0: no byte cost
     cap = auto_bucket_cap_mb(workers, bandwidth, network.alpha)
-    return Bucketing("cap", cap * MIB, first_cap_bytes=AUTO_FIRST_MB * MIB)
+    return Bucketing("cap", cap * MIB, first_cap_bytes=AUTO_FIRST_MB * MIB,
+                     split_model=auto_splits_model(workers, network.alpha))
 
 
 def bucketings(cap_bytes=OURS.cap_bytes, fusion_bytes=HOROVOD.cap_bytes, workers=None,

@@ -123,7 +123,7 @@ def format_table(args, work, rows):
     lines = [
         f"Plan: {args.model}, batch {args.batch_size} per worker, {args.workers} workers, "
         f"{args.device_tflops:g} TFLOP/s per device, {args.bandwidth * 8 / 1e9:g} Gbit/s links, "
-        f"latency {args.latency * 1e6:g} us, buckets {_buckets(args)}",
+        f"latency {args.latency * 1e6:g} us, buckets {_buckets(args, work.model_bytes)}",
         f"Model: {n_params / 1e6:.1f} M parameters ({work.model_bytes / 1e6:.1f} MB of fp32 gradients); "
         f"forward {work.forward_s * 1e3:.2f} ms, backward {work.backward_s * 1e3:.2f} ms per step",
         "",
@@ -173,20 +173,20 @@ def plot(path, args, work, rows):
     ax.set_xlabel("predicted step time (ms)")
     ax.set_title(f"{args.model}, batch {args.batch_size}, {args.workers} workers, "
                  f"{args.device_tflops:g} TFLOP/s, {args.bandwidth * 8 / 1e9:g} Gbit/s, "
-                 f"{args.latency * 1e6:g} us, buckets {_buckets(args)}", fontsize=10)
+                 f"{args.latency * 1e6:g} us, buckets {_buckets(args, work.model_bytes)}", fontsize=10)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=9, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def _buckets(args):
-    """The header's bucket size: the cap given, or the automatic one with its value."""
+def _buckets(args, model_bytes):
+    """The header's bucket size: the cap given, or the automatic one for this model."""
     if args.bucket_cap_mb is not None:
         return f"{args.bucket_cap_mb:g} MiB"
     ours = planner.auto_bucketing(args.workers, _network(args))
-    return (f"auto ({ours.cap_bytes / planner.MIB:.1f} MiB, first {ours.first_cap_bytes / planner.MIB:g} "
-            f"MiB; DDP 25 MiB)")
+    return (f"auto ({ours.cap_for(model_bytes) / planner.MIB:.1f} MiB, first "
+            f"{ours.first_cap_bytes / planner.MIB:g} MiB; DDP 25 MiB)")
 
 
 def _network(args):
@@ -200,8 +200,8 @@ def sweep(layers, device_tflops, workers, bandwidths, latency, bucket_cap_bytes=
     for p in workers:
         for bandwidth in bandwidths:
             network = planner.Network(alpha=latency, beta=1.0 / bandwidth)
-            cap = (planner.auto_bucketing(p, network).cap_bytes if bucket_cap_bytes is None
-                   else bucket_cap_bytes)
+            cap = (planner.auto_bucketing(p, network).cap_for(work.model_bytes)
+                   if bucket_cap_bytes is None else bucket_cap_bytes)
             _, rows = plan(layers, device_tflops, p, network, bucket_cap_bytes, work=work)
             out.append((p, bandwidth, cap, rows))
     return work, out
