@@ -26,7 +26,7 @@ from .. import engine
 from ..collectives import Collective, check_collective
 from ..collectives.communicator import communicator
 from ..compression import Compression, config_name
-from ..pipeline.buckets import resolve_bucket_cap_mb
+from ..pipeline.buckets import AutoBucketCap, resolve_bucket_cap_mb
 from ..pipeline import (announce_depth, check_options, check_reduction, check_staleness,
                         compare_across_ranks, report_unapplied, resolve_depth, staleness)
 from .naming import momentum_attribute
@@ -276,6 +276,8 @@ def _config_value(key, value):
         return value.value
     if key == "collective":
         return None if value is None else value.config()
+    if key == "bucket_cap_mb" and isinstance(value, AutoBucketCap):
+        return None      # automatic: a reload resolves it again, for its own world size
     return value
 
 
@@ -379,7 +381,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     Compression.int8 and int8_ef (error feedback, whose residuals checkpoints
     carry, per rank) become possible; as in the PyTorch adapter.
     bucket_cap_mb: MiB per bucket; None (default): chosen from the number of
-    ranks and the link, as in the PyTorch adapter (docs/planner.md).
+    ranks and the link, as in the PyTorch adapter (docs/planner.md). A saved
+    model keeps None, so loading it chooses again for the ranks it runs on.
     Every rank must build the same model: differences are raised as
     ValueError on every rank at the first step (or at
     BroadcastGlobalVariablesCallback's on_train_begin), not when the

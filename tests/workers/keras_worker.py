@@ -232,6 +232,24 @@ def check_checkpoint(mode, depth, path, out=None):
         checkpoint_case(mode, int(depth), label,
                         case_file(path, label, phvd.rank() if own else None),
                         out and case_file(out, label))
+    if mode in ("save", "resume"):
+        auto_cap_case(mode, case_file(path, "auto-cap", phvd.rank()))
+
+
+def auto_cap_case(mode, path):
+    """bucket_cap_mb=None (automatic) is saved as None, not as the number it resolved to, so a
+    reload (maybe on another world size) chooses again; an explicit cap is kept (1e-5 above)."""
+    from pipe_horovod.pipeline.buckets import AutoBucketCap, resolve_bucket_cap_mb
+
+    if mode == "save":
+        opt = phvd.DistributedOptimizer(keras.optimizers.Adam(0.01), pipeline_depth=2)
+        assert isinstance(opt._pipe_options["bucket_cap_mb"], AutoBucketCap)
+        compiled(opt).save(path)
+        return
+    model = keras.models.load_model(path)
+    assert model.optimizer.get_config()["bucket_cap_mb"] is None
+    cap = model.optimizer._pipe_options["bucket_cap_mb"]
+    assert isinstance(cap, AutoBucketCap) and cap == resolve_bucket_cap_mb(None), cap
 
 
 def checkpoint_case(mode, depth, label, path, out):
@@ -250,6 +268,7 @@ def checkpoint_case(mode, depth, label, path, out):
         assert config["staleness_compensation"] == options["staleness_compensation"]
         assert config["compression"] == options.get("compression", phvd.Compression.none).name
         assert (config["collective"] or {}).get("algorithm") == options.get("collective")
+        assert config["bucket_cap_mb"] == 1e-5, "an explicit cap is kept as it was"
         assert model.optimizer.in_flight == depth - 1, "the gradients in flight must be restored"
         fit(model, SAVE_AT, STEPS, [phvd.callbacks.BroadcastGlobalVariablesCallback(0)]
             if label == "None" else [])
