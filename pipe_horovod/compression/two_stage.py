@@ -39,9 +39,11 @@ Every step runs on the tensor's own device. The functions here are pure
 math as an oracle; pipe_horovod/collectives/quantized.py chains them on the
 engine (Engine.two_stage_async).
 """
+import logging
+
 import torch
 
-from . import DEFAULT_BLOCK_SIZE, SCALE_BYTES, accumulator
+from . import DEFAULT_BLOCK_SIZE, SCALE_BYTES, accumulator, native
 
 MIN_BLOCK_SIZE = 16           # below, the scales cost a quarter of the bytes or more
 MAX_BLOCK_SIZE = 2 ** 20
@@ -122,6 +124,23 @@ def quantize(x, fmt, wire=None):
     n = x.numel()
     if wire is None:
         wire = torch.empty(fmt.shard_bytes(n), dtype=torch.uint8, device=x.device)
+    kernels = _kernels(fmt, x, wire)
+    if kernels and n:
+        back = torch.empty_like(x)
+        head = SCALE_BYTES * fmt.blocks(n)
+        if kernels.encode(x.data_ptr(), None, back.data_ptr(), n, fmt.block_size,
+                          wire.data_ptr(), wire.data_ptr() + head) == fmt.blocks(n):
+            wire[head + n:].zero_()
+            return wire, back
+    return _quantize_torch(x, fmt, wire)       # also for a block that is not finite
+
+
+def _quantize_torch(x, fmt, wire=None):
+    """`quantize` in torch operations: the reference, and the path for CUDA tensors
+    and every format and type the C kernels do not cover."""
+    n = x.numel()
+    if wire is None:
+        wire = torch.empty(fmt.shard_bytes(n), dtype=torch.uint8, device=x.device)
     if n == 0:
         return wire, x.clone()
     if not fmt.scaled:
@@ -154,6 +173,17 @@ def quantize(x, fmt, wire=None):
 
 def dequantize(wire, numel, fmt, acc):
     """The values of one shard's wire (`numel` elements), in type `acc`."""
+    kernels = _kernels(fmt, wire, dtype=acc)
+    if kernels and numel:
+        out = torch.empty(numel, dtype=acc)
+        if kernels.decode(wire.data_ptr(), wire.data_ptr() + SCALE_BYTES * fmt.blocks(numel),
+                          numel, fmt.block_size, out.data_ptr()) == fmt.blocks(numel):
+            return out
+    return _dequantize_torch(wire, numel, fmt, acc)
+
+
+def _dequantize_torch(wire, numel, fmt, acc):
+    """`dequantize` in torch operations (see `_quantize_torch`)."""
     if numel == 0:
         return torch.zeros(0, dtype=acc, device=wire.device)
     if not fmt.scaled:
@@ -187,10 +217,36 @@ def reduce_shard(received, size, numel, fmt, acc, average, prescale=1.0, postsca
     concatenated in rank order) summed and requantized. `residual` (this shard's
     range of the second residual, or None) is added before the quantization and
     then holds what it lost. Returns the wire to allgather."""
+    kernels = _kernels(fmt, received, residual, dtype=acc)
+    if (kernels and numel and isinstance(prescale, (int, float))
+            and isinstance(postscale, (int, float))):
+        wire = torch.empty(fmt.shard_bytes(numel), dtype=torch.uint8)
+        head, nb = SCALE_BYTES * fmt.blocks(numel), fmt.blocks(numel)
+        done = kernels.reduce(received.data_ptr(), fmt.shard_bytes(numel), size, numel,
+                              fmt.block_size, float(prescale), prescale != 1, bool(average),
+                              float(postscale), postscale != 1,
+                              None if residual is None else residual.data_ptr(),
+                              wire.data_ptr(), wire.data_ptr() + head)
+        if done == nb:
+            wire[head + numel:].zero_()
+            return wire
+        if done >= 0:                 # blocks from `done` on are not finite: torch's way
+            rest = _reduce_torch(received, size, numel, fmt, acc, average, prescale,
+                                 postscale, residual, done * fmt.block_size)
+            return _splice(wire, rest, fmt, numel, done)
+    return _reduce_torch(received, size, numel, fmt, acc, average, prescale, postscale,
+                         residual)
+
+
+def _reduce_torch(received, size, numel, fmt, acc, average, prescale=1.0, postscale=1.0,
+                  residual=None, start=0):
+    """`reduce_shard` in torch operations, of the elements from `start` on (a block
+    boundary): the wire of those blocks alone."""
     nbytes = fmt.shard_bytes(numel)
     total = None
     for r in range(size):             # rank order: the same result on every rank, every run
-        value = dequantize(received[r * nbytes:(r + 1) * nbytes], numel, fmt, acc)
+        value = _dequantize_torch(received[r * nbytes:(r + 1) * nbytes], numel, fmt,
+                                  acc)[start:]
         if prescale != 1:
             value = value * prescale
         total = value if total is None else total.add_(value)    # value: a new tensor
@@ -199,20 +255,35 @@ def reduce_shard(received, size, numel, fmt, acc, average, prescale=1.0, postsca
     if postscale != 1:
         total.mul_(postscale)
     if residual is not None:
-        total.add_(residual)
-    wire, back = quantize(total, fmt)
+        total.add_(residual[start:])
+    wire, back = _quantize_torch(total, fmt)
     if residual is not None:
-        torch.sub(total, back, out=residual)
+        torch.sub(total, back, out=residual[start:])
+    return wire
+
+
+def _splice(wire, part, fmt, numel, first):
+    """`part`, the wire of a shard's blocks from `first` on, into the shard's `wire`."""
+    nb, start = fmt.blocks(numel), first * fmt.block_size
+    head, part_head = SCALE_BYTES * nb, SCALE_BYTES * (nb - first)
+    wire[SCALE_BYTES * first:head] = part[:part_head]
+    wire[head + start:head + numel] = part[part_head:part_head + numel - start]
+    wire[head + numel:].zero_()
     return wire
 
 
 def decode(gathered, sizes, fmt, out):
     """Every rank's reduced shard (concatenated in rank order) into `out` (1-D)."""
     acc = accumulator(out.dtype)
+    kernels = _kernels(fmt, gathered, out, dtype=acc) if out.dtype == acc else None
     at = pos = 0
     for numel in sizes:
         nbytes = fmt.shard_bytes(numel)
-        out[pos:pos + numel] = dequantize(gathered[at:at + nbytes], numel, fmt, acc)
+        if not (kernels and numel and kernels.decode(
+                gathered.data_ptr() + at, gathered.data_ptr() + at + SCALE_BYTES *
+                fmt.blocks(numel), numel, fmt.block_size,
+                out.data_ptr() + pos * out.element_size()) == fmt.blocks(numel)):
+            out[pos:pos + numel] = dequantize(gathered[at:at + nbytes], numel, fmt, acc)
         at, pos = at + nbytes, pos + numel
     return out
 
@@ -220,7 +291,11 @@ def decode(gathered, sizes, fmt, out):
 def first_stage(flat, sizes, fmt, residual=None):
     """`flat` in the accumulator's type plus `residual`, encoded (see `encode`); the
     residual then holds what the quantization lost."""
-    x = flat.to(accumulator(flat.dtype), copy=True)
+    acc = accumulator(flat.dtype)
+    kernels = _kernels(fmt, residual, dtype=acc) if flat.device.type == "cpu" else None
+    if kernels:
+        return _first_stage_native(kernels, flat.to(acc).contiguous(), sizes, fmt, residual)
+    x = flat.to(acc, copy=True)
     if residual is None:
         send, splits, _ = encode(x, sizes, fmt)
         return send, splits
@@ -236,6 +311,98 @@ def first_stage(flat, sizes, fmt, residual=None):
     return send, splits
 
 
+def _first_stage_native(kernels, x, sizes, fmt, residual):
+    """`first_stage` in one pass per shard (x: flat in the accumulator's type, not
+    changed); a shard's blocks from the first that is not finite on in torch."""
+    splits = [fmt.shard_bytes(s) for s in sizes]
+    send = torch.empty(sum(splits), dtype=torch.uint8)
+    size, item = fmt.block_size, x.element_size()
+    at = pos = 0
+    for numel, nbytes in zip(sizes, splits):
+        nb, wire = fmt.blocks(numel), send[at:at + nbytes]
+        head = SCALE_BYTES * nb
+        done = kernels.encode(x.data_ptr() + pos * item,
+                              None if residual is None else residual.data_ptr() + pos * item,
+                              None, numel, size, wire.data_ptr(), wire.data_ptr() + head)
+        if done == nb:
+            wire[head + numel:].zero_()
+        else:
+            rest = x[pos + done * size:pos + numel]
+            if residual is not None:
+                rest = rest + residual[pos + done * size:pos + numel]
+            part, back = _quantize_torch(rest, fmt)
+            _splice(wire, part, fmt, numel, done)
+            if residual is not None:
+                torch.sub(rest, back, out=residual[pos + done * size:pos + numel])
+        at, pos = at + nbytes, pos + numel
+    return send, splits
+
+
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
+_log = logging.getLogger(__name__)
+_checked = {}
+
+
+class _Kernels:
+    """The C functions for one accumulator type."""
+
+    def __init__(self, lib, suffix):
+        self.encode = getattr(lib, f"phv_encode_{suffix}")
+        self.decode = getattr(lib, f"phv_decode_{suffix}")
+        self.reduce = getattr(lib, f"phv_reduce_{suffix}")
+
+
+def _kernels(fmt, *tensors, dtype=None):
+    """The native kernels (compression/native.py) when they cover this call: int8,
+    float32 or float64 (`dtype`, else the first tensor's), every tensor given a
+    contiguous CPU one; else None and the torch operations run."""
+    dtype = dtype or tensors[0].dtype
+    if fmt.kind != "int8" or dtype not in _SUFFIX:
+        return None
+    for t in tensors:
+        if t is not None and (t.device.type != "cpu" or not t.is_contiguous()
+                              or (t.dtype != torch.uint8 and t.dtype != dtype)):
+            return None
+    lib = native.library()
+    if lib is None:
+        return None
+    if id(lib) not in _checked:
+        _checked[id(lib)] = _self_check(lib)
+    return _checked[id(lib)].get(dtype)
+
+
+def _self_check(lib):
+    """{dtype: _Kernels} for the types whose kernels give torch's bits on a small
+    sample (ties, zeros, -0, a partial block): a safeguard against a compiler that
+    does not keep IEEE semantics. A mismatch is logged and that type runs in torch."""
+    good = {}
+    fmt = WireFormat("int8", 32)
+    for dtype, suffix in _SUFFIX.items():
+        kernels = _Kernels(lib, suffix)
+        x = torch.randn(1000, generator=torch.Generator().manual_seed(0), dtype=dtype)
+        x[:32] = torch.arange(-16, 16, dtype=dtype) / 2 * 127 / 8    # ties of .5
+        x[32:64], x[64], x[65] = 0.0, -0.0, -1e-30
+        wire = torch.empty(fmt.shard_bytes(1000), dtype=torch.uint8)
+        back = torch.empty_like(x)
+        kernels.encode(x.data_ptr(), None, back.data_ptr(), 1000, 32, wire.data_ptr(),
+                       wire.data_ptr() + 4 * fmt.blocks(1000))
+        wire[4 * fmt.blocks(1000) + 1000:].zero_()
+        ref_wire, ref_back = _quantize_torch(x, fmt)
+        if torch.equal(wire, ref_wire) and same_bits(back, ref_back):
+            good[dtype] = kernels
+        else:
+            _log.warning("pipe_horovod: the native int8 codec's %s results differ from torch's "
+                         "on this machine; using the torch implementation", dtype)
+    return good
+
+
+def same_bits(a, b):
+    """Whether two float32/float64 tensors hold the same bits (NaN payloads and -0 too)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(_BITS[a.dtype]), b.contiguous().view(_BITS[b.dtype]))
+
+
 def wire_ratio(fmt, dtype=torch.float32, numel=2 ** 20):
     """Bytes on the wire per byte of `dtype` (for reports)."""
     return fmt.shard_bytes(numel) / (numel * torch.empty((), dtype=dtype).element_size())
@@ -243,3 +410,77 @@ def wire_ratio(fmt, dtype=torch.float32, numel=2 ** 20):
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "FORMATS", "WireFormat", "check_block_size", "check_format", "decode", "dequantize", "encode", "first_stage",
            "own_shard", "quantize", "reduce_shard", "shard_sizes"]
+
+
+# --- chunks: the two stages pipelined (issue 28) ------------------------------------------
+# A large reduction runs as `count` independent two-stage reductions, so that one chunk's
+# alltoall or allgather (the wire) overlaps the next chunk's quantization and the previous
+# one's reduction (the CPU). Chunk c holds the c-th part of every rank's shard (not a
+# contiguous c-th of the tensor): each rank's own part over all chunks is still its whole
+# shard (`own_shard`), so the second residual keeps its layout, and the parts split the
+# shards at multiples of the block size, so every block, scale and rounding is the one the
+# unchunked reduction has: the result is the same bits for any chunk count.
+
+CHUNK_NUMEL = 2 ** 20    # elements per chunk at least (4 MiB of float32); read at each call
+MAX_CHUNKS = 16          # every chunk costs two collectives more (their latency, negotiation)
+
+
+def chunk_count(numel, size, fmt, min_numel=None):
+    """How many chunks a reduction of `numel` elements on `size` ranks runs in: one
+    per `min_numel` (default CHUNK_NUMEL) elements, at most MAX_CHUNKS and at most the
+    smallest shard's blocks; 1 for one rank or a tensor below twice `min_numel`."""
+    min_numel = CHUNK_NUMEL if min_numel is None else min_numel
+    if size < 2 or numel < 2 * min_numel:
+        return 1
+    unit = fmt.block_size if fmt.scaled else DEFAULT_BLOCK_SIZE
+    smallest = -(-shard_sizes(numel, size)[-1] // unit)
+    return max(1, min(MAX_CHUNKS, numel // min_numel, smallest))
+
+
+def chunks(numel, size, fmt, min_numel=None):
+    """The one rule for the chunk boundaries (the engine path and the tests' reference):
+    a list with one entry per chunk, each a list of `size` (start, numel) ranges of the
+    flat tensor, range r being what the set's r-th rank reduces in that chunk. Shard r
+    (`shard_sizes`) is split into `count` consecutive parts of whole blocks (of the
+    format's block size; DEFAULT_BLOCK_SIZE elements for fp16/bf16), larger parts first,
+    the shard's last, partial block in its last part."""
+    count = chunk_count(numel, size, fmt, min_numel)
+    unit = fmt.block_size if fmt.scaled else DEFAULT_BLOCK_SIZE
+    out = [[] for _ in range(count)]
+    start = 0
+    for shard in shard_sizes(numel, size):
+        at = 0
+        for c, blocks in enumerate(shard_sizes(-(-shard // unit), count)):
+            n = max(0, min(blocks * unit, shard - at))
+            out[c].append((start + at, n))
+            at += n
+        start += shard
+    return out
+
+
+def first_stage_chunk(flat, ranges, fmt, residual=None):
+    """Stage 1 of one chunk (`ranges`: one entry of `chunks`): `first_stage` of each range
+    of `flat` (with the first residual's same range, which then holds what was lost),
+    for its rank, in one send buffer. Returns (send bytes, bytes per destination)."""
+    if len(ranges) == 1 or all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:])):
+        start, end = ranges[0][0], ranges[-1][0] + ranges[-1][1]     # one chunk: the shards
+        return first_stage(flat[start:end], [n for _, n in ranges], fmt,
+                           None if residual is None else residual[start:end])
+    sends = [first_stage(flat[a:a + n], [n], fmt, None if residual is None
+                         else residual[a:a + n])[0] for a, n in ranges]
+    return torch.cat(sends), [send.numel() for send in sends]
+
+
+def decode_chunk(gathered, ranges, fmt, out):
+    """Every rank's reduced part of one chunk (concatenated in rank order) into its
+    ranges of `out` (the flat tensor), by `decode`."""
+    at = 0
+    for start, n in ranges:
+        nbytes = fmt.shard_bytes(n)
+        decode(gathered[at:at + nbytes], [n], fmt, out[start:start + n])
+        at += nbytes
+    return out
+
+
+__all__ += ["CHUNK_NUMEL", "MAX_CHUNKS", "chunk_count", "chunks", "decode_chunk",
+            "first_stage_chunk"]
