@@ -163,3 +163,69 @@ def test_a_lone_rank_quantizes_nothing(local):
     want = t.clone()
     out = phvd.synchronize(quantized.allreduce_async(t, "solo", fmt=WireFormat("int8")))
     assert out is t and torch.equal(t, want)
+
+
+# --- chunks (the stages pipelined) --------------------------------------------------
+@pytest.mark.parametrize("numel, p, fmt, min_numel, count", [
+    (1000, 2, WireFormat("int8"), None, 1),              # small: one chunk, the shards
+    (4099, 3, WireFormat("int8"), 200, 6),               # smallest shard: 6 blocks
+    (4099, 2, WireFormat("int8", 16), 200, 16),          # capped at MAX_CHUNKS
+    (5000, 4, WireFormat("bfloat16"), 1200, 4),          # unscaled: 256-element units
+    (2 ** 21 + 5, 3, WireFormat("int8"), None, 2),       # the default rule
+    (7, 8, WireFormat("int8"), 1, 1)])                   # shards of 0 and 1 elements
+def test_chunks_split_every_shard_in_whole_blocks(numel, p, fmt, min_numel, count):
+    chunks = two_stage.chunks(numel, p, fmt, min_numel)
+    assert len(chunks) == count == two_stage.chunk_count(numel, p, fmt, min_numel)
+    unit = fmt.block_size or 256
+    for r, size in enumerate(two_stage.shard_sizes(numel, p)):
+        start = two_stage.own_shard(numel, p, r)[0]
+        at = start
+        for ranges in chunks:                    # rank r's parts: its shard, in order
+            a, n = ranges[r]
+            assert a == at and (n > 0 or count == 1)
+            assert (a - start) % unit == 0       # blocks as in one chunk
+            at += n
+        assert at == start + size
+    if count == 1:
+        assert [n for _, n in chunks[0]] == two_stage.shard_sizes(numel, p)
+
+
+@pytest.mark.parametrize("kind, dtype", [("int8", torch.float32), ("int8", torch.float64),
+                                         ("float16", torch.float32),
+                                         ("float8_e4m3fn", torch.float32)])
+def test_chunks_change_no_bit_of_the_result_or_the_residuals(kind, dtype):
+    """The whole reduction in one process on the engine path's functions, in chunks and in
+    one: the same result and residuals, bit for bit (blocks never straddle a chunk)."""
+    if not hasattr(torch, kind):
+        pytest.skip(f"torch {torch.__version__} has no {kind}")
+    fmt, p, n = WireFormat(kind, 64) if kind != "float16" else WireFormat(kind), 3, 5003
+    acc = two_stage.accumulator(dtype)
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(n, generator=g, dtype=dtype) * (r + 1) for r in range(p)]
+
+    def run(min_numel):
+        out = torch.empty(n, dtype=dtype)
+        first = [torch.randn(n, generator=torch.Generator().manual_seed(r), dtype=acc) / 50
+                 for r in range(p)]
+        second = [torch.full((two_stage.own_shard(n, p, r)[1],), 0.01, dtype=acc)
+                  for r in range(p)]
+        chunks = two_stage.chunks(n, p, fmt, min_numel)
+        for ranges in chunks:
+            sends = [two_stage.first_stage_chunk(xs[r], ranges, fmt, first[r])
+                     for r in range(p)]
+            reduced = []
+            for s, (a, m) in enumerate(ranges):  # rank s: everyone's part s, in rank order
+                received = torch.cat([send[sum(splits[:s]):sum(splits[:s + 1])]
+                                      for send, splits in sends])
+                low = a - two_stage.own_shard(n, p, s)[0]
+                reduced.append(two_stage.reduce_shard(received, p, m, fmt, acc, True,
+                                                      residual=second[s][low:low + m]))
+            two_stage.decode_chunk(torch.cat(reduced), ranges, fmt, out)
+        return len(chunks), out, first, second
+
+    one, *whole = run(None)
+    many, *chunked = run(300)
+    assert one == 1 and many > 2
+    for a, b in zip(whole, chunked):
+        for x, y in zip([a] if torch.is_tensor(a) else a, [b] if torch.is_tensor(b) else b):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))

@@ -1,19 +1,25 @@
 """The two-stage quantized allreduce on the engine's own alltoall and allgather.
 
 The math is compression/two_stage.py's (pure functions, also the tests'
-oracle); this chains it on the running engine: stage 1 on the caller's
-thread, the alltoall, stage 2 and the allgather on the engine's pool of
-two-stage threads (Engine.two_stage_async: why a pool thread, and why it
-cannot deadlock), the decode on `wait`. One handle, the engine's: poll,
-wait, names, the timeline and shutdown's completion apply as to its own
-collectives. The optimizer's buckets use it for a codec with a wire format
-and no `collective=` (pipeline/step_machine.py).
+oracle); this chains it on the running engine, in chunks (`two_stage.chunks`:
+one per CHUNK_NUMEL elements, at most MAX_CHUNKS; a small tensor is one), each
+an independent two-stage reduction: stage 1 of chunk i on the caller's thread,
+whose alltoall starts before chunk i+1 is quantized; stage 2 and the allgather
+on one of the engine's pool of two-stage threads (Engine.two_stage_async: why a
+pool thread, and why it cannot deadlock), reducing chunk i while chunk i+1 is
+on the wire; the decode of each chunk on that thread once its allgather
+landed, or on `wait`. So the CPU's stages overlap the transfers, and the result
+is the same bits as in one chunk. One handle, the engine's: poll, wait, names,
+the timeline and shutdown's completion apply as to its own collectives. The
+optimizer's buckets use it for a codec with a wire format and no `collective=`
+(pipeline/step_machine.py).
 """
 import functools
 
 from .. import engine as _engine
 from ..compression import accumulator
-from ..compression.two_stage import decode, first_stage, own_shard, reduce_shard, shard_sizes
+from ..compression.two_stage import (chunks, decode_chunk, first_stage_chunk, own_shard,
+                                     reduce_shard)
 from ..engine.argument_checks import check_op, check_scale, check_tensor
 from ..engine.base import Average, Done, EngineError, Sum
 
@@ -66,20 +72,27 @@ def allreduce_async(tensor, name=None, op=None, *, fmt, residuals=None, process_
             flat.copy_(flat.to(acc) * factor)
         return eng.adopt_async("allreduce", tensor, name, op, lambda _: Done(tensor),
                                process_set=process_set)
-    sizes = shard_sizes(flat.numel(), size)
     first, second = (None, None) if residuals is None else residuals
-    send, splits = first_stage(flat, sizes, fmt, first)
-    reduce = functools.partial(
-        _second_stage, name=name, size=size, numel=sizes[me], fmt=fmt, acc=acc,
-        average=op is Average, prescale=prescale_factor, postscale=postscale_factor,
-        residual=second)
+    own_start = own_shard(flat.numel(), size, me)[0]
+    average = op is Average
 
-    def finish(gathered):
-        decode(gathered, sizes, fmt, flat)
-        return tensor
+    def chunk(ranges):
+        start, numel = ranges[me]             # this rank's part: a range of its shard
+        reduce = functools.partial(
+            _second_stage, name=name, size=size, numel=numel, fmt=fmt, acc=acc,
+            average=average, prescale=prescale_factor, postscale=postscale_factor,
+            residual=None if second is None else second[start - own_start:
+                                                        start - own_start + numel])
 
-    return eng.two_stage_async("allreduce", tensor, name, op, send, splits, reduce, finish,
-                               process_set=process_set)
+        def first_stage():
+            send, splits = first_stage_chunk(flat, ranges, fmt, first)
+            return send, splits, reduce, lambda gathered: decode_chunk(gathered, ranges, fmt,
+                                                                       flat)
+        return first_stage
+
+    return eng.two_stage_async("allreduce", tensor, name, op,
+                               [chunk(ranges) for ranges in chunks(flat.numel(), size, fmt)],
+                               lambda: tensor, process_set=process_set)
 
 
 def allreduce(tensor, name=None, op=None, **options):

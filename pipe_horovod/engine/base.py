@@ -12,6 +12,7 @@ import collections
 import concurrent.futures
 import itertools
 import math
+import queue
 import threading
 import time
 
@@ -38,11 +39,15 @@ TWO_STAGE_THREADS = 64
 
 
 class TwoStage(Work):
-    """An alltoall whose result a pool thread reduces and allgathers (Engine.two_stage_async)."""
+    """A reduction in chunks of an alltoall, then an allgather (Engine.two_stage_async):
+    the pool thread's future, and the allgathers it started that no chunk's `finish`
+    has taken yet, in chunk order. Only the pool thread touches `pending` until its
+    future is done (`poll` looks at it only then)."""
 
-    def __init__(self, future, finish):
-        self.future = future        # -> the allgather's Work
-        self.finish = finish        # finish(gathered) -> the operation's result
+    def __init__(self, result):
+        self.future = None          # set once the first chunk's alltoall started
+        self.pending = collections.deque()    # (allgather's Work, finish) by chunk
+        self.result = result        # result() -> the operation's result, once all finished
 
     def poll(self):
         future = self.future
@@ -50,10 +55,20 @@ class TwoStage(Work):
             return False
         if future.exception() is not None:
             return True             # wait raises at once
-        return future.result().poll()
+        return all(work.poll() for work, _ in self.pending)
+
+    def finish_ready(self):
+        """Pool thread: hand the allgathers already complete to their `finish`, in order."""
+        while self.pending and self.pending[0][0].poll():
+            work, finish = self.pending.popleft()
+            finish(work.wait())
 
     def wait(self):
-        return self.finish(self.future.result().wait())   # re-raises the pool thread's error
+        self.future.result()        # re-raises the pool thread's error
+        while self.pending:
+            work, finish = self.pending.popleft()
+            finish(work.wait())
+        return self.result()
 
 
 class Handle:
@@ -385,39 +400,66 @@ class Engine:
         name = self._claim(kind, name, ps)
         return self._track(kind, name, tensor, op, start(ps), started)
 
-    def two_stage_async(self, kind, tensor, name, op, send, splits, reduce, finish, *,
-                        process_set=None):
-        """A reduction in two collectives, tracked as one operation under `name`.
+    def two_stage_async(self, kind, tensor, name, op, chunks, result, *, process_set=None):
+        """A reduction in chunks of two collectives each, tracked as one operation
+        under `name`.
 
-        `<name>.a2a`: alltoall of `send` (splits[i] rows to the set's i-th rank); a pool
-        thread then calls `reduce(received, counts)` and allgathers what it returns under
-        `<name>.ag`; `wait` returns `finish(gathered)`. The quantized allreduce
-        (collectives/quantized.py) and Horovod's bfloat16 path run on it.
+        `chunks`: a sequence of callables, called in order on the caller's thread (before
+        this returns); chunk i's call returns (send, splits, reduce, finish), and its
+        alltoall of `send` (splits[j] rows to the set's j-th rank) starts at once, before
+        the next chunk's call, so that the next chunk's first stage overlaps this one's
+        transfer. One pool thread per operation then, chunk by chunk, waits for the
+        alltoall, calls `reduce(received, counts)` and starts the allgather of what it
+        returns, handing allgathers already complete to `finish(gathered)`; `wait` hands
+        it the rest, in chunk order, and returns `result()`. Names: `<name>.a2a` and
+        `<name>.ag` for chunk 0, `<name>.a2a.<i>` and `<name>.ag.<i>` for chunk i > 0;
+        none may be in flight as another tensor's name. Every rank must pass the same
+        number of chunks. The quantized allreduce (collectives/quantized.py, in chunks:
+        compression/two_stage.py's `chunks`) and Horovod's bfloat16 path (one chunk) run
+        on it.
 
         Why a pool thread: the second collective needs the first one's result, and
         the optimizer starts reductions during backward and waits for them later,
-        so the alltoall is started on the caller's thread and the rest runs on a
+        so the alltoalls are started on the caller's thread and the rest runs on a
         pool thread. A pool thread blocks only on an alltoall, which completes once
-        every rank has *started* that reduction, never on another rank's pool; so
-        while fewer than TWO_STAGE_THREADS reductions wait at once for other ranks
-        to start them, any start order that works with the library's own allreduce
-        works here (a single worker thread would not: it would hold one reduction's
-        allgather behind another's alltoall, which can wait on a rank that is itself
-        waiting for that allgather). The names `<name>.a2a` and `<name>.ag` must not
-        be in flight as other tensors' names.
+        every rank has *started* that reduction, never on another rank's pool (nor on
+        an allgather: those it only polls); so while fewer than TWO_STAGE_THREADS
+        reductions wait at once for other ranks to start them, any start order that
+        works with the library's own allreduce works here (a single worker thread would
+        not: it would hold one reduction's allgather behind another's alltoall, which
+        can wait on a rank that is itself waiting for that allgather). Collectives of
+        one operation start from two threads in an order that may differ across ranks;
+        both engines match them by name (Horovod's coordinator, the torch engine's
+        negotiation), not by call order.
         """
         if name is None:             # the automatic name, which adopt_async then claims
             name = self._claim(kind, None, self.resolve_process_set(process_set))
 
         def start(ps):
-            return self._start_two_stage(send, splits, name, ps, reduce, finish)
+            return self._start_two_stage(chunks, name, ps, result)
 
         return self.adopt_async(kind, tensor, name, op, start, process_set=process_set)
 
-    def _start_two_stage(self, send, splits, name, ps, reduce, finish):
+    @staticmethod
+    def _chunk_name(name, what, index):
+        return f"{name}.{what}" if index == 0 else f"{name}.{what}.{index}"
+
+    def _start_two_stage(self, chunks, name, ps, result):
         """two_stage_async's backend state (a TwoStage Work), for engines' own hooks."""
-        a2a = self._start_alltoall(send, splits, f"{name}.a2a", ps)
-        return TwoStage(self._submit(self._second_stage, a2a, name, ps, reduce), finish)
+        work = TwoStage(result)
+        started = queue.SimpleQueue()         # the caller's alltoalls, to the pool thread
+        try:
+            for index, first_stage in enumerate(chunks):
+                send, splits, reduce, finish = first_stage()
+                a2a = self._start_alltoall(send, splits, self._chunk_name(name, "a2a", index),
+                                           ps)
+                started.put((a2a, reduce, finish))
+                if work.future is None:
+                    work.future = self._submit(self._second_stage, started, len(chunks),
+                                               name, ps, work)
+        finally:
+            started.put(None)                 # after the last chunk: nothing more comes
+        return work
 
     def _submit(self, fn, *args):
         """Run `fn(*args)` on the engine's pool of two-stage threads; its Future."""
@@ -426,17 +468,28 @@ class Engine:
                 max_workers=TWO_STAGE_THREADS, thread_name_prefix="pipe_horovod-two-stage")
         return self._pool.submit(fn, *args)
 
-    def _second_stage(self, a2a, name, ps, reduce):
-        """Pool thread: finish the alltoall, reduce, start the allgather (its Work)."""
-        # Not `_closed`: shutdown first completes what is in flight, these included.
-        if not wait_until(lambda: self._releasing or a2a.poll(),
-                          time.monotonic() + self.timeout_s):
-            raise WaitTimeoutError(f"alltoall {name + '.a2a'!r} did not complete within "
-                                   f"{self.timeout_s:g} s: a rank has not started it")
-        if self._releasing and not a2a.poll():
-            raise EngineError(f"the engine shut down while {name!r} waited for its alltoall")
-        received, counts = a2a.wait()
-        return self._start_allgather(reduce(received, counts.tolist()), f"{name}.ag", ps)
+    def _second_stage(self, started, count, name, ps, work):
+        """Pool thread: chunk by chunk, finish the alltoall, reduce, start the allgather."""
+        for index in range(count):
+            item = started.get()              # the caller is computing it: no remote wait
+            if item is None:
+                raise EngineError(f"{name!r}: the first stage of chunk {index} of {count} "
+                                  "failed on this rank (the caller got its error)")
+            a2a, reduce, finish = item
+            a2a_name = self._chunk_name(name, "a2a", index)
+            # Not `_closed`: shutdown first completes what is in flight, these included.
+            if not wait_until(lambda: self._releasing or a2a.poll(),
+                              time.monotonic() + self.timeout_s):
+                raise WaitTimeoutError(f"alltoall {a2a_name!r} did not complete within "
+                                       f"{self.timeout_s:g} s: a rank has not started it")
+            if self._releasing and not a2a.poll():
+                raise EngineError(f"the engine shut down while {name!r} waited for its "
+                                  "alltoall")
+            received, counts = a2a.wait()
+            gathered = self._start_allgather(reduce(received, counts.tolist()),
+                                             self._chunk_name(name, "ag", index), ps)
+            work.pending.append((gathered, finish))
+            work.finish_ready()               # while the next chunk is on the wire
 
     def _known(self, handle):
         if not isinstance(handle, Handle) or self._in_flight.get(handle.id) is not handle:

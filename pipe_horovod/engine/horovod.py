@@ -263,9 +263,9 @@ class HorovodEngine(Engine):
 
         def finish(gathered):
             wire.copy_(gathered)
-            return tensor
 
-        return self._start_two_stage(wire, splits, name, process_set, reduce, finish)
+        return self._start_two_stage([lambda: (wire, splits, reduce, finish)], name,
+                                     process_set, lambda: tensor)    # one chunk
 
     def _reduce_shard(self, received, counts, shard, size, dtype, op, name, prescale_factor,
                       postscale_factor):

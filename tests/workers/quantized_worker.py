@@ -2,7 +2,7 @@
 engine's own collectives against a single-process reference, bit for bit.
 
 The reference below (`reference_two_stage`) runs every rank's part of the same math in
-one process, without communication: the same chunking (shard_sizes), the same
+one process, without communication: the same chunks (two_stage.chunks) and shards, the same
 quantize/dequantize of each shard, the sum in rank order in the accumulator's type,
 and both residuals per rank. It is exact by construction, so every comparison is
 `torch.equal` (no tolerance): outputs on every rank and every rank's residuals.
@@ -27,8 +27,7 @@ import pipe_horovod.torch as phvd  # noqa: E402
 from pipe_horovod import engine  # noqa: E402
 from pipe_horovod.collectives import quantized  # noqa: E402
 from pipe_horovod.compression import Compression, accumulator, two_stage  # noqa: E402
-from pipe_horovod.compression.two_stage import (WireFormat, dequantize, quantize,  # noqa: E402
-                                                shard_sizes)
+from pipe_horovod.compression.two_stage import WireFormat, dequantize, quantize  # noqa: E402
 from pipe_horovod.pipeline import step_machine  # noqa: E402
 from tolerance import THREADS  # noqa: E402
 
@@ -39,41 +38,41 @@ failures = []
 def reference_two_stage(xs, fmt, average=True, prescale=1.0, postscale=1.0, first=None,
                         second=None):
     """Every rank's result (the same on all) of the two-stage reduction of `xs` (one flat
-    tensor per rank); `first`/`second`: per-rank residuals, updated in place."""
+    tensor per rank); `first`/`second`: per-rank residuals, updated in place (`second[s]`
+    of the tensor's size, rank s's own shard in its range). Chunk by chunk, as the
+    engine path runs (two_stage.chunks: range s of a chunk is reduced by rank s)."""
     p, n, dtype = len(xs), xs[0].numel(), xs[0].dtype
     acc = accumulator(dtype)
     if p == 1:
         factor = prescale * postscale
         return xs[0].clone() if factor == 1 else (xs[0].to(acc) * factor).to(dtype)
-    sizes = shard_sizes(n, p)
-    starts = [sum(sizes[:s]) for s in range(p)]
-    sent = []                                   # sent[r][s]: rank r's shard s, as decoded
-    for r in range(p):
-        v = xs[r].to(acc)
-        if first is not None:
-            v = v + first[r]
-        parts = [dequantize(quantize(v[a:a + m].clone(), fmt)[0], m, fmt, acc)
-                 for a, m in zip(starts, sizes)]
-        sent.append(parts)
-        if first is not None:
-            first[r].copy_(v - torch.cat(parts))
-    out = []
-    for s in range(p):
-        total = None
+    vs = [xs[r].to(acc) + (first[r] if first is not None else 0) for r in range(p)]
+    out = torch.empty(n, dtype=acc)
+    for ranges in two_stage.chunks(n, p, fmt):
+        sent = []                               # sent[r][s]: rank r's range s, as decoded
         for r in range(p):
-            value = sent[r][s] * prescale if prescale != 1 else sent[r][s]
-            total = value.clone() if total is None else total + value
-        if average:
-            total = total / p
-        if postscale != 1:
-            total = total * postscale
-        if second is not None:
-            total = total + second[s][starts[s]:starts[s] + sizes[s]]
-        back = dequantize(quantize(total.clone(), fmt)[0], sizes[s], fmt, acc)
-        if second is not None:
-            second[s][starts[s]:starts[s] + sizes[s]] = total - back
-        out.append(back)
-    return torch.cat(out).to(dtype)
+            parts = [dequantize(quantize(vs[r][a:a + m].clone(), fmt)[0], m, fmt, acc)
+                     for a, m in ranges]
+            sent.append(parts)
+            if first is not None:
+                for (a, m), part in zip(ranges, parts):
+                    first[r][a:a + m] = vs[r][a:a + m] - part
+        for s, (a, m) in enumerate(ranges):
+            total = None
+            for r in range(p):
+                value = sent[r][s] * prescale if prescale != 1 else sent[r][s]
+                total = value.clone() if total is None else total + value
+            if average:
+                total = total / p
+            if postscale != 1:
+                total = total * postscale
+            if second is not None:
+                total = total + second[s][a:a + m]
+            back = dequantize(quantize(total.clone(), fmt)[0], m, fmt, acc)
+            if second is not None:
+                second[s][a:a + m] = total - back
+            out[a:a + m] = back
+    return out.to(dtype)
 
 
 def inputs(p, numel, dtype, seed):
@@ -399,6 +398,11 @@ def main():
     os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # Horovod: add_process_set after init
     eng = phvd.init(engine_name)
     r, p = eng.rank(), eng.size()
+    # Chunks from 400 elements on (by default from 2 Mi): the sizes below then run in 1 to
+    # 16 chunks, with every format, the residuals, and training and the resume (a bucket
+    # in 2 chunks at 2 ranks); the engine path and the reference read the same rule
+    # (two_stage.chunks) at each call.
+    two_stage.CHUNK_NUMEL = 200
     step_machine.StepMachine._launch = _logged_launch(step_machine.StepMachine._launch)
     allreduce_cases(r, p)
     if p >= 3:
