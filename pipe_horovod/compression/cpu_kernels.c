@@ -11,7 +11,8 @@
  *
  * Every operation is one IEEE operation in the same type and order as torch's, so
  * the build must keep IEEE semantics (native.py: -fno-fast-math -ffp-contract=off, no
- * FMA contraction, no -march=native). The rounding is the classic
+ * FMA contraction, no -march=native; -fno-trapping-math only lets the clamps be
+ * vectorized as selects, as no FP trap is ever enabled). The rounding is the classic
  * (q + 1.5 * 2^23) - 1.5 * 2^23, exact round-half-even for |q| <= 127 in the default
  * rounding mode and vectorizable on plain SSE2 (nearbyintf is not), with the sign
  * put back so that -0.3 gives -0 as torch.round does.
