@@ -239,6 +239,38 @@ def test_run_restores_on_internal_error_and_keeps_state_on_host_update(local):
     assert events == [("reset", 3), ("reset", 4)]
 
 
+def test_a_reset_chooses_an_automatic_bucket_cap_again(local, monkeypatch):
+    """bucket_cap_mb=None depends on the world size: after a reset to another size the
+    optimizer's handler (TorchState.on_reset -> rebind_engine) chooses it again and plans
+    the buckets with it; an explicit cap stays as set."""
+    from pipe_horovod import engine
+    from pipe_horovod.pipeline.buckets import bucket_cap_bytes, resolve_bucket_cap_mb
+
+    model, opt = _setup()                                   # bucket_cap_mb=None
+    other = torch.nn.Linear(3, 2)
+    explicit = phvd.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1),
+                                         named_parameters=other.named_parameters(),
+                                         bucket_cap_mb=3)
+    state = phvd.elastic.TorchState(model=model, optimizer=opt)
+    _step(model, opt, 0)
+
+    def cap(size):
+        return int(bucket_cap_bytes(resolve_bucket_cap_mb(None, world_size=size)))
+    assert int(opt._machine.cap_bytes) == cap(1) != cap(64)
+    monkeypatch.setattr(engine.current(), "size", lambda: 64)   # the world after a resize
+    state.on_reset()
+    explicit.rebind_engine()
+    assert int(opt._machine.cap_bytes) == cap(64)
+    assert explicit._machine.cap_bytes == 3 * 2**20
+    assert sorted(n for b in opt._machine.buckets for n in b.names) == sorted(
+        n for n, _ in model.named_parameters())
+    monkeypatch.undo()                                      # and back: training goes on
+    state.on_reset()
+    assert int(opt._machine.cap_bytes) == cap(1)
+    _step(model, opt, 1)
+    opt.flush()
+
+
 # --- ElasticSampler -------------------------------------------------------------
 def _as_rank(monkeypatch, rank, size):
     monkeypatch.setattr(sampler_module, "mpi_ops",
