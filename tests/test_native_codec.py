@@ -1,4 +1,4 @@
-"""The C kernels of the two-stage int8 reduction (compression/native.py,
+"""The C kernels of the two-stage int8 and float8 reduction (compression/native.py,
 cpu_kernels.c) against its torch operations, bit for bit.
 
 The oracle of tests/test_quantized_allreduce.py calls the same quantize/dequantize
@@ -68,14 +68,17 @@ def _same(a, b):
 
 
 DTYPES = [torch.float32, torch.float64]
+KINDS = ["int8"] + [k for k in two_stage.FLOAT8 if hasattr(torch, k)]
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", [16, 64, 256, 1000])
 @pytest.mark.parametrize("n", [1, 15, 256, 1001, 4099])
 @pytest.mark.parametrize("special", [None, "nan", "inf", "-inf", "big"])
-def test_quantize_and_dequantize_give_torchs_bits(monkeypatch, dtype, block, n, special):
-    fmt = WireFormat("int8", block)
+def test_quantize_and_dequantize_give_torchs_bits(monkeypatch, kind, dtype, block, n,
+                                                  special):
+    fmt = WireFormat(kind, block)
     x = _data(n, dtype, n + block, special)
     ref, got = _both(monkeypatch, lambda: two_stage.quantize(x, fmt))
     assert _same(ref[0], got[0]) and _same(ref[1].contiguous(), got[1])
@@ -83,14 +86,16 @@ def test_quantize_and_dequantize_give_torchs_bits(monkeypatch, dtype, block, n, 
     assert _same(ref, got)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("block, n", [(16, 1000), (64, 4099), (256, 777), (256, 5)])
 @pytest.mark.parametrize("special", [None, "nan", "inf"])
-def test_the_whole_reduction_gives_torchs_bits(monkeypatch, dtype, size, block, n, special):
+def test_the_whole_reduction_gives_torchs_bits(monkeypatch, kind, dtype, size, block, n,
+                                               special):
     """first_stage on every rank, reduce_shard of every shard (prescale, average,
     postscale, both residuals), decode: the bytes sent and every result the same."""
-    fmt, acc = WireFormat("int8", block), dtype
+    fmt, acc = WireFormat(kind, block), dtype
     sizes = two_stage.shard_sizes(n, size)
     xs = [_data(n, dtype, 10 * r + size, special if r == 1 else None) for r in range(size)]
     firsts = [(_data(n, dtype, 99 + r) * 1e-3) for r in range(size)]
@@ -171,6 +176,9 @@ def test_a_fresh_cache_compiles_once_and_the_switch_turns_it_off(monkeypatch, tm
 def test_cuda_and_other_formats_keep_the_torch_form():
     x = torch.zeros(10)
     assert two_stage._kernels(WireFormat("float16"), x) is None
+    assert two_stage._kernels(WireFormat("bfloat16"), x) is None
     assert two_stage._kernels(WireFormat("int8"), x.half()) is None
     assert two_stage._kernels(WireFormat("int8"), torch.zeros(10, 2).t()) is None
-    assert two_stage._kernels(WireFormat("int8"), x) is not None
+    for kind in KINDS:                            # so the comparisons above test the kernels
+        for dtype in DTYPES:
+            assert two_stage._kernels(WireFormat(kind), x.to(dtype)) is not None

@@ -1,13 +1,15 @@
-/* One fused pass per stage of the two-stage int8 reduction on CPU tensors.
+/* One fused pass per stage of the two-stage int8 / fp8 reduction on CPU tensors.
  *
  * compression/two_stage.py holds the math as torch operations, each one pass over
  * memory (about 2.3 ns per gradient byte in all on one core, where the 1 Gbit wire
  * needs about 2 ns per byte for the int8 bytes). These loops do the same operations
  * block by block, each block in L1, and must give the same bits:
  *
- *   scale = amax / 127 (in the accumulator's type, then float32), divisor = scale
- *   where scale > 0 else 1, q = v / divisor clamped to +-127 and rounded half to
- *   even, decoded = q * scale.
+ *   scale = amax / qmax (in the accumulator's type, then float32), divisor = scale
+ *   where scale > 0 else 1, q = v / divisor clamped to +-qmax, then for int8
+ *   (kind 0, qmax 127) rounded half to even, for float8 (kind 1 e4m3fn, 2 e5m2)
+ *   cast to float32 and to the 8-bit type with c10's own conversion (ported below)
+ *   and read back through torch's table of the 256 values; decoded = q * scale.
  *
  * Every operation is one IEEE operation in the same type and order as torch's, so
  * the build must keep IEEE semantics (native.py: -fno-fast-math -ffp-contract=off, no
@@ -29,7 +31,7 @@
 #include <string.h>
 #include <math.h>
 
-#define ABI_VERSION 1
+#define ABI_VERSION 2
 
 int phv_abi_version(void) { return ABI_VERSION; }
 
@@ -51,13 +53,59 @@ static inline double round_even_f64(double q)
 #define ABS_BITS_f32(v, out) do { uint32_t u_; memcpy(&u_, &(v), 4); (out) = u_ & 0x7fffffffu; } while (0)
 #define ABS_BITS_f64(v, out) do { uint64_t u_; memcpy(&u_, &(v), 8); (out) = u_ & 0x7fffffffffffffffull; } while (0)
 
+/* c10's fp32 -> float8 conversions (torch/headeronly/util/Float8_e4m3fn.h and
+   Float8_e5m2.h), for finite inputs within the format's range (the callers clamp). */
+static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float f32_from(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline uint8_t fp8e4m3fn_from_f32(float f)
+{
+    uint32_t bits = f32_bits(f), sign = bits & 0x80000000u, result;
+    bits ^= sign;
+    if (bits >= (1087u << 20)) {
+        result = bits > 0x7f800000u ? 0x7f : 0x7e;
+    } else if (bits < (121u << 23)) {
+        bits = f32_bits(f32_from(bits) + f32_from(141u << 23));
+        result = (uint8_t)(bits - (141u << 23));
+    } else {
+        uint32_t odd = (bits >> 20) & 1;
+        bits += ((uint32_t)(7 - 127) << 23) + 0x7ffff;
+        bits += odd;
+        result = (uint8_t)(bits >> 20);
+        if (result == 0x7f) result = 0x7e;
+    }
+    return (uint8_t)(result | (sign >> 24));
+}
+
+static inline uint8_t fp8e5m2_from_f32(float f)
+{
+    uint32_t bits = f32_bits(f), sign = bits & 0x80000000u, result;
+    bits ^= sign;
+    if (bits >= (143u << 23)) {
+        result = bits > 0x7f800000u ? 0x7f : 0x7c;
+    } else if (bits < (113u << 23)) {
+        bits = f32_bits(f32_from(bits) + f32_from(134u << 23));
+        result = (uint8_t)(bits - (134u << 23));
+    } else {
+        uint32_t odd = (bits >> 21) & 1;
+        bits += ((uint32_t)(15 - 127) << 23) + 0xfffff;
+        bits += odd;
+        result = (uint8_t)(bits >> 21);
+    }
+    return (uint8_t)(result | (sign >> 24));
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
 /* T: element type; UT: its bits; S: suffix; INF: bits of +inf. */
 #define DEFINE_KERNELS(T, UT, S, INF)                                                   \
                                                                                         \
-/* One block: v = x (+ add); writes the scale, the int8 values and, where asked,     \
-   back = decoded and res = v - decoded (res may alias add). 0: done; 1: not finite. */ \
-static inline int block_##S(const T *x, const T *add, T *res, T *back, int64_t m,      \
-                            float *scale_out, int8_t *vals)                            \
+/* One block: v = x (+ add); writes the scale, the 8-bit values and, where asked,    \
+   back = decoded and res = v - decoded (res may alias add). 0: done; 1: not finite. \
+   Always inlined with constant kind and NULLs, so each loop has no tests left. */      \
+INLINE int block_##S(const T *x, const T *add, T *res, T *back, int64_t m,             \
+                     float *scale_out, int8_t *vals, int kind, T qmax,                  \
+                     const float *table)                                                \
 {                                                                                       \
     UT mx = 0;                                                                          \
     if (add) {                                                                          \
@@ -71,7 +119,7 @@ static inline int block_##S(const T *x, const T *add, T *res, T *back, int64_t m
     }                                                                                   \
     if (mx >= (UT)(INF)) return 1;                                                      \
     T amax; memcpy(&amax, &mx, sizeof(T));                                              \
-    float scale = (float)(amax / (T)127);                                               \
+    float scale = (float)(amax / qmax);                                                 \
     if (!isfinite(scale)) return 1;                                                     \
     T sc = (T)scale;                                                                    \
     T div = scale > 0.0f ? sc : (T)1;                                                   \
@@ -79,10 +127,18 @@ static inline int block_##S(const T *x, const T *add, T *res, T *back, int64_t m
     for (int64_t i = 0; i < m; i++) {                                                   \
         T v = add ? x[i] + add[i] : x[i];                                               \
         T q = v / div;                                                                  \
-        q = q < (T)-127 ? (T)-127 : q;                                                  \
-        q = q > (T)127 ? (T)127 : q;                                                    \
-        T r = round_even_##S(q);                                                        \
-        vals[i] = (int8_t)r;                                                            \
+        q = q < -qmax ? -qmax : q;                                                      \
+        q = q > qmax ? qmax : q;                                                        \
+        T r;                                                                            \
+        if (kind == 0) {                                                                \
+            r = round_even_##S(q);                                                      \
+            vals[i] = (int8_t)r;                                                        \
+        } else {                                                                        \
+            uint8_t b = kind == 1 ? fp8e4m3fn_from_f32((float)q)                        \
+                                  : fp8e5m2_from_f32((float)q);                         \
+            ((uint8_t *)vals)[i] = b;                                                   \
+            r = (T)table[b];                                                            \
+        }                                                                               \
         T d = r * sc;                                                                   \
         if (back) back[i] = d;                                                          \
         if (res) res[i] = v - d;                                                        \
@@ -90,44 +146,69 @@ static inline int block_##S(const T *x, const T *add, T *res, T *back, int64_t m
     return 0;                                                                           \
 }                                                                                       \
                                                                                         \
-/* Specialized copies, so that each inner loop has no tests left in it. */             \
-static int block_plain_##S(const T *x, int64_t m, float *s, int8_t *q, T *back)       \
-{ return block_##S(x, NULL, NULL, back, m, s, q); }                                     \
-static int block_quiet_##S(const T *x, int64_t m, float *s, int8_t *q)                 \
-{ return block_##S(x, NULL, NULL, NULL, m, s, q); }                                     \
-static int block_res_##S(const T *x, T *res, int64_t m, float *s, int8_t *q)           \
-{ return block_##S(x, NULL, res, NULL, m, s, q); }                                      \
-static int block_feed_##S(const T *x, T *res, int64_t m, float *s, int8_t *q)          \
-{ return block_##S(x, res, res, NULL, m, s, q); }                                       \
-                                                                                        \
-/* quantize: x (+ res, then res = what was lost) into scales and values; back      \
-   (decoded) where not NULL. With res, back must be NULL. */                            \
-int64_t phv_encode_##S(const T *x, T *res, T *back, int64_t n, int64_t bs,             \
-                       float *scales, int8_t *vals)                                     \
+INLINE int64_t encode_##S(const T *x, T *res, T *back, int64_t n, int64_t bs,          \
+                          float *scales, int8_t *vals, int kind, T qmax,                \
+                          const float *table)                                           \
 {                                                                                       \
     int64_t nb = (n + bs - 1) / bs;                                                     \
     for (int64_t b = 0; b < nb; b++) {                                                  \
         int64_t lo = b * bs, m = n - lo < bs ? n - lo : bs;                             \
-        int bad = res ? block_feed_##S(x + lo, res + lo, m, scales + b, vals + lo)      \
-                : back ? block_plain_##S(x + lo, m, scales + b, vals + lo, back + lo)   \
-                : block_quiet_##S(x + lo, m, scales + b, vals + lo);                    \
-        if (bad) return b;                                                              \
+        if (block_##S(x + lo, res ? res + lo : NULL, res ? res + lo : NULL,             \
+                      back ? back + lo : NULL, m, scales + b, vals + lo, kind, qmax,    \
+                      table))                                                           \
+            return b;                                                                   \
     }                                                                                   \
     return nb;                                                                          \
 }                                                                                       \
                                                                                         \
+/* quantize: x (+ res, then res = what was lost) into scales and values; back      \
+   (decoded) where not NULL. With res, back must be NULL. */                            \
+int64_t phv_encode_##S(const T *x, T *res, T *back, int64_t n, int64_t bs,             \
+                       float *scales, int8_t *vals, int kind, double qmax_d,            \
+                       const float *table)                                              \
+{                                                                                       \
+    T qmax = (T)qmax_d;                                                                 \
+    if (kind == 0) {                                                                    \
+        if (res) return encode_##S(x, res, NULL, n, bs, scales, vals, 0, qmax, table);  \
+        if (back) return encode_##S(x, NULL, back, n, bs, scales, vals, 0, qmax, table);\
+        return encode_##S(x, NULL, NULL, n, bs, scales, vals, 0, qmax, table);          \
+    }                                                                                   \
+    if (kind == 1) {                                                                    \
+        if (res) return encode_##S(x, res, NULL, n, bs, scales, vals, 1, qmax, table);  \
+        if (back) return encode_##S(x, NULL, back, n, bs, scales, vals, 1, qmax, table);\
+        return encode_##S(x, NULL, NULL, n, bs, scales, vals, 1, qmax, table);          \
+    }                                                                                   \
+    if (res) return encode_##S(x, res, NULL, n, bs, scales, vals, 2, qmax, table);      \
+    if (back) return encode_##S(x, NULL, back, n, bs, scales, vals, 2, qmax, table);    \
+    return encode_##S(x, NULL, NULL, n, bs, scales, vals, 2, qmax, table);              \
+}                                                                                       \
+                                                                                        \
 /* dequantize into out; stops at a block whose scale is not finite. */                  \
 int64_t phv_decode_##S(const float *scales, const int8_t *vals, int64_t n, int64_t bs,  \
-                       T *out)                                                          \
+                       T *out, int kind, const float *table)                            \
 {                                                                                       \
     int64_t nb = (n + bs - 1) / bs;                                                     \
     for (int64_t b = 0; b < nb; b++) {                                                  \
         int64_t lo = b * bs, m = n - lo < bs ? n - lo : bs;                             \
         if (!isfinite(scales[b])) return b;                                             \
         T sc = (T)scales[b];                                                            \
-        for (int64_t i = 0; i < m; i++) out[lo + i] = (T)vals[lo + i] * sc;             \
+        if (kind == 0)                                                                  \
+            for (int64_t i = 0; i < m; i++) out[lo + i] = (T)vals[lo + i] * sc;         \
+        else                                                                            \
+            for (int64_t i = 0; i < m; i++)                                             \
+                out[lo + i] = (T)table[((const uint8_t *)vals)[lo + i]] * sc;           \
     }                                                                                   \
     return nb;                                                                          \
+}                                                                                       \
+                                                                                        \
+INLINE void load_##S(T *t, const int8_t *q, int64_t m, T sc, int first, int has_pre,    \
+                     T pre, int kind, const float *table)                               \
+{                                                                                       \
+    for (int64_t i = 0; i < m; i++) {                                                   \
+        T v = (kind == 0 ? (T)q[i] : (T)table[((const uint8_t *)q)[i]]) * sc;           \
+        if (has_pre) v = v * pre;                                                       \
+        t[i] = first ? v : t[i] + v;                                                    \
+    }                                                                                   \
 }                                                                                       \
                                                                                         \
 /* Stage 2: `size` wires of n elements, `stride` bytes apart, dequantized (times      \
@@ -136,10 +217,10 @@ int64_t phv_decode_##S(const float *scales, const int8_t *vals, int64_t n, int64
 int64_t phv_reduce_##S(const uint8_t *recv, int64_t stride, int64_t size, int64_t n,    \
                        int64_t bs, double pre_d, int has_pre, int average,              \
                        double post_d, int has_post, T *res, float *scales,              \
-                       int8_t *vals)                                                    \
+                       int8_t *vals, int kind, double qmax_d, const float *table)       \
 {                                                                                       \
     int64_t nb = (n + bs - 1) / bs;                                                     \
-    T pre = (T)pre_d, post = (T)post_d, count = (T)size;                                \
+    T pre = (T)pre_d, post = (T)post_d, count = (T)size, qmax = (T)qmax_d;              \
     T *t = (T *)malloc(sizeof(T) * (size_t)(bs > 0 ? bs : 1));                          \
     if (!t) return -1;                                                                  \
     for (int64_t b = 0; b < nb; b++) {                                                  \
@@ -147,15 +228,12 @@ int64_t phv_reduce_##S(const uint8_t *recv, int64_t stride, int64_t size, int64_
         for (int64_t r = 0; r < size; r++) {                                            \
             const uint8_t *w = recv + r * stride;                                       \
             float s; memcpy(&s, w + 4 * b, 4);                                          \
-            T sc = (T)s;                                                                \
             const int8_t *q = (const int8_t *)(w + 4 * nb) + lo;                        \
-            if (r == 0) {                                                               \
-                if (has_pre) for (int64_t i = 0; i < m; i++) t[i] = ((T)q[i] * sc) * pre; \
-                else for (int64_t i = 0; i < m; i++) t[i] = (T)q[i] * sc;               \
-            } else {                                                                    \
-                if (has_pre) for (int64_t i = 0; i < m; i++) t[i] = t[i] + ((T)q[i] * sc) * pre; \
-                else for (int64_t i = 0; i < m; i++) t[i] = t[i] + (T)q[i] * sc;        \
-            }                                                                           \
+            if (kind == 0 && has_pre && r == 0) load_##S(t, q, m, s, 1, 1, pre, 0, table); \
+            else if (kind == 0 && has_pre) load_##S(t, q, m, s, 0, 1, pre, 0, table);   \
+            else if (kind == 0 && r == 0) load_##S(t, q, m, s, 1, 0, pre, 0, table);    \
+            else if (kind == 0) load_##S(t, q, m, s, 0, 0, pre, 0, table);              \
+            else load_##S(t, q, m, s, r == 0, has_pre, pre, kind, table);               \
         }                                                                               \
         if (average) for (int64_t i = 0; i < m; i++) t[i] = t[i] / count;               \
         if (has_post) for (int64_t i = 0; i < m; i++) t[i] = t[i] * post;               \
@@ -163,9 +241,13 @@ int64_t phv_reduce_##S(const uint8_t *recv, int64_t stride, int64_t size, int64_
         if (res) {                                                                      \
             T *rb = res + lo;                                                           \
             for (int64_t i = 0; i < m; i++) t[i] = t[i] + rb[i];                        \
-            bad = block_res_##S(t, rb, m, scales + b, vals + lo);                       \
+            bad = kind == 0 ? block_##S(t, NULL, rb, NULL, m, scales + b, vals + lo, 0, qmax, table) \
+                : kind == 1 ? block_##S(t, NULL, rb, NULL, m, scales + b, vals + lo, 1, qmax, table) \
+                : block_##S(t, NULL, rb, NULL, m, scales + b, vals + lo, 2, qmax, table);   \
         } else {                                                                        \
-            bad = block_quiet_##S(t, m, scales + b, vals + lo);                         \
+            bad = kind == 0 ? block_##S(t, NULL, NULL, NULL, m, scales + b, vals + lo, 0, qmax, table) \
+                : kind == 1 ? block_##S(t, NULL, NULL, NULL, m, scales + b, vals + lo, 1, qmax, table) \
+                : block_##S(t, NULL, NULL, NULL, m, scales + b, vals + lo, 2, qmax, table); \
         }                                                                               \
         if (bad) { free(t); return b; }                                                 \
     }                                                                                   \

@@ -1,4 +1,4 @@
-"""The C kernels of the two-stage int8 reduction on CPU tensors (cpu_kernels.c).
+"""The C kernels of the two-stage int8/fp8 reduction on CPU tensors (cpu_kernels.c).
 
 Why: the torch form of the math (two_stage.py) is one pass over memory per
 operation, about 2.3 ns per gradient byte over the three stages on one core, more
@@ -32,7 +32,7 @@ import threading
 from pathlib import Path
 
 ENV = "PIPE_HOROVOD_NATIVE_CODEC"
-ABI_VERSION = 1                     # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 2                     # cpu_kernels.c's ABI_VERSION
 FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off",
          "-fno-trapping-math"]
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -57,7 +57,7 @@ def library():
                 try:
                     _state["lib"] = _load()
                 except Exception as exc:          # any failure: the torch form runs
-                    log.info("pipe_horovod: native int8 codec unavailable (%s); using the "
+                    log.info("pipe_horovod: native int8/fp8 codec unavailable (%s); using the "
                              "torch implementation", exc)
                 _state["tried"] = True
     return _state["lib"]
@@ -107,13 +107,13 @@ def _load():
     p, i64, dbl, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
     for s in ("f32", "f64"):
         fn = getattr(lib, f"phv_encode_{s}")
-        fn.argtypes, fn.restype = [p, p, p, i64, i64, p, p], i64
+        fn.argtypes, fn.restype = [p, p, p, i64, i64, p, p, i32, dbl, p], i64
         fn = getattr(lib, f"phv_decode_{s}")
-        fn.argtypes, fn.restype = [p, p, i64, i64, p], i64
+        fn.argtypes, fn.restype = [p, p, i64, i64, p, i32, p], i64
         fn = getattr(lib, f"phv_reduce_{s}")
-        fn.argtypes = [p, i64, i64, i64, i64, dbl, i32, i32, dbl, i32, p, p, p]
+        fn.argtypes = [p, i64, i64, i64, i64, dbl, i32, i32, dbl, i32, p, p, p, i32, dbl, p]
         fn.restype = i64
-    log.debug("pipe_horovod: native int8 codec loaded from %s", path)
+    log.debug("pipe_horovod: native int8/fp8 codec loaded from %s", path)
     return lib
 
 

@@ -39,7 +39,7 @@ Every step runs on the tensor's own device. The functions here are pure
 math as an oracle; pipe_horovod/collectives/quantized.py chains them on the
 engine (Engine.two_stage_async).
 
-On CPU, int8 with float32/float64 accumulators runs in C kernels
+On CPU, int8 and float8 with float32/float64 accumulators run in C kernels
 (compression/native.py, cpu_kernels.c): one pass per stage instead of one per
 torch operation, about 8x less CPU, the same bits (tests/test_native_codec.py
 compares them with the torch operations kept here as `_quantize_torch`,
@@ -352,20 +352,31 @@ _checked = {}
 
 
 class _Kernels:
-    """The C functions for one accumulator type."""
+    """The C functions for one accumulator type and one wire format, the format's
+    arguments (kind, qmax, the float8 table) bound."""
 
-    def __init__(self, lib, suffix):
-        self.encode = getattr(lib, f"phv_encode_{suffix}")
-        self.decode = getattr(lib, f"phv_decode_{suffix}")
-        self.reduce = getattr(lib, f"phv_reduce_{suffix}")
+    KINDS = {"int8": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
+
+    def __init__(self, lib, suffix, fmt):
+        kind = self.KINDS[fmt.kind]
+        # float8: torch's own decoding of the 256 bytes, so the C side needs no copy of it
+        self.table = (None if kind == 0 else
+                      torch.arange(256, dtype=torch.uint8).view(fmt.dtype).to(torch.float32))
+        table = None if self.table is None else self.table.data_ptr()
+        encode = getattr(lib, f"phv_encode_{suffix}")
+        decode = getattr(lib, f"phv_decode_{suffix}")
+        reduce = getattr(lib, f"phv_reduce_{suffix}")
+        self.encode = lambda *a: encode(*a, kind, fmt.qmax, table)
+        self.decode = lambda *a: decode(*a, kind, table)
+        self.reduce = lambda *a: reduce(*a, kind, fmt.qmax, table)
 
 
 def _kernels(fmt, *tensors, dtype=None):
-    """The native kernels (compression/native.py) when they cover this call: int8,
-    float32 or float64 (`dtype`, else the first tensor's), every tensor given a
+    """The native kernels (compression/native.py) when they cover this call: int8 or
+    float8, float32 or float64 (`dtype`, else the first tensor's), every tensor given a
     contiguous CPU one; else None and the torch operations run."""
     dtype = dtype or tensors[0].dtype
-    if fmt.kind != "int8" or dtype not in _SUFFIX:
+    if fmt.kind not in _Kernels.KINDS or dtype not in _SUFFIX:
         return None
     for t in tensors:
         if t is not None and (t.device.type != "cpu" or not t.is_contiguous()
@@ -374,34 +385,34 @@ def _kernels(fmt, *tensors, dtype=None):
     lib = native.library()
     if lib is None:
         return None
-    if id(lib) not in _checked:
-        _checked[id(lib)] = _self_check(lib)
-    return _checked[id(lib)].get(dtype)
+    key = (id(lib), fmt.kind, dtype)
+    if key not in _checked:
+        _checked[key] = _self_check(lib, fmt.kind, dtype)
+    return _checked[key]
 
 
-def _self_check(lib):
-    """{dtype: _Kernels} for the types whose kernels give torch's bits on a small
-    sample (ties, zeros, -0, a partial block): a safeguard against a compiler that
-    does not keep IEEE semantics. A mismatch is logged and that type runs in torch."""
-    good = {}
-    fmt = WireFormat("int8", 32)
-    for dtype, suffix in _SUFFIX.items():
-        kernels = _Kernels(lib, suffix)
-        x = torch.randn(1000, generator=torch.Generator().manual_seed(0), dtype=dtype)
-        x[:32] = torch.arange(-16, 16, dtype=dtype) / 2 * 127 / 8    # ties of .5
-        x[32:64], x[64], x[65] = 0.0, -0.0, -1e-30
-        wire = torch.empty(fmt.shard_bytes(1000), dtype=torch.uint8)
-        back = torch.empty_like(x)
-        kernels.encode(x.data_ptr(), None, back.data_ptr(), 1000, 32, wire.data_ptr(),
-                       wire.data_ptr() + 4 * fmt.blocks(1000))
-        wire[4 * fmt.blocks(1000) + 1000:].zero_()
-        ref_wire, ref_back = _quantize_torch(x, fmt)
-        if torch.equal(wire, ref_wire) and same_bits(back, ref_back):
-            good[dtype] = kernels
-        else:
-            _log.warning("pipe_horovod: the native int8 codec's %s results differ from torch's "
-                         "on this machine; using the torch implementation", dtype)
-    return good
+def _self_check(lib, kind, dtype):
+    """The kernels for `kind` and `dtype` if they give torch's bits on a small sample
+    (ties, zeros, -0, a partial block), else None: a safeguard against a compiler that
+    does not keep IEEE semantics. A mismatch is logged and the torch form runs."""
+    fmt = WireFormat(kind, 32)
+    kernels = _Kernels(lib, _SUFFIX[dtype], fmt)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    x[:32] = torch.arange(-16, 16, dtype=dtype) / 2 * fmt.qmax / 8    # ties of .5 for int8
+    x[32:64], x[64], x[65] = 0.0, -0.0, -1e-30
+    x[100:132] *= torch.exp2(torch.arange(-16, 16, dtype=dtype))
+    wire = torch.empty(fmt.shard_bytes(1000), dtype=torch.uint8)
+    back = torch.empty_like(x)
+    head = SCALE_BYTES * fmt.blocks(1000)
+    kernels.encode(x.data_ptr(), None, back.data_ptr(), 1000, 32, wire.data_ptr(),
+                   wire.data_ptr() + head)
+    wire[head + 1000:].zero_()
+    ref_wire, ref_back = _quantize_torch(x, fmt)
+    if torch.equal(wire, ref_wire) and same_bits(back, ref_back.contiguous()):
+        return kernels
+    _log.warning("pipe_horovod: the native %s codec's %s results differ from torch's on "
+                 "this machine; using the torch implementation", kind, dtype)
+    return None
 
 
 def same_bits(a, b):
