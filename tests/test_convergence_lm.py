@@ -1,7 +1,7 @@
 """The transformer task of the convergence study (pipe_horovod/tools/bench/convergence_lm.py),
 briefly: the data, the schedule and the report in-process, and a few steps of a tiny
-model through the real worker (PyTorch: sync, default, plain K=2; Keras on the torch
-backend: the default) in one process each.
+model through the real worker (PyTorch: sync, default, plain K=2, default + int8_ef;
+Keras on the torch backend: the default) in one process each.
 
 The study itself (2 ranks, 3 seeds, hundreds of steps) is not run here:
 docs/convergence.md records it. The Keras TensorFlow backend runs the same
@@ -49,8 +49,21 @@ def test_data_schedule_and_report(tmp_path):
     lm.plot([raw], tmp_path / "lm.png")
     assert (tmp_path / "lm.png").stat().st_size > 0
 
+    # The int8_ef configuration (issue 28's engine path) and --engine horovod: PyTorch only.
+    parser = __import__("argparse").ArgumentParser()
+    lm.add_arguments(parser)
+    lm.check_args(parser.parse_args(["--configs", "sync,k2-lookahead-int8_ef", "--engine",
+                                     "horovod"]))
+    for argv in (["--frameworks", "keras-tf", "--configs", "k2-lookahead-int8_ef"],
+                 ["--frameworks", "torch,keras-torch", "--engine", "horovod"],
+                 ["--configs", "k3"]):
+        with pytest.raises(SystemExit):
+            lm.check_args(parser.parse_args(argv))
+    raw["engine"] = "horovod"
+    assert "| torch (horovod engine) | sync (K=1) |" in lm.markdown([raw], "cmd")
 
-@pytest.mark.parametrize("framework,configs", [("torch", "sync,k2-lookahead,k2"),
+
+@pytest.mark.parametrize("framework,configs", [("torch", "sync,k2-lookahead,k2,k2-lookahead-int8_ef"),
                                                ("keras-torch", "k2-lookahead")])
 def test_worker_runs_a_few_steps(tmp_path, framework, configs):
     out = tmp_path / "raw.json"

@@ -7,7 +7,10 @@ optimizer train transformers with AdamW, warm-up + cosine and gradient
 clipping, where a plain K=2 delay hurts (issue 24: 1.82 vs 1.49 validation
 loss) and the default staleness compensation ("lookahead") has to make up
 for it. This study shows, in each adapter, sync (pipeline_depth=1) vs the
-default (K=2, lookahead) vs plain K=2 (staleness_compensation=None).
+default (K=2, lookahead) vs plain K=2 (staleness_compensation=None); in
+PyTorch also the default with compression=int8_ef on the engine's own
+collectives (`k2-lookahead-int8_ef`, issue 28), under torch.distributed.run or
+(`--engine horovod`) horovodrun.
 
 Everything is CPU-sized (a 2-core machine runs the whole PyTorch study in
 minutes) and ships with Python: the text is the standard library's own
@@ -67,7 +70,12 @@ REPO = Path(__file__).resolve().parents[3]
 FORMAT = "pipe_horovod.convergence_lm/1"
 CONFIGS = ("sync", "k2-lookahead", "k2")
 LABELS = {"sync": "sync (K=1)", "k2-lookahead": "default (K=2, lookahead)",
-          "k2": "plain K=2 (staleness_compensation=None)"}
+          "k2": "plain K=2 (staleness_compensation=None)",
+          "k2-lookahead-int8_ef": "default + int8_ef (engine path, no collective=)"}
+# Not in the default list: the default with compression=Compression.int8_ef on the
+# engine's own collectives (issue 28's two-stage quantized allreduce), PyTorch only.
+EXTRA_CONFIGS = ("k2-lookahead-int8_ef",)
+ENGINES = ("torch", "horovod")    # torch.distributed.run / horovodrun --gloo (PyTorch only)
 FRAMEWORKS = ("torch", "keras-tf", "keras-torch")
 TARGET = 0.02          # issue 24: the default ends within 0.02 validation loss of sync
 
@@ -193,7 +201,7 @@ def train_torch(s, config, seed, rank, size, train, val, on_eval):
     import torch.nn.functional as F
 
     import pipe_horovod.torch as phvd
-    from pipe_horovod.tools.bench.convergence_worker import config_settings
+    from pipe_horovod.tools.bench.convergence_worker import config_compression, config_settings
 
     depth, option = config_settings(config)
     torch.manual_seed(seed)
@@ -201,7 +209,9 @@ def train_torch(s, config, seed, rank, size, train, val, on_eval):
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr * size, betas=(s.beta1, s.beta2),
                             weight_decay=s.weight_decay)
     opt = phvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                    pipeline_depth=depth, staleness_compensation=option)
+                                    pipeline_depth=depth, staleness_compensation=option,
+                                    compression=phvd.Compression.by_name(
+                                        config_compression(config)))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: lr_at(s, size, t) / (s.lr * size))
     phvd.broadcast_parameters(model.state_dict(), root_rank=0)
     phvd.broadcast_optimizer_state(opt, root_rank=0)
@@ -379,13 +389,15 @@ def worker(args):
     from pipe_horovod.tools.bench.worker import Progress, write_json
 
     hvd.init()
+    from pipe_horovod import engine as phvd_engine
     rank, size = hvd.rank(), hvd.size()
     train, vx, vy = data(s)
     configs = args.configs.split(",")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     evals = -(-s.steps // s.eval_every)
     progress = Progress(args.progress, len(seeds) * len(configs) * evals, rank == 0)
-    raw = {"format": FORMAT, "framework": args.framework, "flush": not args.no_flush,
+    raw = {"format": FORMAT, "framework": args.framework, "engine": phvd_engine.current().name,
+           "flush": not args.no_flush,
            "predict_unclipped": args.predict_unclipped,
            "settings": asdict(s), "workers": size, "configs": configs, "seeds": seeds,
            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": []}
@@ -440,15 +452,17 @@ def markdown(raws, command):
     for raw in raws:
         rows = summarize(raw)
         sync = rows.get("sync", {}).get("final_mean")
-        name = raw["framework"] + ("" if raw.get("flush", True) else " (no flush)") + (
+        name = raw["framework"] + (
+            " (horovod engine)" if raw.get("engine") == "horovod" else "") + (
+            "" if raw.get("flush", True) else " (no flush)") + (
             " (prediction unclipped)" if raw.get("predict_unclipped") else "")
         for config, r in rows.items():
             delta = "" if sync is None or config == "sync" else f"{r['final_mean'] - sync:+.4f}"
-            lines.append(f"| {name} | {LABELS[config]} | {r['final_mean']:.4f} ± "
+            lines.append(f"| {name} | {LABELS.get(config, config)} | {r['final_mean']:.4f} ± "
                          f"{r['final_std']:.4f} | {' / '.join(f'{v:.4f}' for v in r['finals'])}"
                          f" | {delta} | {r['train_time_s']:.0f} |")
             if r["flushed_mean"] is not None:
-                lines.append(f"| {name} | {LABELS[config]}, after fit + flush() | "
+                lines.append(f"| {name} | {LABELS.get(config, config)}, after fit + flush() | "
                              f"{r['flushed_mean']:.4f} | | | |")
     return "\n".join(lines)
 
@@ -461,7 +475,7 @@ def plot(raws, path):
     fig, axes = plt.subplots(1, len(raws), figsize=(5.5 * len(raws), 4.2), squeeze=False)
     for ax, raw in zip(axes[0], raws):
         for config, r in summarize(raw).items():
-            ax.plot(r["steps"], r["curve"], marker=".", label=LABELS[config])
+            ax.plot(r["steps"], r["curve"], marker=".", label=LABELS.get(config, config))
         ax.set_title(f"{raw['framework']}: char transformer, AdamW, {raw['workers']} ranks")
         ax.set_xlabel("step")
         ax.set_ylabel(f"validation loss (mean of {len(raw['seeds'])} seeds)")
@@ -485,11 +499,17 @@ def launch(args, framework, s, out_dir):
 
     raw_path, progress_path, log_path = run_files(out_dir,
                                                   f"{args.name}-{framework}{_suffix(args)}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(args.workers), "-m", "pipe_horovod.tools.bench.convergence_lm", "--worker",
-           "--framework", framework, "--configs", args.configs, "--seeds", str(args.seeds),
-           "--first-seed", str(args.first_seed), "--settings", json.dumps(asdict(s)),
-           "--out", raw_path, "--progress", progress_path]
+    if args.engine == "horovod":
+        from pipe_horovod.tools.launch import horovodrun
+        n = str(args.workers)
+        cmd = [horovodrun(), "-np", n, "-H", f"localhost:{n}", "--gloo", sys.executable]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", str(args.workers)]
+    cmd += ["-m", "pipe_horovod.tools.bench.convergence_lm", "--worker",
+            "--framework", framework, "--configs", args.configs, "--seeds", str(args.seeds),
+            "--first-seed", str(args.first_seed), "--settings", json.dumps(asdict(s)),
+            "--out", raw_path, "--progress", progress_path]
     if args.no_flush:
         cmd.append("--no-flush")
     if args.predict_unclipped:
@@ -529,13 +549,18 @@ def add_arguments(p):
                    help=f"comma-separated, of {', '.join(FRAMEWORKS)} (default torch)")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma-separated (default {','.join(CONFIGS)}): sync = pipeline_depth 1, "
-                        "k2 = pipeline_depth 2 without compensation, k2-lookahead = the default")
+                        "k2 = pipeline_depth 2 without compensation, k2-lookahead = the default; "
+                        "also k2-lookahead-int8_ef = the default with compression=int8_ef on the "
+                        "engine's own collectives (PyTorch only)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 1..N per configuration (default 3)")
     p.add_argument("--first-seed", type=int, default=1)
     p.add_argument("--steps", type=int, default=Settings.steps,
                    help=f"steps per run (default {Settings.steps}; Keras: a multiple of "
                         f"{Settings.eval_every})")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--engine", choices=ENGINES, default="torch",
+                   help="PyTorch's engine: torch = torch.distributed.run (default), horovod = "
+                        "horovodrun --gloo; the Keras frameworks always use torch.distributed.run")
     p.add_argument("--no-flush", action="store_true",
                    help="Keras: no PipelineFlushCallback (fit validates at the weights the "
                         "optimizer left in the model)")
@@ -548,9 +573,27 @@ def add_arguments(p):
                    help="rebuild <name>.md/.png from <out>/<name>-<framework>-raw.json")
 
 
+def check_args(args):
+    """Raises SystemExit for configurations or an engine a framework cannot run."""
+    frameworks = args.frameworks.split(",")
+    for framework in frameworks:
+        if framework not in FRAMEWORKS:
+            raise SystemExit(f"unknown framework {framework!r}; choose from {', '.join(FRAMEWORKS)}")
+    for config in args.configs.split(","):
+        if config not in CONFIGS + EXTRA_CONFIGS:
+            raise SystemExit(f"unknown configuration {config!r}; choose from "
+                             f"{', '.join(CONFIGS + EXTRA_CONFIGS)}")
+        if config in EXTRA_CONFIGS and frameworks != ["torch"]:
+            raise SystemExit(f"{config} runs in the PyTorch adapter only (--frameworks torch)")
+    if args.engine != "torch" and frameworks != ["torch"]:
+        raise SystemExit("--engine horovod runs the PyTorch adapter only (--frameworks torch)")
+
+
 def run(args, argv=None):
     if args.worker:
         return worker(args)
+    if not args.report_only:
+        check_args(args)
     s = Settings(steps=args.steps)
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
