@@ -126,6 +126,23 @@ def test_the_whole_reduction_gives_torchs_bits(monkeypatch, kind, dtype, size, b
                 assert _same(a, b), (what, args)
 
 
+@pytest.mark.parametrize("kind", KINDS[1:])
+def test_float8_rounding_over_a_sweep_of_float32(monkeypatch, kind):
+    """Bit patterns spread over the whole range, each block led by the format's
+    largest value so that the scale is 1 and every value is converted as it is (an
+    exhaustive run over every float32 in range was done once: docs/compression.md)."""
+    qmax = torch.finfo(getattr(torch, kind)).max
+    top = torch.tensor([qmax], dtype=torch.float32).view(torch.int32).item()
+    bits = torch.arange(0, top, 997, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    x = torch.cat([x, -x])
+    x[::1024] = qmax
+    fmt = WireFormat(kind, 1024)
+    ref, got = _both(monkeypatch, lambda: two_stage.quantize(x, fmt))
+    assert ref[0][:4 * fmt.blocks(x.numel())].view(torch.float32).eq(1).all()
+    assert _same(ref[0], got[0]) and _same(ref[1].contiguous(), got[1])
+
+
 def test_float16_buckets_take_the_kernels_through_float32(monkeypatch):
     fmt = WireFormat("int8", 64)
     x = _data(3001, torch.float32, 5).clamp(-6e4, 6e4).half()

@@ -8,8 +8,9 @@
  *   scale = amax / qmax (in the accumulator's type, then float32), divisor = scale
  *   where scale > 0 else 1, q = v / divisor clamped to +-qmax, then for int8
  *   (kind 0, qmax 127) rounded half to even, for float8 (kind 1 e4m3fn, 2 e5m2)
- *   cast to float32 and to the 8-bit type with c10's own conversion (ported below)
- *   and read back through torch's table of the 256 values; decoded = q * scale.
+ *   cast to float32 and to the 8-bit type as c10 does it (fp8_round below);
+ *   decoded = q * scale. Receivers decode float8 bytes through torch's own table of
+ *   the 256 values (`table`).
  *
  * Every operation is one IEEE operation in the same type and order as torch's, so
  * the build must keep IEEE semantics (native.py: -fno-fast-math -ffp-contract=off, no
@@ -53,46 +54,29 @@ static inline double round_even_f64(double q)
 #define ABS_BITS_f32(v, out) do { uint32_t u_; memcpy(&u_, &(v), 4); (out) = u_ & 0x7fffffffu; } while (0)
 #define ABS_BITS_f64(v, out) do { uint64_t u_; memcpy(&u_, &(v), 8); (out) = u_ & 0x7fffffffffffffffull; } while (0)
 
-/* c10's fp32 -> float8 conversions (torch/headeronly/util/Float8_e4m3fn.h and
-   Float8_e5m2.h), for finite inputs within the format's range (the callers clamp). */
 static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float f32_from(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
-static inline uint8_t fp8e4m3fn_from_f32(float f)
+/* float32 -> float8 (kind 1 e4m3fn, 2 e5m2) as c10 does it
+   (torch/headeronly/util/Float8_e4m3fn.h, Float8_e5m2.h: round half to even, the
+   denormals by adding a power of two), for |f| <= the format's largest finite value
+   (the callers clamp), without branches so that it vectorizes; returns the float8
+   value as a float32 (torch's decoding of the byte). Checked exhaustively: every
+   float32 of either sign in range gives torch's byte and value (docs/compression.md). */
+static inline float fp8_round(float f, int kind, uint8_t *byte)
 {
-    uint32_t bits = f32_bits(f), sign = bits & 0x80000000u, result;
+    const int shift = kind == 1 ? 20 : 21;                 /* mantissa bits dropped */
+    const uint32_t small = kind == 1 ? 121u << 23 : 113u << 23;   /* smallest normal */
+    const uint32_t magic = kind == 1 ? 141u << 23 : 134u << 23;   /* denormal rounding */
+    const uint32_t bias = kind == 1 ? 120u << 3 : 112u << 2;      /* exponent rebias */
+    uint32_t bits = f32_bits(f), sign = bits & 0x80000000u;
     bits ^= sign;
-    if (bits >= (1087u << 20)) {
-        result = bits > 0x7f800000u ? 0x7f : 0x7e;
-    } else if (bits < (121u << 23)) {
-        bits = f32_bits(f32_from(bits) + f32_from(141u << 23));
-        result = (uint8_t)(bits - (141u << 23));
-    } else {
-        uint32_t odd = (bits >> 20) & 1;
-        bits += ((uint32_t)(7 - 127) << 23) + 0x7ffff;
-        bits += odd;
-        result = (uint8_t)(bits >> 20);
-        if (result == 0x7f) result = 0x7e;
-    }
-    return (uint8_t)(result | (sign >> 24));
-}
-
-static inline uint8_t fp8e5m2_from_f32(float f)
-{
-    uint32_t bits = f32_bits(f), sign = bits & 0x80000000u, result;
-    bits ^= sign;
-    if (bits >= (143u << 23)) {
-        result = bits > 0x7f800000u ? 0x7f : 0x7c;
-    } else if (bits < (113u << 23)) {
-        bits = f32_bits(f32_from(bits) + f32_from(134u << 23));
-        result = (uint8_t)(bits - (134u << 23));
-    } else {
-        uint32_t odd = (bits >> 21) & 1;
-        bits += ((uint32_t)(15 - 127) << 23) + 0xfffff;
-        bits += odd;
-        result = (uint8_t)(bits >> 21);
-    }
-    return (uint8_t)(result | (sign >> 24));
+    uint32_t dbits = f32_bits(f32_from(bits) + f32_from(magic));
+    float dval = f32_from(dbits) - f32_from(magic);
+    uint32_t nbits = bits + ((1u << (shift - 1)) - 1) + ((bits >> shift) & 1);
+    int tiny = bits < small;
+    *byte = (uint8_t)((tiny ? dbits - magic : (nbits >> shift) - bias) | (sign >> 24));
+    return f32_from(f32_bits(tiny ? dval : f32_from(nbits & ~((1u << shift) - 1))) | sign);
 }
 
 #define INLINE static inline __attribute__((always_inline))
@@ -134,10 +118,9 @@ INLINE int block_##S(const T *x, const T *add, T *res, T *back, int64_t m,      
             r = round_even_##S(q);                                                      \
             vals[i] = (int8_t)r;                                                        \
         } else {                                                                        \
-            uint8_t b = kind == 1 ? fp8e4m3fn_from_f32((float)q)                        \
-                                  : fp8e5m2_from_f32((float)q);                         \
+            uint8_t b;                                                                  \
+            r = (T)fp8_round((float)q, kind, &b);                                       \
             ((uint8_t *)vals)[i] = b;                                                   \
-            r = (T)table[b];                                                            \
         }                                                                               \
         T d = r * sc;                                                                   \
         if (back) back[i] = d;                                                          \
