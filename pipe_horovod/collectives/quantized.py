@@ -86,8 +86,8 @@ def allreduce_async(tensor, name=None, op=None, *, fmt, residuals=None, process_
 
         def first_stage():
             send, splits = first_stage_chunk(flat, ranges, fmt, first)
-            return send, splits, reduce, lambda gathered: decode_chunk(gathered, ranges, fmt,
-                                                                       flat)
+            return (send, splits, [fmt.shard_bytes(numel)] * size, reduce,   # all send me that
+                    lambda gathered: decode_chunk(gathered, ranges, fmt, flat))
         return first_stage
 
     return eng.two_stage_async("allreduce", tensor, name, op,

@@ -405,10 +405,12 @@ class Engine:
         under `name`.
 
         `chunks`: a sequence of callables, called in order on the caller's thread (before
-        this returns); chunk i's call returns (send, splits, reduce, finish), and its
-        alltoall of `send` (splits[j] rows to the set's j-th rank) starts at once, before
+        this returns); chunk i's call returns (send, splits, received, reduce, finish), and
+        its alltoall of `send` (splits[j] rows to the set's j-th rank) starts at once, before
         the next chunk's call, so that the next chunk's first stage overlaps this one's
-        transfer. One pool thread per operation then, chunk by chunk, waits for the
+        transfer. `received`: None, or the rows every rank sends this one when the caller
+        knows them (`_start_alltoall_known`: then every rank's `send` must have the same
+        rows). One pool thread per operation then, chunk by chunk, waits for the
         alltoall, calls `reduce(received, counts)` and starts the allgather of what it
         returns, handing allgathers already complete to `finish(gathered)`; `wait` hands
         it the rest, in chunk order, and returns `result()`. Names: `<name>.a2a` and
@@ -450,9 +452,10 @@ class Engine:
         started = queue.SimpleQueue()         # the caller's alltoalls, to the pool thread
         try:
             for index, first_stage in enumerate(chunks):
-                send, splits, reduce, finish = first_stage()
-                a2a = self._start_alltoall(send, splits, self._chunk_name(name, "a2a", index),
-                                           ps)
+                send, splits, received, reduce, finish = first_stage()
+                a2a_name = self._chunk_name(name, "a2a", index)
+                a2a = (self._start_alltoall(send, splits, a2a_name, ps) if received is None
+                       else self._start_alltoall_known(send, splits, received, a2a_name, ps))
                 started.put((a2a, reduce, finish))
                 if work.future is None:
                     work.future = self._submit(self._second_stage, started, len(chunks),
@@ -880,6 +883,13 @@ class Engine:
 
     def _start_alltoall(self, tensor, splits, name, process_set):
         raise NotImplementedError
+
+    def _start_alltoall_known(self, tensor, splits, received, name, process_set):
+        """An alltoall whose receiver already knows what each rank sends it (`received`,
+        rows by rank), and every rank's tensor has the same rows (two_stage_async's
+        chunks): engines that exchange the splits first may skip that (and must then
+        refuse a tensor whose rows differ across ranks)."""
+        return self._start_alltoall(tensor, splits, name, process_set)
 
     def _broadcast_object(self, obj, root, name, process_set):
         raise NotImplementedError

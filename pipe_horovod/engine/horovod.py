@@ -264,7 +264,7 @@ class HorovodEngine(Engine):
         def finish(gathered):
             wire.copy_(gathered)
 
-        return self._start_two_stage([lambda: (wire, splits, reduce, finish)], name,
+        return self._start_two_stage([lambda: (wire, splits, None, reduce, finish)], name,
                                      process_set, lambda: tensor)    # one chunk
 
     def _reduce_shard(self, received, counts, shard, size, dtype, op, name, prescale_factor,
