@@ -171,7 +171,7 @@ def test_a_lone_rank_quantizes_nothing(local):
     (4099, 3, WireFormat("int8"), 200, 6),               # smallest shard: 6 blocks
     (4099, 2, WireFormat("int8", 16), 200, 16),          # capped at MAX_CHUNKS
     (5000, 4, WireFormat("bfloat16"), 1200, 4),          # unscaled: 256-element units
-    (2 ** 21 + 5, 3, WireFormat("int8"), None, 2),       # the default rule
+    (2 ** 21 + 5, 3, WireFormat("int8"), None, 4),       # the default rule
     (7, 8, WireFormat("int8"), 1, 1)])                   # shards of 0 and 1 elements
 def test_chunks_split_every_shard_in_whole_blocks(numel, p, fmt, min_numel, count):
     chunks = two_stage.chunks(numel, p, fmt, min_numel)

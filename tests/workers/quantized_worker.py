@@ -398,7 +398,7 @@ def main():
     os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # Horovod: add_process_set after init
     eng = phvd.init(engine_name)
     r, p = eng.rank(), eng.size()
-    # Chunks from 400 elements on (by default from 2 Mi): the sizes below then run in 1 to
+    # Chunks from 400 elements on (by default from 1 Mi): the sizes below then run in 1 to
     # 16 chunks, with every format, the residuals, and training and the resume (a bucket
     # in 2 chunks at 2 ranks); the engine path and the reference read the same rule
     # (two_stage.chunks) at each call.
