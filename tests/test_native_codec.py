@@ -190,6 +190,25 @@ def test_a_fresh_cache_compiles_once_and_the_switch_turns_it_off(monkeypatch, tm
         native.reset()
 
 
+def test_ranks_compiling_at_once_leave_one_library(tmp_path):
+    """Three processes with an empty cache: each compiles to a private temporary
+    file and renames it into place; all load it, and nothing else is left."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from pipe_horovod.compression import native, two_stage\n"
+            "import torch\n"
+            "assert native.library() is not None\n"
+            "assert two_stage._kernels(two_stage.WireFormat('int8'), torch.zeros(4))\n")
+    env = {**os.environ, "PIPE_HOROVOD_CACHE": str(tmp_path)}
+    env.pop(native.ENV, None)
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(3)]
+    assert [p.wait(timeout=240) for p in procs] == [0, 0, 0]
+    left = sorted(p.name for p in (tmp_path / "native").iterdir())
+    assert len(left) == 1 and left[0].startswith("cpu_kernels-") and left[0].endswith(".so")
+
+
 def test_cuda_and_other_formats_keep_the_torch_form():
     x = torch.zeros(10)
     assert two_stage._kernels(WireFormat("float16"), x) is None

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -71,11 +72,12 @@ def _cache_dir():
 
 
 def _compiler():
-    cc = os.environ.get("CC") or next(
-        (c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
-    if not cc:
+    """(command as a list, first line of its --version); $CC may hold words ("ccache gcc")."""
+    cc = (shlex.split(os.environ.get("CC", "")) or
+          [next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)])
+    if not cc[0]:
         raise RuntimeError("no C compiler (cc, gcc, clang) on PATH")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True,
                              timeout=60).stdout.splitlines()
     return cc, (version[0] if version else "")
 
@@ -84,7 +86,7 @@ def _load():
     source = SOURCE.read_bytes()
     cc, version = _compiler()
     key = hashlib.sha256(b"\0".join([
-        source, cc.encode(), version.encode(), " ".join(FLAGS).encode(),
+        source, " ".join(cc).encode(), version.encode(), " ".join(FLAGS).encode(),
         platform.machine().encode(), sys.platform.encode()])).hexdigest()[:20]
     folder = _cache_dir()
     path = folder / f"cpu_kernels-{key}.so"
@@ -93,10 +95,10 @@ def _load():
         fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=folder)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+            done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
                                   capture_output=True, text=True, timeout=120)
             if done.returncode:
-                raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
+                raise RuntimeError(f"{' '.join(cc)} failed: {done.stderr.strip()[:500]}")
             os.replace(tmp, path)             # atomic: a concurrent rank sees all or nothing
         finally:
             if os.path.exists(tmp):
