@@ -93,6 +93,29 @@ def test_quantize_and_dequantize_give_torchs_bits(monkeypatch, kind, dtype, bloc
 @pytest.mark.parametrize("special", [None, "nan", "inf"])
 def test_the_whole_reduction_gives_torchs_bits(monkeypatch, kind, dtype, size, block, n,
                                                special):
+    _check_reduction(monkeypatch, kind, dtype, size, block, n, special)
+
+
+def test_the_build_without_cpu_specific_copies_gives_torchs_bits_too(monkeypatch, tmp_path):
+    """On x86-64 the kernels also exist in AVX2 copies chosen at load time, which the
+    tests above run on a machine that has AVX2; this builds without them."""
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + ["-DPHV_NO_CLONES"])
+    monkeypatch.setenv("PIPE_HOROVOD_CACHE", str(tmp_path))
+    native.reset()
+    try:
+        for kind in KINDS:
+            for dtype in DTYPES:
+                for size, block, n, special in [(3, 16, 1000, None), (2, 64, 4099, "nan"),
+                                                (4, 256, 777, "inf")]:
+                    _check_reduction(monkeypatch, kind, dtype, size, block, n, special)
+            if kind != "int8":
+                test_float8_rounding_over_a_sweep_of_float32(monkeypatch, kind)
+        assert len(list((tmp_path / "native").iterdir())) == 1       # its own build
+    finally:
+        native.reset()
+
+
+def _check_reduction(monkeypatch, kind, dtype, size, block, n, special):
     """first_stage on every rank, reduce_shard of every shard (prescale, average,
     postscale, both residuals), decode: the bytes sent and every result the same."""
     fmt, acc = WireFormat(kind, block), dtype

@@ -14,8 +14,9 @@
  *
  * Every operation is one IEEE operation in the same type and order as torch's, so
  * the build must keep IEEE semantics (native.py: -fno-fast-math -ffp-contract=off, no
- * FMA contraction, no -march=native; -fno-trapping-math only lets the clamps be
- * vectorized as selects, as no FP trap is ever enabled). The rounding is the classic
+ * FMA contraction, no -march=native but an AVX2 copy chosen at load time, CLONES
+ * below; -fno-trapping-math only lets the clamps be vectorized as selects, as no FP
+ * trap is ever enabled). The rounding is the classic
  * (q + 1.5 * 2^23) - 1.5 * 2^23, exact round-half-even for |q| <= 127 in the default
  * rounding mode and vectorizable on plain SSE2 (nearbyintf is not), with the sign
  * put back so that -0.3 gives -0 as torch.round does.
@@ -80,6 +81,15 @@ static inline float fp8_round(float f, int kind, uint8_t *byte)
 }
 
 #define INLINE static inline __attribute__((always_inline))
+
+/* x86-64: each exported function also in an AVX2 copy, chosen at load time from the
+   CPU's features (so a cache shared by machines stays valid). The same IEEE
+   operations, wider; -ffp-contract=off keeps FMA out. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(PHV_NO_CLONES)
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
 
 /* T: element type; UT: its bits; S: suffix; INF: bits of +inf. */
 #define DEFINE_KERNELS(T, UT, S, INF)                                                   \
@@ -146,7 +156,7 @@ INLINE int64_t encode_##S(const T *x, T *res, T *back, int64_t n, int64_t bs,   
                                                                                         \
 /* quantize: x (+ res, then res = what was lost) into scales and values; back      \
    (decoded) where not NULL. With res, back must be NULL. */                            \
-int64_t phv_encode_##S(const T *x, T *res, T *back, int64_t n, int64_t bs,             \
+CLONES int64_t phv_encode_##S(const T *x, T *res, T *back, int64_t n, int64_t bs,             \
                        float *scales, int8_t *vals, int kind, double qmax_d,            \
                        const float *table)                                              \
 {                                                                                       \
@@ -167,7 +177,7 @@ int64_t phv_encode_##S(const T *x, T *res, T *back, int64_t n, int64_t bs,      
 }                                                                                       \
                                                                                         \
 /* dequantize into out; stops at a block whose scale is not finite. */                  \
-int64_t phv_decode_##S(const float *scales, const int8_t *vals, int64_t n, int64_t bs,  \
+CLONES int64_t phv_decode_##S(const float *scales, const int8_t *vals, int64_t n, int64_t bs,  \
                        T *out, int kind, const float *table)                            \
 {                                                                                       \
     int64_t nb = (n + bs - 1) / bs;                                                     \
@@ -197,7 +207,7 @@ INLINE void load_##S(T *t, const int8_t *q, int64_t m, T sc, int first, int has_
 /* Stage 2: `size` wires of n elements, `stride` bytes apart, dequantized (times      \
    pre if has_pre), summed in rank order, / size if average, times post if has_post,  \
    + res if res; then quantized into scales/vals, res = what that lost. */              \
-int64_t phv_reduce_##S(const uint8_t *recv, int64_t stride, int64_t size, int64_t n,    \
+CLONES int64_t phv_reduce_##S(const uint8_t *recv, int64_t stride, int64_t size, int64_t n,    \
                        int64_t bs, double pre_d, int has_pre, int average,              \
                        double post_d, int has_post, T *res, float *scales,              \
                        int8_t *vals, int kind, double qmax_d, const float *table)       \

@@ -13,7 +13,8 @@ pipe_horovod/native/), named by a hash of the source, the compiler, its version,
 the flags and the platform; a rank writes a private temporary file and renames it
 into place, so ranks compiling at once do not race. The flags keep IEEE semantics:
 no -ffast-math, no FMA contraction, no -march=native (a cache shared between
-machines must not carry instructions another CPU lacks).
+machines must not carry instructions another CPU lacks: on x86-64 the kernels come
+in a baseline and an AVX2 copy instead, chosen at load time from the CPU's features).
 
 Without a compiler (the runtime Docker image has none), when compiling or loading
 fails, or with PIPE_HOROVOD_NATIVE_CODEC=0, `library()` returns None and the torch
