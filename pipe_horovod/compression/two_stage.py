@@ -441,7 +441,7 @@ __all__ = ["DEFAULT_BLOCK_SIZE", "FORMATS", "WireFormat", "check_block_size", "c
 
 # Measured on the emulated 1 Gbit links (docs/compression.md, "Pipelined in chunks"): 16
 # chunks beat 4 and 8 at 64 MB; 32 were no faster with 2 workers, slower with 4 on 2 cores
-# and on Horovod; 2 Mi-element chunks beat 4 Mi at 16 MB.
+# and on Horovod; chunks of 512 Ki elements beat 1 Mi at 16 MB.
 CHUNK_NUMEL = 2 ** 19    # elements per chunk at least (2 MiB of float32); read at each call
 MAX_CHUNKS = 16          # every chunk costs two collectives more (their latency, negotiation)
 
