@@ -41,7 +41,7 @@ engine (Engine.two_stage_async).
 
 On CPU, int8 and float8 with float32/float64 accumulators run in C kernels
 (compression/native.py, cpu_kernels.c): one pass per stage instead of one per
-torch operation, about 8x less CPU, the same bits (tests/test_native_codec.py
+torch operation, 10-20x less CPU (docs/compression.md), the same bits (tests/test_native_codec.py
 compares them with the torch operations kept here as `_quantize_torch`,
 `_dequantize_torch`, `_reduce_torch`, which also serve CUDA tensors, the other
 formats, and any machine without a C compiler).
@@ -426,8 +426,6 @@ def wire_ratio(fmt, dtype=torch.float32, numel=2 ** 20):
     return fmt.shard_bytes(numel) / (numel * torch.empty((), dtype=dtype).element_size())
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "FORMATS", "WireFormat", "check_block_size", "check_format", "decode", "dequantize", "encode", "first_stage",
-           "own_shard", "quantize", "reduce_shard", "shard_sizes"]
 
 
 # --- chunks: the two stages pipelined (issue 28) ------------------------------------------
@@ -503,5 +501,7 @@ def decode_chunk(gathered, ranges, fmt, out):
     return out
 
 
-__all__ += ["CHUNK_NUMEL", "MAX_CHUNKS", "chunk_count", "chunks", "decode_chunk",
-            "first_stage_chunk"]
+__all__ = ["CHUNK_NUMEL", "DEFAULT_BLOCK_SIZE", "FORMATS", "MAX_CHUNKS", "WireFormat",
+           "check_block_size", "check_format", "chunk_count", "chunks", "decode", "decode_chunk",
+           "dequantize", "encode", "first_stage", "first_stage_chunk", "own_shard", "quantize",
+           "reduce_shard", "shard_sizes"]
