@@ -241,3 +241,80 @@ def test_cuda_and_other_formats_keep_the_torch_form():
     for kind in KINDS:                            # so the comparisons above test the kernels
         for dtype in DTYPES:
             assert two_stage._kernels(WireFormat(kind), x.to(dtype)) is not None
+
+
+def _no_compiler(monkeypatch, tmp_path):
+    """Compiling fails from here on: $CC names nothing and PATH holds no cc, gcc, clang."""
+    empty = tmp_path / "empty-path"
+    empty.mkdir(exist_ok=True)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.setenv("PIPE_HOROVOD_CACHE", str(tmp_path / "cache"))
+
+
+def test_a_library_built_by_the_cli_loads_from_the_variable_without_a_compiler(
+        monkeypatch, tmp_path):
+    """The Docker image's way: `python -m pipe_horovod.compression.native OUT.so` where
+    there is a compiler, PIPE_HOROVOD_NATIVE_LIBRARY=OUT.so where there is none."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "lib" / "cpu_kernels.so"
+    res = subprocess.run([sys.executable, "-m", "pipe_horovod.compression.native", str(out)],
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0 and out.is_file(), res.stderr
+    assert str(out) in res.stdout
+    assert sorted(p.name for p in out.parent.iterdir()) == ["cpu_kernels.so"]  # no temporary
+    _no_compiler(monkeypatch, tmp_path)
+    monkeypatch.setenv(native.LIBRARY_ENV, str(out))
+    native.reset()
+    try:
+        assert native.library() is not None
+        assert native.status() == f"native kernels ({out})"
+        assert not (tmp_path / "cache").exists()                     # nothing compiled
+        for kind in KINDS:
+            fmt = WireFormat(kind, 64)
+            x = _data(1001, torch.float32, 3, "nan")
+            assert two_stage._kernels(fmt, x) is not None
+            ref, got = _both(monkeypatch, lambda: two_stage.quantize(x, fmt))
+            assert _same(ref[0], got[0]) and _same(ref[1].contiguous(), got[1])
+        _check_reduction(monkeypatch, "int8", torch.float32, 3, 64, 1000, None)
+    finally:
+        native.reset()
+
+
+@pytest.mark.parametrize("bad", ["garbage", "missing"])
+def test_a_prebuilt_library_that_does_not_load_leaves_the_torch_form(monkeypatch, tmp_path,
+                                                                     caplog, bad):
+    path = tmp_path / "cpu_kernels.so"
+    if bad == "garbage":
+        path.write_bytes(b"not an ELF file\n" * 64)
+    _no_compiler(monkeypatch, tmp_path)
+    monkeypatch.setenv(native.LIBRARY_ENV, str(path))
+    native.reset()
+    try:
+        with caplog.at_level(logging.INFO, logger=native.__name__):
+            assert native.library() is None
+        assert "unavailable" in caplog.text and native.LIBRARY_ENV in caplog.text
+        assert native.status().startswith(f"torch form ({native.LIBRARY_ENV}={path}")
+        fmt = WireFormat("int8", 64)
+        x = _data(1000, torch.float32, 1)
+        assert two_stage._kernels(fmt, x) is None
+        wire, back = two_stage.quantize(x, fmt)
+        ref_wire, ref_back = two_stage._quantize_torch(x, fmt)
+        assert torch.equal(wire, ref_wire) and same_bits(back, ref_back)
+    finally:
+        native.reset()
+
+
+def test_the_cli_says_in_one_line_when_it_cannot_build(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "cpu_kernels.so"
+    res = subprocess.run([sys.executable, "-m", "pipe_horovod.compression.native", str(out)],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "CC": str(tmp_path / "no-such-cc")})
+    assert res.returncode == 1 and res.stderr.startswith("error: ") and "Traceback" not in res.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -16,9 +16,17 @@ no -ffast-math, no FMA contraction, no -march=native (a cache shared between
 machines must not carry instructions another CPU lacks: on x86-64 the kernels come
 in a baseline and an AVX2 copy instead, chosen at load time from the CPU's features).
 
-Without a compiler (the runtime Docker image has none), when compiling or loading
-fails, or with PIPE_HOROVOD_NATIVE_CODEC=0, `library()` returns None and the torch
-form runs; the reason is logged once (INFO).
+A prebuilt library: `python -m pipe_horovod.compression.native OUTPUT.so` (or
+`python native.py OUTPUT.so`: this file needs only the standard library) compiles it
+with the same compiler choice and flags (`build`), and `$PIPE_HOROVOD_NATIVE_LIBRARY`
+naming a file makes `library()` load that file instead of compiling (the Docker
+image: built in its build stage, which has the compiler; the runtime stage has none).
+The same ABI check applies, and the first use of each kind and dtype checks the bits
+against torch's (two_stage._self_check) as for a compiled one.
+
+Without a compiler and no prebuilt library, when compiling or loading fails (a
+prebuilt library that does not load included), or with PIPE_HOROVOD_NATIVE_CODEC=0,
+`library()` returns None and the torch form runs; the reason is logged once (INFO).
 """
 import ctypes
 import hashlib
@@ -34,6 +42,7 @@ import threading
 from pathlib import Path
 
 ENV = "PIPE_HOROVOD_NATIVE_CODEC"
+LIBRARY_ENV = "PIPE_HOROVOD_NATIVE_LIBRARY"   # a prebuilt library to load instead of compiling
 ABI_VERSION = 2                     # cpu_kernels.c's ABI_VERSION
 FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off",
          "-fno-trapping-math"]
@@ -41,7 +50,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
-_state = {"tried": False, "lib": None}
+_state = {"tried": False, "lib": None, "path": None, "error": None}
 
 
 def enabled():
@@ -59,10 +68,20 @@ def library():
                 try:
                     _state["lib"] = _load()
                 except Exception as exc:          # any failure: the torch form runs
+                    _state["error"] = str(exc)
                     log.info("pipe_horovod: native int8/fp8 codec unavailable (%s); using the "
                              "torch implementation", exc)
                 _state["tried"] = True
     return _state["lib"]
+
+
+def status():
+    """One line for `pipe-horovod check`: the library in use, or why the torch form runs."""
+    if library() is not None:
+        return f"native kernels ({_state['path']})"
+    if not enabled():
+        return f"torch form ({ENV}={os.environ.get(ENV)})"
+    return f"torch form ({_state['error']})"
 
 
 def _cache_dir():
@@ -83,27 +102,51 @@ def _compiler():
     return cc, (version[0] if version else "")
 
 
+def build(output, cc=None):
+    """Compile cpu_kernels.c with FLAGS into the file `output` (written to a private
+    temporary file beside it, then renamed: readers never see a partial library).
+    `cc`: the compiler command as a list (default: `_compiler()`'s)."""
+    cc = cc or _compiler()[0]
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=output.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cc)} failed: {done.stderr.strip()[:500]}")
+        os.chmod(tmp, 0o755)                  # mkstemp's 0600 would hide it from other users
+        os.replace(tmp, output)               # atomic: a concurrent rank sees all or nothing
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return output
+
+
 def _load():
+    prebuilt = os.environ.get(LIBRARY_ENV, "").strip()
+    if prebuilt:
+        path = Path(prebuilt)
+        if not path.is_file():
+            raise RuntimeError(f"{LIBRARY_ENV}={prebuilt} is not a file")
+        try:
+            return _open(path)
+        except Exception as exc:
+            raise RuntimeError(f"{LIBRARY_ENV}={prebuilt}: {exc}") from exc
     source = SOURCE.read_bytes()
     cc, version = _compiler()
     key = hashlib.sha256(b"\0".join([
         source, " ".join(cc).encode(), version.encode(), " ".join(FLAGS).encode(),
         platform.machine().encode(), sys.platform.encode()])).hexdigest()[:20]
-    folder = _cache_dir()
-    path = folder / f"cpu_kernels-{key}.so"
+    path = _cache_dir() / f"cpu_kernels-{key}.so"
     if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=folder)
-        os.close(fd)
-        try:
-            done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
-                                  capture_output=True, text=True, timeout=120)
-            if done.returncode:
-                raise RuntimeError(f"{' '.join(cc)} failed: {done.stderr.strip()[:500]}")
-            os.replace(tmp, path)             # atomic: a concurrent rank sees all or nothing
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        build(path, cc)
+    return _open(path)
+
+
+def _open(path):
+    """The library at `path`, its ABI checked and its functions typed."""
     lib = ctypes.CDLL(str(path))
     if lib.phv_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path}: ABI {lib.phv_abi_version()}, expected {ABI_VERSION}")
@@ -116,6 +159,7 @@ def _load():
         fn = getattr(lib, f"phv_reduce_{s}")
         fn.argtypes = [p, i64, i64, i64, i64, dbl, i32, i32, dbl, i32, p, p, p, i32, dbl, p]
         fn.restype = i64
+    _state["path"] = str(path)
     log.debug("pipe_horovod: native int8/fp8 codec loaded from %s", path)
     return lib
 
@@ -123,4 +167,28 @@ def _load():
 def reset():
     """Forget the loaded library so that the next `library()` loads it again (tests)."""
     with _lock:
-        _state.update(tried=False, lib=None)
+        _state.update(tried=False, lib=None, path=None, error=None)
+
+
+def main(argv=None):
+    """`python -m pipe_horovod.compression.native OUTPUT.so`: build the library there."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m pipe_horovod.compression.native",
+        description=f"Compile the int8/fp8 codec's C kernels into OUTPUT, for {LIBRARY_ENV} "
+                    "(compiler: $CC, else cc, gcc or clang).")
+    parser.add_argument("output", help="the shared library to write, e.g. cpu_kernels.so")
+    args = parser.parse_args(argv)
+    try:
+        path = build(args.output)
+        _open(path)                           # it loads and its ABI is this module's
+    except Exception as exc:                  # one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{path} (ABI {ABI_VERSION})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

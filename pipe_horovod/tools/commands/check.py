@@ -2,13 +2,16 @@
 
 Answers before a user spends cluster time: which engines import, which
 controllers and collectives Horovod was built with, which frameworks are
-present. Exits non-zero when something the user asked for is missing.
+present, and whether the int8/fp8 codec runs its C kernels on CPU tensors (one
+line: the library, or why the torch form runs). Exits non-zero when something the
+user asked for is missing.
 """
 import importlib
 import os
 import shutil
 import sys
 
+from pipe_horovod.compression import native
 from pipe_horovod.engine import ENGINES, missing_package
 
 
@@ -126,6 +129,7 @@ def run(args):
             print(f"    {mark(value)} {item}{version}")
     if info["gpus"] and (line := no_gpu_line(info["gpus"])):
         print(line)
+    print(f"int8/fp8 codec on CPU: {native.status()}")
     lacking = missing(info)
     if lacking:
         print("missing:")
