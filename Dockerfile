@@ -11,7 +11,8 @@
 # No CUDA base image: the CUDA runtime, cuDNN and NCCL come with torch's
 # wheels from PyPI, and the compiler Horovod's NCCL ops need (nvcc) from
 # PyPI's CUDA toolkit wheels, pinned to torch's CUDA version, in a build stage
-# that the runtime image leaves behind. Any Debian or Ubuntu base with
+# that the runtime image leaves behind; so is the C compiler, which builds the
+# int8/fp8 codec's kernels there for the image (PIPE_HOROVOD_NATIVE_LIBRARY). Any Debian or Ubuntu base with
 # Python >= 3.10 works; no GPU is needed to build. Two nodes, Kubernetes:
 # docs/getting-started.md#docker.
 #
@@ -75,6 +76,14 @@ RUN --mount=type=secret,id=ca --mount=type=cache,target=/root/.cache/pip \
     && horovodrun --check-build \
     && mkdir /wheels && mv /tmp/horovod-cache/wheels/*/horovod-*.whl /wheels/ \
     && rm -rf /tmp/horovod-cache
+# The int8/fp8 codec's C kernels (pipe_horovod/compression/native.py), compiled
+# here, where the compiler is, by native.py's own CLI and flags (native.py needs
+# only the standard library, so it runs without the package). Only these two
+# files are copied: a change elsewhere in the package leaves this cached, and a
+# change to them rebuilds it in seconds, after Horovod's layers. Not in /wheels:
+# the image's Horovod install mounts that, and would be rebuilt too.
+COPY pipe_horovod/compression/native.py pipe_horovod/compression/cpu_kernels.c /tmp/native/
+RUN python /tmp/native/native.py /native/cpu_kernels.so
 
 # ---- the image ----
 FROM system AS pipe-horovod
@@ -120,11 +129,19 @@ RUN if [ "${USER_NAME}" != root ]; then \
         && chown -R "${USER_NAME}" "$home" /opt/pipe_horovod; \
     fi
 
-# This repository last, so that a change to it rebuilds only this layer.
+# The prebuilt kernels, loaded instead of compiling on first use (this stage has no
+# compiler; without them the codec would run its slower torch form on CPU tensors).
+COPY --from=build /native/cpu_kernels.so /opt/pipe_horovod/lib/cpu_kernels.so
+ENV PIPE_HOROVOD_NATIVE_LIBRARY=/opt/pipe_horovod/lib/cpu_kernels.so
+
+# This repository last, so that a change to it rebuilds only this layer. The build
+# fails if the kernels above do not load (e.g. an ABI other than native.py's).
 WORKDIR /opt/pipe_horovod
 COPY --chown=${USER_NAME} . /opt/pipe_horovod
 RUN pip install -q --no-deps --no-build-isolation . && pip check \
-    && pipe-horovod check --engine horovod --controller mpi --ops nccl --framework keras
+    && pipe-horovod check --engine horovod --controller mpi --ops nccl --framework keras \
+    && python -c "import sys; from pipe_horovod.compression import native; \
+sys.exit(native.library() is None and native.status())"
 USER ${USER_NAME}
 
 CMD ["pipe-horovod", "check"]

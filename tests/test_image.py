@@ -1,7 +1,8 @@
 """The Docker image, run as users run it (`make image` builds it, then runs this).
 
-One container: `pipe-horovod check` shows what is built and says in one
-line that no GPU is visible; the digits comparison of `make run` (2 workers
+One container: `pipe-horovod check` shows what is built, says in one
+line that no GPU is visible and in one that the int8/fp8 codec runs the prebuilt
+C kernels (the image has no compiler); the digits comparison of `make run` (2 workers
 under horovodrun) gives the same accuracies as `make run` on this machine.
 Two containers as two nodes: sshd in each (node1 on 127.0.0.1, node2 on
 127.0.0.2, both loopback, one port), one key pair mounted read-only as
@@ -91,6 +92,9 @@ def test_check_shows_the_build_and_says_no_gpu(image):
     gpu_lines = [line for line in out.splitlines() if "GPU" in line]
     assert gpu_lines == ["no GPU visible (no NVIDIA driver or device here; in a container, run it "
                          "with --gpus all): training runs on the CPU"], out
+    # The int8/fp8 codec's kernels, built in the build stage: loaded from the file the
+    # image's PIPE_HOROVOD_NATIVE_LIBRARY names, not compiled (the image has no compiler).
+    assert "int8/fp8 codec on CPU: native kernels (/opt/pipe_horovod/lib/cpu_kernels.so)" in out, out
 
 
 @pytest.mark.parametrize("framework", ["torch", "keras"])
