@@ -82,8 +82,9 @@ RUN --mount=type=secret,id=ca --mount=type=cache,target=/root/.cache/pip \
 # files are copied: a change elsewhere in the package leaves this cached, and a
 # change to them rebuilds it in seconds, after Horovod's layers. Not in /wheels:
 # the image's Horovod install mounts that, and would be rebuilt too.
-COPY pipe_horovod/compression/native.py pipe_horovod/compression/cpu_kernels.c /tmp/native/
-RUN python /tmp/native/native.py /native/cpu_kernels.so
+COPY pipe_horovod/compression/native.py pipe_horovod/compression/cpu_kernels.c \
+     /opt/pipe_horovod/pipe_horovod/compression/
+RUN python /opt/pipe_horovod/pipe_horovod/compression/native.py /native/cpu_kernels.so
 
 # ---- the image ----
 FROM system AS pipe-horovod
