@@ -108,17 +108,24 @@ def test_name_matching_compares_the_engine_with_plain_all_reduce():
     assert collectives_report.summarize(plain)["name_matching"] == []
 
 
-@pytest.mark.timeout(120)
-def test_local_torch_run_reports_every_algorithm_and_codec(tmp_path):
+def run_local_bench(tmp_path, name, *options):
+    """`pipe-horovod bench-collectives` on 2 local torch workers at 4 KiB and 64 KiB, one
+    rep, writing `name`.* under tmp_path; the finished process (exit 0 asserted)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     env.pop("PIPE_HOROVOD_ENGINE", None)
     cmd = [sys.executable, "-m", "pipe_horovod.tools.cli", "bench-collectives", "--no-progress",
            "--workers", "2", "--engine", "torch", "--sizes", "4KiB,64KiB", "--reps", "1",
-           "--unmatched", "--out", str(tmp_path), "--name", "bc"]
+           *options, "--out", str(tmp_path), "--name", name]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=110,
                          stdin=subprocess.DEVNULL)
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+    return res
+
+
+@pytest.mark.timeout(120)
+def test_local_torch_run_reports_every_algorithm_and_codec(tmp_path):
+    res = run_local_bench(tmp_path, "bc", "--unmatched")
     for name in ("bc-raw.json", "bc.md", "bc.json", "bc.png"):
         assert (tmp_path / name).is_file(), name
     assert (tmp_path / "bc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -193,16 +200,8 @@ def test_two_stage_configs_run_only_codecs_with_a_wire_format():
 
 @pytest.mark.timeout(120)
 def test_local_run_times_the_engines_two_stage_quantized_allreduce(tmp_path):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    env.pop("PIPE_HOROVOD_ENGINE", None)
-    cmd = [sys.executable, "-m", "pipe_horovod.tools.cli", "bench-collectives", "--no-progress",
-           "--workers", "2", "--engine", "torch", "--sizes", "4KiB,64KiB", "--reps", "1",
-           "--algorithms", "ring,two-stage", "--codecs", "none,int8,fp8_e4m3",
-           "--out", str(tmp_path), "--name", "ts"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=110,
-                         stdin=subprocess.DEVNULL)
-    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+    run_local_bench(tmp_path, "ts", "--algorithms", "ring,two-stage", "--codecs",
+                    "none,int8,fp8_e4m3")
     summary = json.loads((tmp_path / "ts.json").read_text())
     configs = ["native/none", "ring/none", "ring/int8", "two-stage/int8", "two-stage/fp8_e4m3"]
     assert summary["meta"]["configs"] == configs

@@ -181,6 +181,16 @@ def test_float16_buckets_take_the_kernels_through_float32(monkeypatch):
     assert torch.equal(out_ref.view(torch.int16), out_got.view(torch.int16))
 
 
+def _assert_the_torch_form_runs():
+    """No kernels are offered, and quantize gives the torch form's bits."""
+    fmt = WireFormat("int8", 64)
+    x = _data(1000, torch.float32, 1)
+    assert two_stage._kernels(fmt, x) is None
+    wire, back = two_stage.quantize(x, fmt)
+    ref_wire, ref_back = two_stage._quantize_torch(x, fmt)
+    assert torch.equal(wire, ref_wire) and same_bits(back, ref_back)
+
+
 def test_without_a_compiler_the_torch_form_runs(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("PIPE_HOROVOD_CACHE", str(tmp_path))
@@ -189,12 +199,7 @@ def test_without_a_compiler_the_torch_form_runs(monkeypatch, tmp_path, caplog):
         with caplog.at_level(logging.INFO, logger=native.__name__):
             assert native.library() is None
         assert "unavailable" in caplog.text
-        fmt = WireFormat("int8", 64)
-        x = _data(1000, torch.float32, 1)
-        assert two_stage._kernels(fmt, x) is None
-        wire, back = two_stage.quantize(x, fmt)
-        ref_wire, ref_back = two_stage._quantize_torch(x, fmt)
-        assert torch.equal(wire, ref_wire) and same_bits(back, ref_back)
+        _assert_the_torch_form_runs()
     finally:
         native.reset()                            # the next test loads the real cache
 
@@ -297,12 +302,7 @@ def test_a_prebuilt_library_that_does_not_load_leaves_the_torch_form(monkeypatch
             assert native.library() is None
         assert "unavailable" in caplog.text and native.LIBRARY_ENV in caplog.text
         assert native.status().startswith(f"torch form ({native.LIBRARY_ENV}={path}")
-        fmt = WireFormat("int8", 64)
-        x = _data(1000, torch.float32, 1)
-        assert two_stage._kernels(fmt, x) is None
-        wire, back = two_stage.quantize(x, fmt)
-        ref_wire, ref_back = two_stage._quantize_torch(x, fmt)
-        assert torch.equal(wire, ref_wire) and same_bits(back, ref_back)
+        _assert_the_torch_form_runs()
     finally:
         native.reset()
 
