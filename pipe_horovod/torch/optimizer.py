@@ -38,7 +38,7 @@ from ..collectives import check_collective
 from ..collectives.communicator import communicator
 from ..compression import Compression
 from ..compression import describe as describe_compression
-from ..pipeline.buckets import AutoBucketCap, bucket_cap_bytes, resolve_bucket_cap_mb
+from ..pipeline.buckets import BucketCapBytes, bucket_cap_bytes, resolve_bucket_cap_mb
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
                         check_reduction, check_staleness, compare_across_ranks,
                         report_unapplied, resolve_depth, staleness)
@@ -74,8 +74,6 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
                                     cap_bytes=bucket_cap_bytes(bucket_cap_mb),
                                     groups=groups, collective=collective)
         self._process_set = process_set          # None: every rank
-        # An automatic cap is chosen again for the new world size after an elastic reset.
-        self._auto_bucket_cap = isinstance(bucket_cap_mb, AutoBucketCap)
         self._passes_per_step = backward_passes_per_step
         self._op = op
         self._setup_sparse(sparse_as_dense)
@@ -502,7 +500,7 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
         """An automatic cap (bucket_cap_mb=None) depends on the world size: choose it again
         for the engine running now, and plan the buckets again if it changed (the next
         sync's load_state_dict plans with it too). An explicit cap stays as set."""
-        if not self._auto_bucket_cap:
+        if not isinstance(self._machine.cap_bytes, BucketCapBytes):   # an automatic cap's type
             return
         old, cap = self._machine.cap_bytes, bucket_cap_bytes(resolve_bucket_cap_mb(None))
         if int(cap) == int(old) and (getattr(cap, "split_model", False)
