@@ -458,11 +458,11 @@ def markdown(raws, command):
             " (prediction unclipped)" if raw.get("predict_unclipped") else "")
         for config, r in rows.items():
             delta = "" if sync is None or config == "sync" else f"{r['final_mean'] - sync:+.4f}"
-            lines.append(f"| {name} | {LABELS.get(config, config)} | {r['final_mean']:.4f} ± "
+            lines.append(f"| {name} | {LABELS[config]} | {r['final_mean']:.4f} ± "
                          f"{r['final_std']:.4f} | {' / '.join(f'{v:.4f}' for v in r['finals'])}"
                          f" | {delta} | {r['train_time_s']:.0f} |")
             if r["flushed_mean"] is not None:
-                lines.append(f"| {name} | {LABELS.get(config, config)}, after fit + flush() | "
+                lines.append(f"| {name} | {LABELS[config]}, after fit + flush() | "
                              f"{r['flushed_mean']:.4f} | | | |")
     return "\n".join(lines)
 
@@ -475,7 +475,7 @@ def plot(raws, path):
     fig, axes = plt.subplots(1, len(raws), figsize=(5.5 * len(raws), 4.2), squeeze=False)
     for ax, raw in zip(axes[0], raws):
         for config, r in summarize(raw).items():
-            ax.plot(r["steps"], r["curve"], marker=".", label=LABELS.get(config, config))
+            ax.plot(r["steps"], r["curve"], marker=".", label=LABELS[config])
         ax.set_title(f"{raw['framework']}: char transformer, AdamW, {raw['workers']} ranks")
         ax.set_xlabel("step")
         ax.set_ylabel(f"validation loss (mean of {len(raw['seeds'])} seeds)")
