@@ -17,6 +17,7 @@ BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 OK = "WORKER_OK"
+CASE_OK = "CASE_OK"
 
 
 # Open MPI refuses root without --allow-run-as-root (CI runs as root); 2 cores
@@ -51,6 +52,48 @@ def run(launcher, np, script, *args, timeout=120, env=None, expect_ok=True):
         path = WORKERS / script
     return run_command(command(launcher, np, [str(path), *map(str, args)]), np,
                        timeout=timeout, env=env, expect_ok=expect_ok)
+
+
+_CASE_LAUNCHES = {}
+
+
+def run_case(launcher, np, script, cases, case, *args, timeout=120, env=None):
+    """Check `case`, one of `cases` that a single launch of `script` runs in turn.
+
+    Start-up is most of a small launch's time, so several cases share one: the
+    worker gets them comma-separated as its first argument (`worker_cases` runs
+    them) and prints "CASE_OK <case> rank=N" after each one's assertions. The
+    launch is kept for the session, so each case's test reads the same one and
+    fails on its own, with every worker's output. The last case also asserts
+    the launch's clean exit (WORKER_OK from every rank, status 0).
+    """
+    assert case in cases, f"{case!r} is not one of this launch's cases {cases}"
+    key = (launcher, np, str(script), tuple(cases), tuple(map(str, args)),
+           tuple(sorted((env or {}).items())))
+    if key not in _CASE_LAUNCHES:
+        try:
+            _CASE_LAUNCHES[key] = run(launcher, np, script, ",".join(cases), *args,
+                                      timeout=timeout, env=env, expect_ok=False)
+        except AssertionError as timed_out:
+            _CASE_LAUNCHES[key] = (None, str(timed_out))
+    code, out = _CASE_LAUNCHES[key]
+    ranks = {int(r) for r in re.findall(rf"{CASE_OK} {re.escape(case)} rank=(\d+)", out)}
+    assert ranks == set(range(np)), (
+        f"case {case!r} of {script} {','.join(cases)}: {CASE_OK} from ranks {sorted(ranks)} "
+        f"of {np} (exit {code}); output:\n{out}")
+    if case == cases[-1]:
+        ranks = {int(r) for r in re.findall(rf"{OK} rank=(\d+)", out)}
+        assert code == 0 and ranks == set(range(np)), (
+            f"{script} {','.join(cases)} exited {code}; {OK} from ranks {sorted(ranks)} of {np}; "
+            f"output:\n{out}")
+
+
+def worker_cases(checks, cases, rank):
+    """The worker's side of run_case: each named check in turn, CASE_OK after each.
+    `rank` is called after a check, which may be what initialised the engine."""
+    for case in cases.split(","):
+        checks[case]()
+        print(f"{CASE_OK} {case} rank={rank()}", flush=True)
 
 
 def _descendants(pid):
@@ -111,9 +154,11 @@ def run_command(cmd, np, timeout=120, env=None, expect_ok=True):
     return proc.returncode, out
 
 
+@functools.cache
 def horovod_missing():
     """None when horovod.torch imports here, else why not (checked in a subprocess,
-    so a broken build cannot take the test process down)."""
+    so a broken build cannot take the test process down; once per session, as
+    the import costs more than a second)."""
     try:
         res = subprocess.run([sys.executable, "-c", "import horovod.torch"],
                              capture_output=True, text=True, timeout=60)

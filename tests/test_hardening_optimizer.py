@@ -6,16 +6,17 @@ import pytest
 import launcher
 
 LAUNCHES = [("local", 1), ("horovod", 2), ("torch", 2)]
+MODES = ["threads", "skipped", "rollback", "rewrap"]     # one launch per engine runs them all
 
 
-@pytest.mark.parametrize("mode", ["threads", "skipped", "rollback", "rewrap"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("engine_name, np", LAUNCHES)
 def test_defect_is_fixed(engine_name, np, mode):
     if engine_name == "horovod":
         reason = launcher.horovod_missing()
         if reason:
             pytest.skip(reason)
-    launcher.run(engine_name, np, "hardening_worker.py", mode, timeout=240)
+    launcher.run_case(engine_name, np, "hardening_worker.py", MODES, mode, timeout=300)
 
 
 def test_wrapping_a_wrapped_optimizer_is_refused():

@@ -1,6 +1,6 @@
 """Launched on N ranks: the optimizer defects of issue 14, each against the oracle.
 
-`python hardening_worker.py MODE`:
+`python hardening_worker.py MODE[,MODE...]` (one launch runs several, launcher.run_case):
   threads   backward runs on two threads at once (as CPU and CUDA leaves do)
   mixed     one backward over CPU and CUDA parameters (needs a GPU; gloo for CUDA)
   skipped   a GradScaler skips the last step's update, then flush()
@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import launcher  # noqa: E402
 import oracle  # noqa: E402
 from optimizer_worker import (MLP, STEPS, assert_close, data_for, fresh,  # noqa: E402
                               make_optimizer, oracle_rtol, train)
@@ -222,13 +223,14 @@ def check_rewrap():
 
 
 def main():
-    if sys.argv[1] == "mixed" and "WORLD_SIZE" in os.environ:
+    if "mixed" in sys.argv[1].split(",") and "WORLD_SIZE" in os.environ:
         # Two ranks share this machine's one GPU: gloo reduces the CUDA buckets
         # (NCCL refuses two ranks on one device); the torch engine adopts the group.
         torch.distributed.init_process_group("gloo")
     phvd.init()
-    {"threads": check_threads, "mixed": check_mixed, "skipped": check_skipped, "rollback": check_rollback,
-     "rewrap": check_rewrap}[sys.argv[1]]()
+    launcher.worker_cases({"threads": check_threads, "mixed": check_mixed, "skipped": check_skipped,
+                           "rollback": check_rollback, "rewrap": check_rewrap},
+                          sys.argv[1], phvd.rank)
     print(f"WORKER_OK rank={phvd.rank()}", flush=True)
     phvd.shutdown()
 
