@@ -6,9 +6,13 @@ import launcher
 import pipe_horovod.torch as phvd
 
 pytestmark = pytest.mark.timeout(400)
-LAUNCHES = [("horovod", 2), ("horovod", 3), ("torch", 2), ("torch", 3)]
-# The oracle at 2 ranks runs in test_mpi.py's launches (horovod over MPI, torch under mpirun).
-ORACLE_LAUNCHES = [("horovod", 3), ("torch", 3)]
+# optimizer_worker.py's cases, one launch per engine and size (launcher.run_case). The
+# oracle at 2 ranks runs in test_mpi.py's launches (horovod over MPI, torch under mpirun).
+CASES = {("local", 1): ["oracle", "features", "param-group"],
+         ("horovod", 2): ["features", "param-group"],
+         ("horovod", 3): ["oracle", "features", "process-set"],
+         ("torch", 2): ["features"],
+         ("torch", 3): ["oracle", "features", "param-group", "process-set"]}
 
 
 def needs(engine_name):
@@ -16,23 +20,29 @@ def needs(engine_name):
         pytest.importorskip("horovod.torch")
 
 
-@pytest.mark.parametrize("engine_name, np, mode", [
-    *((e, n, "oracle") for e, n in ORACLE_LAUNCHES), *((e, n, "features") for e, n in LAUNCHES)])
-def test_matches_single_process_oracle(engine_name, np, mode):
+def run_case(engine_name, np, case):
     needs(engine_name)
-    launcher.run(engine_name, np, "optimizer_worker.py", mode, timeout=300)
+    # Horovod adds a set after init only with HOROVOD_DYNAMIC_PROCESS_SETS=1, as users must.
+    launcher.run_case(engine_name, np, "optimizer_worker.py", CASES[engine_name, np], case,
+                      timeout=360, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
 
 
-@pytest.mark.parametrize("mode", ["oracle", "features", "param-group"])
+@pytest.mark.parametrize("engine_name, np, mode", [
+    (e, n, mode) for (e, n), cases in CASES.items() if e != "local"
+    for mode in ("oracle", "features") if mode in cases])
+def test_matches_single_process_oracle(engine_name, np, mode):
+    run_case(engine_name, np, mode)
+
+
+@pytest.mark.parametrize("mode", CASES["local", 1])
 def test_single_process_matches_oracle(mode):
     # One rank takes the no-copy path: a step's gradient is `.grad` itself.
-    launcher.run("local", 1, "optimizer_worker.py", mode)
+    run_case("local", 1, mode)
 
 
 @pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("torch", 3)])
 def test_param_group_added_after_wrapping_is_reduced(engine_name, np):
-    needs(engine_name)
-    launcher.run(engine_name, np, "optimizer_worker.py", "param-group")
+    run_case(engine_name, np, "param-group")
 
 
 @pytest.mark.parametrize("engine_name, np", [("local", 1), ("horovod", 2), ("torch", 3)])
@@ -44,10 +54,7 @@ def test_sparse_gradients_match_the_oracle(engine_name, np):
 
 @pytest.mark.parametrize("engine_name", ["horovod", "torch"])
 def test_optimizer_reduces_over_a_process_set(engine_name):
-    needs(engine_name)
-    # Horovod adds a set after init only with HOROVOD_DYNAMIC_PROCESS_SETS=1, as users must.
-    launcher.run(engine_name, 3, "optimizer_worker.py", "process-set",
-                 env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    run_case(engine_name, 3, "process-set")
 
 
 def test_depth_one_matches_horovods_optimizer():

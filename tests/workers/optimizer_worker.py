@@ -1,6 +1,7 @@
 """Launched on N ranks: the pipelined optimizer against the single-process oracle.
 
-`python optimizer_worker.py MODE`; every rank runs the same scenarios on
+`python optimizer_worker.py MODE[,MODE...]` (one launch runs several,
+launcher.run_case; process-set last, as it leaves a set behind); every rank runs the same scenarios on
 its own data shard and checks its weights against the oracle, which every
 rank can compute alone because all data is derived from (rank, step).
 """
@@ -15,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import launcher  # noqa: E402
 import oracle  # noqa: E402
 import pipe_horovod.torch as phvd  # noqa: E402
 from tolerance import THREADS, fan_ins, relative_error, training_rtol  # noqa: E402
@@ -336,9 +338,9 @@ def check_process_set():
 
 def main():
     phvd.init()
-    mode = sys.argv[1]
-    {"oracle": check_oracle, "features": check_features, "param-group": check_param_group,
-     "process-set": check_process_set}[mode]()
+    launcher.worker_cases({"oracle": check_oracle, "features": check_features,
+                           "param-group": check_param_group, "process-set": check_process_set},
+                          sys.argv[1], phvd.rank)
     print(f"WORKER_OK rank={phvd.rank()}", flush=True)
     phvd.shutdown()
 
