@@ -66,8 +66,7 @@ def _resume_matches_uninterrupted(tmp_path, engine_name, np, kind, depth, resume
                                   compensation="none"):
     full, ckpt, resumed = tmp_path / "full.pt", tmp_path / "ckpt.pt", tmp_path / "resumed.pt"
     args = (kind, depth, compensation)
-    launcher.run(engine_name, np, "checkpoint_worker.py", "full", *args, full)
-    launcher.run(engine_name, np, "checkpoint_worker.py", "save", *args, ckpt)
+    launcher.run(engine_name, np, "checkpoint_worker.py", "save", *args, ckpt, full)
     launcher.run(engine_name, np, "checkpoint_worker.py", resume, *args, ckpt, resumed)
     a, b = torch.load(full), torch.load(resumed)
     assert a.keys() == b.keys()

@@ -1,7 +1,8 @@
 """Checkpoint with gradients in flight, resumed in new processes.
 
-`full DEPTH OUT`: 20 steps uninterrupted, rank 0 saves the final weights.
-`save DEPTH CKPT`: 7 steps, rank 0 alone saves model + optimizer state.
+`save DEPTH CKPT OUT`: 7 steps, rank 0 alone saves model + optimizer state,
+then the run goes on uninterrupted to 20 steps and rank 0 saves the final
+weights (saving mid-run and carrying on, as users do, must not change them).
 `resume DEPTH CKPT OUT`: new processes, every rank loads it, trains steps 7..19.
 `resume-rank0 DEPTH CKPT OUT`: Horovod's own resume pattern
 (pytorch_imagenet_resnet50.py): rank 0 alone loads the checkpoint, then
@@ -10,7 +11,7 @@ The test compares the OUT files bit for bit.
 
 COMPENSATION (`none` or an option) follows DEPTH. Under `lookahead` each rank
 predicts its next point from its own gradient of the step in flight, which
-rank 0's checkpoint holds only for rank 0: there `full` gives every rank
+rank 0's checkpoint holds only for rank 0: there `save` gives every rank
 rank 0's optimizer state (that kept gradient) at step 7, which is exactly
 what a resume from rank 0's checkpoint does.
 """
@@ -36,34 +37,31 @@ def build(kind, depth, compensation):
 
 def main():
     phvd.init()
-    mode, kind, depth, path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[5]
+    mode, kind, depth = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ckpt_path, out_path = sys.argv[5], sys.argv[6]
     compensation = None if sys.argv[4] == "none" else sys.argv[4]
     model, opt = build(kind, depth, compensation)
-    if mode == "full":
-        train(model, opt, data_for(), steps=SAVE_AT)
-        if compensation == "lookahead":
-            phvd.broadcast_optimizer_state(opt, root_rank=0)
-        train(model, opt, data_for(), steps=STEPS, start=SAVE_AT)
-    elif mode == "save":
+    if mode == "save":
         train(model, opt, data_for(), steps=SAVE_AT)
         assert len(opt._fifo) == depth - 1, "the checkpoint must hold the gradients in flight"
         if phvd.rank() == 0:                     # as users write it: rank 0 only
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, ckpt_path)
         phvd.barrier()
+        if compensation == "lookahead":
+            phvd.broadcast_optimizer_state(opt, root_rank=0)
+        train(model, opt, data_for(), steps=STEPS, start=SAVE_AT)
     elif mode in ("resume", "resume-rank0"):
         if mode == "resume" or phvd.rank() == 0:
-            ckpt = torch.load(path, weights_only=False)
+            ckpt = torch.load(ckpt_path, weights_only=False)
             model.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["opt"])
         if mode == "resume-rank0":
             phvd.broadcast_parameters(model.state_dict(), root_rank=0)
             phvd.broadcast_optimizer_state(opt, root_rank=0)
         train(model, opt, data_for(), steps=STEPS, start=SAVE_AT)
-        path = sys.argv[6]
-    if mode != "save":
-        opt.flush()
-        if phvd.rank() == 0:
-            torch.save(model.state_dict(), path)
+    opt.flush()
+    if phvd.rank() == 0:
+        torch.save(model.state_dict(), out_path)
     print(f"WORKER_OK rank={phvd.rank()}", flush=True)
     phvd.shutdown()
 
