@@ -205,12 +205,32 @@ def test_without_a_compiler_the_torch_form_runs(monkeypatch, tmp_path, caplog):
 
 
 def test_a_fresh_cache_compiles_once_and_the_switch_turns_it_off(monkeypatch, tmp_path):
+    import os
+    import time
+
     monkeypatch.setenv("PIPE_HOROVOD_CACHE", str(tmp_path))
+    cache = tmp_path / "native"
+    cache.mkdir()
+    # What earlier releases and a killed build left: unused for longer than STALE_DAYS,
+    # a temporary over an hour old (removed), one library used lately and a build
+    # still under way (kept).
+    ages = {"cpu_kernels-old.so": (native.STALE_DAYS + 1) * 86400, ".cpu_kernels-x.so": 7200,
+            "cpu_kernels-recent.so": (native.STALE_DAYS - 1) * 86400, ".cpu_kernels-y.so": 60}
+    for name, age in ages.items():
+        (cache / name).write_bytes(b"")
+        os.utime(cache / name, (time.time() - age,) * 2)
     native.reset()
     try:
         assert native.library() is not None
-        assert [p.name for p in (tmp_path / "native").iterdir()][0].startswith("cpu_kernels-")
-        assert len(list((tmp_path / "native").iterdir())) == 1     # no temporary left
+        built = [p.name for p in cache.iterdir() if p.name not in ages]
+        assert len(built) == 1 and built[0].startswith("cpu_kernels-")   # no temporary left
+        assert sorted(p.name for p in cache.iterdir()) == sorted(
+            [*built, "cpu_kernels-recent.so", ".cpu_kernels-y.so"])
+        # Loading a cached library marks it used, so no later build removes it.
+        os.utime(cache / built[0], (time.time() - 2 * native.STALE_DAYS * 86400,) * 2)
+        native.reset()
+        assert native.library() is not None
+        assert time.time() - (cache / built[0]).stat().st_mtime < 3600
         monkeypatch.setenv(native.ENV, "0")
         assert native.library() is None
         assert two_stage._kernels(WireFormat("int8"), torch.zeros(4)) is None

@@ -11,7 +11,10 @@ compiler (`$CC`, else cc, gcc or clang) into a per-user cache
 (`$PIPE_HOROVOD_CACHE`, else `$XDG_CACHE_HOME` or ~/.cache, then
 pipe_horovod/native/), named by a hash of the source, the compiler, its version,
 the flags and the platform; a rank writes a private temporary file and renames it
-into place, so ranks compiling at once do not race. The flags keep IEEE semantics:
+into place, so ranks compiling at once do not race. A build also removes the
+libraries no process has loaded for STALE_DAYS (each load refreshes its file's
+time; a new release, compiler or flag leaves the old one behind) and temporary
+files a killed build left. The flags keep IEEE semantics:
 no -ffast-math, no FMA contraction, no -march=native (a cache shared between
 machines must not carry instructions another CPU lacks: on x86-64 the kernels come
 in a baseline and an AVX2 copy instead, chosen at load time from the CPU's features).
@@ -39,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 ENV = "PIPE_HOROVOD_NATIVE_CODEC"
@@ -47,6 +51,7 @@ ABI_VERSION = 2                     # cpu_kernels.c's ABI_VERSION
 FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off",
          "-fno-trapping-math"]
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+STALE_DAYS = 30              # a cached library unused this long is removed by the next build
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -140,9 +145,28 @@ def _load():
         source, " ".join(cc).encode(), version.encode(), " ".join(FLAGS).encode(),
         platform.machine().encode(), sys.platform.encode()])).hexdigest()[:20]
     path = _cache_dir() / f"cpu_kernels-{key}.so"
-    if not path.exists():
+    if path.exists():
+        try:
+            os.utime(path)                    # in use: not stale (_prune)
+        except OSError:                       # a read-only cache shared by a cluster
+            pass
+    else:
         build(path, cc)
+        _prune(path)
     return _open(path)
+
+
+def _prune(keep):
+    """Remove the cache's other libraries unused for STALE_DAYS, and build temporaries
+    over an hour old (a build takes seconds: those of a killed process)."""
+    now = time.time()
+    for pattern, age in (("cpu_kernels-*.so", STALE_DAYS * 86400), (".cpu_kernels-*.so", 3600)):
+        for old in keep.parent.glob(pattern):
+            try:
+                if old != keep and now - old.stat().st_mtime > age:
+                    old.unlink()
+            except OSError:                   # another rank removed it first, or no right to
+                pass
 
 
 def _open(path):
