@@ -1,6 +1,8 @@
 """The Keras 3 adapter on real workers: `model.fit` against the NumPy reference
 (tests/keras_reference.py), on the TensorFlow and torch backends, under plain
 python, torchrun and horovodrun."""
+import re
+
 import numpy as np
 import pytest
 
@@ -24,6 +26,13 @@ LAST_MODE = ",api"           # rank 0 alone builds optimizers there: nothing may
 # The path GPU tensors take on TensorFlow (tf.py_function + DLPack) is forced on CPU in the
 # horovodrun launch; the others take NumPy's (a launch of its own cost 19 s).
 DLPACK_LAUNCH = ("horovod", "tensorflow")
+# The checkpoint test's first launch (fit, and save with gradients in flight) is the fit
+# launch of its engine and backend (two launches of ~10 s start-up each saved); before
+# overlap (its slowed reductions stay) and api. Its resume stays a launch of its own: new
+# processes are the point.
+CHECKPOINT_MODES = {("torch", "tensorflow"): ",full,save", ("horovod", "torch"): ",full,save"}
+CHECKPOINT_DEPTH = 3
+_FIT_LAUNCHES = {}
 
 
 def needs(engine_name):
@@ -33,39 +42,65 @@ def needs(engine_name):
             pytest.skip(reason)
 
 
+def fit_launch(tmp_path_factory, engine_name, backend, np_):
+    """The fit launch of this engine and backend, run once in the session, since the
+    checkpoint test reads it too: (its folder, exit code, output)."""
+    key = (engine_name, backend)
+    if key not in _FIT_LAUNCHES:
+        tmp = tmp_path_factory.mktemp(f"keras-{engine_name}-{backend}")
+        modes = ONLY_MODES.get(key, MODES[engine_name] + CHECKPOINT_MODES.get(key, "")
+                               + EXTRA_MODES.get(key, "") + LAST_MODE)
+        args = (CHECKPOINT_DEPTH, tmp / "full.npz", tmp / "m.keras") if key in CHECKPOINT_MODES \
+            else ()
+        env = {"KERAS_BACKEND": backend, "PIPE_HOROVOD_TEST_DIR": str(tmp)}
+        if key == DLPACK_LAUNCH:
+            env["PIPE_HOROVOD_KERAS_TRANSFER"] = "dlpack"
+        try:
+            code, out = launcher.run(engine_name, np_, "keras_worker.py", modes, *args,
+                                     timeout=600, env=env, expect_ok=False)
+        except AssertionError as timed_out:
+            code, out = None, str(timed_out)
+        _FIT_LAUNCHES[key] = tmp, code, out
+    return _FIT_LAUNCHES[key]
+
+
+def ranks_saying(line, out):
+    return {int(r) for r in re.findall(rf"{re.escape(line)} rank=(\d+)", out)}
+
+
 @pytest.mark.parametrize("backend", ["tensorflow", "torch"])
 @pytest.mark.parametrize("engine_name, np_", [("local", 1), ("torch", 2), ("horovod", 2)])
-def test_fit_matches_the_reference(tmp_path, backend, engine_name, np_):
+def test_fit_matches_the_reference(tmp_path_factory, backend, engine_name, np_):
     """Weights after fit and after flush, K = 1, 2, 3, warm-up 0 and 2, SGD and Adam, plain
     and with lookahead (on torch: the other staleness options too); the callbacks; bad input
     raising on every rank; K=2 hiding a slow reduction; Horovod's value collectives and
     load_model; on TensorFlow under horovodrun, through DLPack."""
     needs(engine_name)
-    modes = ONLY_MODES.get((engine_name, backend), MODES[engine_name] + EXTRA_MODES.get(
-        (engine_name, backend), "") + LAST_MODE)
-    env = {"KERAS_BACKEND": backend, "PIPE_HOROVOD_TEST_DIR": str(tmp_path)}
-    if (engine_name, backend) == DLPACK_LAUNCH:
-        env["PIPE_HOROVOD_KERAS_TRANSFER"] = "dlpack"
-    launcher.run(engine_name, np_, "keras_worker.py", modes, timeout=600, env=env)
+    _, code, out = fit_launch(tmp_path_factory, engine_name, backend, np_)
+    ranks = ranks_saying(launcher.OK, out)
+    assert code == 0 and ranks == set(range(np_)), (
+        f"{engine_name} {backend} exited {code}; {launcher.OK} from ranks {sorted(ranks)} of "
+        f"{np_}; output:\n{out}")
 
 
 @pytest.mark.parametrize("backend, engine_name", [("tensorflow", "torch"), ("torch", "horovod")])
-def test_save_load_continue_is_bit_identical(tmp_path, backend, engine_name):
+def test_save_load_continue_is_bit_identical(tmp_path_factory, backend, engine_name):
     """model.save with gradients in flight (K=3: two), load_model in new processes, fit on;
     plain Pipe-SGD in Horovod's pattern (rank 0 alone loads; BroadcastGlobalVariablesCallback
     gives the others its weights, slots and gradients in flight), with lookahead (its real
     weights and kept gradients saved too), and int8 with error feedback per ring hop and in
     two stages on the engine's collectives (each rank's residuals saved too)."""
     needs(engine_name)
-    env = {"KERAS_BACKEND": backend}
-    full, resumed, ckpt = tmp_path / "full.npz", tmp_path / "resumed.npz", tmp_path / "m.keras"
-    launcher.run(engine_name, 2, "keras_worker.py", "full,save", 3, full, ckpt, env=env,
-                 timeout=300)
-    launcher.run(engine_name, 2, "keras_worker.py", "resume", 3, ckpt, resumed, env=env,
-                 timeout=300)
+    tmp, code, out = fit_launch(tmp_path_factory, engine_name, backend, 2)
+    for mode in ("full", "save"):    # the fit test answers for the launch's other modes
+        ranks = ranks_saying(f"MODE_OK {mode}", out)
+        assert ranks == {0, 1}, (f"{engine_name} {backend}: {mode} done on ranks "
+                                 f"{sorted(ranks)} of 2 (exit {code}); output:\n{out}")
+    launcher.run(engine_name, 2, "keras_worker.py", "resume", CHECKPOINT_DEPTH, tmp / "m.keras",
+                 tmp / "resumed.npz", env={"KERAS_BACKEND": backend}, timeout=300)
     for case in ("None", "lookahead", "int8", "int8-engine"):
-        want = np.load(tmp_path / f"{case}-full.npz")
-        got = np.load(tmp_path / f"{case}-resumed.npz")
+        want = np.load(tmp / f"{case}-full.npz")
+        got = np.load(tmp / f"{case}-resumed.npz")
         assert want.files == got.files
         for key in want.files:
             assert np.array_equal(want[key], got[key]), (case, key)

@@ -9,7 +9,10 @@ NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
                          too; on torch one case of each other option
   full K OUT             all STEPS steps, then flush; weights to OUT (.npz)
   save K CKPT            SAVE_AT steps, then save the model (gradients in flight)
-  full,save K OUT CKPT   both, in one launch (TensorFlow starts slowly), other optimizers
+  full,save K OUT CKPT   both, in one launch, other optimizers; also among other modes
+                         (`oracle,full,save,api K OUT CKPT`), so that a checkpoint test's
+                         first launch is a fit test's (TensorFlow starts slowly). Before
+                         overlap: its slowed reductions stay slow
   resume K CKPT OUT      new processes: load CKPT, fit the rest, flush (each of these three
                          runs plain Pipe-SGD in Horovod's pattern: rank 0 saves, rank 0 alone
                          loads and BroadcastGlobalVariablesCallback gives the others its
@@ -554,19 +557,21 @@ def check_load_model(tmp):
 
 def main():
     phvd.init()
-    mode, args = sys.argv[1], sys.argv[2:]
-    if mode == "full,save":
-        depth, out, path = args
-        check_checkpoint("full", depth, out)
-        check_checkpoint("save", depth, path)
-    elif mode in ("full", "save", "resume"):
-        check_checkpoint(mode, *args)
+    modes, args = sys.argv[1].split(","), sys.argv[2:]
+    if modes == ["resume"]:
+        check_checkpoint("resume", *args)
     else:
+        # K, then one file for each of full and save that the launch runs, in that order.
+        files = dict(zip([m for m in modes if m in ("full", "save")], args[1:]))
         checks = {"oracle": check_oracle, "staleness": check_staleness,
                   "callbacks": check_callbacks, "errors": check_errors, "overlap": check_overlap,
-                  "api": lambda: check_api(Path(os.environ["PIPE_HOROVOD_TEST_DIR"]))}
-        for name in mode.split(","):             # several in one launch: TF starts slowly
+                  "api": lambda: check_api(Path(os.environ["PIPE_HOROVOD_TEST_DIR"])),
+                  "full": lambda: check_checkpoint("full", args[0], files["full"]),
+                  "save": lambda: check_checkpoint("save", args[0], files["save"])}
+        for name in modes:                       # several in one launch: TF starts slowly
             checks[name]()
+            # The checkpoint test reads its own modes' lines: a later mode's failure is not its.
+            print(f"MODE_OK {name} rank={phvd.rank()}", flush=True)
     print(f"WORKER_OK rank={phvd.rank()}", flush=True)
     phvd.shutdown()
 
