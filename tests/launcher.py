@@ -54,38 +54,58 @@ def run(launcher, np, script, *args, timeout=120, env=None, expect_ok=True):
                        timeout=timeout, env=env, expect_ok=expect_ok)
 
 
-_CASE_LAUNCHES = {}
+_KEPT = {}
+
+
+def run_once(launcher, np, script, *args, timeout=120, env=None):
+    """`run`'s (exit code, output), without its assertions, of a launch kept for the
+    session: several tests (one per case it runs) read the same launch. A timeout
+    is kept as its output, with exit code None."""
+    key = (launcher, np, str(script), tuple(map(str, args)), tuple(sorted((env or {}).items())))
+    if key not in _KEPT:
+        try:
+            _KEPT[key] = run(launcher, np, script, *args, timeout=timeout, env=env,
+                             expect_ok=False)
+        except AssertionError as timed_out:
+            _KEPT[key] = (None, str(timed_out))
+    return _KEPT[key]
+
+
+def ranks_saying(out, word, case=None):
+    """The ranks that printed "WORD rank=N" (or "WORD CASE rank=N")."""
+    what = word if case is None else f"{word} {re.escape(case)}"
+    return {int(r) for r in re.findall(rf"{what} rank=(\d+)", out)}
+
+
+def assert_finished(code, out, np, what):
+    """A zero exit and WORKER_OK from ranks 0..np-1."""
+    ranks = ranks_saying(out, OK)
+    assert code == 0 and ranks == set(range(np)), (
+        f"{what} exited {code}; {OK} from ranks {sorted(ranks)} of {np}; output:\n{out}")
+
+
+def assert_case(code, out, np, case, what):
+    """CASE_OK for `case` from ranks 0..np-1 (worker_cases prints it)."""
+    ranks = ranks_saying(out, CASE_OK, case)
+    assert ranks == set(range(np)), (
+        f"case {case!r} of {what}: {CASE_OK} from ranks {sorted(ranks)} of {np} (exit {code}); "
+        f"output:\n{out}")
 
 
 def run_case(launcher, np, script, cases, case, *args, timeout=120, env=None):
     """Check `case`, one of `cases` that a single launch of `script` runs in turn.
 
-    Start-up is most of a small launch's time, so several cases share one: the
-    worker gets them comma-separated as its first argument (`worker_cases` runs
-    them) and prints "CASE_OK <case> rank=N" after each one's assertions. The
-    launch is kept for the session, so each case's test reads the same one and
-    fails on its own, with every worker's output. The last case also asserts
-    the launch's clean exit (WORKER_OK from every rank, status 0).
+    Start-up is most of a small launch's time, so several cases share one
+    (run_once): the worker gets them comma-separated as its first argument
+    (`worker_cases` runs them), and each case's test fails on its own, with
+    every worker's output. The last case also asserts the launch's clean exit.
     """
     assert case in cases, f"{case!r} is not one of this launch's cases {cases}"
-    key = (launcher, np, str(script), tuple(cases), tuple(map(str, args)),
-           tuple(sorted((env or {}).items())))
-    if key not in _CASE_LAUNCHES:
-        try:
-            _CASE_LAUNCHES[key] = run(launcher, np, script, ",".join(cases), *args,
-                                      timeout=timeout, env=env, expect_ok=False)
-        except AssertionError as timed_out:
-            _CASE_LAUNCHES[key] = (None, str(timed_out))
-    code, out = _CASE_LAUNCHES[key]
-    ranks = {int(r) for r in re.findall(rf"{CASE_OK} {re.escape(case)} rank=(\d+)", out)}
-    assert ranks == set(range(np)), (
-        f"case {case!r} of {script} {','.join(cases)}: {CASE_OK} from ranks {sorted(ranks)} "
-        f"of {np} (exit {code}); output:\n{out}")
+    code, out = run_once(launcher, np, script, ",".join(cases), *args, timeout=timeout, env=env)
+    what = f"{script} {','.join(cases)}"
+    assert_case(code, out, np, case, what)
     if case == cases[-1]:
-        ranks = {int(r) for r in re.findall(rf"{OK} rank=(\d+)", out)}
-        assert code == 0 and ranks == set(range(np)), (
-            f"{script} {','.join(cases)} exited {code}; {OK} from ranks {sorted(ranks)} of {np}; "
-            f"output:\n{out}")
+        assert_finished(code, out, np, what)
 
 
 def worker_cases(checks, cases, rank):
@@ -147,10 +167,7 @@ def run_command(cmd, np, timeout=120, env=None, expect_ok=True):
         out, _ = proc.communicate()
         raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s; output:\n{out}")
     if expect_ok:
-        ranks = {int(r) for r in re.findall(rf"{OK} rank=(\d+)", out)}
-        assert proc.returncode == 0 and ranks == set(range(np)), (
-            f"{' '.join(cmd)} exited {proc.returncode}; {OK} from ranks {sorted(ranks)} of {np}; "
-            f"output:\n{out}")
+        assert_finished(proc.returncode, out, np, " ".join(cmd))
     return proc.returncode, out
 
 

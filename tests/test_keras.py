@@ -1,8 +1,6 @@
 """The Keras 3 adapter on real workers: `model.fit` against the NumPy reference
 (tests/keras_reference.py), on the TensorFlow and torch backends, under plain
 python, torchrun and horovodrun."""
-import re
-
 import numpy as np
 import pytest
 
@@ -32,7 +30,7 @@ DLPACK_LAUNCH = ("horovod", "tensorflow")
 # processes are the point.
 CHECKPOINT_MODES = {("torch", "tensorflow"): ",full,save", ("horovod", "torch"): ",full,save"}
 CHECKPOINT_DEPTH = 3
-_FIT_LAUNCHES = {}
+_FIT_DIRS = {}
 
 
 def needs(engine_name):
@@ -46,26 +44,18 @@ def fit_launch(tmp_path_factory, engine_name, backend, np_):
     """The fit launch of this engine and backend, run once in the session, since the
     checkpoint test reads it too: (its folder, exit code, output)."""
     key = (engine_name, backend)
-    if key not in _FIT_LAUNCHES:
-        tmp = tmp_path_factory.mktemp(f"keras-{engine_name}-{backend}")
-        modes = ONLY_MODES.get(key, MODES[engine_name] + CHECKPOINT_MODES.get(key, "")
-                               + EXTRA_MODES.get(key, "") + LAST_MODE)
-        args = (CHECKPOINT_DEPTH, tmp / "full.npz", tmp / "m.keras") if key in CHECKPOINT_MODES \
-            else ()
-        env = {"KERAS_BACKEND": backend, "PIPE_HOROVOD_TEST_DIR": str(tmp)}
-        if key == DLPACK_LAUNCH:
-            env["PIPE_HOROVOD_KERAS_TRANSFER"] = "dlpack"
-        try:
-            code, out = launcher.run(engine_name, np_, "keras_worker.py", modes, *args,
-                                     timeout=600, env=env, expect_ok=False)
-        except AssertionError as timed_out:
-            code, out = None, str(timed_out)
-        _FIT_LAUNCHES[key] = tmp, code, out
-    return _FIT_LAUNCHES[key]
-
-
-def ranks_saying(line, out):
-    return {int(r) for r in re.findall(rf"{re.escape(line)} rank=(\d+)", out)}
+    if key not in _FIT_DIRS:
+        _FIT_DIRS[key] = tmp_path_factory.mktemp(f"keras-{engine_name}-{backend}")
+    tmp = _FIT_DIRS[key]
+    modes = ONLY_MODES.get(key, MODES[engine_name] + CHECKPOINT_MODES.get(key, "")
+                           + EXTRA_MODES.get(key, "") + LAST_MODE)
+    args = (CHECKPOINT_DEPTH, tmp / "full.npz", tmp / "m.keras") if key in CHECKPOINT_MODES \
+        else ()
+    env = {"KERAS_BACKEND": backend, "PIPE_HOROVOD_TEST_DIR": str(tmp)}
+    if key == DLPACK_LAUNCH:
+        env["PIPE_HOROVOD_KERAS_TRANSFER"] = "dlpack"
+    return (tmp, *launcher.run_once(engine_name, np_, "keras_worker.py", modes, *args,
+                                    timeout=600, env=env))
 
 
 @pytest.mark.parametrize("backend", ["tensorflow", "torch"])
@@ -77,10 +67,7 @@ def test_fit_matches_the_reference(tmp_path_factory, backend, engine_name, np_):
     load_model; on TensorFlow under horovodrun, through DLPack."""
     needs(engine_name)
     _, code, out = fit_launch(tmp_path_factory, engine_name, backend, np_)
-    ranks = ranks_saying(launcher.OK, out)
-    assert code == 0 and ranks == set(range(np_)), (
-        f"{engine_name} {backend} exited {code}; {launcher.OK} from ranks {sorted(ranks)} of "
-        f"{np_}; output:\n{out}")
+    launcher.assert_finished(code, out, np_, f"keras_worker.py on {engine_name} {backend}")
 
 
 @pytest.mark.parametrize("backend, engine_name", [("tensorflow", "torch"), ("torch", "horovod")])
@@ -93,9 +80,7 @@ def test_save_load_continue_is_bit_identical(tmp_path_factory, backend, engine_n
     needs(engine_name)
     tmp, code, out = fit_launch(tmp_path_factory, engine_name, backend, 2)
     for mode in ("full", "save"):    # the fit test answers for the launch's other modes
-        ranks = ranks_saying(f"MODE_OK {mode}", out)
-        assert ranks == {0, 1}, (f"{engine_name} {backend}: {mode} done on ranks "
-                                 f"{sorted(ranks)} of 2 (exit {code}); output:\n{out}")
+        launcher.assert_case(code, out, 2, mode, f"keras_worker.py on {engine_name} {backend}")
     launcher.run(engine_name, 2, "keras_worker.py", "resume", CHECKPOINT_DEPTH, tmp / "m.keras",
                  tmp / "resumed.npz", env={"KERAS_BACKEND": backend}, timeout=300)
     for case in ("None", "lookahead", "int8", "int8-engine"):

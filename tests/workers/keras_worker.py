@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 import keras  # noqa: E402
 
 import keras_reference as ref  # noqa: E402
+import launcher  # noqa: E402
 import pipe_horovod.keras as phvd  # noqa: E402
 from tolerance import gamma, relative_error, training_rtol  # noqa: E402
 
@@ -557,21 +558,20 @@ def check_load_model(tmp):
 
 def main():
     phvd.init()
-    modes, args = sys.argv[1].split(","), sys.argv[2:]
-    if modes == ["resume"]:
+    modes, args = sys.argv[1], sys.argv[2:]
+    if modes == "resume":
         check_checkpoint("resume", *args)
     else:
         # K, then one file for each of full and save that the launch runs, in that order.
-        files = dict(zip([m for m in modes if m in ("full", "save")], args[1:]))
+        files = dict(zip([m for m in modes.split(",") if m in ("full", "save")], args[1:]))
         checks = {"oracle": check_oracle, "staleness": check_staleness,
                   "callbacks": check_callbacks, "errors": check_errors, "overlap": check_overlap,
                   "api": lambda: check_api(Path(os.environ["PIPE_HOROVOD_TEST_DIR"])),
                   "full": lambda: check_checkpoint("full", args[0], files["full"]),
                   "save": lambda: check_checkpoint("save", args[0], files["save"])}
-        for name in modes:                       # several in one launch: TF starts slowly
-            checks[name]()
-            # The checkpoint test reads its own modes' lines: a later mode's failure is not its.
-            print(f"MODE_OK {name} rank={phvd.rank()}", flush=True)
+        # Several in one launch (TF starts slowly); the checkpoint test reads its own
+        # modes' CASE_OK lines: a later mode's failure is not its.
+        launcher.worker_cases(checks, modes, phvd.rank)
     print(f"WORKER_OK rank={phvd.rank()}", flush=True)
     phvd.shutdown()
 
