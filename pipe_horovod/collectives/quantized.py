@@ -75,6 +75,17 @@ def allreduce_async(tensor, name=None, op=None, *, fmt, residuals=None, process_
     first, second = (None, None) if residuals is None else residuals
     own_start = own_shard(flat.numel(), size, me)[0]
     average = op is Average
+    parts = chunks(flat.numel(), size, fmt)
+    sent = []
+
+    def joined():
+        # A rank has joined (uneven data): the engine's allreduce, where it adds zeros,
+        # carries what this rank's first stage sent (its dequantized values: the first
+        # residual already holds what they lost); nothing is quantized a second time.
+        for ranges, send in zip(parts, sent):
+            decode_chunk(send, ranges, fmt, flat)
+        return flat, prescale_factor, postscale_factor, lambda reduced: (
+            None if reduced is flat else flat.copy_(reduced.view(-1)))
 
     def chunk(ranges):
         start, numel = ranges[me]             # this rank's part: a range of its shard
@@ -86,13 +97,13 @@ def allreduce_async(tensor, name=None, op=None, *, fmt, residuals=None, process_
 
         def first_stage():
             send, splits = first_stage_chunk(flat, ranges, fmt, first)
+            sent.append(send)
             return (send, splits, [fmt.shard_bytes(numel)] * size, reduce,   # all send me that
                     lambda gathered: decode_chunk(gathered, ranges, fmt, flat))
         return first_stage
 
-    return eng.two_stage_async("allreduce", tensor, name, op,
-                               [chunk(ranges) for ranges in chunks(flat.numel(), size, fmt)],
-                               lambda: tensor, process_set=process_set)
+    return eng.two_stage_async("allreduce", tensor, name, op, [chunk(ranges) for ranges in parts],
+                               lambda: tensor, process_set=process_set, joined=joined)
 
 
 def allreduce(tensor, name=None, op=None, **options):

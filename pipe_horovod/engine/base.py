@@ -21,7 +21,7 @@ from .argument_checks import (check_name, check_op, check_reducible, check_root,
 from .faults import (DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, HorovodInternalError,  # noqa: F401
                      HostsUpdatedInterrupt, RankLostError, WaitTimeoutError,
                      describe_lost, lost_ranks, wait_until, whoami)
-from .mismatch import MismatchError, from_library
+from .mismatch import MismatchError, from_library, join_refused
 from .stall import STATUS_AFTER_S, Stall, StepMismatchError
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from .process_sets import ProcessSet, check_new_sets, global_process_set
@@ -44,7 +44,8 @@ class TwoStage(Work):
     has taken yet, in chunk order. Only the pool thread touches `pending` until its
     future is done (`poll` looks at it only then)."""
 
-    def __init__(self, result):
+    def __init__(self, result, joined=None):
+        self.joined = joined        # see Engine.two_stage_async
         self.future = None          # set once the first chunk's alltoall started
         self.pending = collections.deque()    # (allgather's Work, finish) by chunk
         self.result = result        # result() -> the operation's result, once all finished
@@ -69,6 +70,26 @@ class TwoStage(Work):
             work, finish = self.pending.popleft()
             finish(work.wait())
         return self.result()
+
+
+class _Started(Work):
+    """A subclass hook's backend state (`_start_allreduce` may return the library's own
+    handle) as a Work, read through the engine's `_poll`/`_wait`."""
+
+    __slots__ = ("engine", "backend")
+
+    def __init__(self, engine, backend):
+        self.engine, self.backend = engine, backend
+
+    def poll(self):
+        if isinstance(self.backend, Work):
+            return self.backend.poll()
+        return self.engine._poll(self)
+
+    def wait(self):
+        if isinstance(self.backend, Work):
+            return self.backend.wait()
+        return self.engine._wait(self)
 
 
 class Handle:
@@ -400,7 +421,8 @@ class Engine:
         name = self._claim(kind, name, ps)
         return self._track(kind, name, tensor, op, start(ps), started)
 
-    def two_stage_async(self, kind, tensor, name, op, chunks, result, *, process_set=None):
+    def two_stage_async(self, kind, tensor, name, op, chunks, result, *, process_set=None,
+                        joined=None):
         """A reduction in chunks of two collectives each, tracked as one operation
         under `name`.
 
@@ -420,6 +442,14 @@ class Engine:
         compression/two_stage.py's `chunks`) and Horovod's bfloat16 path (one chunk) run
         on it.
 
+        `joined`: None, or the way on once a rank has joined (hvd.join: uneven data).
+        A joined rank stands in with zeros for an allreduce, not for an alltoall
+        (Horovod: "Alltoall is not supported with Join"), which every rank still
+        training then gets for the whole operation. `joined()` returns (tensor,
+        prescale, postscale, finish): the library's own allreduce of `tensor` (op `op`,
+        named `<name>.join`) runs instead, and `finish` gets its result. Without it,
+        the refusal is the operation's error.
+
         Why a pool thread: the second collective needs the first one's result, and
         the optimizer starts reductions during backward and waits for them later,
         so the alltoalls are started on the caller's thread and the rest runs on a
@@ -438,7 +468,7 @@ class Engine:
             name = self._claim(kind, None, self.resolve_process_set(process_set))
 
         def start(ps):
-            return self._start_two_stage(chunks, name, ps, result)
+            return self._start_two_stage(chunks, name, ps, result, op, joined)
 
         return self.adopt_async(kind, tensor, name, op, start, process_set=process_set)
 
@@ -446,9 +476,9 @@ class Engine:
     def _chunk_name(name, what, index):
         return f"{name}.{what}" if index == 0 else f"{name}.{what}.{index}"
 
-    def _start_two_stage(self, chunks, name, ps, result):
+    def _start_two_stage(self, chunks, name, ps, result, op=None, joined=None):
         """two_stage_async's backend state (a TwoStage Work), for engines' own hooks."""
-        work = TwoStage(result)
+        work = TwoStage(result, joined)
         started = queue.SimpleQueue()         # the caller's alltoalls, to the pool thread
         try:
             for index, first_stage in enumerate(chunks):
@@ -459,7 +489,7 @@ class Engine:
                 started.put((a2a, reduce, finish))
                 if work.future is None:
                     work.future = self._submit(self._second_stage, started, len(chunks),
-                                               name, ps, work)
+                                               name, ps, work, op)
         finally:
             started.put(None)                 # after the last chunk: nothing more comes
         return work
@@ -471,28 +501,49 @@ class Engine:
                 max_workers=TWO_STAGE_THREADS, thread_name_prefix="pipe_horovod-two-stage")
         return self._pool.submit(fn, *args)
 
-    def _second_stage(self, started, count, name, ps, work):
+    def _second_stage(self, started, count, name, ps, work, op):
         """Pool thread: chunk by chunk, finish the alltoall, reduce, start the allgather."""
         for index in range(count):
-            item = started.get()              # the caller is computing it: no remote wait
-            if item is None:
-                raise EngineError(f"{name!r}: the first stage of chunk {index} of {count} "
-                                  "failed on this rank (the caller got its error)")
-            a2a, reduce, finish = item
-            a2a_name = self._chunk_name(name, "a2a", index)
-            # Not `_closed`: shutdown first completes what is in flight, these included.
-            if not wait_until(lambda: self._releasing or a2a.poll(),
-                              time.monotonic() + self.timeout_s):
-                raise WaitTimeoutError(f"alltoall {a2a_name!r} did not complete within "
-                                       f"{self.timeout_s:g} s: a rank has not started it")
-            if self._releasing and not a2a.poll():
-                raise EngineError(f"the engine shut down while {name!r} waited for its "
-                                  "alltoall")
-            received, counts = a2a.wait()
+            a2a, reduce, finish = self._next_chunk(started, index, count, name)
+            try:
+                received, counts = a2a.wait()
+            except Exception as exc:
+                # A rank joined before this operation: all of its alltoalls are refused
+                # (every rank started them all before it could join), none reached here.
+                if work.joined is None or index or not join_refused(exc):
+                    raise
+                for later in range(1, count):
+                    try:
+                        self._next_chunk(started, later, count, name)[0].wait()
+                    except Exception as refused:
+                        if not join_refused(refused):
+                            raise
+                tensor, prescale, postscale, finish = work.joined()
+                allreduce = _Started(self, self._start_allreduce(
+                    tensor, f"{name}.join", op, ps, prescale, postscale))
+                work.pending.append((allreduce, finish))
+                return
             gathered = self._start_allgather(reduce(received, counts.tolist()),
                                              self._chunk_name(name, "ag", index), ps)
             work.pending.append((gathered, finish))
             work.finish_ready()               # while the next chunk is on the wire
+
+    def _next_chunk(self, started, index, count, name):
+        """Pool thread: chunk `index`'s (alltoall, reduce, finish), its alltoall complete."""
+        item = started.get()                  # the caller is computing it: no remote wait
+        if item is None:
+            raise EngineError(f"{name!r}: the first stage of chunk {index} of {count} "
+                              "failed on this rank (the caller got its error)")
+        a2a = item[0]
+        a2a_name = self._chunk_name(name, "a2a", index)
+        # Not `_closed`: shutdown first completes what is in flight, these included.
+        if not wait_until(lambda: self._releasing or a2a.poll(),
+                          time.monotonic() + self.timeout_s):
+            raise WaitTimeoutError(f"alltoall {a2a_name!r} did not complete within "
+                                   f"{self.timeout_s:g} s: a rank has not started it")
+        if self._releasing and not a2a.poll():
+            raise EngineError(f"the engine shut down while {name!r} waited for its alltoall")
+        return item
 
     def _known(self, handle):
         if not isinstance(handle, Handle) or self._in_flight.get(handle.id) is not handle:

@@ -161,11 +161,17 @@ def unsupported_with_join(record):
                          f"({_what(record)})")
 
 
+def join_refused(exc):
+    """Whether `exc` is the refusal of a collective a joined rank cannot stand in for
+    (Horovod's words, which the torch engine's negotiation also uses)."""
+    return "is not supported with Join" in str(exc)
+
+
 def from_library(exc, what):
     """Horovod's own refusal in `exc` (its coordinator's comparison, or Join's limits) as a
     MismatchError naming `what`; None for any other failure."""
     text = str(exc).strip()
-    if not (text.startswith("Mismatched ") or "is not supported with Join" in text):
+    if not (text.startswith("Mismatched ") or join_refused(exc)):
         return None
     # Horovod prints its ReduceOp enum's numbers; the torch engine says their names.
     text = re.sub(r"reduction op (\d)", lambda m: f"reduction op {OPS[int(m.group(1))]}", text)

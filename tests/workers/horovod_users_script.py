@@ -25,6 +25,8 @@ parser.add_argument("--base-lr", type=float, default=0.05)
 parser.add_argument("--batches-per-allreduce", type=int, default=1)
 parser.add_argument("--gradient-predivide-factor", type=float, default=1.0)
 parser.add_argument("--fp16-allreduce", action="store_true")
+parser.add_argument("--compression", help="a hvd.Compression by name (pipe_horovod's int8_ef: "
+                    "an import-switched run)")
 parser.add_argument("--uneven", action="store_true", help="rank 0 gets one batch more")
 parser.add_argument("--sparse-as-dense", action="store_true",
                     help="Horovod's join() does not support the allgather of sparse gradients")
@@ -75,6 +77,8 @@ model = Net()
 optimizer = torch.optim.SGD(model.parameters(),
                             lr=args.base_lr * args.batches_per_allreduce * hvd.size())
 compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+if args.compression:
+    compression = getattr(hvd.Compression, args.compression)
 optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                      compression=compression,
                                      backward_passes_per_step=args.batches_per_allreduce,

@@ -33,6 +33,7 @@ if importlib.util.find_spec("triton") is not None:
 import torch
 
 import pipe_horovod.torch as hvd
+from pipe_horovod.compression import two_stage
 
 
 def outcome(case, fn):
@@ -72,12 +73,29 @@ def refused(r):
     outcome("agshape", lambda: hvd.allgather(torch.ones(2, 3 + r), name="x.ag"))
 
 
+def joined_int8():
+    """int8 in two stages (an alltoall, which a joined rank cannot stand in for) with
+    the other rank joined: the engine's allreduce of this rank's first stage instead,
+    the joined rank adding zeros: this rank's quantized values, halved (Average). In
+    one chunk, and in four (all of whose alltoalls are refused)."""
+    fmt, same = two_stage.WireFormat(hvd.Compression.int8.wire), []
+    for numel in (1000, 4 * two_stage.CHUNK_NUMEL):
+        x, at, want = torch.linspace(-3, 5, numel), 0, []
+        for shard in two_stage.shard_sizes(numel, hvd.size()):
+            want.append(two_stage.quantize(x[at:at + shard], fmt)[1] / hvd.size())
+            at += shard
+        got = hvd.allreduce(x, name=f"j.int8.{numel}", compression=hvd.Compression.int8)
+        same.append(torch.equal(got, torch.cat(want)))
+    return same
+
+
 def join(r):
     if r == 1:
         outcome("join.last", hvd.join)
     else:
         outcome("join.average", lambda: hvd.allreduce(torch.ones(2), name="j.avg").tolist())
         outcome("join.allgather", lambda: hvd.allgather(torch.ones(2), name="j.ag"))
+        outcome("join.int8", joined_int8)
         outcome("join.last", hvd.join)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
