@@ -518,6 +518,9 @@ class Engine:
                     except Exception as refused:
                         if not join_refused(refused):
                             raise
+                    else:
+                        raise EngineError(f"{name!r}: chunk 0's alltoall was refused for a "
+                                          f"joined rank, chunk {later}'s was not") from exc
                 tensor, prescale, postscale, finish = work.joined()
                 allreduce = _Started(self, self._start_allreduce(
                     tensor, f"{name}.join", op, ps, prescale, postscale))
