@@ -90,6 +90,7 @@ def test_misuse_is_refused_alike_on_every_rank(engine_name):
     assert got["join.average", 0][0] == "ok [0.5, 0.5]"      # Horovod divides by both ranks
     # int8's alltoall, which a joined rank cannot answer: the engine's allreduce instead.
     assert got["join.int8", 0][0] == "ok [True, True]", out
+    assert got["join.bf16", 0][0] == f"ok {[0.75, -1.5, 2.0 ** -131]}", out
     assert got["join.allgather", 0][0] == (
         "MismatchError: Allgather is not supported with Join at this time. Specify "
         "sparse_to_dense=True if using DistributedOptimizer (allgather 'j.ag')")

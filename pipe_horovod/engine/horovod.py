@@ -264,8 +264,12 @@ class HorovodEngine(Engine):
         def finish(gathered):
             wire.copy_(gathered)
 
+        def joined():                  # a rank joined: Horovod's float32 allreduce, zeros added
+            return tensor.view(-1).float(), prescale_factor, postscale_factor, \
+                lambda reduced: tensor.view(-1).copy_(reduced)
+
         return self._start_two_stage([lambda: (wire, splits, None, reduce, finish)], name,
-                                     process_set, lambda: tensor)    # one chunk
+                                     process_set, lambda: tensor, op, joined)    # one chunk
 
     def _reduce_shard(self, received, counts, shard, size, dtype, op, name, prescale_factor,
                       postscale_factor):

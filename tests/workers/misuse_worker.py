@@ -96,6 +96,10 @@ def join(r):
         outcome("join.average", lambda: hvd.allreduce(torch.ones(2), name="j.avg").tolist())
         outcome("join.allgather", lambda: hvd.allgather(torch.ones(2), name="j.ag"))
         outcome("join.int8", joined_int8)
+        # bfloat16, which the horovod engine reduces in two stages too (Horovod's CPU
+        # ops have no bfloat16 sum).
+        outcome("join.bf16", lambda: hvd.allreduce(
+            torch.tensor([1.5, -3.0, 2.0 ** -130], dtype=torch.bfloat16), name="j.bf16").tolist())
         outcome("join.last", hvd.join)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
