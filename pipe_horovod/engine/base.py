@@ -44,8 +44,7 @@ class TwoStage(Work):
     has taken yet, in chunk order. Only the pool thread touches `pending` until its
     future is done (`poll` looks at it only then)."""
 
-    def __init__(self, result, joined=None):
-        self.joined = joined        # see Engine.two_stage_async
+    def __init__(self, result):
         self.future = None          # set once the first chunk's alltoall started
         self.pending = collections.deque()    # (allgather's Work, finish) by chunk
         self.result = result        # result() -> the operation's result, once all finished
@@ -82,14 +81,10 @@ class _Started(Work):
         self.engine, self.backend = engine, backend
 
     def poll(self):
-        if isinstance(self.backend, Work):
-            return self.backend.poll()
-        return self.engine._poll(self)
+        return self.engine._poll_backend(self)
 
     def wait(self):
-        if isinstance(self.backend, Work):
-            return self.backend.wait()
-        return self.engine._wait(self)
+        return self.engine._wait_backend(self)
 
 
 class Handle:
@@ -478,7 +473,7 @@ class Engine:
 
     def _start_two_stage(self, chunks, name, ps, result, op=None, joined=None):
         """two_stage_async's backend state (a TwoStage Work), for engines' own hooks."""
-        work = TwoStage(result, joined)
+        work = TwoStage(result)
         started = queue.SimpleQueue()         # the caller's alltoalls, to the pool thread
         try:
             for index, first_stage in enumerate(chunks):
@@ -489,7 +484,7 @@ class Engine:
                 started.put((a2a, reduce, finish))
                 if work.future is None:
                     work.future = self._submit(self._second_stage, started, len(chunks),
-                                               name, ps, work, op)
+                                               name, ps, work, op, joined)
         finally:
             started.put(None)                 # after the last chunk: nothing more comes
         return work
@@ -501,35 +496,39 @@ class Engine:
                 max_workers=TWO_STAGE_THREADS, thread_name_prefix="pipe_horovod-two-stage")
         return self._pool.submit(fn, *args)
 
-    def _second_stage(self, started, count, name, ps, work, op):
+    def _second_stage(self, started, count, name, ps, work, op, joined):
         """Pool thread: chunk by chunk, finish the alltoall, reduce, start the allgather."""
         for index in range(count):
             a2a, reduce, finish = self._next_chunk(started, index, count, name)
             try:
                 received, counts = a2a.wait()
             except Exception as exc:
-                # A rank joined before this operation: all of its alltoalls are refused
-                # (every rank started them all before it could join), none reached here.
-                if work.joined is None or index or not join_refused(exc):
+                if joined is None or index or not join_refused(exc):
                     raise
-                for later in range(1, count):
-                    try:
-                        self._next_chunk(started, later, count, name)[0].wait()
-                    except Exception as refused:
-                        if not join_refused(refused):
-                            raise
-                    else:
-                        raise EngineError(f"{name!r}: chunk 0's alltoall was refused for a "
-                                          f"joined rank, chunk {later}'s was not") from exc
-                tensor, prescale, postscale, finish = work.joined()
-                allreduce = _Started(self, self._start_allreduce(
-                    tensor, f"{name}.join", op, ps, prescale, postscale))
-                work.pending.append((allreduce, finish))
+                self._reduce_after_join(started, count, name, ps, work, op, joined, exc)
                 return
             gathered = self._start_allgather(reduce(received, counts.tolist()),
                                              self._chunk_name(name, "ag", index), ps)
             work.pending.append((gathered, finish))
             work.finish_ready()               # while the next chunk is on the wire
+
+    def _reduce_after_join(self, started, count, name, ps, work, op, joined, refused):
+        """Pool thread, chunk 0's alltoall `refused` for a joined rank: so are the
+        others (every rank started them all before it could join); then the library's
+        allreduce of what `joined()` gives (two_stage_async)."""
+        for index in range(1, count):
+            try:
+                self._next_chunk(started, index, count, name)[0].wait()
+            except Exception as exc:
+                if not join_refused(exc):
+                    raise
+            else:
+                raise EngineError(f"{name!r}: chunk 0's alltoall was refused for a joined "
+                                  f"rank, chunk {index}'s was not") from refused
+        tensor, prescale, postscale, finish = joined()
+        allreduce = _Started(self, self._start_allreduce(tensor, f"{name}.join", op, ps,
+                                                         prescale, postscale))
+        work.pending.append((allreduce, finish))
 
     def _next_chunk(self, started, index, count, name):
         """Pool thread: chunk `index`'s (alltoall, reduce, finish), its alltoall complete."""
@@ -564,6 +563,11 @@ class Engine:
             return handle.backend.poll()
         return self._poll(handle)
 
+    def _wait_backend(self, handle):
+        if isinstance(handle.backend, Work):
+            return handle.backend.wait()
+        return self._wait(handle)
+
     def wait(self, handle):
         """Block until the operation completes; return its result (for an
         allreduce, the reduced tensor). A failed operation is forgotten too.
@@ -579,10 +583,7 @@ class Engine:
                 raise WaitTimeoutError(
                     f"{handle.kind} {handle.name!r} did not complete within {self.timeout_s:g} s "
                     f"({TIMEOUT_VARIABLE}, or init(timeout=...)): a rank has not started it")
-            if isinstance(handle.backend, Work):
-                result = handle.backend.wait()
-            else:
-                result = self._wait(handle)
+            result = self._wait_backend(handle)
         except (EngineError, MismatchError):
             raise
         except (StepMismatchError, RankLostError):   # from the stall checks: diagnosed
