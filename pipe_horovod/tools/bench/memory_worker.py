@@ -15,10 +15,14 @@ the per-step ratios of the two.
 Configurations: horovod (Horovod's DistributedOptimizer; engine horovod
 only), ddp (DistributedDataParallel; under engine horovod in a gloo group
 of its own at $PIPE_HOROVOD_MEMORY_DDP), ours-k1, ours-k2 (plain Pipe-SGD),
-ours-k2-default (K=2 with the default lookahead). `--device cuda` runs one
-process (engine local, the gradients sent through the pipeline by a
-predivide factor of 2) with "plain" (the bare optimizer) in place of
-horovod and ddp.
+ours-k2-default (K=2 with the default lookahead). One process (plain python:
+engine local; or `horovodrun -np 1`, where Horovod's own optimizer runs on
+its NCCL ops, as the GPU kit measures it) sends the gradients through the
+pipeline by a predivide factor of 2, and adds "plain" (the bare optimizer);
+under engine local it stands in for horovod and ddp.
+
+`--model gpt2-small` measures GPT-2 small's 124 M parameters
+(tools/workloads/networks.py) on a batch of token sequences instead of the MLP.
 """
 import argparse
 import gc
@@ -32,6 +36,7 @@ import torch.nn as nn
 
 import pipe_horovod.torch as phvd
 from pipe_horovod import engine
+from pipe_horovod.tools.workloads import networks
 
 CONFIGS = ("horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-default")
 OPTIMIZERS = {
@@ -42,6 +47,8 @@ OPTIMIZERS = {
 }
 DDP_ENV = "PIPE_HOROVOD_MEMORY_DDP"
 WARM_STEPS = 2           # steps before the compensation is timed
+MODELS = ("mlp", "gpt2-small")
+GPT2_BATCH, GPT2_TOKENS = 4, 256
 
 
 def live_bytes(device):
@@ -58,9 +65,24 @@ def live_bytes(device):
     return sum(seen.values())
 
 
-def model_for(width, device):
+def model_for(kind, width, device):
     torch.manual_seed(0)
+    if kind == "gpt2-small":
+        return networks.GPT2Small().to(device)
     return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width)).to(device)
+
+
+def batch_for(kind, width, device, rank):
+    """This rank's inputs, and the loss of a forward pass on them."""
+    g = torch.Generator().manual_seed(rank)
+    if kind == "gpt2-small":
+        tokens = torch.randint(networks.GPT2_SMALL["vocab"], (GPT2_BATCH, GPT2_TOKENS + 1),
+                               generator=g).to(device)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        return lambda net: nn.functional.cross_entropy(net(inputs).flatten(0, 1),
+                                                       targets.flatten())
+    x = torch.randn(8, width, generator=g).to(device)
+    return lambda net: net(x).square().mean()
 
 
 def build(config, make, model, one_process):
@@ -82,18 +104,17 @@ def build(config, make, model, one_process):
                                             staleness_compensation=compensation, **extra)
 
 
-def measure(config, kind, width, steps, device, one_process, twin=None):
-    rank = 0 if one_process else phvd.rank()
+def measure(config, kind, model_kind, width, steps, device, one_process, twin=None):
+    rank = phvd.rank()
     base_bytes = live_bytes(device)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         cuda_base = torch.cuda.memory_allocated()
-    model = model_for(width, device)
+    model = model_for(model_kind, width, device)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     net, opt = build(config, OPTIMIZERS[kind], model, one_process)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(8, width, generator=g).to(device)
+    loss = batch_for(model_kind, width, device, rank)
     timings = getattr(opt, "timings", None)
     charged, bare = [], []                       # compensation, bare step: seconds per step
     charged_cpu, bare_cpu = [], []               # the same in the thread's CPU seconds
@@ -101,7 +122,7 @@ def measure(config, kind, width, steps, device, one_process, twin=None):
         before = timings["compensation_s"] if timings else 0.0
         before_cpu = timings.get("compensation_cpu_s", 0.0) if timings else 0.0
         opt.zero_grad()
-        net(x).square().mean().backward()        # the prediction: at this forward
+        loss(net).backward()                     # the prediction: at this forward
         opt.step()                               # the real weights back: in this step
         if timings and t >= WARM_STEPS:          # the first predictions build state: skipped
             charged.append(timings["compensation_s"] - before)
@@ -116,7 +137,8 @@ def measure(config, kind, width, steps, device, one_process, twin=None):
     else:
         live = live_bytes(device) - base_bytes
     row = {"optimizer": kind, "config": config, "live": live / size,
-           "param_mb": size / 2**20}
+           "param_mb": size / 2**20, "model": model_kind,
+           "params": sum(p.numel() for p in model.parameters())}
     if device.type == "cuda":
         torch.cuda.synchronize()
         row["cuda_peak"] = (torch.cuda.max_memory_allocated() - cuda_base) / size
@@ -135,9 +157,9 @@ def measure(config, kind, width, steps, device, one_process, twin=None):
     return row
 
 
-def bare_optimizer(kind, width, device):
+def bare_optimizer(kind, model_kind, width, device):
     """The bare optimizer on a twin of the parameters, with gradients and state built."""
-    model = model_for(width, device)
+    model = model_for(model_kind, width, device)
     opt = OPTIMIZERS[kind](list(model.parameters()))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -164,33 +186,33 @@ def main(argv=None):
     parser.add_argument("--optimizers", default="sgd-momentum,adam")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="mlp", choices=MODELS)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    one_process = device.type == "cuda"
+    phvd.init()
+    one_process = phvd.size() == 1
+    name = engine.current().name
+    configs = [c for c in args.configs.split(",")
+               if not (c == "horovod" and name != "horovod")
+               and not (c == "ddp" and name == "local")]
     if one_process:
-        phvd.init("local")
-        configs = ["plain"] + [c for c in args.configs.split(",") if c.startswith("ours")]
-    else:
-        phvd.init()
-        configs = args.configs.split(",")
-        name = engine.current().name
-        if name != "horovod":
-            configs = [c for c in configs if c != "horovod"]
-        if "ddp" in configs and not torch.distributed.is_initialized():
-            torch.distributed.init_process_group(
-                "gloo", init_method=f"tcp://{os.environ[DDP_ENV]}", rank=phvd.rank(),
-                world_size=phvd.size())
-    for width in [int(w) for w in args.widths.split(",")]:
+        configs = ["plain"] + configs
+    if "ddp" in configs and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://{os.environ[DDP_ENV]}", rank=phvd.rank(),
+            world_size=phvd.size())
+    widths = [int(w) for w in args.widths.split(",")] if args.model == "mlp" else [0]
+    for width in widths:
         for kind in args.optimizers.split(","):
-            twin = bare_optimizer(kind, width, device)
+            twin = bare_optimizer(kind, args.model, width, device)
             step_ms = 1e3 * statistics.median(timed_step(twin, device) for _ in range(9))
             for config in configs:
-                row = measure(config, kind, width, args.steps, device, one_process,
+                row = measure(config, kind, args.model, width, args.steps, device, one_process,
                               twin if device.type == "cpu" else None)
-                row["engine"] = "local" if one_process else engine.current().name
+                row["engine"] = name
                 row["width"] = width
                 row.setdefault("optimizer_step_ms", step_ms)
-                if one_process or phvd.rank() == 0:
+                if phvd.rank() == 0:
                     print("MEMORY " + json.dumps(row), flush=True)
             del twin
     phvd.shutdown()

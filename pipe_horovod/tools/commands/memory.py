@@ -11,8 +11,10 @@ the first two) beside one step of the bare optimizer on a twin of the same
 parameters (on CPU timed right after each of those steps, under the same
 load; the ratio is the median of the per-step ratios), the same in the
 thread's CPU time (which other jobs on a shared machine do not inflate),
-and, with `--device cuda` (one process),
-torch.cuda.max_memory_allocated in the same units.
+and, with `--device cuda` (one process per engine: `local`, or `horovod` under
+`horovodrun -np 1`, where Horovod's optimizer and DDP run beside ours),
+torch.cuda.max_memory_allocated in the same units. `--model gpt2-small`
+measures GPT-2 small (124 M parameters) instead of the MLPs.
 
 `--framework keras` does the same for the Keras adapter, one launch per
 Keras backend (`--backends`) and engine, of
@@ -35,10 +37,11 @@ from pipe_horovod.tools.bench import keras_memory_worker, memory_worker
 REPO = Path(__file__).resolve().parents[3]
 MODULE = "pipe_horovod.tools.bench.memory_worker"
 KERAS_MODULE = "pipe_horovod.tools.bench.keras_memory_worker"
+ENGINES_DEFAULT = "horovod,torch"
 
 
 def add_arguments(parser):
-    parser.add_argument("--engines", default="horovod,torch",
+    parser.add_argument("--engines", default=ENGINES_DEFAULT,
                         help="comma-separated: horovod (horovodrun), torch (torchrun)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--widths", default="2048",
@@ -57,7 +60,10 @@ def add_arguments(parser):
     parser.add_argument("--optimizers", default="sgd-momentum,adam",
                         help=f"comma-separated, from {', '.join(memory_worker.OPTIMIZERS)}")
     parser.add_argument("--device", default="cpu",
-                        help="cpu, or cuda: one process, torch.cuda.max_memory_allocated")
+                        help="cpu, or cuda: one process per engine (default engine: local), "
+                             "torch.cuda.max_memory_allocated")
+    parser.add_argument("--model", default="mlp", choices=memory_worker.MODELS,
+                        help="mlp (of --widths) or gpt2-small (124 M parameters)")
     parser.add_argument("--timeout", type=float, default=600)
 
 
@@ -87,7 +93,7 @@ def _command(engine, workers, worker_args, module=MODULE):
 def collect(engine, args, backend=None):
     """Rows of one launch: the PyTorch worker, or (backend given) the Keras one."""
     worker_args = ["--widths", args.widths, "--steps", str(args.steps),
-                   "--optimizers", args.optimizers]
+                   "--optimizers", args.optimizers, "--model", args.model]
     if args.configs:
         worker_args += ["--configs", args.configs]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -176,12 +182,17 @@ def run(args):
               f"{'/'.join(map(str, sorted(workers)))} workers (units: the parameters' bytes)")
         print(keras_table(rows))
         return 0
-    engines = ["local"] if args.device != "cpu" else args.engines.split(",")
+    if args.device != "cpu":
+        engines = ["local"] if args.engines == ENGINES_DEFAULT else args.engines.split(",")
+        args.workers = 1                 # one GPU here: ranks would share it
+    else:
+        engines = args.engines.split(",")
     rows = []
     for engine in engines:
         rows += collect(engine, args)
     sizes = ", ".join(f"{mb:.1f}" for mb in dict.fromkeys(r["param_mb"] for r in rows))
-    print(f"Live tensor memory after {args.steps} steps, {args.workers} workers, MLPs of "
+    what = "GPT-2 small" if args.model == "gpt2-small" else "MLPs"
+    print(f"Live tensor memory after {args.steps} steps, {args.workers} workers, {what} of "
           f"{sizes} MiB of parameters (units: the parameters' bytes)")
     print(table(rows))
     return 0

@@ -151,3 +151,34 @@ class BertBase(nn.Module):
 
     def forward(self, token_ids):
         return self.pooler(self.encoder(self.embeddings(token_ids)))
+
+
+GPT2_SMALL = {"vocab": 50257, "hidden": 768, "layers": 12, "heads": 12,
+              "intermediate": 3072, "max_positions": 1024}
+
+
+class GPT2Small(nn.Module):
+    """GPT-2 small's shapes (Radford et al. 2019): token and position embeddings, 12
+    pre-norm GELU decoder layers under a causal mask, a final norm, and the output head
+    tied to the token embedding, so its 124,439,808 parameters equal Hugging Face's
+    GPT2LMHeadModel's. The GPU kit measures memory on it: the size users fine-tune."""
+
+    def __init__(self, vocab=GPT2_SMALL["vocab"], hidden=GPT2_SMALL["hidden"],
+                 layers=GPT2_SMALL["layers"], heads=GPT2_SMALL["heads"],
+                 intermediate=GPT2_SMALL["intermediate"],
+                 max_positions=GPT2_SMALL["max_positions"]):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, hidden)
+        self.wpe = nn.Embedding(max_positions, hidden)
+        layer = nn.TransformerEncoderLayer(hidden, heads, intermediate, dropout=0.0,
+                                           activation="gelu", layer_norm_eps=1e-5,
+                                           batch_first=True, norm_first=True)
+        self.h = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.ln_f = nn.LayerNorm(hidden, eps=1e-5)
+
+    def forward(self, token_ids):
+        length = token_ids.shape[1]
+        positions = torch.arange(length, device=token_ids.device)
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=token_ids.device)
+        x = self.h(self.wte(token_ids) + self.wpe(positions), mask=mask, is_causal=True)
+        return self.ln_f(x) @ self.wte.weight.T
