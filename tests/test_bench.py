@@ -192,7 +192,13 @@ def _exit_code(argv, capsys):
     (["--compute", "replay", "--profile", "/nonexistent.json"], "cannot read profile"),
     (["--compute", "replay", "--model", "hvd-mnist", "--device-tflops", "1"],
      "--compute replay needs one of the models resnet50"),
-])
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
+    (["--device", "cuda", "--compute", "replay", "--model", "resnet50", "--device-tflops", "8"],
+     "--compute replay computes nowhere (timed waits): choose one"),
+    (["--device", "cuda", "--framework", "keras"], "--device cuda is the PyTorch benchmark's"),
+] + ([] if __import__("torch").cuda.is_available() else [
+    (["--device", "cuda"], "--device cuda: torch "),
+]))
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     code, err = _exit_code(argv, capsys)
     assert code == 2

@@ -16,6 +16,7 @@ from pipe_horovod.tools.workloads.synthetic import (CNN_CLASSES, MLP_CLASSES, ML
                                                   build_synthetic, mlp_width)
 
 COMPUTE_MODES = ("cpu", "replay")
+DEVICES = ("cpu", "cuda")
 # Real architectures that only replay (their CPU step would take minutes on these cores).
 REPLAY_ONLY = tuple(m for m in architectures.MODELS if m not in ("mlp", "cnn"))
 MODEL_CHOICES = ("mlp", "cnn", *REPLAY_ONLY, *convergence_tasks.MODEL_NAMES)
@@ -37,6 +38,15 @@ def check_compute(args):
     """The reason args' --compute / --device-tflops / --profile / --model cannot run
     together (or a profile file is wrong), or None."""
     replay = args.compute == "replay"
+    if getattr(args, "device", "cpu") == "cuda":
+        if replay:
+            return ("--device cuda computes on a GPU; --compute replay computes nowhere (timed "
+                    "waits): choose one")
+        import torch
+
+        if not torch.cuda.is_available():
+            return (f"--device cuda: torch {torch.__version__} sees no GPU here "
+                    "(torch.cuda.is_available() is False)")
     if not replay:
         if args.device_tflops is not None or args.profile is not None:
             return "--device-tflops and --profile set replayed compute: add --compute replay"
@@ -78,11 +88,22 @@ def bench_model(args):
             (1,), replay.OUTPUTS)
 
 
+def worker_device(name, local_rank):
+    """The torch device of a worker's model: its local GPU (modulo the GPUs it sees, so
+    workers share a machine's one GPU) for "cuda"."""
+    import torch
+
+    if name != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
 def compute_meta(args):
     """What the raw result records about the compute: mode, and for replay the device,
     the layers' total times and the per-layer table (the timing model's input)."""
     if args.compute != "replay":
-        return {"mode": "cpu"}
+        device = getattr(args, "device", "cpu")
+        return {"mode": "cpu"} if device == "cpu" else {"mode": "cpu", "device": device}
     from pipe_horovod.tools.workloads import replay
 
     table = replay_table(args)
@@ -101,6 +122,8 @@ def compute_meta(args):
 def compute_label(compute):
     """How reports name the compute of a run (`compute_meta`'s dict, or None: CPU)."""
     if not compute or compute.get("mode") != "replay":
+        if compute and compute.get("device") == "cuda":
+            return "compute on the GPU"
         return "compute on CPU"
     if compute.get("profile"):
         return f"compute replayed from profile {compute['profile']}"

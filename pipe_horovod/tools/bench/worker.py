@@ -258,6 +258,7 @@ class TrainRunner:
         self.opt.zero_grad()
         loss = F.cross_entropy(self.model(self.data), self.target)
         loss.backward()
+        self._sync()
         t1 = perf()
         exposed = compensation = None
         if self.mode == "horovod":
@@ -273,9 +274,18 @@ class TrainRunner:
             compensation = self.opt.timings["compensation_s"] - before["compensation_s"]
         else:
             self.opt.step()
+        self._sync()
         t2 = perf()
         return {"step_s": t2 - t0, "fwdbwd_s": t1 - t0, "opt_s": t2 - t1, "exposed_s": exposed,
                 "compensation_s": compensation}
+
+    def _sync(self):
+        """On a GPU, the clock waits for the compute stream's kernels (not for the other
+        streams, where communication may still run, as it would during training)."""
+        if self.data.is_cuda:
+            import torch
+
+            torch.cuda.current_stream(self.data.device).synchronize()
 
     def end_block(self):
         if self.mode == "ours":
@@ -368,6 +378,8 @@ def make_runner(name, args, eng):
     torch.manual_seed(args.seed)            # every configuration starts from the same weights
     model, shape, classes = models.bench_model(args)
     data, target = synthetic_batch(shape, classes, args.batch_size, args.seed + 1 + eng.rank())
+    device = models.worker_device(args.device, eng.local_rank())
+    model, data, target = model.to(device), data.to(device), target.to(device)
     # The convergence tasks' models get their task's SGD (momentum: what 'momentum' adjusts).
     sgd = convergence_tasks.bench_sgd(args.model) or {"lr": 0.01}
     if name == "ddp":
@@ -696,6 +708,10 @@ def add_model_arguments(parser):
                              "uses no CPU, gradients of the real sizes appear at their "
                              "layer's time, as on an accelerator "
                              "(pipe_horovod.tools.workloads.replay)")
+    parser.add_argument("--device", choices=models.DEVICES, default="cpu",
+                        help="where each worker's model and batch live: cpu (default), or "
+                             "cuda (the worker's local GPU, cuda:local_rank modulo the GPUs "
+                             "it sees: workers on a one-GPU machine share it)")
     parser.add_argument("--device-tflops", type=positive(float), default=None, metavar="T",
                         help="replay: the device's throughput; forward = layer FLOPs / T, "
                              "backward = 2 x forward")

@@ -88,6 +88,8 @@ def command_line(args):
         parts += (["--device-tflops", f"{args.device_tflops:g}"] if args.profile is None
                   else ["--profile", args.profile])
     parts += ["--model", args.model]
+    if args.device != "cpu":
+        parts += ["--device", args.device]
     if args.model in ("mlp", "cnn"):
         parts += ["--model-mb", f"{args.model_mb:g}"]
     if args.model == "bert-base" and args.seq_len != 128:
@@ -121,7 +123,8 @@ def _worker_argv(args, raw, progress):
             "--configs", ",".join(args.configs), "--bucket-cap-mb", bucket_cap_flag(args.bucket_cap_mb),
             "--threads", str(args.threads), "--seed", str(args.seed),
             "--idle-probe-s", repr(args.idle_probe_s), "--compute", args.compute,
-            "--seq-len", str(args.seq_len), "--out", raw, "--progress", progress]
+            "--seq-len", str(args.seq_len), "--device", args.device, "--out", raw,
+            "--progress", progress]
     for flag, value in (("--device-tflops", args.device_tflops),
                         ("--horovod-fusion-mb", args.horovod_fusion_mb),
                         ("--horovod-cycle-ms", args.horovod_cycle_ms)):
@@ -302,6 +305,9 @@ def run(args):
     from pipe_horovod.tools.bench import report
 
     if args.framework == "keras":
+        if args.device != "cpu":
+            return _error("--device cuda is the PyTorch benchmark's (--framework torch); the "
+                          "Keras one runs on CPU")
         if args.compute != "cpu":
             return _error("--compute replay is not in the Keras benchmark yet; use "
                           "--framework torch")
