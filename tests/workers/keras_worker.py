@@ -558,6 +558,9 @@ def check_load_model(tmp):
 
 def main():
     phvd.init()
+    # Where Keras keeps the variables (the GPU kit checks that they are on the GPU).
+    print(f"KERAS_DEVICE {keras.backend.backend()} {keras.Variable(0.0).value.device}",
+          flush=True)
     modes, args = sys.argv[1], sys.argv[2:]
     if modes == "resume":
         check_checkpoint("resume", *args)

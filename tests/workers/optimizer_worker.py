@@ -25,6 +25,20 @@ torch.set_num_threads(THREADS)
 STEPS = 20
 # Plain Pipe-SGD unless a test asks for an option (test_staleness runs these with the default).
 COMPENSATION = os.environ.get("ORACLE_COMPENSATION") or None
+# Where models and batches live (the GPU kit: cuda); the oracle computes on the same device,
+# so both sides run the same kernels and differ only by the order of the average's sums.
+DEVICE = torch.device(os.environ.get("ORACLE_DEVICE", "cpu"))
+if DEVICE.type == "cuda":
+    DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", os.environ.get(
+        "HOROVOD_LOCAL_RANK", "0"))) % torch.cuda.device_count())
+    # float32 throughout, as the rounding bound assumes (tests/tolerance.py): no TF32, and
+    # cuDNN's deterministic kernels, so a forward repeated on the same input repeats its bits.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+# A torch.distributed backend to start before the engine (the GPU kit: gloo, for two ranks
+# sharing one GPU, where the engine's default NCCL refuses).
+BACKEND = os.environ.get("ORACLE_TORCH_BACKEND")
 
 
 class MLP(nn.Module):
@@ -68,14 +82,15 @@ def data_for(micro=1, poison=None):
             x = torch.randn(6, 8, generator=g)
             if (rank, step) == poison:
                 x[0, 0] = float("inf")
-            batches.append((x, torch.randint(0, 4, (6,), generator=g)))
+            batches.append((x.to(DEVICE), torch.randint(0, 4, (6,), generator=g).to(DEVICE)))
         return batches
     return data
 
 
 def conv_data(rank, step):
     g = torch.Generator().manual_seed(7919 * rank + step)
-    return [(torch.randn(5, 64, generator=g), torch.randint(0, 4, (5,), generator=g))]
+    return [(torch.randn(5, 64, generator=g).to(DEVICE),
+             torch.randint(0, 4, (5,), generator=g).to(DEVICE))]
 
 
 def make_optimizer(kind, model):
@@ -128,7 +143,7 @@ def train(model, opt, data, steps=STEPS, micro=1, scheduler=None, scaler=None, s
 
 def fresh(model_cls, seed=0, **kw):
     torch.manual_seed(seed)
-    return model_cls(**kw)
+    return model_cls(**kw).to(DEVICE)
 
 
 def check_oracle():
@@ -337,6 +352,8 @@ def check_process_set():
 
 
 def main():
+    if BACKEND:
+        torch.distributed.init_process_group(BACKEND)
     phvd.init()
     launcher.worker_cases({"oracle": check_oracle, "features": check_features,
                            "param-group": check_param_group, "process-set": check_process_set},
