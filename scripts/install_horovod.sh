@@ -25,6 +25,9 @@
 #   PIPE_HOROVOD_MPI        1: require MPI (fail without mpicc), 0: build without it,
 #                           unset: MPI exactly when mpicc is found
 #   PIPE_HOROVOD_CACHE      the cache root (default ~/.cache/pipe_horovod)
+#   PIPE_HOROVOD_WHEEL_ONLY 1: build (or find in the cache) the wheel and print its path as
+#                           the last line, installing nothing: the GPU kit carries it to a
+#                           machine that cannot build (scripts/gpu_kit/build.sh)
 set -euo pipefail
 PY=${PYTHON:-python}
 HOROVOD_VERSION=${HOROVOD_VERSION:-0.28.1}
@@ -56,10 +59,15 @@ cache_root=${PIPE_HOROVOD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pipe_horovod}
 # NCCL ops: nvcc from PyPI, pinned to the CUDA version torch was built for (or
 # the toolkit HOROVOD_CUDA_HOME names), and NCCL from torch's own nvidia-nccl
 # wheel (or HOROVOD_NCCL_HOME), so no system CUDA and no GPU are needed.
+# A CUDA build of torch needs the toolkit even for CPU ops: Horovod's torch extension
+# then compiles with CUDA (horovod/torch/CMakeLists.txt: add_cuda() for a CUDA torch),
+# which lets it copy CUDA tensors through the host for its CPU ops, safely.
 cuda_tag=""
+torch_cuda=$("$PY" -c 'import torch; print(torch.version.cuda or "")')
 if [ "$GPU_OPS" = NCCL ]; then
-  torch_cuda=$("$PY" -c 'import torch; print(torch.version.cuda or "")')
   [ -n "$torch_cuda" ] || die "HOROVOD_GPU_OPERATIONS=NCCL needs a CUDA build of torch, but $PY has torch $torch_version (a CPU build): install torch from PyPI's default index"
+fi
+if [ -n "$torch_cuda" ]; then
   want_cuda=${PIPE_HOROVOD_CUDA_VERSION:-$torch_cuda}
   [ "$want_cuda" = "$torch_cuda" ] || die "torch $torch_version is built for CUDA $torch_cuda, not the CUDA $want_cuda asked for (PIPE_HOROVOD_CUDA_VERSION, the image's CUDA_VERSION): pick a torch built for CUDA $want_cuda, or ask for $torch_cuda"
   cuda_tag="-cu${torch_cuda//./}-cc${cc_list//,/.}"
@@ -72,7 +80,8 @@ built() {
   "$PY" -c "import horovod, horovod.torch as h; print(horovod.__version__, f'MPI={int(h.mpi_built())} Gloo={int(h.gloo_built())} NCCL={int(h.nccl_built() > 0)}')" 2>/dev/null || true
 }
 want="$HOROVOD_VERSION MPI=$with_mpi Gloo=1 NCCL=$([ "$GPU_OPS" = NCCL ] && echo 1 || echo 0)"
-if [ "$(built)" = "$want" ]; then
+wheel_only=${PIPE_HOROVOD_WHEEL_ONLY:-0}
+if [ "$wheel_only" != 1 ] && [ "$(built)" = "$want" ]; then
   echo "horovod $HOROVOD_VERSION ($controllers${GPU_OPS:+, GPU ops $GPU_OPS}) already installed"
   exit 0
 fi
@@ -128,14 +137,17 @@ It ran: ${build_env[*]} $PY -m pip wheel -v --no-deps --no-build-isolation --no-
 MSG
 }
 
-# Sets cuda_env to the variables Horovod's CMake needs for NCCL ops: a CUDA
+# Sets cuda_env to the variables Horovod's CMake needs for a CUDA torch: a CUDA
 # home whose nvcc compiles C++17 (CUDA 13's headers need it; Horovod asks for
-# C++11), and an NCCL home with the unversioned library name CMake looks for.
+# C++11), and for NCCL ops an NCCL home with the unversioned library name CMake
+# looks for. Without NCCL ops and without a toolkit this script can assemble (CUDA
+# < 13 and no HOROVOD_CUDA_HOME), it leaves CMake to find the system's.
 cuda_build_env() {
   local major=${torch_cuda%%.*} toolkit home nccl got
   if [ -n "${HOROVOD_CUDA_HOME:-}" ]; then
     toolkit=$HOROVOD_CUDA_HOME
   else
+    if [ "$major" -lt 13 ] && [ "$GPU_OPS" != NCCL ]; then return; fi
     [ "$major" -ge 13 ] || die "torch is built for CUDA $torch_cuda: PyPI's CUDA $major toolkit is split over several packages this script does not assemble; set HOROVOD_CUDA_HOME to an installed CUDA $torch_cuda toolkit"
     toolkit="$cache_root/cuda-$torch_cuda"
     if [ ! -x "$toolkit/nvidia/cu$major/bin/nvcc" ]; then
@@ -158,6 +170,11 @@ cuda_build_env() {
   for d in include lib lib64 nvvm; do [ -e "$toolkit/$d" ] && ln -s "$toolkit/$d" "$home/$d"; done
   printf '#!/bin/sh\nexec %s --compiler=%s "$@"\n' "$here/cxx17" "$toolkit/bin/nvcc" >"$home/bin/nvcc"
   chmod +x "$home/bin/nvcc"
+  cuda_env=("HOROVOD_CUDA_HOME=$home" "CUDA_HOME=$home" "HOROVOD_BUILD_CUDA_CC_LIST=$cc_list")
+  if [ "$GPU_OPS" != NCCL ]; then
+    echo "  CUDA $got from $toolkit (torch's CUDA: Horovod's extension compiles with it), compute capabilities $cc_list"
+    return
+  fi
   if [ -n "${HOROVOD_NCCL_HOME:-}" ]; then
     nccl=$HOROVOD_NCCL_HOME
   else
@@ -170,8 +187,7 @@ cuda_build_env() {
   fi
   [ -f "$nccl/include/nccl.h" ] || die "no nccl.h in $nccl/include (HOROVOD_NCCL_HOME)"
   echo "  CUDA $got from $toolkit, NCCL $(grep -oE 'NCCL_(MAJOR|MINOR|PATCH) +[0-9]+' "$nccl/include/nccl.h" | grep -oE '[0-9]+$' | paste -sd.) from $nccl, compute capabilities $cc_list"
-  cuda_env=("HOROVOD_CUDA_HOME=$home" "CUDA_HOME=$home" "HOROVOD_NCCL_HOME=$nccl"
-            HOROVOD_NCCL_LINK=SHARED "HOROVOD_BUILD_CUDA_CC_LIST=$cc_list")
+  cuda_env+=("HOROVOD_NCCL_HOME=$nccl" HOROVOD_NCCL_LINK=SHARED)
 }
 
 if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
@@ -183,7 +199,7 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   build_pid=""
   trap 'rm -rf "$tmp"; if [ -n "$build_pid" ]; then kill "$build_pid" 2>/dev/null || true; fi' EXIT
   cuda_env=()
-  if [ "$GPU_OPS" = NCCL ]; then cuda_build_env; fi
+  if [ -n "$torch_cuda" ]; then cuda_build_env; fi
   if [ "$with_mpi" = 1 ]; then mpi_flag=HOROVOD_WITH_MPI=1; else mpi_flag=HOROVOD_WITHOUT_MPI=1; fi
   # cxx17: Horovod's CMake asks for C++14, torch's headers need C++17.
   build_env=("CXX=$here/cxx17" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 "$mpi_flag"
@@ -204,6 +220,10 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
     exit 1
   fi
   mv "$tmp"/horovod-*.whl "$wheel_dir/"
+fi
+if [ "$wheel_only" = 1 ]; then
+  ls "$wheel_dir"/horovod-*.whl
+  exit 0
 fi
 # Forced: the same version may be installed with other controllers. Then its
 # runtime dependencies (cloudpickle, psutil, pyyaml, cffi, ...): horovodrun needs them.
