@@ -1,0 +1,205 @@
+"""The GPU kit's codec step: the two-stage formats and the per-hop codecs on DEVICE,
+bit for bit against the CPU reference, and their throughput.
+
+The reference is the torch form on CPU (PIPE_HOROVOD_NATIVE_CODEC=0, the form
+tests/test_native_codec.py holds the C kernels to). On a GPU every function of
+compression/two_stage.py and compression/hops.py runs in that same torch form on CUDA
+tensors, so any difference is CUDA's arithmetic or a step that leaves the device; on
+CPU (the rehearsal, --device cpu) the C kernels run against it.
+
+A reduction over RANKS simulated ranks runs both stages twice (so the error feedback's
+residuals are used once), and every intermediate is compared: each rank's send buffer
+and first residual, each shard's reduced wire and second residual, the decoded result.
+Prints `CODECS <json>` and exits 1 on a mismatch.
+
+    python tests/gpu_kit/codecs.py --device cuda
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from pipe_horovod.compression import native, two_stage
+from pipe_horovod.compression.hops import CastHop, Int8Hop
+from pipe_horovod.compression.two_stage import WireFormat, same_bits
+
+RANKS = 4
+SIZES = (1, 255, 4099, 2 ** 18 + 7)
+KINDS = [k for k in two_stage.FORMATS if hasattr(torch, k)]
+
+
+def data(n, seed):
+    """Values over many magnitudes, with .5 ties, zeros and -0 (as test_native_codec)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    x *= torch.exp2(torch.randint(-20, 20, (n,), generator=g).double())
+    x = x.float()
+    if n >= 100:
+        x[:40] = torch.arange(-20, 20, dtype=torch.float32) / 2 * 2.0 ** -5 * 127 / 10
+        x[40:60] = 0.0
+        x[60:64] = -0.0
+    return x
+
+
+def same(a, b):
+    a, b = a.cpu(), b.cpu()
+    return same_bits(a, b) if a.dtype in (torch.float32, torch.float64) else torch.equal(a, b)
+
+
+def two_stage_reduction(flats, fmt, device, rounds=2):
+    """Every intermediate of `rounds` averaged two-stage reductions of `flats` (one per
+    simulated rank), computed on `device`."""
+    numel = flats[0].numel()
+    sizes = two_stage.shard_sizes(numel, RANKS)
+    first = [torch.zeros(numel, device=device) for _ in range(RANKS)]
+    second = [torch.zeros(sizes[r], device=device) for r in range(RANKS)]
+    seen = {}
+    for rnd in range(rounds):
+        sends = [two_stage.first_stage(f.to(device), sizes, fmt, first[r])
+                 for r, f in enumerate(flats)]
+        wires = []
+        for s in range(RANKS):                       # the alltoall: shard s of every rank
+            parts = []
+            for send, splits in sends:
+                at = sum(splits[:s])
+                parts.append(send[at:at + splits[s]])
+            wires.append(two_stage.reduce_shard(torch.cat(parts), RANKS, sizes[s], fmt,
+                                                torch.float32, True, residual=second[s]))
+        out = torch.empty(numel, device=device)
+        two_stage.decode(torch.cat(wires), sizes, fmt, out)
+        for r in range(RANKS):
+            seen[f"round {rnd} rank {r} send"] = sends[r][0]
+            seen[f"round {rnd} rank {r} first residual"] = first[r].clone()
+            seen[f"round {rnd} shard {r} wire"] = wires[r]
+            seen[f"round {rnd} shard {r} second residual"] = second[r].clone()
+        seen[f"round {rnd} result"] = out
+    return seen
+
+
+def per_hop(codec, x, device):
+    """One hop's encode (with residual) and decode_add of `x` into a running sum."""
+    x = x.to(device)
+    # zeros: the padding after a block's values is never written, and must compare equal
+    wire = torch.zeros(codec.wire_numel(x.numel()), dtype=getattr(codec, "wire_dtype", None)
+                       or torch.uint8, device=device)
+    scratch, residual = torch.empty_like(x), torch.empty_like(x)
+    codec.encode(x, wire, scratch, residual)
+    total = torch.ones_like(x)
+    codec.decode_add(wire, total)
+    return {"wire": wire, "residual": residual, "sum": total}
+
+
+def hop_codecs():
+    return {"int8": Int8Hop(), "float16": CastHop(torch.float16),
+            "bfloat16": CastHop(torch.bfloat16)}
+
+
+def cpu_reference(fn):
+    """fn() with the C kernels off: the torch form on CPU."""
+    saved = os.environ.get(native.ENV)
+    os.environ[native.ENV] = "0"
+    try:
+        return fn()
+    finally:
+        if saved is None:
+            del os.environ[native.ENV]
+        else:
+            os.environ[native.ENV] = saved
+
+
+def timed(fn, device, reps):
+    """Median seconds of fn() (two warm-ups), waiting for the device each time."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for rep in range(reps + 2):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if rep >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def throughput(device, mib, reps):
+    """GB/s (float32 input bytes per second) of each stage on one `mib` MiB tensor, as one
+    rank of two runs them: the first stage (quantize + residual), the second (sum of two
+    copies of a shard, requantize + residual), the decode of the gathered result."""
+    numel = mib * 2 ** 20 // 4
+    x = data(numel, 7).to(device)
+    out = {}
+    for kind in KINDS:
+        fmt = WireFormat(kind)
+        sizes = two_stage.shard_sizes(numel, 2)
+        residual = torch.zeros(numel, device=device)
+        send, splits = two_stage.first_stage(x, sizes, fmt, residual)
+        received = torch.cat([send[:splits[0]], send[:splits[0]]])
+        second = torch.zeros(sizes[0], device=device)
+        wire = two_stage.reduce_shard(received, 2, sizes[0], fmt, torch.float32, True,
+                                      residual=second)
+        gathered = torch.cat([wire, wire]) if sizes[0] == sizes[1] else None
+        result = torch.empty(numel, device=device)
+        stages = {
+            "first stage": (lambda: two_stage.first_stage(x, sizes, fmt, residual), numel),
+            "second stage": (lambda: two_stage.reduce_shard(
+                received, 2, sizes[0], fmt, torch.float32, True, residual=second), sizes[0]),
+        }
+        if gathered is not None:
+            stages["decode"] = (lambda: two_stage.decode(gathered, sizes, fmt, result), numel)
+        out[kind] = {name: round(n * 4 / timed(fn, device, reps) / 1e9, 2)
+                     for name, (fn, n) in stages.items()}
+    for name, codec in hop_codecs().items():
+        piece = x[:2 ** 20]
+        wire = torch.empty(codec.wire_numel(piece.numel()), dtype=getattr(
+            codec, "wire_dtype", None) or torch.uint8, device=device)
+        scratch, residual = torch.empty_like(piece), torch.empty_like(piece)
+        out[f"per hop {name}"] = {
+            "encode": round(piece.numel() * 4 / timed(
+                lambda: codec.encode(piece, wire, scratch, residual), device, reps) / 1e9, 2),
+            "decode_add": round(piece.numel() * 4 / timed(
+                lambda: codec.decode_add(wire, scratch), device, reps) / 1e9, 2)}
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--mib", type=int, default=64, help="throughput's tensor, MiB")
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    torch.set_num_threads(1)            # the CPU side as one rank's thread runs it
+    mismatches, compared = [], 0
+    for kind in KINDS:
+        for n in SIZES:
+            flats = [data(n, 100 * r + n) for r in range(RANKS)]
+            fmt = WireFormat(kind)
+            ref = cpu_reference(lambda: two_stage_reduction(flats, fmt, torch.device("cpu")))
+            got = two_stage_reduction(flats, fmt, device)
+            for key, value in ref.items():
+                compared += 1
+                if not same(got[key], value):
+                    mismatches.append(f"two-stage {kind} n={n}: {key}")
+    for name, codec in hop_codecs().items():
+        for n in SIZES:
+            x = data(n, n)
+            ref = cpu_reference(lambda: per_hop(codec, x, torch.device("cpu")))
+            got = per_hop(codec, x, device)
+            for key, value in ref.items():
+                compared += 1
+                if not same(got[key], value):
+                    mismatches.append(f"per hop {name} n={n}: {key}")
+    result = {"device": str(device), "kinds": KINDS, "sizes": SIZES, "ranks": RANKS,
+              "compared": compared, "mismatches": mismatches,
+              "native": native.status() if device.type == "cpu" else "torch form on CUDA",
+              "gbps": throughput(device, args.mib, args.reps), "mib": args.mib}
+    print("CODECS " + json.dumps(result), flush=True)
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
