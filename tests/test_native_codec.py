@@ -68,7 +68,7 @@ def _same(a, b):
 
 
 DTYPES = [torch.float32, torch.float64]
-KINDS = ["int8"] + [k for k in two_stage.FLOAT8 if hasattr(torch, k)]
+KINDS = ["int8", "int4"] + [k for k in two_stage.FLOAT8 if hasattr(torch, k)]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -108,7 +108,7 @@ def test_the_build_without_cpu_specific_copies_gives_torchs_bits_too(monkeypatch
                 for size, block, n, special in [(3, 16, 1000, None), (2, 64, 4099, "nan"),
                                                 (4, 256, 777, "inf")]:
                     _check_reduction(monkeypatch, kind, dtype, size, block, n, special)
-            if kind != "int8":
+            if kind in two_stage.FLOAT8:
                 test_float8_rounding_over_a_sweep_of_float32(monkeypatch, kind)
         assert len(list((tmp_path / "native").iterdir())) == 1       # its own build
     finally:
@@ -149,7 +149,7 @@ def _check_reduction(monkeypatch, kind, dtype, size, block, n, special):
                 assert _same(a, b), (what, args)
 
 
-@pytest.mark.parametrize("kind", KINDS[1:])
+@pytest.mark.parametrize("kind", [k for k in KINDS if k in two_stage.FLOAT8])
 def test_float8_rounding_over_a_sweep_of_float32(monkeypatch, kind):
     """Bit patterns spread over the whole range, each block led by the format's
     largest value so that the scale is 1 and every value is converted as it is (an

@@ -1,4 +1,4 @@
-/* One fused pass per stage of the two-stage int8 / fp8 reduction on CPU tensors.
+/* One fused pass per stage of the two-stage int8 / int4 / fp8 reduction on CPU tensors.
  *
  * compression/two_stage.py holds the math as torch operations, each one pass over
  * memory (about 2.3 ns per gradient byte in all on one core, where the 1 Gbit wire
@@ -7,10 +7,12 @@
  *
  *   scale = amax / qmax (in the accumulator's type, then float32), divisor = scale
  *   where scale > 0 else 1, q = v / divisor clamped to +-qmax, then for int8
- *   (kind 0, qmax 127) rounded half to even, for float8 (kind 1 e4m3fn, 2 e5m2)
- *   cast to float32 and to the 8-bit type as c10 does it (fp8_round below);
- *   decoded = q * scale. Receivers decode float8 bytes through torch's own table of
- *   the 256 values (`table`).
+ *   (kind 0, qmax 127) and int4 (kind 3, qmax 7) rounded half to even, for float8
+ *   (kind 1 e4m3fn, 2 e5m2) cast to float32 and to the 8-bit type as c10 does it
+ *   (fp8_round below); decoded = q * scale. Receivers decode float8 bytes through
+ *   torch's own table of the 256 values (`table`). int4 packs two values a byte
+ *   (element 2k in the low four bits of byte k, two's complement; blocks have an even
+ *   size, so block b's values start at byte b * bs / 2).
  *
  * Every operation is one IEEE operation in the same type and order as torch's, so
  * the build must keep IEEE semantics (native.py: -fno-fast-math -ffp-contract=off, no
@@ -33,7 +35,18 @@
 #include <string.h>
 #include <math.h>
 
-#define ABI_VERSION 2
+#define ABI_VERSION 3
+
+/* Where a block's values start, for an element offset `lo` (even for int4). */
+#define VOFF(kind, lo) ((kind) == 3 ? (lo) / 2 : (lo))
+
+/* int4 value i of the packed bytes p, sign-extended (arithmetic shifts, as gcc and
+   clang do them for signed types). */
+static inline int8_t nibble(const uint8_t *p, int64_t i)
+{
+    int8_t b = (int8_t)p[i >> 1];
+    return (i & 1) ? (int8_t)(b >> 4) : (int8_t)((int8_t)(b << 4) >> 4);
+}
 
 int phv_abi_version(void) { return ABI_VERSION; }
 
@@ -118,6 +131,24 @@ INLINE int block_##S(const T *x, const T *add, T *res, T *back, int64_t m,      
     T sc = (T)scale;                                                                    \
     T div = scale > 0.0f ? sc : (T)1;                                                   \
     *scale_out = scale;                                                                 \
+    if (kind == 3) {                /* int4: a pair of values a byte */                 \
+        for (int64_t i = 0; i < m; i += 2) {                                            \
+            int8_t nib[2] = {0, 0};                                                     \
+            for (int64_t j = i; j < i + 2 && j < m; j++) {                              \
+                T v = add ? x[j] + add[j] : x[j];                                       \
+                T q = v / div;                                                          \
+                q = q < -qmax ? -qmax : q;                                              \
+                q = q > qmax ? qmax : q;                                                \
+                T r = round_even_##S(q);                                                \
+                nib[j - i] = (int8_t)r;                                                 \
+                T d = r * sc;                                                           \
+                if (back) back[j] = d;                                                  \
+                if (res) res[j] = v - d;                                                \
+            }                                                                           \
+            ((uint8_t *)vals)[i >> 1] = (uint8_t)((nib[0] & 0x0F) | ((nib[1] & 0x0F) << 4)); \
+        }                                                                               \
+        return 0;                                                                       \
+    }                                                                                   \
     for (int64_t i = 0; i < m; i++) {                                                   \
         T v = add ? x[i] + add[i] : x[i];                                               \
         T q = v / div;                                                                  \
@@ -147,8 +178,8 @@ INLINE int64_t encode_##S(const T *x, T *res, T *back, int64_t n, int64_t bs,   
     for (int64_t b = 0; b < nb; b++) {                                                  \
         int64_t lo = b * bs, m = n - lo < bs ? n - lo : bs;                             \
         if (block_##S(x + lo, res ? res + lo : NULL, res ? res + lo : NULL,             \
-                      back ? back + lo : NULL, m, scales + b, vals + lo, kind, qmax,    \
-                      table))                                                           \
+                      back ? back + lo : NULL, m, scales + b, vals + VOFF(kind, lo),    \
+                      kind, qmax, table))                                               \
             return b;                                                                   \
     }                                                                                   \
     return nb;                                                                          \
@@ -171,6 +202,11 @@ CLONES int64_t phv_encode_##S(const T *x, T *res, T *back, int64_t n, int64_t bs
         if (back) return encode_##S(x, NULL, back, n, bs, scales, vals, 1, qmax, table);\
         return encode_##S(x, NULL, NULL, n, bs, scales, vals, 1, qmax, table);          \
     }                                                                                   \
+    if (kind == 3) {                                                                    \
+        if (res) return encode_##S(x, res, NULL, n, bs, scales, vals, 3, qmax, table);  \
+        if (back) return encode_##S(x, NULL, back, n, bs, scales, vals, 3, qmax, table);\
+        return encode_##S(x, NULL, NULL, n, bs, scales, vals, 3, qmax, table);          \
+    }                                                                                   \
     if (res) return encode_##S(x, res, NULL, n, bs, scales, vals, 2, qmax, table);      \
     if (back) return encode_##S(x, NULL, back, n, bs, scales, vals, 2, qmax, table);    \
     return encode_##S(x, NULL, NULL, n, bs, scales, vals, 2, qmax, table);              \
@@ -187,6 +223,9 @@ CLONES int64_t phv_decode_##S(const float *scales, const int8_t *vals, int64_t n
         T sc = (T)scales[b];                                                            \
         if (kind == 0)                                                                  \
             for (int64_t i = 0; i < m; i++) out[lo + i] = (T)vals[lo + i] * sc;         \
+        else if (kind == 3)                                                             \
+            for (int64_t i = 0; i < m; i++)                                             \
+                out[lo + i] = (T)nibble((const uint8_t *)vals, lo + i) * sc;            \
         else                                                                            \
             for (int64_t i = 0; i < m; i++)                                             \
                 out[lo + i] = (T)table[((const uint8_t *)vals)[lo + i]] * sc;           \
@@ -198,7 +237,8 @@ INLINE void load_##S(T *t, const int8_t *q, int64_t m, T sc, int first, int has_
                      T pre, int kind, const float *table)                               \
 {                                                                                       \
     for (int64_t i = 0; i < m; i++) {                                                   \
-        T v = (kind == 0 ? (T)q[i] : (T)table[((const uint8_t *)q)[i]]) * sc;           \
+        T v = (kind == 0 ? (T)q[i] : kind == 3 ? (T)nibble((const uint8_t *)q, i)       \
+               : (T)table[((const uint8_t *)q)[i]]) * sc;                               \
         if (has_pre) v = v * pre;                                                       \
         t[i] = first ? v : t[i] + v;                                                    \
     }                                                                                   \
@@ -221,7 +261,7 @@ CLONES int64_t phv_reduce_##S(const uint8_t *recv, int64_t stride, int64_t size,
         for (int64_t r = 0; r < size; r++) {                                            \
             const uint8_t *w = recv + r * stride;                                       \
             float s; memcpy(&s, w + 4 * b, 4);                                          \
-            const int8_t *q = (const int8_t *)(w + 4 * nb) + lo;                        \
+            const int8_t *q = (const int8_t *)(w + 4 * nb) + VOFF(kind, lo);            \
             if (kind == 0 && has_pre && r == 0) load_##S(t, q, m, s, 1, 1, pre, 0, table); \
             else if (kind == 0 && has_pre) load_##S(t, q, m, s, 0, 1, pre, 0, table);   \
             else if (kind == 0 && r == 0) load_##S(t, q, m, s, 1, 0, pre, 0, table);    \
@@ -231,16 +271,19 @@ CLONES int64_t phv_reduce_##S(const uint8_t *recv, int64_t stride, int64_t size,
         if (average) for (int64_t i = 0; i < m; i++) t[i] = t[i] / count;               \
         if (has_post) for (int64_t i = 0; i < m; i++) t[i] = t[i] * post;               \
         int bad;                                                                        \
+        int8_t *vb = vals + VOFF(kind, lo);                                             \
         if (res) {                                                                      \
             T *rb = res + lo;                                                           \
             for (int64_t i = 0; i < m; i++) t[i] = t[i] + rb[i];                        \
-            bad = kind == 0 ? block_##S(t, NULL, rb, NULL, m, scales + b, vals + lo, 0, qmax, table) \
-                : kind == 1 ? block_##S(t, NULL, rb, NULL, m, scales + b, vals + lo, 1, qmax, table) \
-                : block_##S(t, NULL, rb, NULL, m, scales + b, vals + lo, 2, qmax, table);   \
+            bad = kind == 0 ? block_##S(t, NULL, rb, NULL, m, scales + b, vb, 0, qmax, table) \
+                : kind == 1 ? block_##S(t, NULL, rb, NULL, m, scales + b, vb, 1, qmax, table) \
+                : kind == 3 ? block_##S(t, NULL, rb, NULL, m, scales + b, vb, 3, qmax, table) \
+                : block_##S(t, NULL, rb, NULL, m, scales + b, vb, 2, qmax, table);      \
         } else {                                                                        \
-            bad = kind == 0 ? block_##S(t, NULL, NULL, NULL, m, scales + b, vals + lo, 0, qmax, table) \
-                : kind == 1 ? block_##S(t, NULL, NULL, NULL, m, scales + b, vals + lo, 1, qmax, table) \
-                : block_##S(t, NULL, NULL, NULL, m, scales + b, vals + lo, 2, qmax, table); \
+            bad = kind == 0 ? block_##S(t, NULL, NULL, NULL, m, scales + b, vb, 0, qmax, table) \
+                : kind == 1 ? block_##S(t, NULL, NULL, NULL, m, scales + b, vb, 1, qmax, table) \
+                : kind == 3 ? block_##S(t, NULL, NULL, NULL, m, scales + b, vb, 3, qmax, table) \
+                : block_##S(t, NULL, NULL, NULL, m, scales + b, vb, 2, qmax, table);    \
         }                                                                               \
         if (bad) { free(t); return b; }                                                 \
     }                                                                                   \

@@ -47,7 +47,7 @@ from pathlib import Path
 
 ENV = "PIPE_HOROVOD_NATIVE_CODEC"
 LIBRARY_ENV = "PIPE_HOROVOD_NATIVE_LIBRARY"   # a prebuilt library to load instead of compiling
-ABI_VERSION = 2                     # cpu_kernels.c's ABI_VERSION
+ABI_VERSION = 3                     # cpu_kernels.c's ABI_VERSION
 FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off",
          "-fno-trapping-math"]
 SOURCE = Path(__file__).with_name("cpu_kernels.c")

@@ -16,7 +16,9 @@ each instead (the reduce-scatter of ZeRO++'s qgZ, then an allgather):
 
 Wire formats (`WireFormat`): "int8" (per block of `block_size` elements
 one float32 scale max|x| / 127, values rounded half to even and clamped
-to +-127), "float8_e4m3fn" / "float8_e5m2" (the same blocks, scale
+to +-127), "int4" (the same with max|x| / 7 and +-7, two values a byte: the
+even element in the low four bits, the odd one in the high four, two's
+complement; blocks of an even size, so a block starts on a byte), "float8_e4m3fn" / "float8_e5m2" (the same blocks, scale
 max|x| / the format's largest finite value, values cast to the 8-bit
 float type), "float16" / "bfloat16" (a cast, no scale). Blocks start at
 each shard's first element; a shard's wire is its scales (float32 bytes)
@@ -55,14 +57,16 @@ from . import DEFAULT_BLOCK_SIZE, SCALE_BYTES, accumulator, native
 MIN_BLOCK_SIZE = 16           # below, the scales cost a quarter of the bytes or more
 MAX_BLOCK_SIZE = 2 ** 20
 
-_SCALED = {"int8": 127.0}     # + the float8 formats, largest finite value from finfo
+_SCALED = {"int8": 127.0, "int4": 7.0}   # + float8's: largest finite value from finfo
+_PACKED = ("int4",)           # two values a byte
 _UNSCALED = ("float16", "bfloat16")
 FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
-FORMATS = ("int8",) + FLOAT8 + _UNSCALED
+FORMATS = ("int8", "int4") + FLOAT8 + _UNSCALED
 
 
-def check_block_size(block_size):
-    """Refuse a block size that is not a sensible int (TypeError / ValueError)."""
+def check_block_size(block_size, kind=None):
+    """Refuse a block size that is not a sensible int (TypeError / ValueError), or, for
+    a packed format (`kind` "int4"), an odd one."""
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be an int (elements per float32 scale), got "
                         f"{block_size!r}")
@@ -71,6 +75,10 @@ def check_block_size(block_size):
                          f"elements per scale (default {DEFAULT_BLOCK_SIZE}), got {block_size}: "
                          "smaller blocks spend a quarter of the bytes or more on scales, larger "
                          "ones let one large gradient flatten a whole block to zero")
+    if kind in _PACKED and block_size % 2:
+        raise ValueError(f"{kind} packs two values a byte, so a block (which starts on a "
+                         f"byte) holds an even number of them: block_size must be even, got "
+                         f"{block_size}")
     return block_size
 
 
@@ -79,7 +87,7 @@ def check_format(kind):
     if kind not in FORMATS:
         raise ValueError(f"unknown quantized wire format {kind!r}; choose one of "
                          f"{', '.join(FORMATS)}")
-    if not hasattr(torch, kind):
+    if kind not in _PACKED and not hasattr(torch, kind):
         raise ValueError(f"wire format {kind!r} needs torch.{kind}, which torch "
                          f"{torch.__version__} does not have (fp8 dtypes came in torch 2.1); "
                          "use int8, fp16 or bf16")
@@ -91,9 +99,11 @@ class WireFormat:
 
     def __init__(self, kind, block_size=DEFAULT_BLOCK_SIZE):
         self.kind = check_format(kind)
-        self.dtype = getattr(torch, kind)
+        self.packed = kind in _PACKED
+        # the values' element type (int4: the int8 each value is computed in)
+        self.dtype = torch.int8 if self.packed else getattr(torch, kind)
         self.scaled = kind not in _UNSCALED
-        self.block_size = check_block_size(block_size) if self.scaled else None
+        self.block_size = check_block_size(block_size, kind) if self.scaled else None
         self.qmax = (_SCALED[kind] if kind in _SCALED
                      else float(torch.finfo(self.dtype).max) if self.scaled else None)
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -107,9 +117,13 @@ class WireFormat:
     def blocks(self, numel):
         return -(-numel // self.block_size) if self.scaled else 0
 
+    def value_bytes(self, numel):
+        """Bytes of `numel` values, unpadded (int4: two a byte, the last half-filled)."""
+        return -(-numel // 2) if self.packed else numel * self.itemsize
+
     def shard_bytes(self, numel):
         """Wire bytes of a shard of `numel` elements: scales, values, padding to 4."""
-        return SCALE_BYTES * self.blocks(numel) + -(-numel * self.itemsize // 4) * 4
+        return SCALE_BYTES * self.blocks(numel) + -(-self.value_bytes(numel) // 4) * 4
 
 
 def shard_sizes(numel, size):
@@ -137,7 +151,7 @@ def quantize(x, fmt, wire=None):
         head = SCALE_BYTES * fmt.blocks(n)
         if kernels.encode(x.data_ptr(), None, back.data_ptr(), n, fmt.block_size,
                           wire.data_ptr(), wire.data_ptr() + head) == fmt.blocks(n):
-            wire[head + n:].zero_()
+            wire[head + fmt.value_bytes(n):].zero_()
             return wire, back
     return _quantize_torch(x, fmt, wire)       # also for a block that is not finite
 
@@ -166,16 +180,38 @@ def _quantize_torch(x, fmt, wire=None):
     q = torch.div(blocks, divisor[:, None]).clamp_(-fmt.qmax, fmt.qmax)
     head = SCALE_BYTES * nb
     wire[:head].view(torch.float32).copy_(scale)
-    values = wire[head:head + n].view(fmt.dtype)
-    if fmt.kind == "int8":
+    values = wire[head:head + fmt.value_bytes(n)]
+    if fmt.packed:
+        q.round_()                    # integers within +-7
+        values.copy_(pack_int4(q.view(-1)[:n]))
+    elif fmt.kind == "int8":
         q.round_()                    # integers within +-127: the wire's value, exactly
-        values.copy_(q.view(-1)[:n])
+        values.view(fmt.dtype).copy_(q.view(-1)[:n])
     else:
         q8 = q.to(fmt.dtype)
-        values.copy_(q8.view(-1)[:n])
+        values.view(fmt.dtype).copy_(q8.view(-1)[:n])
         q.copy_(q8)                   # what the receivers decode
-    wire[head + n:].zero_()
+    wire[head + fmt.value_bytes(n):].zero_()
     return wire, q.mul_(scale.to(x.dtype)[:, None]).view(-1)[:n]
+
+
+def pack_int4(q):
+    """Integers in [-7, 7] (any float or int type), two a byte: element 2k in the low
+    four bits of byte k, 2k+1 in the high four, two's complement; an odd count's last
+    byte has zero high bits."""
+    q = q.to(torch.int8)
+    if q.numel() % 2:
+        q = torch.nn.functional.pad(q, (0, 1))
+    pairs = q.view(-1, 2)
+    return ((pairs[:, 0] & 0x0F) | (pairs[:, 1] << 4)).view(torch.uint8)
+
+
+def unpack_int4(data, numel):
+    """The `numel` int8 values `pack_int4` wrote into the uint8 `data`."""
+    b = data.view(torch.int8)
+    low = ((b << 4) >> 4)             # arithmetic shifts: the sign comes back
+    high = b >> 4
+    return torch.stack((low, high), dim=1).view(-1)[:numel]
 
 
 def dequantize(wire, numel, fmt, acc):
@@ -198,7 +234,8 @@ def _dequantize_torch(wire, numel, fmt, acc):
     size, nb = fmt.block_size, fmt.blocks(numel)
     head = SCALE_BYTES * nb
     scale = wire[:head].view(torch.float32).to(acc)
-    values = wire[head:head + numel].view(fmt.dtype).to(acc)
+    raw = wire[head:head + fmt.value_bytes(numel)]
+    values = (unpack_int4(raw, numel) if fmt.packed else raw.view(fmt.dtype)).to(acc)
     if nb * size != numel:
         values = torch.nn.functional.pad(values, (0, nb * size - numel))
     return values.view(nb, size).mul_(scale[:, None]).view(-1)[:numel]
@@ -235,7 +272,7 @@ def reduce_shard(received, size, numel, fmt, acc, average, prescale=1.0, postsca
                               None if residual is None else residual.data_ptr(),
                               wire.data_ptr(), wire.data_ptr() + head)
         if done == nb:
-            wire[head + numel:].zero_()
+            wire[head + fmt.value_bytes(numel):].zero_()
             return wire
         if done >= 0:                 # blocks from `done` on are not finite: torch's way
             rest = _reduce_torch(received, size, numel, fmt, acc, average, prescale,
@@ -274,8 +311,9 @@ def _splice(wire, part, fmt, numel, first):
     nb, start = fmt.blocks(numel), first * fmt.block_size
     head, part_head = SCALE_BYTES * nb, SCALE_BYTES * (nb - first)
     wire[SCALE_BYTES * first:head] = part[:part_head]
-    wire[head + start:head + numel] = part[part_head:part_head + numel - start]
-    wire[head + numel:].zero_()
+    at, end = fmt.value_bytes(start), fmt.value_bytes(numel)     # start: on a byte
+    wire[head + at:head + end] = part[part_head:part_head + end - at]
+    wire[head + end:].zero_()
     return wire
 
 
@@ -332,7 +370,7 @@ def _first_stage_native(kernels, x, sizes, fmt, residual):
                               None if residual is None else residual.data_ptr() + pos * item,
                               None, numel, size, wire.data_ptr(), wire.data_ptr() + head)
         if done == nb:
-            wire[head + numel:].zero_()
+            wire[head + fmt.value_bytes(numel):].zero_()
         else:
             rest = x[pos + done * size:pos + numel]
             if residual is not None:
@@ -355,12 +393,12 @@ class _Kernels:
     """The C functions for one accumulator type and one wire format, the format's
     arguments (kind, qmax, the float8 table) bound."""
 
-    KINDS = {"int8": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
+    KINDS = {"int8": 0, "float8_e4m3fn": 1, "float8_e5m2": 2, "int4": 3}
 
     def __init__(self, lib, suffix, fmt):
         kind = self.KINDS[fmt.kind]
         # float8: torch's own decoding of the 256 bytes, so the C side needs no copy of it
-        self.table = (None if kind == 0 else
+        self.table = (None if kind in (0, 3) else
                       torch.arange(256, dtype=torch.uint8).view(fmt.dtype).to(torch.float32))
         table = None if self.table is None else self.table.data_ptr()
         encode = getattr(lib, f"phv_encode_{suffix}")
@@ -406,7 +444,7 @@ def _self_check(lib, kind, dtype):
     head = SCALE_BYTES * fmt.blocks(1000)
     kernels.encode(x.data_ptr(), None, back.data_ptr(), 1000, 32, wire.data_ptr(),
                    wire.data_ptr() + head)
-    wire[head + 1000:].zero_()
+    wire[head + fmt.value_bytes(1000):].zero_()
     ref_wire, ref_back = _quantize_torch(x, fmt)
     if torch.equal(wire, ref_wire) and same_bits(back, ref_back.contiguous()):
         return kernels
