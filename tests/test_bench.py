@@ -394,14 +394,20 @@ def test_bucket_cap_flag_round_trips():
 
 
 @pytest.mark.timeout(200)
-def test_ours_int8eng_trains_on_the_engines_two_stage_path(tmp_path):
-    # ours-kK-int8eng: compression=int8_ef with no collective= (the two-stage quantized
-    # allreduce on the engine's own collectives), beside the per-hop ring int8
+def test_ours_int8eng_and_int4_train_on_both_quantized_paths(tmp_path):
+    # ours-kK-int8eng / -int4eng: compression=int8_ef / int4_ef with no collective= (the
+    # two-stage quantized allreduce on the engine's own collectives), beside the per-hop
+    # ring int8 and int4 (with their codec costs measured for the report)
     assert worker.compression_of("ours-k2-int8eng-none") == "int8eng"
-    assert worker.parse_configs("ours-k2-int8eng ours-k2-int8eng-none") == [
-        "ours-k2-int8eng", "ours-k2-int8eng-none"]
-    configs = ["ours-k2-int8eng", "ours-k2-int8-none", "compute"]
+    assert worker.compression_of("ours-k2-int4-lookahead") == "int4"
+    assert worker.parse_configs("ours-k2-int8eng ours-k2-int8eng-none ours-k2-int4eng") == [
+        "ours-k2-int8eng", "ours-k2-int8eng-none", "ours-k2-int4eng"]
+    configs = ["ours-k2-int8eng", "ours-k2-int4eng", "ours-k2-int8-none", "ours-k2-int4",
+               "compute"]
     stdout = _bench(tmp_path, "--engine", "torch", "--workers", "2", *TINY,
                     "--configs", *configs, timeout=180)
-    summary, _ = _check_outputs(tmp_path, stdout, configs)
-    assert summary["configs"]["ours-k2-int8eng"]["compression"] == "int8eng"
+    summary, raw = _check_outputs(tmp_path, stdout, configs)
+    assert {n: summary["configs"][n]["compression"] for n in configs[:4]} == {
+        "ours-k2-int8eng": "int8eng", "ours-k2-int4eng": "int4eng",
+        "ours-k2-int8-none": "int8", "ours-k2-int4": "int4"}
+    assert set(raw["hop_codec_s_per_byte"]) == {"int8", "int4"}

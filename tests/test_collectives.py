@@ -22,7 +22,8 @@ from pipe_horovod.tools import planner as timing
 from pipe_horovod.collectives import layout
 from pipe_horovod.collectives.arrivals import InOrder
 from pipe_horovod.compression import Compression
-from pipe_horovod.compression.hops import Int8Hop
+from pipe_horovod.compression.hops import Int4Hop, Int8Hop
+from pipe_horovod.compression.two_stage import pack_int4
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -70,6 +71,29 @@ def test_int8_codec_round_trip_error_is_half_a_step():
     hop.encode(torch.zeros(7), wire[:hop.wire_numel(7)], torch.empty(7))
     hop.decode_into(wire[:hop.wire_numel(7)], out[:7])
     assert not out[:7].any()
+
+
+@pytest.mark.parametrize("numel", [1, 2, 7, 1000, 1001])
+def test_int4_codec_is_the_two_stage_format_on_one_block(numel):
+    """Per hop, a chunk is one block: its scale max|x| / 7 and its nibbles as the two-stage
+    format packs them (pack_int4), so the two paths agree on what 4 bits mean; the error
+    is at most half a step, and the residual is what was lost, to the bit."""
+    hop = Int4Hop()
+    x = torch.randn(numel, dtype=torch.float32) * 3
+    wire = torch.empty(hop.wire_numel(numel), dtype=torch.uint8)
+    assert hop.wire_numel(numel) == 4 + -(-numel // 8) * 4          # bytes padded to 4
+    residual, out = torch.empty(numel), torch.zeros(numel)
+    hop.encode(x, wire, torch.empty(numel), residual)
+    scale = wire[:4].view(torch.float32).item()
+    assert scale == pytest.approx(x.abs().max().item() / 7, rel=2.0**-23)
+    q = torch.round(x / (x.abs().max().item() / 7)).clamp(-7, 7)
+    assert torch.equal(wire[4:4 + -(-numel // 2)], pack_int4(q))
+    hop.decode_into(wire, out)
+    assert (x - out).abs().max() <= x.abs().max() / 14 * 1.0001
+    assert torch.equal(residual, x - out)
+    acc = torch.ones(numel)
+    hop.decode_add(wire, acc)
+    assert torch.equal(acc, torch.ones(numel) + out)
 
 
 class _GlooLikeRecv:
@@ -171,8 +195,8 @@ def test_int8_has_no_compress_of_a_whole_tensor(local):
     with pytest.raises(ValueError, match="quantizes inside the reduction"):
         phvd.grouped_allreduce([torch.ones(3)], compression=Compression.int8)
     assert Compression.by_name("int8_ef") is Compression.int8_ef
-    with pytest.raises(ValueError, match="int8, int8_ef"):
-        Compression.by_name("int4")
+    with pytest.raises(ValueError, match="int8, int8_ef, int4, int4_ef"):
+        Compression.by_name("int2")
 
 
 @pytest.mark.parametrize("call, error, text", [

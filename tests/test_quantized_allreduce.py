@@ -34,7 +34,7 @@ def test_quantized_allreduce_matches_the_reference(engine_name, np, scope):
 
 
 # --- the pure functions ---------------------------------------------------------
-@pytest.mark.parametrize("kind", ["int8", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "float8_e4m3fn", "float8_e5m2"])
 def test_a_block_loses_at_most_half_a_step_and_the_loss_is_exact(kind):
     if not hasattr(torch, kind):
         pytest.skip(f"torch {torch.__version__} has no {kind}")
@@ -48,7 +48,7 @@ def test_a_block_loses_at_most_half_a_step_and_the_loss_is_exact(kind):
     blocks = torch.nn.functional.pad(x, (0, 24)).view(-1, 64)
     step = blocks.abs().amax(1, keepdim=True) / fmt.qmax
     err = (torch.nn.functional.pad(x - back, (0, 24)).view(-1, 64)).abs()
-    if kind == "int8":                               # uniform steps: half a step
+    if kind in ("int8", "int4"):                     # uniform steps: half a step
         assert (err <= step / 2 * (1 + 1e-6)).all()
     else:                                            # relative to the value, plus subnormals
         mantissa = 3 if kind == "float8_e4m3fn" else 2
@@ -66,10 +66,13 @@ def test_a_block_size_survives_a_saved_config():
     assert config_name(Compression.int8_ef) == "int8_ef"
     assert config_name(Compression.fp16) == "fp16"
     assert Compression.by_name("fp8_e5m2:64").block_size == 64
-    with pytest.raises(ValueError, match="only int8 and fp8 codecs take a block size"):
+    assert Compression.by_name("int4_ef:64").block_size == 64
+    with pytest.raises(ValueError, match="only int8, int4 and fp8 codecs take a block size"):
         Compression.by_name("fp16:64")
     with pytest.raises(ValueError, match="block_size must be between"):
         Compression.by_name("int8:3")
+    with pytest.raises(ValueError, match="int4 packs two values a byte.*must be even, got 65"):
+        Compression.by_name("int4_ef:65")
 
 
 def test_shards_and_wire_sizes_follow_one_rule():
@@ -79,6 +82,7 @@ def test_shards_and_wire_sizes_follow_one_rule():
     assert fmt.shard_bytes(0) == 0
     assert fmt.shard_bytes(17) == 2 * 4 + 20         # two scales, 17 values padded to 20
     assert WireFormat("bfloat16").shard_bytes(3) == 8
+    assert WireFormat("int4", 16).shard_bytes(17) == 2 * 4 + 12   # 9 bytes padded to 12
     x = torch.randn(5, dtype=torch.float64)
     wire, back = quantize(x, WireFormat("float16"))
     assert torch.equal(back, x.to(torch.float16).double())
@@ -109,10 +113,15 @@ def _wrap(**kw):
 
 
 def test_int8_and_fp8_wrap_without_a_collective(local):
-    for codec in (Compression.int8, Compression.int8_ef, Compression.fp8_e4m3_ef,
-                  Compression.fp8_e5m2, Compression.int8.with_block_size(1024)):
+    for codec in (Compression.int8, Compression.int8_ef, Compression.int4,
+                  Compression.int4_ef, Compression.fp8_e4m3_ef, Compression.fp8_e5m2,
+                  Compression.int8.with_block_size(1024)):
         _wrap(compression=codec)
     _wrap(compression=Compression.int8_ef, collective="ring")      # per hop: still there
+    _wrap(compression=Compression.int4_ef, collective="lp")
+    odd = type("Odd", (Compression.int4_ef,), {"block_size": 255})
+    with pytest.raises(ValueError, match="'int4_ef': int4 packs two values a byte"):
+        _wrap(compression=odd)
 
 
 @pytest.mark.parametrize("block_size, error, text", [
@@ -191,6 +200,7 @@ def test_chunks_split_every_shard_in_whole_blocks(numel, p, fmt, min_numel, coun
 
 
 @pytest.mark.parametrize("kind, dtype", [("int8", torch.float32), ("int8", torch.float64),
+                                         ("int4", torch.float32),
                                          ("float16", torch.float32),
                                          ("float8_e4m3fn", torch.float32)])
 def test_chunks_change_no_bit_of_the_result_or_the_residuals(kind, dtype):

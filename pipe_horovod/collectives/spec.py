@@ -81,7 +81,8 @@ def check_collective(collective, compression=None):
     if spec is not None and not callable(getattr(compression, "hop", None)):
         raise ValueError(
             f"collective={spec.algorithm!r} encodes at every hop and carries only "
-            f"pipe_horovod's codecs (Compression.none, fp16, bf16, int8, int8_ef), not "
+            f"pipe_horovod's codecs (Compression.none, fp16, bf16, int8, int8_ef, int4, "
+            f"int4_ef), not "
             f"{compression!r}; use one of those, or collective=None for a Horovod-style codec")
     return spec
 

@@ -7,7 +7,7 @@ on the wire; the reduction itself then runs in 16 bits, as in Horovod
 
 Each codec also names its per-hop form (`hop(dtype)`, compression/hops.py),
 which pipe_horovod.collectives applies at every hop of its own allreduce.
-int8 and fp8 have no compress() of a whole tensor: an 8-bit sum overflows,
+int8, int4 and fp8 have no compress() of a whole tensor: a narrow sum overflows,
 so they run inside the reduction, in two stages on the engine's own
 alltoall and allgather (compression/two_stage.py) or per hop.
 """
@@ -113,7 +113,7 @@ class _Quantized(Compressor):
         """This codec with `block_size` elements per float32 scale (checked here)."""
         from .two_stage import check_block_size
 
-        check_block_size(block_size)
+        check_block_size(block_size, cls.wire)
         return type(cls.__name__, (cls,), {"block_size": block_size})
 
     @classmethod
@@ -144,6 +144,27 @@ class INT8FeedbackCompressor(INT8Compressor):
     updates sum to the uncompressed ones up to the last step's error."""
 
     name = "int8_ef"
+    error_feedback = True
+
+
+class INT4Compressor(_Quantized):
+    """4-bit integers, one float32 scale per block (max|x| maps to 7), two values a
+    byte: an eighth of float32's bytes, as ZeRO++'s qgZ averages gradients. Its
+    error is nine times int8's, so it is meant with error feedback (`int4_ef`).
+    Blocks hold an even number of values (a block starts on a byte)."""
+
+    name = "int4"
+    wire = "int4"
+
+    @staticmethod
+    def hop(dtype):
+        from .hops import Int4Hop
+
+        return Int4Hop()
+
+
+class INT4FeedbackCompressor(INT4Compressor):
+    name = "int4_ef"
     error_feedback = True
 
 
@@ -179,13 +200,13 @@ class FP8E5M2FeedbackCompressor(FP8E5M2Compressor):
 
 
 _INSIDE_THE_REDUCTION = (
-    "compression {name!r} quantizes inside the reduction (an 8-bit sum would overflow), so "
+    "compression {name!r} quantizes inside the reduction (an 8- or 4-bit sum would overflow), so "
     "it has no compress() of a whole tensor: use it through DistributedOptimizer (the "
     "engine's own alltoall + allgather, or collective=\"ring\"/\"lp\"), allreduce(), "
     "pipe_horovod.collectives.quantized.allreduce_async, or use fp16/bf16")
 _NOT_PER_HOP = (
     "compression {name!r} runs only in the two-stage reduction on the engine's own "
-    "collectives: leave collective=None, or use int8/int8_ef per hop")
+    "collectives: leave collective=None, or use int8/int8_ef or int4/int4_ef per hop")
 
 
 class Compression:
@@ -194,6 +215,8 @@ class Compression:
     bf16 = BF16Compressor
     int8 = INT8Compressor
     int8_ef = INT8FeedbackCompressor
+    int4 = INT4Compressor
+    int4_ef = INT4FeedbackCompressor
     fp8_e4m3 = FP8E4M3Compressor
     fp8_e4m3_ef = FP8E4M3FeedbackCompressor
     fp8_e5m2 = FP8E5M2Compressor
@@ -203,8 +226,8 @@ class Compression:
     def by_name(cls, name):
         """The codec called `name`; "int8_ef:1024" is int8_ef with 1024 values per scale
         (what `config_name` writes for a block size other than the default)."""
-        known = (cls.none, cls.fp16, cls.bf16, cls.int8, cls.int8_ef, cls.fp8_e4m3,
-                 cls.fp8_e4m3_ef, cls.fp8_e5m2, cls.fp8_e5m2_ef)
+        known = (cls.none, cls.fp16, cls.bf16, cls.int8, cls.int8_ef, cls.int4, cls.int4_ef,
+                 cls.fp8_e4m3, cls.fp8_e4m3_ef, cls.fp8_e5m2, cls.fp8_e5m2_ef)
         base, _, block = name.partition(":")
         try:
             codec = {c.name: c for c in known}[base]
@@ -214,8 +237,8 @@ class Compression:
         if not block:
             return codec
         if not hasattr(codec, "with_block_size") or not block.isdigit():
-            raise ValueError(f"compression {name!r}: only int8 and fp8 codecs take a block "
-                             f"size, as an int after ':' (e.g. 'int8_ef:1024')")
+            raise ValueError(f"compression {name!r}: only int8, int4 and fp8 codecs take a "
+                             f"block size, as an int after ':' (e.g. 'int8_ef:1024')")
         return codec.with_block_size(int(block))
 
 

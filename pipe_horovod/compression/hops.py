@@ -105,3 +105,58 @@ class Int8Hop:
     def decode_into(cls, wire, dst):
         scale, values = cls._parts(wire, dst.numel())
         dst.copy_(values).mul_(scale)
+
+
+class Int4Hop(Int8Hop):
+    """Int8Hop's scheme with 4-bit values (max|x| / 7 per block), two a byte as the
+    two-stage int4 format packs them (element 2k in the low nibble of byte k). The
+    wire of a block is [scale (4 bytes)][ceil(n / 2) bytes, padded to 4]; packing
+    runs in the caller's float scratch, so a hop allocates only its decoded nibbles."""
+
+    QMAX = 7.0
+
+    def __repr__(self):
+        return "Int4Hop()"
+
+    @staticmethod
+    def wire_numel(numel):
+        return SCALE_BYTES + -(-numel // 8) * 4
+
+    @classmethod
+    def encode(cls, src, wire, scratch, residual=None):
+        low, high = torch.aminmax(src)
+        scale = max(-float(low), float(high)) / cls.QMAX
+        wire[:SCALE_BYTES].view(torch.float32).fill_(scale)
+        packed = wire[SCALE_BYTES:SCALE_BYTES + -(-src.numel() // 2)]
+        if scale == 0.0:
+            packed.zero_()
+            if residual is not None:
+                residual.copy_(src)
+            return
+        torch.div(src, scale, out=scratch).round_().clamp_(-cls.QMAX, cls.QMAX)
+        if residual is not None:
+            torch.sub(src, torch.mul(scratch, scale, out=residual), out=residual)
+        # Two's complement nibbles as floats (remainder by 16 maps -7..-1 to 9..15),
+        # then low + 16 * high per pair: exact in float32, written to the bytes.
+        scratch.remainder_(16)
+        even, odd = scratch[0::2], scratch[1::2]
+        even[:odd.numel()].add_(odd, alpha=16)
+        packed.copy_(even)
+
+    @staticmethod
+    def _nibbles(wire, numel):
+        scale = float(wire[:SCALE_BYTES].view(torch.float32))
+        data = wire[SCALE_BYTES:SCALE_BYTES + -(-numel // 2)].view(torch.int8)
+        return scale, (data << 4) >> 4, (data >> 4)[:numel // 2]
+
+    @classmethod
+    def decode_add(cls, wire, dst):
+        scale, low, high = cls._nibbles(wire, dst.numel())
+        dst[0::2].add_(low, alpha=scale)
+        dst[1::2].add_(high, alpha=scale)
+
+    @classmethod
+    def decode_into(cls, wire, dst):
+        scale, low, high = cls._nibbles(wire, dst.numel())
+        dst[0::2].copy_(low).mul_(scale)
+        dst[1::2].copy_(high).mul_(scale)

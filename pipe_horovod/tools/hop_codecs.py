@@ -9,18 +9,18 @@ imported where a function needs them.
 
 
 # Per-hop codecs as the benchmark and the planner name them: (the Compression a user
-# trains with, wire bytes per float32 byte before the int8 scales).
-PER_HOP = {"bf16hop": ("bf16", 0.5), "int8": ("int8_ef", 0.25)}
+# trains with, wire bytes per float32 byte before the block scales).
+PER_HOP = {"bf16hop": ("bf16", 0.5), "int8": ("int8_ef", 0.25), "int4": ("int4_ef", 0.125)}
 
 
 def wire_ratio(name):
     """Bytes on the wire per float32 gradient byte of a per-hop codec run by ring, which
-    cuts messages into blocks of at most PIECE_BYTES: int8 adds one scale per block."""
+    cuts messages into blocks of at most PIECE_BYTES: int8 and int4 add one scale per block."""
     from pipe_horovod.collectives.layout import PIECE_BYTES
     from pipe_horovod.compression import SCALE_BYTES
 
     codec, ratio = PER_HOP[name]
-    return ratio + (SCALE_BYTES / PIECE_BYTES if codec.startswith("int8") else 0.0)
+    return ratio + (SCALE_BYTES / PIECE_BYTES if codec.startswith("int") else 0.0)
 
 
 def measure_costs(hop, numel=1 << 18, seconds=0.02, span_bytes=32 << 20):

@@ -24,12 +24,12 @@ import time
 import torch
 
 from pipe_horovod.compression import native, two_stage
-from pipe_horovod.compression.hops import CastHop, Int8Hop
+from pipe_horovod.compression.hops import CastHop, Int4Hop, Int8Hop
 from pipe_horovod.compression.two_stage import WireFormat, same_bits
 
 RANKS = 4
 SIZES = (1, 255, 4099, 2 ** 18 + 7)
-KINDS = [k for k in two_stage.FORMATS if hasattr(torch, k)]
+KINDS = [k for k in two_stage.FORMATS if k not in two_stage.FLOAT8 or hasattr(torch, k)]
 
 
 def data(n, seed):
@@ -94,7 +94,7 @@ def per_hop(codec, x, device):
 
 
 def hop_codecs():
-    return {"int8": Int8Hop(), "float16": CastHop(torch.float16),
+    return {"int8": Int8Hop(), "int4": Int4Hop(), "float16": CastHop(torch.float16),
             "bfloat16": CastHop(torch.bfloat16)}
 
 

@@ -8,7 +8,7 @@ Error bounds (elementwise, S = sum over ranks of |x_i|, f = 1/p for Average
 else 1, u = unit roundoff of the wire type: float64 2^-53, float32 2^-24,
 float16 2^-11, bfloat16 2^-8): a value is encoded at most p times on its
 way (partial sums, then the final value), each time losing at most u*S for
-a cast and M/254 for int8 (M: the largest S of the message), so
+a cast and M/254 for int8, M/14 for int4 (M: the largest S of the message), so
 |result - exact| <= f*p*(E + 2^-23*S) + 2*u_out*|exact|, with u_out the
 output dtype's roundoff. Against the engine's own allreduce: twice that.
 """
@@ -30,7 +30,9 @@ from pipe_horovod.compression import Compression  # noqa: E402
 torch.set_num_threads(THREADS)
 ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11,
             torch.bfloat16: 2.0**-8}
-CODECS = [Compression.none, Compression.fp16, Compression.bf16, Compression.int8]
+CODECS = [Compression.none, Compression.fp16, Compression.bf16, Compression.int8,
+          Compression.int4]
+HALF_STEPS = {"int8": 254, "int4": 14}      # 2 * qmax: a block's error is max|x| / this
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 OPS = [engine.Sum, engine.Average]
 failures, digests = [], []
@@ -44,8 +46,8 @@ def inputs(rank, numel, dtype, seed):
 def bound(xs, exact, p, op, dtype, codec):
     s = sum(x.double().abs() for x in xs)
     f = 1.0 / p if op is engine.Average else 1.0
-    if codec.name == "int8":
-        per_encode = s.max() / 254
+    if codec.name in HALF_STEPS:
+        per_encode = s.max() / HALF_STEPS[codec.name]
     else:
         wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(codec.name, dtype)
         per_encode = ROUNDOFF[wire] * s
@@ -105,7 +107,7 @@ def rooted_cases(r, p):
     seed = 10_000
     for algorithm in collectives.ALGORITHMS:
         for root in sorted({0, p - 1, p // 2}):
-            for codec in (Compression.none, Compression.int8):
+            for codec in (Compression.none, Compression.int8, Compression.int4):
                 for numel in (1, 1001):
                     seed += 1
                     xs = [inputs(q, numel, torch.float32, seed) for q in range(p)]
@@ -125,7 +127,8 @@ def rooted_cases(r, p):
                     t = xs[r].clone()
                     collectives.broadcast(t, root, f"bcast.{seed}", collective=algorithm,
                                           compression=codec)
-                    limit = xs[root].double().abs().max() / 254 if codec.name == "int8" else 0
+                    limit = (xs[root].double().abs().max() / HALF_STEPS[codec.name]
+                             if codec.name in HALF_STEPS else 0)
                     if ((t.double() - xs[root].double()).abs() > limit).any():
                         failures.append(f"{what}: not the root's tensor")
                     digests.append(hashlib.sha1(t.numpy().tobytes()).hexdigest())
@@ -177,6 +180,9 @@ def mismatched_calls(r, p):
         ("codec", f"rank {r} {'Int8Hop' if r == 0 else 'CastHop(torch.bfloat16)'}",
          lambda: collectives.allreduce(torch.ones(319), collective="lp",
                                        compression=Compression.bf16 if r else Compression.int8)),
+        ("codec", f"rank {r} {'Int8Hop' if r == 0 else 'Int4Hop'}",
+         lambda: collectives.allreduce(torch.ones(321), collective="ring",
+                                       compression=Compression.int4 if r else Compression.int8)),
         ("root", f"rank {r} {r % 2}",
          lambda: collectives.broadcast(torch.ones(323), r % 2, collective="ring")),
     ]
@@ -196,31 +202,34 @@ def mismatched_calls(r, p):
 
 
 def error_feedback(r, p):
-    """50 steps of a gradient with a persistent component: the sum of int8 results
-    drifts from the exact sum without feedback, and stays near it with."""
+    """50 steps of a gradient with a persistent component: the sum of int8 (int4)
+    results drifts from the exact sum without feedback, and stays near it with."""
     for algorithm in ("ring", "lp"):
-        numel, steps = 4099, 50
-        residual = torch.zeros(numel)
-        total = {"exact": torch.zeros(numel, dtype=torch.float64),
-                 "plain": torch.zeros(numel, dtype=torch.float64),
-                 "feedback": torch.zeros(numel, dtype=torch.float64)}
-        for t in range(steps):
-            xs = [(torch.linspace(-1, 1, numel) * (q + 1) + 0.01 * inputs(q, numel, torch.float32,
-                                                                          70_000 + t))
-                  for q in range(p)]
-            total["exact"] += sum(x.double() for x in xs) / p
-            plain = collectives.allreduce(xs[r].clone(), f"ef.plain.{t}", collective=algorithm,
-                                          compression=Compression.int8)
-            fed = collectives.allreduce(xs[r].clone(), f"ef.fed.{t}", collective=algorithm,
-                                        compression=Compression.int8_ef, residual=residual)
-            total["plain"] += plain.double()
-            total["feedback"] += fed.double()
-        e_plain = (total["plain"] - total["exact"]).norm().item()
-        e_fed = (total["feedback"] - total["exact"]).norm().item()
-        print(f"rank {r} {algorithm}: error after {steps} steps, int8 {e_plain:.4g}, "
-              f"int8+feedback {e_fed:.4g} (ratio {e_plain / max(e_fed, 1e-30):.1f})", flush=True)
-        if not e_fed * 5 < e_plain:
-            failures.append(f"error feedback {algorithm}: {e_fed:.3g} is not 5x below {e_plain:.3g}")
+        for plain_codec, fed_codec in ((Compression.int8, Compression.int8_ef),
+                                       (Compression.int4, Compression.int4_ef)):
+            numel, steps = 4099, 50
+            residual = torch.zeros(numel)
+            total = {"exact": torch.zeros(numel, dtype=torch.float64),
+                     "plain": torch.zeros(numel, dtype=torch.float64),
+                     "feedback": torch.zeros(numel, dtype=torch.float64)}
+            for t in range(steps):
+                xs = [(torch.linspace(-1, 1, numel) * (q + 1)
+                       + 0.01 * inputs(q, numel, torch.float32, 70_000 + t)) for q in range(p)]
+                total["exact"] += sum(x.double() for x in xs) / p
+                plain = collectives.allreduce(xs[r].clone(), f"ef.plain.{t}",
+                                              collective=algorithm, compression=plain_codec)
+                fed = collectives.allreduce(xs[r].clone(), f"ef.fed.{t}", collective=algorithm,
+                                            compression=fed_codec, residual=residual)
+                total["plain"] += plain.double()
+                total["feedback"] += fed.double()
+            e_plain = (total["plain"] - total["exact"]).norm().item()
+            e_fed = (total["feedback"] - total["exact"]).norm().item()
+            what = f"{algorithm} {plain_codec.name}"
+            print(f"rank {r} {what}: error after {steps} steps {e_plain:.4g}, with feedback "
+                  f"{e_fed:.4g} (ratio {e_plain / max(e_fed, 1e-30):.1f})", flush=True)
+            if not e_fed * 5 < e_plain:
+                failures.append(f"error feedback {what}: {e_fed:.3g} is not 5x below "
+                                f"{e_plain:.3g}")
 
 
 # --- the optimizer -------------------------------------------------------------

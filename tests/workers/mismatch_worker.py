@@ -33,6 +33,7 @@ def main():
 
 OPTIONS = [("pipeline_depth", 2, 3), ("warmup_steps", 0, 1), ("backward_passes_per_step", 1, 2),
            ("compression", phvd.Compression.none, phvd.Compression.fp16),
+           ("compression", phvd.Compression.int8_ef, phvd.Compression.int4_ef),
            ("op", phvd.Average, phvd.Sum), ("bucket_cap_mb", 25, 1),
            ("gradient_predivide_factor", 1.0, 2.0), ("groups", None, 1),
            ("staleness_compensation", "lookahead", None), ("collective", None, "ring")]

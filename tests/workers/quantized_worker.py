@@ -27,6 +27,7 @@ import pipe_horovod.torch as phvd  # noqa: E402
 from pipe_horovod import engine  # noqa: E402
 from pipe_horovod.collectives import quantized  # noqa: E402
 from pipe_horovod.compression import Compression, accumulator, two_stage  # noqa: E402
+from pipe_horovod.compression import wire_format  # noqa: E402
 from pipe_horovod.compression.two_stage import WireFormat, dequantize, quantize  # noqa: E402
 from pipe_horovod.pipeline import step_machine  # noqa: E402
 from tolerance import THREADS  # noqa: E402
@@ -86,7 +87,8 @@ def inputs(p, numel, dtype, seed):
 
 
 def formats():
-    kinds = ["int8", "float16", "bfloat16"] + [k for k in two_stage.FLOAT8 if hasattr(torch, k)]
+    kinds = ["int8", "int4", "float16", "bfloat16"] + [k for k in two_stage.FLOAT8
+                                                       if hasattr(torch, k)]
     return [WireFormat(k) for k in kinds] + [WireFormat("int8", 16)]
 
 
@@ -130,7 +132,8 @@ def allreduce_cases(r, p):
     if not torch.equal(got, reference_two_stage(xs, WireFormat("int8"))):
         failures.append("hvd.allreduce(compression=int8_ef) differs from the reference")
     # Error feedback over steps, both residuals, every rank's own.
-    for fmt in (WireFormat("int8"), WireFormat("int8", 64), WireFormat("bfloat16")):
+    for fmt in (WireFormat("int8"), WireFormat("int8", 64), WireFormat("int4", 64),
+                WireFormat("bfloat16")):
         for dtype in (torch.float32, torch.float64):
             n = 1003
             acc = accumulator(dtype)
@@ -281,12 +284,14 @@ def train(model, opt, start, stop):
 
 
 def training_matches_oracle(p, steps=8):
-    fmt = WireFormat("int8")
     for depth in (1, 2, 3):
         for compensation in (None, "lookahead"):
             if depth == 1 and compensation is not None:
                 continue
-            for codec in (Compression.int8_ef, Compression.int8):
+            default = depth == 2 and compensation == "lookahead"
+            for codec in (Compression.int8_ef, Compression.int8) + (
+                    (Compression.int4_ef,) if default else ()):
+                fmt = wire_format(codec)
                 torch.manual_seed(0)
                 model, ref = MLP(), MLP()
                 ref.load_state_dict(model.state_dict())

@@ -12,15 +12,15 @@ C ..., so a slow minute on a shared machine hits every configuration alike:
                          processes (rank = hvd.rank(), world = hvd.size()), so Horovod
                          and DDP are measured side by side in one run
   ours-kK[-fp16|-bf16]   pipe_horovod's DistributedOptimizer, pipeline_depth=K
-  ours-kK-int8|-bf16hop  the same, reduced by collective="ring" with the codec per hop
-                         (int8: int8 + error feedback; bf16hop: bfloat16 at every hop)
-  ours-kK-int8eng        the same with compression=int8_ef and no collective=: the
-                         two-stage quantized allreduce on the engine's own alltoall and
-                         allgather (collectives/quantized.py)
+  ours-kK-int8|-int4|-bf16hop  the same, reduced by collective="ring" with the codec per
+                         hop (int8, int4: with error feedback; bf16hop: bfloat16 at every hop)
+  ours-kK-int8eng|-int4eng  the same with compression=int8_ef (int4_ef) and no
+                         collective=: the two-stage quantized allreduce on the engine's own
+                         alltoall and allgather (collectives/quantized.py)
   compute                forward + backward + local SGD step, no communication
   contention             compute while a model-sized allreduce runs: how much the
                          communication slows compute on shared cores (timing model input)
-  contention-int8|-bf16hop  the same while ring reduces with that codec per hop (its
+  contention-int8|-int4|-bf16hop  the same while ring reduces with that codec per hop (its
                          codec and Python run on the cores compute uses)
   allreduce              one allreduce of a model-sized flat float32 buffer
                          (plus allreduce-fp16 / -bf16 when those codecs run)
@@ -64,14 +64,15 @@ from pipe_horovod.tools.bench import convergence_tasks, models
 from pipe_horovod.tools.bench.models import (MLP_CLASSES, MLP_IN, build_model,  # noqa: F401
                                        mlp_width, model_numel, synthetic_batch)
 from pipe_horovod.collectives.group import free_port, start_beside  # noqa: F401 -- free_port: launchers import it from here
+from pipe_horovod.tools.hop_codecs import PER_HOP
 from pipe_horovod.tools.validators import bucket_cap, checked, number, positive
 
 DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16",
                    "compute", "contention", "allreduce"]
-_CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|contention(?:-int8|-bf16hop)?"
+_CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|contention(?:-int8|-int4|-bf16hop)?"
                      r"|allreduce(?:-fp16|-bf16)?"
                      r"|tf-keras-mwms"
-                     r"|ours-k([1-9][0-9]*)(?:-(?:fp16|bf16|bf16hop|int8|int8eng))?"
+                     r"|ours-k([1-9][0-9]*)(?:-(?:fp16|bf16|bf16hop|int8|int8eng|int4|int4eng))?"
                      r"(?:-(none|momentum|dc|predict|lookahead))?)$")
 DDP_ADDR_ENV = "PIPE_HOROVOD_BENCH_DDP_ADDR"
 DDP_PORT_ENV = "PIPE_HOROVOD_BENCH_DDP_PORT"
@@ -92,12 +93,12 @@ def parse_configs(value):
             if not m or (m.group(1) and int(m.group(1)) > 16):
                 raise ValueError(
                     f"unknown configuration {name!r}; choose from horovod, horovod-fp16, ddp, "
-                    "ours-kK, ours-kK-fp16, ours-kK-bf16, ours-kK-int8, ours-kK-bf16hop, "
-                    "ours-kK-int8eng "
+                    "ours-kK, ours-kK-fp16, ours-kK-bf16, ours-kK-int8, ours-kK-int4, "
+                    "ours-kK-bf16hop, ours-kK-int8eng, ours-kK-int4eng "
                     "(K = pipeline depth 1..16; any of "
                     "them -none, -momentum, -dc, -predict, -lookahead: that "
                     "staleness_compensation), compute, contention, contention-int8, "
-                    "contention-bf16hop, allreduce, tf-keras-mwms "
+                    "contention-int4, contention-bf16hop, allreduce, tf-keras-mwms "
                     "(--framework keras)")
             if name not in names:
                 names.append(name)
@@ -107,9 +108,9 @@ def parse_configs(value):
 
 
 def compression_of(name):
-    """'fp16' / 'bf16' / 'bf16hop' / 'int8' / 'int8eng' / 'none' for a configuration
-    name."""
-    for codec in ("fp16", "bf16", "bf16hop", "int8", "int8eng"):
+    """'fp16' / 'bf16' / 'bf16hop' / 'int8' / 'int4' / 'int8eng' / 'int4eng' / 'none' for
+    a configuration name."""
+    for codec in ("fp16", "bf16", "bf16hop", "int8", "int8eng", "int4", "int4eng"):
         if re.search(rf"-{codec}(?:-(?:none|momentum|dc|predict|lookahead))?$", name):
             return codec
     return "none"
@@ -302,7 +303,6 @@ class AllreduceRunner:
         import torch
 
         from pipe_horovod.compression import Compression
-        from pipe_horovod.tools.hop_codecs import PER_HOP
 
         self.name, self.eng = name, eng
         self.buf = torch.randn(numel, generator=torch.Generator().manual_seed(eng.rank()))
@@ -401,13 +401,11 @@ def make_runner(name, args, eng):
         return TrainRunner(name, "horovod", model, opt, data, target)
     import pipe_horovod.torch as phvd
 
-    from pipe_horovod.tools.hop_codecs import PER_HOP
-
     codec, collective = compression_of(name), None
     if codec in PER_HOP:                  # per-hop codecs ride collectives' ring (issue 10)
         codec, collective = PER_HOP[codec][0], "ring"
-    elif codec == "int8eng":              # two-stage on the engine's collectives (issue 28)
-        codec = "int8_ef"
+    elif codec.endswith("eng"):           # two-stage on the engine's collectives (issue 28)
+        codec = codec.removesuffix("eng") + "_ef"
     compression = phvd.Compression.by_name(codec)
     explicit, option = staleness_of(name)
     extra = ({"staleness_compensation": option}
@@ -490,7 +488,7 @@ def hop_codec_costs(names):
 
     from pipe_horovod.collectives.layout import PIECE_BYTES
     from pipe_horovod.compression import Compression
-    from pipe_horovod.tools.hop_codecs import PER_HOP, measure_costs
+    from pipe_horovod.tools.hop_codecs import measure_costs
 
     return {name: measure_costs(Compression.by_name(PER_HOP[name][0]).hop(torch.float32),
                                 PIECE_BYTES // 4) for name in names}
@@ -644,7 +642,7 @@ def run_benchmark(args):
     codecs = None
     if any(compression_of(n) != "none" for n in configs):
         codecs = codec_seconds(numel, auto_cap or args.bucket_cap_mb)
-    per_hop = sorted({compression_of(n) for n in configs} & {"int8", "bf16hop"})
+    per_hop = sorted({compression_of(n) for n in configs} & set(PER_HOP))
     hop_costs = hop_codec_costs(per_hop) if per_hop else None
 
     raw = {

@@ -57,7 +57,7 @@ def _list_of(convert):
 
 def _codecs(two_stage=False):
     """The K=2 codec rows: name -> (wire ratio, codec seconds per byte). Codecs run on
-    the device beside backward, so they cost no time here. int8 carries one float32
+    the device beside backward, so they cost no time here. int8 (int4) carries one float32
     scale per block of at most PIECE_BYTES of the float32 gradient per ring hop, and
     one per block of the engine's block size in two stages ("int8-2stage": a ring
     allreduce of that many bytes costs what planner.two_stage_allreduce does, its
@@ -79,6 +79,7 @@ ROWS = (
     ("ours-k2-fp16", "ours, K=2, fp16 on the wire", "ours", "pipelined+fp16"),
     ("ours-k2-bf16hop", "ours, K=2, bf16 per ring hop", "ours", "pipelined+bf16hop"),
     ("ours-k2-int8", "ours, K=2, int8 per ring hop", "ours", "pipelined+int8"),
+    ("ours-k2-int4", "ours, K=2, int4 per ring hop", "ours", "pipelined+int4"),
 )
 TWO_STAGE_ROW = ("ours-k2-int8-2stage", "ours, K=2, int8 in two stages on the engine's collectives",
                  "ours", "pipelined+int8-2stage")
