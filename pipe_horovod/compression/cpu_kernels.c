@@ -40,14 +40,6 @@
 /* Where a block's values start, for an element offset `lo` (even for int4). */
 #define VOFF(kind, lo) ((kind) == 3 ? (lo) / 2 : (lo))
 
-/* int4 value i of the packed bytes p, sign-extended (arithmetic shifts, as gcc and
-   clang do them for signed types). */
-static inline int8_t nibble(const uint8_t *p, int64_t i)
-{
-    int8_t b = (int8_t)p[i >> 1];
-    return (i & 1) ? (int8_t)(b >> 4) : (int8_t)((int8_t)(b << 4) >> 4);
-}
-
 int phv_abi_version(void) { return ABI_VERSION; }
 
 static inline float round_even_f32(float q)
@@ -131,21 +123,24 @@ INLINE int block_##S(const T *x, const T *add, T *res, T *back, int64_t m,      
     T sc = (T)scale;                                                                    \
     T div = scale > 0.0f ? sc : (T)1;                                                   \
     *scale_out = scale;                                                                 \
-    if (kind == 3) {                /* int4: a pair of values a byte */                 \
-        for (int64_t i = 0; i < m; i += 2) {                                            \
-            int8_t nib[2] = {0, 0};                                                     \
-            for (int64_t j = i; j < i + 2 && j < m; j++) {                              \
-                T v = add ? x[j] + add[j] : x[j];                                       \
-                T q = v / div;                                                          \
-                q = q < -qmax ? -qmax : q;                                              \
-                q = q > qmax ? qmax : q;                                                \
-                T r = round_even_##S(q);                                                \
-                nib[j - i] = (int8_t)r;                                                 \
-                T d = r * sc;                                                           \
-                if (back) back[j] = d;                                                  \
-                if (res) res[j] = v - d;                                                \
-            }                                                                           \
-            ((uint8_t *)vals)[i >> 1] = (uint8_t)((nib[0] & 0x0F) | ((nib[1] & 0x0F) << 4)); \
+    if (kind == 3) {                /* int4: a pair of values a byte, a lone last one */ \
+        uint8_t *pv = (uint8_t *)vals;                                                  \
+        for (int64_t k = 0; k < (m + 1) / 2; k++) {                                     \
+            int64_t i = 2 * k, two = i + 1 < m;                                         \
+            T v0 = add ? x[i] + add[i] : x[i];                                          \
+            T v1 = two ? (add ? x[i + 1] + add[i + 1] : x[i + 1]) : (T)0;               \
+            T q0 = v0 / div, q1 = v1 / div;                                             \
+            q0 = q0 < -qmax ? -qmax : q0;                                               \
+            q0 = q0 > qmax ? qmax : q0;                                                 \
+            q1 = q1 < -qmax ? -qmax : q1;                                               \
+            q1 = q1 > qmax ? qmax : q1;                                                 \
+            T r0 = round_even_##S(q0), r1 = round_even_##S(q1);                         \
+            pv[k] = (uint8_t)(((int)r0 & 0x0F) | (((int)r1 & 0x0F) << 4));              \
+            T d0 = r0 * sc, d1 = r1 * sc;                                               \
+            if (back) back[i] = d0;                                                     \
+            if (res) res[i] = v0 - d0;                                                  \
+            if (two && back) back[i + 1] = d1;                                          \
+            if (two && res) res[i + 1] = v1 - d1;                                       \
         }                                                                               \
         return 0;                                                                       \
     }                                                                                   \
@@ -212,6 +207,19 @@ CLONES int64_t phv_encode_##S(const T *x, T *res, T *back, int64_t n, int64_t bs
     return encode_##S(x, NULL, NULL, n, bs, scales, vals, 2, qmax, table);              \
 }                                                                                       \
                                                                                         \
+/* int4's load: the pairs of a byte as the loop's unit, a lone last value. */          \
+INLINE void load4_##S(T *t, const int8_t *q, int64_t m, T sc, int first, int has_pre,   \
+                      T pre)                                                            \
+{                                                                                       \
+    for (int64_t k = 0; k < (m + 1) / 2; k++) {                                         \
+        int8_t b = q[k];                                                                \
+        T v0 = (T)(int8_t)((int8_t)(b << 4) >> 4) * sc, v1 = (T)(int8_t)(b >> 4) * sc;  \
+        if (has_pre) { v0 = v0 * pre; v1 = v1 * pre; }                                  \
+        t[2 * k] = first ? v0 : t[2 * k] + v0;                                          \
+        if (2 * k + 1 < m) t[2 * k + 1] = first ? v1 : t[2 * k + 1] + v1;              \
+    }                                                                                   \
+}                                                                                       \
+                                                                                        \
 /* dequantize into out; stops at a block whose scale is not finite. */                  \
 CLONES int64_t phv_decode_##S(const float *scales, const int8_t *vals, int64_t n, int64_t bs,  \
                        T *out, int kind, const float *table)                            \
@@ -224,8 +232,7 @@ CLONES int64_t phv_decode_##S(const float *scales, const int8_t *vals, int64_t n
         if (kind == 0)                                                                  \
             for (int64_t i = 0; i < m; i++) out[lo + i] = (T)vals[lo + i] * sc;         \
         else if (kind == 3)                                                             \
-            for (int64_t i = 0; i < m; i++)                                             \
-                out[lo + i] = (T)nibble((const uint8_t *)vals, lo + i) * sc;            \
+            load4_##S(out + lo, vals + lo / 2, m, sc, 1, 0, (T)1);                      \
         else                                                                            \
             for (int64_t i = 0; i < m; i++)                                             \
                 out[lo + i] = (T)table[((const uint8_t *)vals)[lo + i]] * sc;           \
@@ -237,8 +244,7 @@ INLINE void load_##S(T *t, const int8_t *q, int64_t m, T sc, int first, int has_
                      T pre, int kind, const float *table)                               \
 {                                                                                       \
     for (int64_t i = 0; i < m; i++) {                                                   \
-        T v = (kind == 0 ? (T)q[i] : kind == 3 ? (T)nibble((const uint8_t *)q, i)       \
-               : (T)table[((const uint8_t *)q)[i]]) * sc;                               \
+        T v = (kind == 0 ? (T)q[i] : (T)table[((const uint8_t *)q)[i]]) * sc;           \
         if (has_pre) v = v * pre;                                                       \
         t[i] = first ? v : t[i] + v;                                                    \
     }                                                                                   \
@@ -266,6 +272,9 @@ CLONES int64_t phv_reduce_##S(const uint8_t *recv, int64_t stride, int64_t size,
             else if (kind == 0 && has_pre) load_##S(t, q, m, s, 0, 1, pre, 0, table);   \
             else if (kind == 0 && r == 0) load_##S(t, q, m, s, 1, 0, pre, 0, table);    \
             else if (kind == 0) load_##S(t, q, m, s, 0, 0, pre, 0, table);              \
+            else if (kind == 3 && has_pre) load4_##S(t, q, m, s, r == 0, 1, pre);        \
+            else if (kind == 3 && r == 0) load4_##S(t, q, m, s, 1, 0, pre);             \
+            else if (kind == 3) load4_##S(t, q, m, s, 0, 0, pre);                       \
             else load_##S(t, q, m, s, r == 0, has_pre, pre, kind, table);               \
         }                                                                               \
         if (average) for (int64_t i = 0; i < m; i++) t[i] = t[i] / count;               \

@@ -395,7 +395,7 @@ STEPS = [
      "tensors under horovodrun --gloo", False, step_two_ranks_horovod),
     ("nccl-shared", "NCCL with two ranks on one GPU", "what NCCL says, recorded", True,
      step_nccl_shared),
-    ("codecs", "Codecs on CUDA", "the two-stage int8/fp8 (and fp16/bf16) formats and the "
+    ("codecs", "Codecs on CUDA", "the two-stage int8/int4/fp8 (and fp16/bf16) formats and the "
      "per-hop codecs give the CPU reference's bits on CUDA; their throughput", False,
      step_codecs),
     ("keras-torch", "Keras (torch backend) on CUDA", "Keras fit with the pipelined optimizer "
