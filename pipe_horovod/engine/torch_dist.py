@@ -23,8 +23,9 @@ collectives map onto torch's:
 - join: Horovod's: a joined rank stands in with zeros for the others'
   allreduces until every rank joined, and returns the rank that joined last.
 
-Blocking calls (barrier, object collectives) stay matched by call order,
-which is also Horovod's behaviour for a single blocking call per rank.
+Barrier is a negotiated name like any other (every rank has announced it:
+it is done); object collectives are built on broadcast and allgather
+(objects.py), so they are matched and compared too.
 
 Launched by Open MPI's `mpirun` instead of torchrun (PIPE_HOROVOD_ENGINE=torch),
 the ranks come from mpirun's OMPI_COMM_WORLD_* variables and the rendezvous
@@ -42,11 +43,24 @@ from .base import DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, Adasum, Average, Done, En
     shard_sizes
 from .stall import torch_board
 from .mismatch import DTYPES, encode
-from .negotiation import Negotiator, Request, key_of
+from .negotiation import INLINE_BYTES, SLICE_S, Negotiator, Request, key_of
 
 # How Horovod's ops map onto torch.distributed's (Average: SUM, divided on wait).
 _OPS = {Average: "SUM", Sum: "SUM", Min: "MIN", Max: "MAX", Product: "PRODUCT"}
 _OP_NAMES = {"Average": "SUM", "Sum": "SUM", "Min": "MIN", "Max": "MAX", "Product": "PRODUCT"}
+# The same ops on two ranks' values, for small collectives settled from the cycle's bytes.
+_COMBINE = {Average: lambda a, b: a.add_(b), Sum: lambda a, b: a.add_(b),
+            Min: lambda a, b: a.copy_(a.minimum(b)), Max: lambda a, b: a.copy_(a.maximum(b)),
+            Product: lambda a, b: a.mul_(b)}
+
+
+def _finish_allreduce(tensor, op, size, postscale_factor):
+    """A reduced sum becomes the op's result: Average divides, then the postscale."""
+    if op is Average and not tensor.is_floating_point():
+        return scale_(tensor, postscale_factor / size)    # one truncation, as Horovod
+    if op is Average and size > 1:
+        tensor.div_(size)
+    return scale_(tensor, postscale_factor)
 
 
 class _Pending(Work):
@@ -74,6 +88,14 @@ class _Negotiated(Work):
     def poll(self):
         request = self.request
         return request.error is not None or (request.work is not None and request.work.poll())
+
+    def nap(self, seconds):
+        """Pause a wait: until the negotiation thread has run or refused it, at most
+        `seconds` (a small collective then is complete already: no polling delay)."""
+        if self.request.done.is_set():
+            time.sleep(seconds)
+        else:
+            self.request.done.wait(seconds)
 
     def wait(self):
         request = self.request
@@ -210,12 +232,18 @@ class TorchDistEngine(Engine):
                                                    self.rank(), self._stand_in)
 
     def _negotiate(self, kind, name, tensor, process_set, run, op=None, root=-1,
-                   prescale_factor=1.0, postscale_factor=1.0):
-        """Start `run(records)` once every rank of the set started `name` alike."""
+                   prescale_factor=1.0, postscale_factor=1.0, settle=None):
+        """Start `run(records)` once every rank of the set started `name` alike; or, for a
+        small CPU tensor, `settle(records)` from every rank's bytes sent in the cycle."""
         row = encode(key_of(name), kind, tensor, op, root, prescale_factor, postscale_factor,
                      name)
+        inline = None
+        if settle is not None and tensor.device.type == "cpu" and \
+                tensor.numel() * tensor.element_size() <= INLINE_BYTES:
+            inline = tensor.reshape(-1).view(self.torch.uint8)
         negotiator = self._negotiators[process_set.process_set_id]
-        return _Negotiated(negotiator.submit(Request(name, row, run)))
+        return _Negotiated(negotiator.submit(Request(name, row, run, inline,
+                                                     settle if inline is not None else None)))
 
     def _group(self, process_set):
         return self._negotiators[process_set.process_set_id].group
@@ -237,10 +265,21 @@ class TorchDistEngine(Engine):
 
     # --- reductions -----------------------------------------------------
     def _start_allreduce(self, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        def settle(records):
+            """Every rank's bytes, combined in rank order: the same result on every rank."""
+            total = None
+            for record in records:
+                part = scale_(record.data.view(tensor.dtype).view(tensor.shape),
+                              prescale_factor)
+                total = part if total is None else _COMBINE[op](total, part)
+            tensor.copy_(total)
+            return Done(_finish_allreduce(tensor, op, len(records), postscale_factor))
+
         return self._negotiate("allreduce", name, tensor, process_set,
                                lambda records: self._run_allreduce(
                                    tensor, op, process_set, prescale_factor, postscale_factor),
-                               op, -1, prescale_factor, postscale_factor)
+                               op, -1, prescale_factor, postscale_factor,
+                               None if op is Adasum else settle)
 
     def _run_allreduce(self, tensor, op, process_set, prescale_factor, postscale_factor):
         group, size = self._group(process_set), len(process_set.ranks)
@@ -252,15 +291,7 @@ class TorchDistEngine(Engine):
                                                    postscale_factor))
         work = self.dist.all_reduce(tensor, op=getattr(self.dist.ReduceOp, _OPS[op]),
                                     group=group, async_op=True)
-
-        def finish():
-            if op is Average and not tensor.is_floating_point():
-                return scale_(tensor, postscale_factor / size)    # one truncation, as Horovod
-            if op is Average and size > 1:
-                tensor.div_(size)
-            return scale_(tensor, postscale_factor)
-
-        return _Pending([work], finish)
+        return _Pending([work], lambda: _finish_allreduce(tensor, op, size, postscale_factor))
 
     def _start_reducescatter(self, tensor, name, op, process_set, prescale_factor,
                              postscale_factor):
@@ -278,8 +309,15 @@ class TorchDistEngine(Engine):
 
     # --- data movement --------------------------------------------------
     def _start_allgather(self, tensor, name, process_set):
+        trailing = tensor.shape[1:]
+
+        def settle(records):
+            return Done(self.torch.cat([r.data.view(tensor.dtype).view(-1, *trailing)
+                                        for r in records]))
+
         return self._negotiate("allgather", name, tensor, process_set,
-                               lambda records: self._run_allgather(tensor, records, process_set))
+                               lambda records: self._run_allgather(tensor, records, process_set),
+                               settle=settle if trailing.numel() else None)
 
     def _run_allgather(self, tensor, records, process_set):
         torch = self.torch
@@ -301,7 +339,14 @@ class TorchDistEngine(Engine):
                                        async_op=True)
             return _Pending([work], lambda: tensor)
 
-        return self._negotiate("broadcast", name, tensor, process_set, run, root=root)
+        def settle(records):
+            if self.rank() != root:
+                data = records[process_set.ranks.index(root)].data
+                tensor.copy_(data.view(tensor.dtype).view(tensor.shape))
+            return Done(tensor)
+
+        return self._negotiate("broadcast", name, tensor, process_set, run, root=root,
+                               settle=settle)
 
     def _start_alltoall(self, tensor, splits, name, process_set):
         return self._negotiate("alltoall", name, tensor, process_set,
@@ -337,7 +382,8 @@ class TorchDistEngine(Engine):
         group = self._group(process_set)
         mine = torch.tensor(splits, dtype=torch.int64, device=tensor.device)
         table = [torch.empty_like(mine) for _ in process_set.ranks]
-        self.dist.all_gather(table, mine, group=group)
+        self._negotiators[process_set.process_set_id].await_work(
+            self.dist.all_gather(table, mine, group=group, async_op=True))
         me = process_set.ranks.index(self.rank())
         received = [int(row[me]) for row in table]
         out = tensor.new_empty((sum(received), *tensor.shape[1:]))
@@ -349,28 +395,17 @@ class TorchDistEngine(Engine):
                                            async_op=True)
         return _Pending([work], lambda: (out, counts))
 
-    # --- synchronous collectives ----------------------------------------
-    def _broadcast_object(self, obj, root, name, process_set):
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=root, group=self._library_set(process_set))
-        return box[0]
-
-    def _allgather_object(self, obj, name, process_set):
-        out = [None] * len(process_set.ranks)
-        self.dist.all_gather_object(out, obj, group=self._library_set(process_set))
-        return out
-
-    def _barrier(self, process_set):
-        self.dist.barrier(group=self._library_set(process_set))
+    # --- barrier and join -------------------------------------------------
+    def _start_barrier(self, name, process_set):
+        """Done once every rank has announced it: the negotiation is the barrier."""
+        return self._negotiate("barrier", name, None, process_set,
+                               lambda records: Done(None))
 
     def _join(self, device):
         self._join_device = "cpu" if device < 0 else f"cuda:{device}"   # Horovod's meaning
         negotiator = self._negotiators[0]
         done = negotiator.start_join()
-        if not self._wait_for(done.is_set, "join"):
-            raise WaitTimeoutError(f"join did not complete within {self.timeout_s:g} s "
-                                   f"({TIMEOUT_VARIABLE}, or init(timeout=...)): a rank has not "
-                                   "joined")
+        self._wait_for_join(done.is_set, done.wait)
         return negotiator.joined_last()
 
     # --- stalls (stall.py) ------------------------------------------------
@@ -413,8 +448,8 @@ class TorchDistEngine(Engine):
             self.dist.destroy_process_group(library_set)
 
     def _close(self):
-        for negotiator in self._negotiators.values():
-            negotiator.stop()
+        for negotiator in self._negotiators.values():   # no thread of ours left in torch
+            negotiator.stop(join_s=2 * SLICE_S + 1.0)
         # After a failed collective, a teardown's barrier would wait on the lost rank;
         # the ranks still in theirs stop waiting for this one.
         if self._owns_group and self.dist.is_initialized():
