@@ -110,8 +110,10 @@ def test_a_dead_process_on_this_host_is_named():
 
 def test_a_rank_that_ended_because_a_peer_died_passes_the_death_on():
     """Rank 0 saw rank 1 die and shut down; rank 2, still waiting, must name rank 1's death
-    (RankLostError), not blame uneven steps on rank 0, and pass the cause on in turn."""
-    from pipe_horovod.engine.stall import Stall
+    (RankLostError), not blame uneven steps on rank 0, and pass the cause on in turn. A rank
+    that ended normally is named, with the uneven-data advice only where it ran fewer steps."""
+    from pipe_horovod.engine import causes
+    from pipe_horovod.engine.stall import Call, Stall
     lost = "rank 1 (pid 41 on node1) no longer runs"
     posted = {}
 
@@ -127,17 +129,24 @@ def test_a_rank_that_ended_because_a_peer_died_passes_the_death_on():
             return 3
         def _missing(self, what):
             return ""
+        def names_in_flight(self):
+            return ["g"]
 
     engine = Engine()
     others = {0: {"state": "ended", "step": 7, "lost": lost}, 1: None}
-    error = Stall(engine, "allreduce 'g'", time.monotonic())._error(others, time.time(), [0])
+    stall = Stall(engine, Call("allreduce", "g"), time.monotonic())
+    error = causes.ended(stall, others, time.time())
     assert isinstance(error, faults.RankLostError), error
     assert str(error).startswith(f"rank 0 stopped while rank 2 waits in allreduce 'g': {lost}; "
                                  f"rank 0 ended (shut down after 7 step(s), as {lost})"), error
     assert engine._lost == lost
-    others[0].pop("lost")                    # ended normally: the steps differ
-    error = Stall(engine, "allreduce 'g'", time.monotonic())._error(others, time.time(), [0])
-    assert type(error).__name__ == "StepMismatchError" and "hvd.join()" in str(error), error
+    others[0].pop("lost")                    # ended normally after as many steps
+    error = causes.ended(stall, others, time.time())
+    assert type(error).__name__ == "StepMismatchError", error
+    assert str(error).endswith(causes.ORDER_HINT) and "hvd.join()" not in str(error), error
+    others[0]["step"] = 5                    # ... after fewer steps: uneven data
+    error = causes.ended(stall, others, time.time())
+    assert str(error).endswith(causes.JOIN_HINT), error
 
 
 # --- a rank killed, on real ranks -----------------------------------------------------

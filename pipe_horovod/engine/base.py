@@ -192,6 +192,7 @@ class Engine:
         self._board = None        # where ranks post what they do when a wait stalls (stall.py)
         self.step = None          # the step count of the pipeline (set by the step machine)
         self._raises = 0          # errors this rank posted (stall.py), numbered
+        self._final = None        # the number of the last that stops it (refuse, uncaught)
         self._raised = set()      # what they were raised in: others raising alike are not news
         self._told = set()        # (rank, number) of others' posted errors raised here
         self._calls = []          # the object collective this rank is inside (calling())
@@ -780,6 +781,8 @@ class Engine:
             where_ = "" if not set_id else f"set{set_id}."
             name = f"{kind}.noname.{where_}{self._unnamed[kind, set_id] + 1}"
         self._raises += 1
+        if final:
+            self._final = self._raises
         key = ("step", self.step) if final else ("name", name)
         self._raised.add(key)
         # A cause this rank read off the board, or every rank's MismatchError: the others
@@ -810,21 +813,21 @@ class Engine:
             where = f"{os.path.basename(last.filename)}:{last.lineno} in {last.name}"
         self._tell_raised(exc, final=True, where=where)
 
-    def _linger_for_readers(self, bound_s=2 * STATUS_AFTER_S + 1.0):
-        """A rank that posted an error leaves once every other rank has raised it (read it
-        off the board), raised alike, or ended, or after `bound_s`: its launcher would stop
-        the others before they could say why."""
-        if not self._raises or self._board is None:
+    def _linger_for_readers(self, me, size, bound_s=2 * STATUS_AFTER_S + 1.0):
+        """A rank that posted an error that stops it (refuse(), or one that ends its script)
+        leaves once every other rank has raised it (read it off the board), raised alike,
+        or ended, or after `bound_s`: its launcher would stop the others before they could
+        say why."""
+        if self._final is None or self._board is None:
             return
-        me = self.rank()
-        others = [r for r in range(self.size()) if r != me]
+        others = [r for r in range(size) if r != me]
         deadline = time.monotonic() + bound_s
         while others and time.monotonic() < deadline:
             acks = self._board.read(others, f"told.{me}")
             raised = self._board.read(others, "raised")
             statuses = self._board.read(others)
             others = [r for r in others if not (
-                (acks[r] and acks[r].get("seq") == self._raises)
+                (acks[r] and acks[r].get("seq", 0) >= self._final)
                 or (raised[r] and tuple(raised[r].get("key") or ()) in self._raised)
                 or (statuses[r] and statuses[r]["state"] == "ended"))]
             if others:
@@ -971,6 +974,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        me, size = self.rank(), self.size()      # the library cannot say once released
         if self._board is not None:      # the others' waits can now say who stopped, when
             cause = {} if self._lost is None else {"lost": self._lost}
             self._board.post(self.rank(), state="ended", step=self.step, **cause)
@@ -989,7 +993,7 @@ class Engine:
             pool, self._pool = self._pool, None
             if pool is not None:     # its threads see _releasing and leave
                 pool.shutdown(wait=True, cancel_futures=True)
-            self._linger_for_readers()
+            self._linger_for_readers(me, size)
 
     def _close(self):
         """Subclass hook: release the library (after in-flight work completed)."""

@@ -21,11 +21,15 @@ same order on every rank, whatever order the callers started them in.
 
 Cost: a collective waits for the next cycle (one small all_gather among
 the set) before it runs; requests started while a cycle runs share the
-next one. A small collective's data rides in the cycle itself (up to
-INLINE_BYTES per rank and cycle): once every rank has announced it, each
-rank has every rank's data and finishes it alone (a sum in rank order, the
-same on every rank), so a lone small collective costs one all_gather, as
-plain torch.distributed's call does. `pipe-horovod bench-collectives
+next one. A small collective's data (up to INLINE_BYTES) rides in the cycle
+itself: once every rank has announced it, each rank has every rank's data
+and finishes it alone (a sum in rank order, the same on every rank), so a
+lone small collective costs one all_gather, as plain torch.distributed's
+call does. A cycle carries up to FIRST_PAYLOAD bytes of such data per rank,
+or what the ranks' small requests of the previous cycle needed, up to
+INLINE_BYTES (every rank reads the same records, so every rank sizes the
+next cycle alike): a script's repeated small collective travels in the
+cycle from its second call on, and a pipeline's large buckets never do. `pipe-horovod bench-collectives
 --unmatched` measures it against plain torch.distributed (docs/faults.md).
 A thread whose cycle made no progress (a name some rank has not started
 yet) backs off to STALL_POLL_S between cycles, so ranks that wait on each
@@ -51,16 +55,18 @@ import hashlib
 import threading
 import time
 
+import numpy
+
 from . import mismatch
 from .faults import HorovodInternalError
 
 PER_CYCLE = 16          # requests announced per cycle; more wait for the next
-INLINE_BYTES = 4096     # per rank and cycle: small collectives' data rides in the cycle
+INLINE_BYTES = 64 << 10     # collectives this small may ride in the cycle
+FIRST_PAYLOAD = 4 << 10     # bytes per rank a cycle carries when the last needed less
 STALL_POLL_S = 0.005    # longest pause between two cycles that made no progress
 SLICE_S = 0.05          # how often a thread waiting for a cycle looks at its stop flag
-_HEAD = 2 + PER_CYCLE   # count, joining, then each record's inline bytes (-1: none)
+_HEAD = 3 + PER_CYCLE   # count, joining, small bytes wanted, each record's bytes (-1: none)
 _PAYLOAD = _HEAD + PER_CYCLE * mismatch.WIDTH
-_MESSAGE = _PAYLOAD + INLINE_BYTES // 8
 
 
 def key_of(name):
@@ -77,7 +83,7 @@ class Request:
     """One collective this rank started: announced, then run by the thread, or refused."""
 
     __slots__ = ("name", "key", "row", "run", "inline", "settle", "work", "error", "started",
-                 "done")
+                 "_pending")
 
     def __init__(self, name, row, run, inline=None, settle=None):
         self.name = name
@@ -91,11 +97,20 @@ class Request:
         self.work = None        # the running collective's Work, once every rank started it
         self.error = None       # a MismatchError (or the thread's failure) instead
         self.started = time.monotonic()
-        self.done = threading.Event()   # set once work or error is
+        self._pending = threading.Lock()    # held until work or error is set (a lighter
+        self._pending.acquire()             # Event: one per collective)
 
     def finish(self, work=None, error=None):
         self.work, self.error = work, error
-        self.done.set()
+        self._pending.release()
+
+    def done(self):
+        return self.work is not None or self.error is not None
+
+    def wait_done(self, seconds):
+        """Until work or error is set, at most `seconds`."""
+        if self._pending.acquire(timeout=seconds):
+            self._pending.release()
 
 
 class Negotiator:
@@ -114,6 +129,8 @@ class Negotiator:
         self._join = None                   # this rank's join: [done event, last rank]
         self._standing_in = []              # joined rank's zero tensors still on the wire
         self._cycles = 0
+        self._payload = FIRST_PAYLOAD       # this cycle's bytes of small collectives per rank
+        self._everyone = []                 # the last cycle's all_gather output, reused
         self._stop = False
         self.failure = None                 # what ended the thread, if it failed
         self._thread = None
@@ -229,39 +246,46 @@ class Negotiator:
                 self._join[0].set()
 
     def _message(self, batch, joining):
-        """This rank's part of a cycle: its new records and the small ones' bytes."""
-        torch = self.torch
-        mine = torch.zeros(_MESSAGE, dtype=torch.int64)
+        """This rank's part of a cycle: its new records and the small ones' bytes (built
+        in NumPy: a cycle is on every collective's path, and torch's per-op cost is
+        several times NumPy's at this size)."""
+        mine = numpy.zeros(_PAYLOAD + self._payload // 8, dtype=numpy.int64)
         mine[0], mine[1] = len(batch), int(joining)
-        if not batch:
-            return mine
-        lengths, at = [-1] * len(batch), 0
-        payload = mine[_PAYLOAD:].view(torch.uint8)
-        for i, request in enumerate(batch):
-            data = request.inline
-            if data is not None and at + data.numel() <= INLINE_BYTES:
-                payload[at:at + data.numel()] = data
-                lengths[i], at = data.numel(), at + -(-data.numel() // 8) * 8
-        mine[2:2 + len(batch)] = torch.tensor(lengths, dtype=torch.int64)
-        mine[_HEAD:_HEAD + len(batch) * mismatch.WIDTH] = torch.tensor(
-            [v for r in batch for v in r.row], dtype=torch.int64)
-        return mine
+        if batch:
+            lengths, at, wanted = [-1] * len(batch), 0, 0
+            payload = mine[_PAYLOAD:].view(numpy.uint8)
+            for i, request in enumerate(batch):
+                data = request.inline
+                if data is None:
+                    continue
+                size = -(-data.numel() // 8) * 8
+                wanted += size
+                if at + size <= self._payload:
+                    payload[at:at + data.numel()] = data.numpy()
+                    lengths[i], at = data.numel(), at + size
+            mine[2] = wanted
+            mine[3:3 + len(batch)] = lengths
+            mine[_HEAD:_HEAD + len(batch) * mismatch.WIDTH] = [v for r in batch for v in r.row]
+        return self.torch.from_numpy(mine)
 
     def _read(self, member, row):
-        """Record member's new requests (and their bytes) from its part of a cycle."""
+        """Record member's new requests (and their bytes) from its part of a cycle; returns
+        the bytes of small collectives it wanted to send."""
+        row = row.numpy()
         count = int(row[0])
         if count:
-            lengths = row[2:2 + count].tolist()
+            lengths = row[3:3 + count].tolist()
             values = row[_HEAD:_HEAD + count * mismatch.WIDTH].tolist()
-            payload, at = row[_PAYLOAD:].view(self.torch.uint8), 0
+            payload, at = row[_PAYLOAD:].view(numpy.uint8), 0
             for i in range(count):
                 record = mismatch.Record(values[i * mismatch.WIDTH:(i + 1) * mismatch.WIDTH])
                 if lengths[i] >= 0:
-                    record.data = payload[at:at + lengths[i]].clone()
+                    record.data = self.torch.from_numpy(payload[at:at + lengths[i]].copy())
                     at += -(-lengths[i] // 8) * 8
                 self._table[member][record.key] = record
-        if int(row[1]) and self._joined[member] is None:
+        if row[1] and self._joined[member] is None:
             self._joined[member] = self._cycles
+        return int(row[2])
 
     def _cycle(self):
         """One all_gather of new requests, then run what every rank has requested."""
@@ -271,12 +295,16 @@ class Negotiator:
                 self._mine[request.key] = request
             joining = self._join is not None
         mine = self._message(batch, joining)
-        everyone = [self.torch.empty_like(mine) for _ in self.ranks]
-        self.await_work(self.dist.all_gather(everyone, mine, group=self.group, async_op=True))
+        everyone = self._everyone      # reused: one cycle at a time, read before the next
+        if not everyone or everyone[0].numel() != mine.numel():
+            everyone = self._everyone = [self.torch.empty_like(mine) for _ in self.ranks]
+        # The group's own call: torch.distributed.all_gather's checks in Python cost as
+        # much again as the small transfer itself.
+        self.await_work(self.group.allgather([everyone], [mine]))
         self._cycles += 1
         with self._lock:
-            for member, row in enumerate(everyone):
-                self._read(member, row)
+            wanted = max(self._read(member, row) for member, row in enumerate(everyone))
+            self._payload = min(max(wanted, FIRST_PAYLOAD), INLINE_BYTES)
             ready = self._ready()
         for key in ready:
             self._run(key)

@@ -79,6 +79,9 @@ class _Pending(Work):
         return self.finish()
 
 
+NAP_S = 0.05        # a wait for the negotiation thread looks at its deadline this often
+
+
 class _Negotiated(Work):
     """A collective waiting for every rank to start it, then running (negotiation.py)."""
 
@@ -90,12 +93,13 @@ class _Negotiated(Work):
         return request.error is not None or (request.work is not None and request.work.poll())
 
     def nap(self, seconds):
-        """Pause a wait: until the negotiation thread has run or refused it, at most
-        `seconds` (a small collective then is complete already: no polling delay)."""
-        if self.request.done.is_set():
+        """Pause a wait: until the negotiation thread has run or refused it (a small
+        collective then is complete already), at most NAP_S; polling in short sleeps
+        would take the GIL the thread needs to finish its cycle."""
+        if self.request.done():
             time.sleep(seconds)
         else:
-            self.request.done.wait(seconds)
+            self.request.wait_done(NAP_S)
 
     def wait(self):
         request = self.request
