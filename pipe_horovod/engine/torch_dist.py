@@ -37,6 +37,7 @@ import math
 import os
 import time
 
+from . import rendezvous
 from .adasum import combine as adasum_combine
 from .base import DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, Adasum, Average, Done, Engine, \
     EngineError, Max, Min, Product, Sum, Then, WaitTimeoutError, Work, WorkList, scale_, \
@@ -165,11 +166,12 @@ class TorchDistEngine(Engine):
             if backend is None:
                 backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
             env_from_mpirun(os.environ)
-            # The group's timeout bounds torch's blocking collectives (barrier, object
-            # collectives) as our own deadline bounds every wait (faults.py).
+            # The group's timeout bounds torch's own waits (its rendezvous, a collective
+            # that failed) as our own deadline bounds every wait (faults.py).
             bound = {} if math.isinf(timeout_s) else {
                 "timeout": datetime.timedelta(seconds=timeout_s)}
-            dist.init_process_group(backend=backend, **bound)
+            self._rendezvous(lambda: dist.init_process_group(backend=backend, **bound),
+                             timeout_s)
             # Scripts rarely call shutdown(); exiting with the group alive lets gloo
             # abort the process ("terminate called without an active exception").
             atexit.register(self.shutdown)
@@ -185,6 +187,25 @@ class TorchDistEngine(Engine):
         if self.size() > 1:
             self._board = torch_board(dist.distributed_c10d._get_default_store(), self.size())
         self._register_process_sets(process_sets)
+
+    @staticmethod
+    def _rendezvous(init, timeout_s):
+        """`init()` (torch's env:// rendezvous), its failures naming MASTER_ADDR:MASTER_PORT
+        and what answers there; ranks but 0 first check that rank 0's store does, where
+        torch would wait forever on another program (rendezvous.py)."""
+        env = os.environ
+        if rendezvous.served_by_launcher(env) or "MASTER_PORT" not in env:
+            init()
+            return
+        addr, port, rank = env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]), \
+            int(env.get("RANK", 0))
+        if rank != 0:
+            rendezvous.check(addr, port, rank, timeout_s if math.isfinite(timeout_s)
+                             else DEFAULT_TIMEOUT_S)
+        try:
+            init()
+        except RuntimeError as exc:         # torch's DistNetworkError, DistStoreError
+            raise rendezvous.explain(exc, addr, port, rank) from exc
 
     def rank(self):
         return self.dist.get_rank()
