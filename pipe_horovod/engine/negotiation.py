@@ -279,9 +279,11 @@ class Negotiator:
             payload, at = row[_PAYLOAD:].view(numpy.uint8), 0
             for i in range(count):
                 record = mismatch.Record(values[i * mismatch.WIDTH:(i + 1) * mismatch.WIDTH])
-                if lengths[i] >= 0:
+                if lengths[i] > 0:
                     record.data = self.torch.from_numpy(payload[at:at + lengths[i]].copy())
                     at += -(-lengths[i] // 8) * 8
+                elif lengths[i] == 0:       # (NumPy's empty arrays have stride 0)
+                    record.data = self.torch.empty(0, dtype=self.torch.uint8)
                 self._table[member][record.key] = record
         if row[1] and self._joined[member] is None:
             self._joined[member] = self._cycles
