@@ -718,9 +718,9 @@ class Engine:
         """Whether every rank has started `handle` (engines that know say so)."""
         return False
 
-    def _missing(self, what):
-        """Which ranks have not started which collectives this rank waits on, as a clause
-        for messages (engines that know say so)."""
+    def _missing(self, call):
+        """Which ranks have not started the collective this rank waits on (`call`, a
+        stall.Call), as a clause for messages (engines that know say so)."""
         return ""
 
     # --- faults -----------------------------------------------------------
@@ -763,11 +763,12 @@ class Engine:
         return exc
 
     def _tell_raised(self, exc, kind=None, name=None, process_set=None, final=False,
-                     where=None):
+                     where=None, wires=None):
         """Post `exc`, raised on this rank in the collective `kind` `name` (None: outside
         one; an automatic name is the one the call would have taken), for the others.
         `final`: this rank will not start what the others wait for (refuse(), or the error
-        ends its script)."""
+        ends its script); `wires`: the names of the collectives the ranks it concerns wait
+        in (a cause read off the board, which they raise too)."""
         if self._board is None or self._closed:
             return
         if self._calls:                  # inside an object collective: that is the call
@@ -783,15 +784,20 @@ class Engine:
         self._raises += 1
         if final:
             self._final = self._raises
-        key = ("step", self.step) if final else ("name", name)
+        error = f"{type(exc).__name__}: {exc}".strip()
+        # Raised alike on another rank: the same error at the same step, the same cause, or
+        # in the same call.
+        key = ("final", self.step, error) if final else ("cause", error) if wires else \
+            ("name", name)
         self._raised.add(key)
         # A cause this rank read off the board, or every rank's MismatchError: the others
         # raise the same words, not "rank r raised" them (causes.py).
         shared = isinstance(exc, (StepMismatchError, RankLostError, MismatchError))
         self._board.tell_raised(
-            self.rank(), seq=self._raises, error=f"{type(exc).__name__}: {exc}".strip(),
+            self.rank(), seq=self._raises, error=error,
             call=None if kind is None else describe(kind, name), name=name, where=where,
-            step=self.step, final=final, shared=shared, key=list(key), at=time.time())
+            step=self.step, final=final, shared=shared, wires=wires, key=list(key),
+            at=time.time())
 
     def raised_alike(self, post):
         """Whether this rank raised where another rank's posted error was raised (each

@@ -57,7 +57,9 @@ def doing(rank, status, now):
     if status["state"] == "ended":
         cause = f", as {status['lost']}" if status.get("lost") else ""
         return f"rank {rank} ended (shut down{step}{cause})"
-    if status["state"] in ("waiting", "failed"):
+    if status["state"] == "failed":
+        return f"rank {rank} gave up waiting in {status['what']}{step} (it raised)"
+    if status["state"] == "waiting":
         return (f"rank {rank} waits in {status['what']}{step} (for "
                 f"{max(0.0, now - status['since']):.0f} s)")
     return f"rank {rank} runs{step}"
@@ -88,7 +90,7 @@ def raised(stall, others):
         status = others.get(rank)
         exited = status is not None and status["state"] == "ended"
         if not (post.get("final") or exited or post.get("name") in (
-                stall.call.name, stall.call.wire)):
+                stall.call.name, stall.call.wire) or stall.call.wire in (post.get("wires") or ())):
             continue            # raised elsewhere and went on: it may still start this one
         engine._told.add((rank, post["seq"]))
         board.acknowledge(stall.me, rank, post["seq"])
@@ -120,7 +122,7 @@ def ended(stall, others, now, ranks=None):
     lead = (f"{', '.join(f'rank {r}' for r in ranks)} ended while rank {stall.me} waits in "
             f"{stall.what}, which {'it' if len(ranks) == 1 else 'they'} never started")
     return StepMismatchError(f"{lead}: {everyone(stall, others, now)}"
-                             f"{stall.engine._missing(stall.what)}. "
+                             f"{stall.engine._missing(stall.call)}. "
                              f"{_hint(stall, others, ranks)}")
 
 
@@ -141,8 +143,8 @@ def mismatched(stall, others):
     mine = stall.call.posted()
     calls = {stall.me: mine}
     for rank, status in others.items():
-        if status is None or status["state"] != "waiting" or not status.get("call") or \
-                status["call"]["name"] != mine["name"]:
+        if status is None or not status.get("call") or status["call"]["name"] != mine["name"] \
+                or not (status["state"] == "waiting" or stall.gave_up(status)):
             return None
         calls[rank] = status["call"]
     ranks = sorted(calls)
@@ -156,23 +158,25 @@ def mismatched(stall, others):
         other = next((r for r in ranks if value(calls[r]) != value(first)), None)
         if other is not None:
             text = said.format(kind=first["kind"], a=value(first), b=value(calls[other]))
-            return MismatchError(f"{text} ({describe(first['kind'], first['name'])}: rank "
-                                 f"{ranks[0]} and rank {other})")
+            error = MismatchError(f"{text} ({describe(first['kind'], first['name'])}: rank "
+                                  f"{ranks[0]} and rank {other})")
+            error.wires = sorted({call["wire"] for call in calls.values()})
+            return error
     return None
 
 
-def deadlock(stall, others, now, blocked=None, confirmed=False):
+def deadlock(stall, others, now, confirmed=False):
     """4. Every rank waits in a collective some other rank has not started.
 
-    `confirmed`: raise now (the stall time passed) with what is known."""
+    `confirmed`: the stall time passed: raise now with what the posts tell."""
     engine = stall.engine
-    if blocked is None:
-        blocked = _blocked(stall, others)
-        if blocked is None:
-            return None
+    blocked = _blocked(stall, others)
+    if blocked is None and not confirmed:
+        return None
+    if not confirmed:
         seen = tuple((r, (others.get(r) or {}).get("since"), w) for r, (w, _) in
                      sorted(blocked.items()))
-        if not confirmed and seen != stall.seen_deadlock:
+        if seen != stall.seen_deadlock:
             stall.seen_deadlock = seen      # again at the next tick, or it was a passing view
             return None
     if blocked:
@@ -190,14 +194,17 @@ def deadlock(stall, others, now, blocked=None, confirmed=False):
         lead = (f"every rank waits for a collective that another rank never starts (for more "
                 f"than {stall.check_s:g} s, {CHECK_VARIABLE})")
         body = everyone(stall, others, now)
-    return StepMismatchError(f"{lead}: {body}{engine._missing(stall.what)}. "
-                             f"{_hint(stall, others, list(others))}")
+    error = StepMismatchError(f"{lead}: {body}{engine._missing(stall.call)}. "
+                              f"{_hint(stall, others, list(others))}")
+    error.wires = sorted({w for w, _ in blocked.values()}) if blocked else [stall.call.wire] + [
+        s["call"]["wire"] for s in others.values() if s and s.get("call")]
+    return error
 
 
 def report(stall, others, now, lead):
     """A stall that must end (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS): what every rank does."""
     return StepMismatchError(f"{lead}: {everyone(stall, others, now)}"
-                             f"{stall.engine._missing(stall.what)}. "
+                             f"{stall.engine._missing(stall.call)}. "
                              f"{_hint(stall, others, list(others))}")
 
 

@@ -203,6 +203,12 @@ class Stall:
                             step=engine.step, since=self.since,
                             names=names[:POSTED_NAMES], partial=len(names) > POSTED_NAMES)
 
+    def gave_up(self, status):
+        """A rank whose wait failed during this one (it raised and went on): it will not
+        start this rank's collective for that wait."""
+        return status is not None and status["state"] == "failed" and \
+            status.get("at", 0.0) >= self.since
+
     def mine(self):
         """This rank's post, as the others read it."""
         return {"state": "waiting", "what": self.what, "call": self.call.posted(),
@@ -219,16 +225,16 @@ class Stall:
         if not matched():
             cause = self.causes.find(self, others, now)
             if cause is not None:
-                raise cause
+                raise self._shared(cause)
         if self.check_s is None or elapsed < self.check_s:
             return
 
-        def stuck(status):          # waiting long enough that it is not just slow
-            return status is not None and status["state"] in ("waiting", "failed") and \
-                now - status["since"] >= self.check_s / 2
+        def stuck(status):          # waiting long enough that it is not just slow, or gave up
+            return self.gave_up(status) or (status is not None and status["state"] == "waiting"
+                                            and now - status["since"] >= self.check_s / 2)
 
         if all(stuck(status) for status in others.values()) and not matched():
-            raise self.causes.deadlock(self, others, now, [], confirmed=True)
+            raise self._shared(self.causes.deadlock(self, others, now, confirmed=True))
         if self.shutdown_s is not None and elapsed >= self.shutdown_s:
             raise self.causes.report(self, others, now, f"rank {self.me} stalled for "
                                      f"{elapsed:.0f} s, past {SHUTDOWN_VARIABLE}="
@@ -236,6 +242,15 @@ class Stall:
         if elapsed - self.warned_at >= self.check_s:
             self.warned_at = elapsed
             warnings.warn(self._report(others, now, elapsed), StallWarning, stacklevel=4)
+
+    def _shared(self, cause):
+        """`cause`, posted for the ranks it names (`cause.wires`: the collectives they wait
+        in), which raise the same words at their next look instead of concluding again
+        from posts this rank's end changes."""
+        wires = getattr(cause, "wires", None)
+        if wires:
+            self.engine._tell_raised(cause, wires=wires)
+        return cause
 
     def end(self, failed):
         """The wait is over: this rank runs again, or gave up (the others stop waiting
@@ -254,4 +269,4 @@ class Stall:
                 f"{elapsed:.0f} seconds. This may indicate that different ranks are trying to "
                 f"submit different tensors or that only subset of ranks is submitting tensors, "
                 f"which will cause deadlock. {self.causes.everyone(self, others, now)}"
-                f"{self.engine._missing(self.what)}")
+                f"{self.engine._missing(self.call)}")

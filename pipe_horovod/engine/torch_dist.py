@@ -446,10 +446,13 @@ class TorchDistEngine(Engine):
             return True
         return started(handle.backend)
 
-    def _missing(self, what):
+    def _missing(self, call):
         missing = {}
+        wire = call.wire or ""
         for negotiator in self._negotiators.values():
             for name, ranks in negotiator.waiting_on().items():
+                if name != wire and not name.startswith(wire + "."):   # (grouped: its members)
+                    continue
                 for rank in ranks:
                     missing.setdefault(rank, []).append(name)
         if not missing:
