@@ -27,7 +27,7 @@ from .faults import (DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, HorovodInternalError, 
                      describe_lost, lost_ranks, wait_until, whoami)
 from . import causes, objects
 from .mismatch import MismatchError, from_library, join_refused
-from .stall import STATUS_AFTER_S, Call, Stall, StepMismatchError, describe
+from .stall import POSTED_RAISES, STATUS_AFTER_S, Call, Stall, StepMismatchError, describe
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from .process_sets import ProcessSet, check_new_sets, global_process_set
 from .timeline import Timeline
@@ -192,7 +192,7 @@ class Engine:
         self._board = None        # where ranks post what they do when a wait stalls (stall.py)
         self.step = None          # the step count of the pipeline (set by the step machine)
         self._raises = 0          # errors this rank posted (stall.py), numbered
-        self._final = None        # the number of the last that stops it (refuse, uncaught)
+        self._posted = collections.deque(maxlen=POSTED_RAISES)   # the last of them        self._final = None        # the number of the last that stops it (refuse, uncaught)
         self._raised = set()      # what they were raised in: others raising alike are not news
         self._told = set()        # (rank, number) of others' posted errors raised here
         self._calls = []          # the object collective this rank is inside (calling())
@@ -793,11 +793,12 @@ class Engine:
         # A cause this rank read off the board, or every rank's MismatchError: the others
         # raise the same words, not "rank r raised" them (causes.py).
         shared = isinstance(exc, (StepMismatchError, RankLostError, MismatchError))
-        self._board.tell_raised(
-            self.rank(), seq=self._raises, error=error,
+        self._posted.append(dict(
+            seq=self._raises, error=error,
             call=None if kind is None else describe(kind, name), name=name, where=where,
             step=self.step, final=final, shared=shared, wires=wires, key=list(key),
-            at=time.time())
+            at=time.time()))
+        self._board.tell_raised(self.rank(), self._posted)
 
     def raised_alike(self, post):
         """Whether this rank raised where another rank's posted error was raised (each
@@ -830,11 +831,11 @@ class Engine:
         deadline = time.monotonic() + bound_s
         while others and time.monotonic() < deadline:
             acks = self._board.read(others, f"told.{me}")
-            raised = self._board.read(others, "raised")
+            raised = self._board.raised(others)
             statuses = self._board.read(others)
             others = [r for r in others if not (
                 (acks[r] and acks[r].get("seq", 0) >= self._final)
-                or (raised[r] and tuple(raised[r].get("key") or ()) in self._raised)
+                or any(self.raised_alike(post) for post in raised[r])
                 or (statuses[r] and statuses[r]["state"] == "ended"))]
             if others:
                 time.sleep(0.05)

@@ -83,27 +83,28 @@ def _hint(stall, others, ranks):
 def raised(stall, others):
     """1. Another rank's error that this wait cannot complete without."""
     engine, board = stall.engine, stall.engine._board
-    posts = board.read([r for r in range(engine.size()) if r != stall.me], "raised")
-    for rank, post in posts.items():
-        if post is None or (rank, post["seq"]) in engine._told or engine.raised_alike(post):
-            continue
-        status = others.get(rank)
-        exited = status is not None and status["state"] == "ended"
-        if not (post.get("final") or exited or post.get("name") in (
-                stall.call.name, stall.call.wire) or stall.call.wire in (post.get("wires") or ())):
-            continue            # raised elsewhere and went on: it may still start this one
-        engine._told.add((rank, post["seq"]))
-        board.acknowledge(stall.me, rank, post["seq"])
-        if post.get("shared"):      # a cause that rank read off the board: every rank's
-            kind, _, text = post["error"].partition(": ")
-            return _SHARED.get(kind, StepMismatchError)(text)
-        where = f" in {post['call']}" if post.get("call") else (
-            f" at {post['where']}" if post.get("where") else "")
-        then = ", and exited" if exited else ""
-        return StepMismatchError(
-            f"rank {rank} raised {post['error']}{where}{_after(post.get('step'))}{then}; "
-            f"rank {stall.me} waits in {stall.what}{_after(engine.step)}, which rank {rank} "
-            f"did not start")
+    for rank, posts in board.raised([r for r in range(engine.size()) if r != stall.me]).items():
+        for post in posts:
+            if (rank, post["seq"]) in engine._told or engine.raised_alike(post):
+                continue
+            status = others.get(rank)
+            exited = status is not None and status["state"] == "ended"
+            if not (post.get("final") or exited or post.get("name") in (
+                    stall.call.name, stall.call.wire) or stall.call.wire in (
+                    post.get("wires") or ())):
+                continue        # raised elsewhere and went on: it may still start this one
+            engine._told.add((rank, post["seq"]))
+            board.acknowledge(stall.me, rank, post["seq"])
+            if post.get("shared"):  # a cause that rank read off the board: every rank's
+                kind, _, text = post["error"].partition(": ")
+                return _SHARED.get(kind, StepMismatchError)(text)
+            where = f" in {post['call']}" if post.get("call") else (
+                f" at {post['where']}" if post.get("where") else "")
+            then = ", and exited" if exited else ""
+            return StepMismatchError(
+                f"rank {rank} raised {post['error']}{where}{_after(post.get('step'))}{then}; "
+                f"rank {stall.me} waits in {stall.what}{_after(engine.step)}, which rank "
+                f"{rank} did not start")
     return None
 
 

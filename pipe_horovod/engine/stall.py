@@ -48,6 +48,7 @@ DEFAULT_CHECK_S = 60.0
 STATUS_AFTER_S = 1.0    # a wait this long posts its status and reads the others', each period
 POSTED_NAMES = 256      # names in flight a waiting rank posts (more: the list says partial)
 POSTED_SHAPES = 16      # tensors of a grouped call whose shapes and dtypes are posted
+POSTED_RAISES = 8       # a rank's last errors kept on the board
 
 
 class StepMismatchError(WaitError):
@@ -129,10 +130,16 @@ class Board:
                 out[rank] = None
         return out
 
-    def tell_raised(self, rank, **raised):
-        """Rank `rank` raised (seq, error, call, name, where, step, final, at): kept apart
-        from its status, which later waits overwrite."""
-        self.post(rank, kind="raised", **raised)
+    def tell_raised(self, rank, raised):
+        """Rank `rank`'s last errors (each: seq, error, call, name, where, step, final,
+        shared, wires, key, at), oldest first: kept apart from its status, which later waits
+        overwrite, and several, as a rank may raise again before the others look."""
+        self.post(rank, kind="raised", raised=list(raised))
+
+    def raised(self, ranks):
+        """{rank: [its last errors, oldest first]}."""
+        return {rank: (post or {}).get("raised", []) for rank, post in
+                self.read(ranks, "raised").items()}
 
     def acknowledge(self, rank, raiser, seq):
         """`rank` has raised `raiser`'s error number `seq` (the raiser may leave now)."""

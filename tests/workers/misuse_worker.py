@@ -28,10 +28,10 @@ ranks and engines; then:
             third step: it raises there (torch/edits.py), and rank 0 raises the same error,
             naming rank 1, at its next wait for a gradient rank 1 never sends;
   keras     Keras `fit` (KERAS_BACKEND: the test runs TensorFlow under torchrun, torch under
-            horovodrun) on 6 batches on rank 0 and 4 on rank 1, which then waits in the next
-            case's allgather_object: rank 0 raises StepMismatchError naming both ranks' waits
-            and steps at HOROVOD_STALL_CHECK_TIME_SECONDS (on TensorFlow inside its
-            UnknownError, the text of which the case prints);
+            horovodrun) on 6 batches on rank 0 and 4 on rank 1, which then waits in an
+            allgather_object: both raise StepMismatchError naming both ranks' waits and
+            steps (rank 0 on TensorFlow inside its UnknownError, the text of which the case
+            prints);
   ended     rank 1 trains 3 steps and exits; rank 0, at its 5th step, raises
             StepMismatchError naming rank 1 and its step count (last: rank 1 is gone).
 """
@@ -238,6 +238,8 @@ def keras_uneven(r):
         text = f"{type(exc).__name__}: {inner.group(1) if inner else exc}"
     sys.stdout.write(f"CASE keras rank={r}: {text} [{time.monotonic() - start:.1f} s]\n")
     sys.stdout.flush()
+    if r == 1:      # on to a collective rank 0 does not start now: both name both waits
+        outcome("keras.next", lambda: hvd.allgather_object(r, name="keras.next"))
 
 
 def ended(r):
