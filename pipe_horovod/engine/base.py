@@ -192,7 +192,8 @@ class Engine:
         self._board = None        # where ranks post what they do when a wait stalls (stall.py)
         self.step = None          # the step count of the pipeline (set by the step machine)
         self._raises = 0          # errors this rank posted (stall.py), numbered
-        self._posted = collections.deque(maxlen=POSTED_RAISES)   # the last of them        self._final = None        # the number of the last that stops it (refuse, uncaught)
+        self._posted = collections.deque(maxlen=POSTED_RAISES)   # the last of them
+        self._final = None        # the number of the last that stops it (refuse, uncaught)
         self._raised = set()      # what they were raised in: others raising alike are not news
         self._told = set()        # (rank, number) of others' posted errors raised here
         self._calls = []          # the object collective this rank is inside (calling())
