@@ -26,10 +26,11 @@ itself: once every rank has announced it, each rank has every rank's data
 and finishes it alone (a sum in rank order, the same on every rank), so a
 lone small collective costs one all_gather, as plain torch.distributed's
 call does. A cycle carries up to FIRST_PAYLOAD bytes of such data per rank,
-or what the ranks' small requests of the previous cycle needed, up to
-INLINE_BYTES (every rank reads the same records, so every rank sizes the
-next cycle alike): a script's repeated small collective travels in the
-cycle from its second call on, and a pipeline's large buckets never do. `pipe-horovod bench-collectives
+or what the ranks' small requests of the previous cycle needed when that is
+at most INLINE_BYTES (every rank reads the same records, so every rank sizes
+the next cycle alike): a script's repeated small collective travels in the
+cycle from its second call on, and a pipeline's buckets (or a burst of
+collectives too large together) leave the cycles small. `pipe-horovod bench-collectives
 --unmatched` measures it against plain torch.distributed (docs/faults.md).
 A thread whose cycle made no progress (a name some rank has not started
 yet) backs off to STALL_POLL_S between cycles, so ranks that wait on each
@@ -90,8 +91,8 @@ class Request:
         self.key = row[0]
         self.row = row
         self.run = run          # run(records by member) -> Work, on the negotiation thread
-        # A small collective's bytes (a uint8 tensor), sent in the cycle, and
-        # settle(bytes by member) -> Work, which finishes it from every rank's bytes.
+        # A small collective's CPU tensor, whose bytes the cycle may carry, and
+        # settle(records by member) -> Work, which finishes it from every rank's bytes.
         self.inline = inline
         self.settle = settle
         self.work = None        # the running collective's Work, once every rank started it
@@ -252,17 +253,17 @@ class Negotiator:
         mine = numpy.zeros(_PAYLOAD + self._payload // 8, dtype=numpy.int64)
         mine[0], mine[1] = len(batch), int(joining)
         if batch:
-            lengths, at, wanted = [-1] * len(batch), 0, 0
-            payload = mine[_PAYLOAD:].view(numpy.uint8)
-            for i, request in enumerate(batch):
-                data = request.inline
-                if data is None:
-                    continue
-                size = -(-data.numel() // 8) * 8
-                wanted += size
-                if at + size <= self._payload:
-                    payload[at:at + data.numel()] = data.numpy()
-                    lengths[i], at = data.numel(), at + size
+            # Viewed here, not when started: a torch call lets this thread take the GIL
+            # from a caller still starting a burst of collectives, splitting it in cycles.
+            small = [(i, r.inline.reshape(-1).view(self.torch.uint8).numpy())
+                     for i, r in enumerate(batch) if r.inline is not None]
+            wanted = sum(-(-data.size // 8) * 8 for _, data in small)
+            lengths, at = [-1] * len(batch), 0
+            if wanted <= self._payload:     # all of them, or none: a burst of collectives
+                payload = mine[_PAYLOAD:].view(numpy.uint8)     # too large for the cycle runs
+                for i, data in small:                           # as a pipeline's buckets do
+                    payload[at:at + data.size] = data
+                    lengths[i], at = data.size, at + -(-data.size // 8) * 8
             mine[2] = wanted
             mine[3:3 + len(batch)] = lengths
             mine[_HEAD:_HEAD + len(batch) * mismatch.WIDTH] = [v for r in batch for v in r.row]
@@ -306,7 +307,10 @@ class Negotiator:
         self._cycles += 1
         with self._lock:
             wanted = max(self._read(member, row) for member, row in enumerate(everyone))
-            self._payload = min(max(wanted, FIRST_PAYLOAD), INLINE_BYTES)
+            # Room for the small collectives of this cycle, next time: when they fit in one
+            # (a burst of larger ones, a pipeline's buckets, would only make cycles longer).
+            self._payload = max(wanted, FIRST_PAYLOAD) if wanted <= INLINE_BYTES \
+                else FIRST_PAYLOAD
             ready = self._ready()
         for key in ready:
             self._run(key)

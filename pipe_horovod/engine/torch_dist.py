@@ -265,7 +265,7 @@ class TorchDistEngine(Engine):
         inline = None
         if settle is not None and tensor.device.type == "cpu" and \
                 tensor.numel() * tensor.element_size() <= INLINE_BYTES:
-            inline = tensor.reshape(-1).view(self.torch.uint8)
+            inline = tensor
         negotiator = self._negotiators[process_set.process_set_id]
         return _Negotiated(negotiator.submit(Request(name, row, run, inline,
                                                      settle if inline is not None else None)))
