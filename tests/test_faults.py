@@ -180,6 +180,87 @@ def _direct(np, argv, env):
     return results
 
 
+class _Listener:
+    """A program other than torch's store on a port: it accepts, then says `banner` (or
+    nothing), as a web server, an SSH server or a stale job would."""
+
+    def __init__(self, banner=b""):
+        import threading
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        self.banner, self.open = banner, []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.open.append(conn)
+            if self.banner:
+                conn.sendall(self.banner)
+
+    def close(self):
+        self.sock.close()
+        for conn in self.open:
+            conn.close()
+
+
+@pytest.mark.parametrize("rank, banner, said", [
+    (1, b"SSH-2.0-OpenSSH_9.2\r\n", "a program there answered b'SSH-2.0-OpenSSH_9.2\\r\\n'"),
+    (1, b"", "a program there accepted the connection but did not answer torch's rendezvous "
+             "handshake within 2 s"),
+    (0, b"", "address already in use"),
+])
+def test_a_rendezvous_on_a_taken_port_names_what_answered(monkeypatch, rank, banner, said):
+    """Issue 39: under env:// (mpirun, ranks started by hand) a MASTER_PORT another program
+    holds made rank 0 fail with EADDRINUSE and every other rank wait inside torch's
+    handshake until killed. Each now raises at init, naming the address, the port and what
+    answered there; a rank whose store has not started yet names the refusal."""
+    from pipe_horovod import engine
+    listener = _Listener(banner)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(listener.port))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    start = time.monotonic()
+    try:
+        with pytest.raises(engine.EngineError) as error:
+            engine.init(engine="torch", timeout=5)
+    finally:
+        listener.close()
+    text = str(error.value)
+    assert text.startswith(f"rank {rank} cannot rendezvous at 127.0.0.1:{listener.port} "
+                           "(MASTER_ADDR:MASTER_PORT"), text
+    assert said in text and "a MASTER_PORT no other program uses" in text, text
+    assert time.monotonic() - start < 15, text
+    assert not engine.is_initialized()
+
+
+def test_a_rendezvous_waits_for_rank_0_and_names_the_refusal(monkeypatch):
+    """Nothing at MASTER_ADDR:MASTER_PORT: rank 1 retries until its timeout, then says so; a
+    real store there (rank 0 up) answers the same handshake."""
+    import datetime
+    from pipe_horovod.engine import WaitTimeoutError, rendezvous
+    port = _free_port()
+    start = time.monotonic()
+    with pytest.raises(WaitTimeoutError, match=rf"rank 1 cannot rendezvous at 127\.0\.0\.1:{port}"
+                       r" .*: nothing answered there \(connection refused\) for 1 s"):
+        rendezvous.check("127.0.0.1", port, 1, 1.0)
+    assert time.monotonic() - start < 5
+    store = torch.distributed.TCPStore("127.0.0.1", 0, None, True,
+                                       timeout=datetime.timedelta(seconds=5),
+                                       wait_for_workers=False)
+    rendezvous.check("127.0.0.1", store.port, 1, 5.0)       # answers: no error
+    store.set("still", "works")
+    assert store.get("still") == b"works"
+
+
 def test_killed_rank_is_named_by_every_survivor_without_a_launcher():
     """torch engine, 3 ranks, nobody watching: each survivor's own error names rank 1."""
     results = _direct(3, ["fault_worker.py", "kill", "1"], {})
