@@ -48,6 +48,18 @@ import pipe_horovod.torch as hvd
 from pipe_horovod.compression import two_stage
 
 
+def wrapped(model, depth=None, **options):
+    """`model`'s DistributedOptimizer: SGD, lr 0.1, named parameters."""
+    return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    named_parameters=model.named_parameters(),
+                                    pipeline_depth=depth, **options)
+
+
+def linear():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 1)
+
+
 def outcome(case, fn):
     start = time.monotonic()
     try:
@@ -113,10 +125,8 @@ def join(r):
         outcome("join.bf16", lambda: hvd.allreduce(
             torch.tensor([1.5, -3.0, 2.0 ** -130], dtype=torch.bfloat16), name="j.bf16").tolist())
         outcome("join.last", hvd.join)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+    model = linear()
+    opt = wrapped(model)
     for _ in range((4, 0)[r]):                          # rank 1's shard is empty
         opt.zero_grad()
         model(torch.ones(2, 4)).sum().backward()
@@ -140,11 +150,8 @@ def blocking(r):
 def rank0_only(r):
     """broadcast_parameters on rank 0 alone, then a step (after the Keras case: its
     automatic names are not used again, and rank 1 waits in this wrap's comparison)."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(),
-                                   pipeline_depth=1)
+    model = linear()
+    opt = wrapped(model, 1)
 
     def start():
         if r == 0:
@@ -171,21 +178,15 @@ def grouped(r):
 
 
 def resume(r):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-
-    def wrapped(depth):
-        return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                        named_parameters=model.named_parameters(),
-                                        pipeline_depth=depth, staleness_compensation=None)
-    opt = wrapped(2)
+    model = linear()
+    opt = wrapped(model, 2, staleness_compensation=None)
     for _ in range(2):
         opt.zero_grad()
         model(torch.ones(2, 4)).sum().backward()
         opt.step()
     saved = opt.state_dict()                    # one averaged gradient in flight
     opt.flush()
-    again = wrapped(1)
+    again = wrapped(model, 1, staleness_compensation=None)
 
     def step():
         if r == 0:
@@ -197,11 +198,8 @@ def resume(r):
 
 
 def edited(r):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(),
-                                   pipeline_depth=2)
+    model = linear()
+    opt = wrapped(model, 2)
 
     def train():
         for t in range(8):
@@ -243,11 +241,8 @@ def keras_uneven(r):
 
 
 def ended(r):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(),
-                                   pipeline_depth=1)
+    model = linear()
+    opt = wrapped(model, 1)
 
     def train():
         for _ in range((5, 3)[r]):
