@@ -304,15 +304,21 @@ class Engine:
         (Horovod's rule, kept when only some ranks use another set)."""
         check_name(name, kind)
         if name is None:
-            set_id = 0 if ps is None else ps.process_set_id
-            self._unnamed[kind, set_id] += 1
-            where = "" if not set_id else f"set{set_id}."
-            name = f"{kind}.noname.{where}{self._unnamed[kind, set_id]}"
+            name = self._unnamed_name(kind, ps, claim=True)
         if name in self._names:
             raise ValueError(
                 f"tensor name {name!r} is already in flight; wait for it first or use a "
                 "distinct name per in-flight operation")
         return name
+
+    def _unnamed_name(self, kind, ps, claim=False):
+        """The automatic name of the next `kind` started without one on `ps` (None: every
+        rank), counted once `claim`ed."""
+        set_id = 0 if ps is None else ps.process_set_id or 0
+        count = self._unnamed[kind, set_id] + 1
+        if claim:
+            self._unnamed[kind, set_id] = count
+        return f"{kind}.noname.{'' if not set_id else f'set{set_id}.'}{count}"
 
     def _track(self, kind, name, tensor, op, backend, started, root=None):
         handle = Handle(next(self._ids), name, tensor, op, backend, kind, started, root)
@@ -779,9 +785,7 @@ class Engine:
                 ps = self.resolve_process_set(process_set)
             except Exception:
                 ps = global_process_set
-            set_id = ps.process_set_id or 0
-            where_ = "" if not set_id else f"set{set_id}."
-            name = f"{kind}.noname.{where_}{self._unnamed[kind, set_id] + 1}"
+            name = self._unnamed_name(kind, ps)
         self._raises += 1
         if final:
             self._final = self._raises
@@ -874,12 +878,7 @@ class Engine:
     def _object_name(self, name, ps):
         """`name`, or the next automatic name of an object collective: one counter for both
         kinds (objects.py says why)."""
-        if name is not None:
-            return name
-        set_id = ps.process_set_id or 0
-        self._unnamed["object", set_id] += 1
-        where = "" if not set_id else f"set{set_id}."
-        return f"object.noname.{where}{self._unnamed['object', set_id]}"
+        return name if name is not None else self._unnamed_name("object", ps, claim=True)
 
     def gather_despite_join(self, obj, *, name, process_set=None):
         """Every rank's picklable `obj` in set order, None for a rank that has joined.
