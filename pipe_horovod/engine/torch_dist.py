@@ -39,8 +39,8 @@ import time
 
 from . import rendezvous
 from .adasum import combine as adasum_combine
-from .base import DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, Adasum, Average, Done, Engine, \
-    EngineError, Max, Min, Product, Sum, Then, WaitTimeoutError, Work, WorkList, scale_, \
+from .base import DEFAULT_TIMEOUT_S, Adasum, Average, Done, Engine, \
+    EngineError, Max, Min, Product, Sum, Then, Work, WorkList, scale_, \
     shard_sizes
 from .stall import torch_board
 from .mismatch import DTYPES, encode
