@@ -17,6 +17,7 @@ import itertools
 import math
 import os
 import queue
+import threading
 import time
 import traceback
 
@@ -196,7 +197,7 @@ class Engine:
         self._final = None        # the number of the last that stops it (refuse, uncaught)
         self._raised = set()      # what they were raised in: others raising alike are not news
         self._told = set()        # (rank, number) of others' posted errors raised here
-        self._calls = []          # the object collective this rank is inside (calling())
+        self._thread = threading.local()    # .calls: the object collective a thread is in
         self._pool = None         # threads of two-stage reductions (two_stage_async)
         self._releasing = False   # shutdown lets go of the library: pool threads stop waiting
 
@@ -702,8 +703,9 @@ class Engine:
 
     def _call_of(self, handle):
         """The stall.Call a wait on `handle` is in: the object collective around it, if any."""
-        if self._calls:
-            kind, name, root = self._calls[-1]
+        calls = self._object_calls()
+        if calls:
+            kind, name, root = calls[-1]
             return Call(kind, name, handle.name, root)
         return Call(handle.kind, handle.name, root=handle.root, tensors=handle.tensor)
 
@@ -711,11 +713,18 @@ class Engine:
     def calling(self, kind, name, root=None):
         """Inside it, the engine's waits and errors are those of the call `kind` `name`
         (objects.py: an object collective is made of tensor collectives)."""
-        self._calls.append((kind, name, root))
+        calls = self._object_calls()
+        calls.append((kind, name, root))
         try:
             yield
         finally:
-            self._calls.pop()
+            calls.pop()
+
+    def _object_calls(self):
+        """This thread's stack of calling() (a thread of its own in Keras's hand-offs)."""
+        if not hasattr(self._thread, "calls"):
+            self._thread.calls = []
+        return self._thread.calls
 
     def names_in_flight(self):
         """The names of the collectives this rank has started and not waited for."""
@@ -778,8 +787,9 @@ class Engine:
         in (a cause read off the board, which they raise too)."""
         if self._board is None or self._closed:
             return
-        if self._calls:                  # inside an object collective: that is the call
-            kind, name, _ = self._calls[0]
+        calls = self._object_calls()
+        if calls:                        # inside an object collective: that is the call
+            kind, name, _ = calls[0]
         elif kind is not None and name is None:
             try:
                 ps = self.resolve_process_set(process_set)
