@@ -218,13 +218,10 @@ def parse_run(output, returncode, np=2, timed_out=False, timeout=None):
 # --------------------------------------------------------------------------
 # Running
 
-def horovodrun_command(horovodrun, python, test_id, np=2, verbosity="-q"):
-    """One test alone stops at its failure (-x, -q); several (run_launch) say each
-    one's outcome (-v) and go on."""
-    test_ids = [test_id] if isinstance(test_id, str) else list(test_id)
+def horovodrun_command(horovodrun, python, test_id, np=2):
     return [horovodrun, "-np", str(np), "-H", f"localhost:{np}", "--gloo",
-            python, "-m", "pytest", *(["-x"] if verbosity == "-q" else []), verbosity, "-rfEs",
-            "-p", "no:cacheprovider", "-c", "pytest.ini", *test_ids]
+            python, "-m", "pytest", "-x", "-q", "-rfEs", "-p", "no:cacheprovider",
+            "-c", "pytest.ini", test_id]
 
 
 def config_env(config, base=None):
@@ -292,63 +289,6 @@ def run_one(workdir, test_id, config, horovodrun, python, timeout, np=2, log_dir
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(f"$ {shlex.join(cmd)}\n# cwd={workdir} config={config} rc={proc.returncode}\n{output}")
     return {"status": status, "error": error, "rc": proc.returncode, "seconds": seconds}
-
-
-_VERBOSE = re.compile(r"^(?:\S+\.py::)?(?P<test>\w+::\w+) (?P<outcome>PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
-_SHORT_ID = re.compile(r"^(?:FAILED|ERROR) (?:\S+\.py::)?(?P<test>\w+::\w+)(?: - (?P<msg>.*))?$")
-
-
-def parse_launch(output, returncode, np=2):
-    """Classify each test of a launch that ran several (`pytest -v`): {test key: (status,
-    error or None)}, for the tests every rank reported; the others (a hang, a crash) are
-    left out, to be run alone."""
-    per_rank = split_ranks(output)
-    outcomes, errors = {}, {}
-    for rank in range(np):
-        for text in per_rank.get(rank, []):
-            m = _VERBOSE.match(text.strip())
-            if m:
-                outcomes.setdefault(m.group("test"), {})[rank] = m.group("outcome")
-            m = _SHORT_ID.match(text.strip())
-            if m and m.group("msg"):
-                errors.setdefault(m.group("test"), m.group("msg").strip())
-    found = {}
-    for test, by_rank in outcomes.items():
-        if len(by_rank) < np:
-            continue
-        seen = set(by_rank.values())
-        if seen & {"FAILED", "ERROR"}:
-            found[test] = ("FAIL", errors.get(test))
-        elif seen == {"SKIPPED"}:
-            found[test] = ("SKIP", None)
-        else:
-            found[test] = ("PASS", None)
-    return found
-
-
-def run_launch(workdir, test_ids, config, horovodrun, python, timeout, np=2, log_dir=None):
-    """Every test of `test_ids` in one horovodrun, as Horovod's CI runs its file:
-    {test key: result} for the tests every rank reported."""
-    cmd = horovodrun_command(horovodrun, python, test_ids, np, verbosity="-v")
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=workdir, env=config_env(config), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace",
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc)
-        output, _ = proc.communicate()
-    seconds = round(time.monotonic() - start, 1)
-    if log_dir:
-        log = Path(log_dir) / config / "one-launch.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(f"$ {shlex.join(cmd[:-len(test_ids)])} <{len(test_ids)} tests>\n"
-                       f"# cwd={workdir} config={config} rc={proc.returncode} seconds={seconds}\n{output}")
-    launch = f"one launch of {len(test_ids)} tests, {seconds} s"
-    return {test: {"status": status, "error": error, "rc": proc.returncode, "seconds": None,
-                   "launch": launch}
-            for test, (status, error) in parse_launch(output, proc.returncode, np).items()}
 
 
 def pytest_ini(timeout):
@@ -586,10 +526,6 @@ def main(argv=None):
     p.add_argument("--horovodrun", default=str(Path(sys.executable).parent / "horovodrun"))
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--render-only", action="store_true", help="only render --out to --markdown")
-    p.add_argument("--one-launch", type=float, metavar="SECONDS",
-                   help="first run every selected test of a configuration in one horovodrun (as "
-                        "Horovod's CI runs the file) with this limit; tests some rank did not "
-                        "report (a hang, a crash) then run alone")
     args = p.parse_args(argv)
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -659,27 +595,6 @@ def run_all(args, configs, data):
         print(f"{len(ids)} tests collected from {tests_path}")
         todo = [(tid, c) for tid in ids for c in configs
                 if args.rerun or c not in data["results"].get(test_key(tid), {})]
-        reported = set()
-        if args.one_launch:
-            for c in configs:
-                mine = [tid for tid, config in todo if config == c]
-                if not mine:
-                    continue
-                test_file = copies[c]
-                print(f"{c}: {len(mine)} tests in one launch (limit {args.one_launch:g} s)")
-                got = run_launch(test_file.parent, [f"{test_file.name}::{test_key(tid)}" for tid in mine],
-                                 c, args.horovodrun, args.python, args.one_launch, np=args.np,
-                                 log_dir=args.logs)
-                for test, res in got.items():
-                    if c != "horovod":
-                        res["pipe_horovod"] = meta["pipe_horovod"]
-                    data["results"].setdefault(test, {})[c] = res
-                    reported.add((test, c))
-                save_results(data, args.out)
-                print(f"{c}: " + ", ".join(f"{s} {n}" for s, n in
-                                           Counter(r["status"] for r in got.values()).items())
-                      + f"; {len(mine) - len(got)} to run alone")
-            todo = [(tid, c) for tid, c in todo if (test_key(tid), c) not in reported]
         print(f"{len(todo)} runs to do ({len(ids) * len(configs) - len(todo)} already in {args.out})")
 
         def work(item):

@@ -300,14 +300,16 @@ def test_killed_rank_ends_the_job_under_its_launcher(launch, tmp_path):
 
 @pytest.mark.skipif(bool(HOROVOD), reason=str(HOROVOD))
 def test_a_stalled_rank_times_the_others_out():
-    """Horovod's own wait would spin forever; ours ends at PIPE_HOROVOD_TIMEOUT."""
+    """Horovod's own wait would spin forever; ours ends at PIPE_HOROVOD_TIMEOUT. 10 s, not
+    less: the wrap's comparison is an object collective, timed like any other since issue
+    39, and ranks of a loaded machine reach it seconds apart."""
     start = time.monotonic()
     code, out = launcher.run("horovod", 2, "fault_worker.py", "stall", 1, timeout=90,
-                             env={"PIPE_HOROVOD_TIMEOUT": "3"}, expect_ok=False)
+                             env={"PIPE_HOROVOD_TIMEOUT": "10"}, expect_ok=False)
     assert code != 0 and time.monotonic() - start < 60, out
     assert re.search(r"WaitTimeoutError: waiting for the gradients of step \d+, bucket \d+ "
                      r"\(\d+ parameter\(s\): [^)]*\): allreduce 'pipe0\.[^']+' did not complete "
-                     r"within 3 s", out), out
+                     r"within 10 s", out), out
     assert "every other rank still runs" in out, out
 
 

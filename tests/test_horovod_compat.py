@@ -166,26 +166,6 @@ def test_errors_and_empty_runs_fail():
     assert hc.parse_run(none, 4)[0] == "FAIL"
 
 
-def test_one_launch_of_several_tests_says_each_ones_outcome():
-    """--one-launch: pytest -v's line per test and rank; a test some rank did not report
-    (it hung, or the launch crashed there) is left out, to be run alone."""
-    out = "\n".join([
-        "[0]<stdout>:test_torch.py::TorchTests::test_a PASSED [  1%]",
-        "[1]<stdout>:test_torch.py::TorchTests::test_a PASSED [  1%]",
-        "[1]<stdout>:test_torch.py::TorchTests::test_b FAILED [  2%]",
-        "[0]<stdout>:test_torch.py::TorchTests::test_b PASSED [  2%]",
-        "[0]<stdout>:test_torch.py::TorchTests::test_c SKIPPED (needs a GPU) [  3%]",
-        "[1]<stdout>:test_torch.py::TorchTests::test_c SKIPPED (needs a GPU) [  3%]",
-        "[0]<stdout>:test_torch.py::TorchTests::test_d PASSED [  4%]",
-        "[1]<stdout>:FAILED test_torch.py::TorchTests::test_b - ValueError: Muon only supports 2D",
-    ])
-    assert hc.parse_launch(out, 1) == {"TorchTests::test_a": ("PASS", None),
-                                       "TorchTests::test_b": ("FAIL", "ValueError: Muon only supports 2D"),
-                                       "TorchTests::test_c": ("SKIP", None)}
-    cmd = hc.horovodrun_command("horovodrun", "python", ["f.py::A::a", "f.py::A::b"], verbosity="-v")
-    assert "-x" not in cmd and cmd[-2:] == ["f.py::A::a", "f.py::A::b"]
-
-
 def test_timeout():
     status, error = hc.parse_run("[0]<stdout>:.\n", None, timed_out=True, timeout=120)
     assert status == "TIMEOUT" and error.startswith("no result after 120 s")
