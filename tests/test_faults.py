@@ -110,8 +110,10 @@ def test_a_dead_process_on_this_host_is_named():
 
 def test_a_rank_that_ended_because_a_peer_died_passes_the_death_on():
     """Rank 0 saw rank 1 die and shut down; rank 2, still waiting, must name rank 1's death
-    (RankLostError), not blame uneven steps on rank 0, and pass the cause on in turn."""
-    from pipe_horovod.engine.stall import Stall
+    (RankLostError), not blame uneven steps on rank 0, and pass the cause on in turn. A rank
+    that ended normally is named, with the uneven-data advice only where it ran fewer steps."""
+    from pipe_horovod.engine import causes
+    from pipe_horovod.engine.stall import Call, Stall
     lost = "rank 1 (pid 41 on node1) no longer runs"
     posted = {}
 
@@ -127,17 +129,24 @@ def test_a_rank_that_ended_because_a_peer_died_passes_the_death_on():
             return 3
         def _missing(self, what):
             return ""
+        def names_in_flight(self):
+            return ["g"]
 
     engine = Engine()
     others = {0: {"state": "ended", "step": 7, "lost": lost}, 1: None}
-    error = Stall(engine, "allreduce 'g'", time.monotonic())._error(others, time.time(), [0])
+    stall = Stall(engine, Call("allreduce", "g"), time.monotonic())
+    error = causes.ended(stall, others, time.time())
     assert isinstance(error, faults.RankLostError), error
     assert str(error).startswith(f"rank 0 stopped while rank 2 waits in allreduce 'g': {lost}; "
                                  f"rank 0 ended (shut down after 7 step(s), as {lost})"), error
     assert engine._lost == lost
-    others[0].pop("lost")                    # ended normally: the steps differ
-    error = Stall(engine, "allreduce 'g'", time.monotonic())._error(others, time.time(), [0])
-    assert type(error).__name__ == "StepMismatchError" and "hvd.join()" in str(error), error
+    others[0].pop("lost")                    # ended normally after as many steps
+    error = causes.ended(stall, others, time.time())
+    assert type(error).__name__ == "StepMismatchError", error
+    assert str(error).endswith(causes.ORDER_HINT) and "hvd.join()" not in str(error), error
+    others[0]["step"] = 5                    # ... after fewer steps: uneven data
+    error = causes.ended(stall, others, time.time())
+    assert str(error).endswith(causes.JOIN_HINT), error
 
 
 # --- a rank killed, on real ranks -----------------------------------------------------
@@ -169,6 +178,87 @@ def _direct(np, argv, env):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     return results
+
+
+class _Listener:
+    """A program other than torch's store on a port: it accepts, then says `banner` (or
+    nothing), as a web server, an SSH server or a stale job would."""
+
+    def __init__(self, banner=b""):
+        import threading
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        self.banner, self.open = banner, []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.open.append(conn)
+            if self.banner:
+                conn.sendall(self.banner)
+
+    def close(self):
+        self.sock.close()
+        for conn in self.open:
+            conn.close()
+
+
+@pytest.mark.parametrize("rank, banner, said", [
+    (1, b"SSH-2.0-OpenSSH_9.2\r\n", "a program there answered b'SSH-2.0-OpenSSH_9.2\\r\\n'"),
+    (1, b"", "a program there accepted the connection but did not answer torch's rendezvous "
+             "handshake within 2 s"),
+    (0, b"", "address already in use"),
+])
+def test_a_rendezvous_on_a_taken_port_names_what_answered(monkeypatch, rank, banner, said):
+    """Issue 39: under env:// (mpirun, ranks started by hand) a MASTER_PORT another program
+    holds made rank 0 fail with EADDRINUSE and every other rank wait inside torch's
+    handshake until killed. Each now raises at init, naming the address, the port and what
+    answered there; a rank whose store has not started yet names the refusal."""
+    from pipe_horovod import engine
+    listener = _Listener(banner)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(listener.port))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    start = time.monotonic()
+    try:
+        with pytest.raises(engine.EngineError) as error:
+            engine.init(engine="torch", timeout=5)
+    finally:
+        listener.close()
+    text = str(error.value)
+    assert text.startswith(f"rank {rank} cannot rendezvous at 127.0.0.1:{listener.port} "
+                           "(MASTER_ADDR:MASTER_PORT"), text
+    assert said in text and "a MASTER_PORT no other program uses" in text, text
+    assert time.monotonic() - start < 15, text
+    assert not engine.is_initialized()
+
+
+def test_a_rendezvous_waits_for_rank_0_and_names_the_refusal(monkeypatch):
+    """Nothing at MASTER_ADDR:MASTER_PORT: rank 1 retries until its timeout, then says so; a
+    real store there (rank 0 up) answers the same handshake."""
+    import datetime
+    from pipe_horovod.engine import WaitTimeoutError, rendezvous
+    port = _free_port()
+    start = time.monotonic()
+    with pytest.raises(WaitTimeoutError, match=rf"rank 1 cannot rendezvous at 127\.0\.0\.1:{port}"
+                       r" .*: nothing answered there \(connection refused\) for 1 s"):
+        rendezvous.check("127.0.0.1", port, 1, 1.0)
+    assert time.monotonic() - start < 5
+    store = torch.distributed.TCPStore("127.0.0.1", 0, None, True,
+                                       timeout=datetime.timedelta(seconds=5),
+                                       wait_for_workers=False)
+    rendezvous.check("127.0.0.1", store.port, 1, 5.0)       # answers: no error
+    store.set("still", "works")
+    assert store.get("still") == b"works"
 
 
 def test_killed_rank_is_named_by_every_survivor_without_a_launcher():
@@ -210,14 +300,16 @@ def test_killed_rank_ends_the_job_under_its_launcher(launch, tmp_path):
 
 @pytest.mark.skipif(bool(HOROVOD), reason=str(HOROVOD))
 def test_a_stalled_rank_times_the_others_out():
-    """Horovod's own wait would spin forever; ours ends at PIPE_HOROVOD_TIMEOUT."""
+    """Horovod's own wait would spin forever; ours ends at PIPE_HOROVOD_TIMEOUT. 10 s, not
+    less: the wrap's comparison is an object collective, timed like any other since issue
+    39, and ranks of a loaded machine reach it seconds apart."""
     start = time.monotonic()
     code, out = launcher.run("horovod", 2, "fault_worker.py", "stall", 1, timeout=90,
-                             env={"PIPE_HOROVOD_TIMEOUT": "3"}, expect_ok=False)
+                             env={"PIPE_HOROVOD_TIMEOUT": "10"}, expect_ok=False)
     assert code != 0 and time.monotonic() - start < 60, out
     assert re.search(r"WaitTimeoutError: waiting for the gradients of step \d+, bucket \d+ "
                      r"\(\d+ parameter\(s\): [^)]*\): allreduce 'pipe0\.[^']+' did not complete "
-                     r"within 3 s", out), out
+                     r"within 10 s", out), out
     assert "every other rank still runs" in out, out
 
 

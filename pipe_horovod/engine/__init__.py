@@ -8,6 +8,7 @@ no flag. `init(engine=...)` or PIPE_HOROVOD_ENGINE overrides the guess.
 import atexit
 import importlib
 import os
+import sys
 
 from .base import (Adasum, Average, Engine, EngineError, Handle, HorovodInternalError,
                    HostsUpdatedInterrupt, Max, Min, Product, ReduceOp, Sum)
@@ -140,7 +141,24 @@ def init(comm=None, process_sets=None, *, engine=None, timeout=None):
     # Registered after the library's own start-up (and so its own atexit
     # shutdown), so at exit ours runs first and completes what is in flight.
     atexit.register(shutdown)
+    if not getattr(sys.excepthook, "tells_the_others", False):
+        sys.excepthook = _telling_the_others(sys.excepthook)
     return _current
+
+
+def _telling_the_others(hook):
+    """`hook` (sys.excepthook), after posting the error that ends this script for the
+    other ranks, whose waits then name it (engine/causes.py) rather than a rank that
+    ended. Python calls it before the exit handlers, so before shutdown posts the end."""
+    def excepthook(kind, exc, tb):
+        if _current is not None:
+            try:
+                _current.tell_uncaught(exc, tb)
+            except Exception:       # never hide the error itself
+                pass
+        hook(kind, exc, tb)
+    excepthook.tells_the_others = True
+    return excepthook
 
 
 def current():

@@ -10,23 +10,32 @@ sets, automatic names, the timeline and the handles in flight are kept here.
 """
 import collections
 import concurrent.futures
+import contextlib
+import functools
+import inspect
 import itertools
 import math
+import os
 import queue
 import threading
 import time
+import traceback
 
 from .argument_checks import (check_name, check_op, check_reducible, check_root, check_rows,
                               check_scale, check_splits, check_tensor, check_tensors)
 from .faults import (DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, HorovodInternalError,  # noqa: F401
-                     HostsUpdatedInterrupt, RankLostError, WaitTimeoutError,
+                     HostsUpdatedInterrupt, RankLostError, WaitError, WaitTimeoutError,
                      describe_lost, lost_ranks, wait_until, whoami)
+from . import causes, objects
 from .mismatch import MismatchError, from_library, join_refused
-from .stall import STATUS_AFTER_S, Stall, StepMismatchError
+from .stall import POSTED_RAISES, STATUS_AFTER_S, Call, Stall, StepMismatchError, describe
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from .process_sets import ProcessSet, check_new_sets, global_process_set
 from .timeline import Timeline
 from .work import Done, Then, Work, WorkList  # noqa: F401 -- engines import them from here
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class EngineError(RuntimeError):
@@ -94,9 +103,10 @@ class Handle:
     `poll` and `wait`.
     """
 
-    __slots__ = ("id", "name", "tensor", "op", "backend", "kind", "started")
+    __slots__ = ("id", "name", "tensor", "op", "backend", "kind", "started", "root")
 
-    def __init__(self, id_, name, tensor, op, backend, kind="allreduce", started=None):
+    def __init__(self, id_, name, tensor, op, backend, kind="allreduce", started=None,
+                 root=None):
         self.id = id_
         self.name = name
         self.tensor = tensor
@@ -104,6 +114,7 @@ class Handle:
         self.backend = backend
         self.kind = kind            # "allreduce", "allgather", "broadcast", ...
         self.started = started      # timeline clock at start, when a timeline records
+        self.root = root            # a broadcast's root
 
     def __repr__(self):
         return f"Handle(id={self.id}, name={self.name!r})"
@@ -116,8 +127,39 @@ def shard_sizes(numel, size):
     return [base + (1 if r < extra else 0) for r in range(size)]
 
 
-def _called(kind, name):
-    return kind if name is None else f"{kind} {name!r}"
+def _tells_the_others(method):
+    """Decorates the engine's collectives: an error `method` raises on this rank (a bad
+    argument, here alone, while the others start the call) is posted to the status board
+    with the call, so the others' waits for it name it (causes.py) instead of stalling.
+    Errors every rank gets from the collective itself (MismatchError) or that name another
+    rank's cause (WaitError) are not posted again."""
+    signature = inspect.signature(method)
+    kind = method.__name__.removesuffix("_async")
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (MismatchError, WaitError):
+            raise
+        except Exception as exc:
+            try:
+                bound = signature.bind(self, *args, **kwargs).arguments
+            except TypeError:
+                bound = {}
+            called = bound["kind"] if isinstance(bound.get("kind"), str) else kind
+            if isinstance(exc, HorovodInternalError):   # the library refused to start it
+                raise self._diagnose(exc, Call(called, bound.get("name"))) from exc
+            self._tell_raised(exc, called, bound.get("name"), bound.get("process_set"))
+            raise
+    return call
+
+
+def _member(name, i, tensors):
+    """The name of a grouped operation's i-th tensor run on its own: with the count, as
+    Horovod names them, so ranks that pass different counts match none (and the stall
+    report compares the counts, causes.py) instead of completing some."""
+    return f"{name}.{i + 1}of{len(tensors)}"
 
 
 def scale_(tensor, factor):
@@ -150,8 +192,12 @@ class Engine:
         self._lost = None         # why it failed, when a rank was lost: posted at shutdown
         self._board = None        # where ranks post what they do when a wait stalls (stall.py)
         self.step = None          # the step count of the pipeline (set by the step machine)
-        self._refused = set()     # steps this rank refused (refuse()): others must read them
-        self._told = set()        # (rank, step) of others' refusals already raised here
+        self._raises = 0          # errors this rank posted (stall.py), numbered
+        self._posted = collections.deque(maxlen=POSTED_RAISES)   # the last of them
+        self._final = None        # the number of the last that stops it (refuse, uncaught)
+        self._raised = set()      # what they were raised in: others raising alike are not news
+        self._told = set()        # (rank, number) of others' posted errors raised here
+        self._thread = threading.local()    # .calls: the object collective a thread is in
         self._pool = None         # threads of two-stage reductions (two_stage_async)
         self._releasing = False   # shutdown lets go of the library: pool threads stop waiting
 
@@ -259,18 +305,24 @@ class Engine:
         (Horovod's rule, kept when only some ranks use another set)."""
         check_name(name, kind)
         if name is None:
-            set_id = 0 if ps is None else ps.process_set_id
-            self._unnamed[kind, set_id] += 1
-            where = "" if not set_id else f"set{set_id}."
-            name = f"{kind}.noname.{where}{self._unnamed[kind, set_id]}"
+            name = self._unnamed_name(kind, ps, claim=True)
         if name in self._names:
             raise ValueError(
                 f"tensor name {name!r} is already in flight; wait for it first or use a "
                 "distinct name per in-flight operation")
         return name
 
-    def _track(self, kind, name, tensor, op, backend, started):
-        handle = Handle(next(self._ids), name, tensor, op, backend, kind, started)
+    def _unnamed_name(self, kind, ps, claim=False):
+        """The automatic name of the next `kind` started without one on `ps` (None: every
+        rank), counted once `claim`ed."""
+        set_id = 0 if ps is None else ps.process_set_id or 0
+        count = self._unnamed[kind, set_id] + 1
+        if claim:
+            self._unnamed[kind, set_id] = count
+        return f"{kind}.noname.{'' if not set_id else f'set{set_id}.'}{count}"
+
+    def _track(self, kind, name, tensor, op, backend, started, root=None):
+        handle = Handle(next(self._ids), name, tensor, op, backend, kind, started, root)
         self._in_flight[handle.id] = handle
         self._names[name] = handle.id
         return handle
@@ -279,6 +331,7 @@ class Engine:
         return None if self._timeline is None else self._timeline.now()
 
     # --- reductions -----------------------------------------------------
+    @_tells_the_others
     def allreduce_async(self, tensor, name, op=Average, *, process_set=None,
                         prescale_factor=1.0, postscale_factor=1.0):
         """Start an in-place reduction of `tensor` across the ranks of `process_set`.
@@ -298,6 +351,7 @@ class Engine:
         backend = self._start_allreduce(tensor, name, op, ps, prescale_factor, postscale_factor)
         return self._track("allreduce", name, tensor, op, backend, started)
 
+    @_tells_the_others
     def grouped_allreduce_async(self, tensors, name, op=Average, *, process_set=None,
                                 prescale_factor=1.0, postscale_factor=1.0):
         """Reduce a list of tensors in place as one operation; `wait` returns the list."""
@@ -328,6 +382,7 @@ class Engine:
         if not all(t.is_floating_point() for t in tensors):
             raise ValueError("Adasum needs floating-point tensors")
 
+    @_tells_the_others
     def reducescatter_async(self, tensor, name, op=Average, *, process_set=None,
                             prescale_factor=1.0, postscale_factor=1.0):
         """Reduce `tensor` and give rank i of the set the i-th block of rows.
@@ -347,6 +402,7 @@ class Engine:
                                             postscale_factor)
         return self._track("reducescatter", name, tensor, op, backend, started)
 
+    @_tells_the_others
     def grouped_reducescatter_async(self, tensors, name, op=Average, *, process_set=None,
                                     prescale_factor=1.0, postscale_factor=1.0):
         tensors = check_tensors(tensors, "grouped_reducescatter")
@@ -365,6 +421,7 @@ class Engine:
         return self._track("grouped_reducescatter", name, tensors, op, backend, started)
 
     # --- data movement --------------------------------------------------
+    @_tells_the_others
     def allgather_async(self, tensor, name, *, process_set=None):
         """Concatenate every rank's `tensor` along dim 0 (first dims may differ)."""
         check_tensor(tensor, "allgather")
@@ -375,6 +432,7 @@ class Engine:
         return self._track("allgather", name, tensor, None,
                            self._start_allgather(tensor, name, ps), started)
 
+    @_tells_the_others
     def grouped_allgather_async(self, tensors, name, *, process_set=None):
         tensors = check_tensors(tensors, "grouped_allgather")
         for tensor in tensors:
@@ -385,6 +443,7 @@ class Engine:
         return self._track("grouped_allgather", name, tensors, None,
                            self._start_grouped_allgather(tensors, name, ps), started)
 
+    @_tells_the_others
     def broadcast_async(self, tensor, root, name, *, process_set=None):
         """Overwrite `tensor` in place with global rank `root`'s value."""
         check_tensor(tensor, "broadcast")
@@ -393,8 +452,9 @@ class Engine:
         name = self._claim("broadcast", name, ps)
         self._check_root_in(root, ps)
         return self._track("broadcast", name, tensor, None,
-                           self._start_broadcast(tensor, root, name, ps), started)
+                           self._start_broadcast(tensor, root, name, ps), started, root)
 
+    @_tells_the_others
     def alltoall_async(self, tensor, splits, name, *, process_set=None):
         """Send rows splits[i] to the set's i-th rank; `wait` returns
         (received rows concatenated in rank order, int32 tensor of rows received from each)."""
@@ -407,6 +467,7 @@ class Engine:
         return self._track("alltoall", name, tensor, None,
                            self._start_alltoall(tensor, splits, name, ps), started)
 
+    @_tells_the_others
     def adopt_async(self, kind, tensor, name, op, start, *, process_set=None):
         """Track an operation the library does not run (pipe_horovod.collectives):
         `start(process_set)` returns its Work; names, poll/wait, the timeline and
@@ -578,11 +639,12 @@ class Engine:
         handle = self._known(handle)
         try:
             if math.isfinite(self.timeout_s) and not self._wait_for(
-                    lambda: self._poll_backend(handle), f"{handle.kind} {handle.name!r}",
-                    lambda: self._matched(handle)):
+                    lambda: self._poll_backend(handle), lambda: self._call_of(handle),
+                    lambda: self._matched(handle), getattr(handle.backend, "nap", None)):
                 raise WaitTimeoutError(
-                    f"{handle.kind} {handle.name!r} did not complete within {self.timeout_s:g} s "
-                    f"({TIMEOUT_VARIABLE}, or init(timeout=...)): a rank has not started it")
+                    f"{describe(handle.kind, handle.name)} did not complete within "
+                    f"{self.timeout_s:g} s ({TIMEOUT_VARIABLE}, or init(timeout=...)): a rank "
+                    "has not started it")
             result = self._wait_backend(handle)
         except (EngineError, MismatchError):
             raise
@@ -590,7 +652,7 @@ class Engine:
             self._failed = True          # the others will not start what is in flight
             raise
         except RuntimeError as exc:
-            raise self._diagnose(exc, f"{handle.kind} {handle.name!r}") from exc
+            raise self._diagnose(exc, self._call_of(handle)) from exc
         finally:
             del self._in_flight[handle.id]
             del self._names[handle.name]
@@ -615,34 +677,66 @@ class Engine:
             except Exception:        # a failed collective: nothing left to complete
                 pass
 
-    def _wait_for(self, poll, what, matched=lambda: False):
+    def _wait_for(self, poll, call, matched=lambda: False, nap=None):
         """True once `poll()` is, False past `timeout_s`; a wait that lasts STATUS_AFTER_S
-        is inspected as a stall (stall.py), which may raise StepMismatchError."""
+        is inspected as a stall (stall.py), which may raise its cause (causes.py).
+
+        `call()`: the stall.Call this rank waits in, asked only then; `nap(seconds)`:
+        how to pause between polls, when the backend can wake the wait sooner."""
         start = time.monotonic()
         deadline = start + self.timeout_s
-        if wait_until(poll, min(deadline, start + STATUS_AFTER_S)):
+        if wait_until(poll, min(deadline, start + STATUS_AFTER_S), nap):
             return True
         if self._board is None:
-            return wait_until(poll, deadline)
-        stall = Stall(self, what, start)
+            return wait_until(poll, deadline, nap)
+        stall = Stall(self, call(), start)
         done = False
         try:
             while time.monotonic() < deadline:
                 stall.tick(matched)
-                if wait_until(poll, min(deadline, time.monotonic() + STATUS_AFTER_S)):
+                if wait_until(poll, min(deadline, time.monotonic() + STATUS_AFTER_S), nap):
                     done = True
                     return True
             return False
         finally:
             stall.end(failed=not done)
 
+    def _call_of(self, handle):
+        """The stall.Call a wait on `handle` is in: the object collective around it, if any."""
+        calls = self._object_calls()
+        if calls:
+            kind, name, root = calls[-1]
+            return Call(kind, name, handle.name, root)
+        return Call(handle.kind, handle.name, root=handle.root, tensors=handle.tensor)
+
+    @contextlib.contextmanager
+    def calling(self, kind, name, root=None):
+        """Inside it, the engine's waits and errors are those of the call `kind` `name`
+        (objects.py: an object collective is made of tensor collectives)."""
+        calls = self._object_calls()
+        calls.append((kind, name, root))
+        try:
+            yield
+        finally:
+            calls.pop()
+
+    def _object_calls(self):
+        """This thread's stack of calling() (a thread of its own in Keras's hand-offs)."""
+        if not hasattr(self._thread, "calls"):
+            self._thread.calls = []
+        return self._thread.calls
+
+    def names_in_flight(self):
+        """The names of the collectives this rank has started and not waited for."""
+        return list(self._names)
+
     def _matched(self, handle):
         """Whether every rank has started `handle` (engines that know say so)."""
         return False
 
-    def _missing(self, what):
-        """Which ranks have not started which collectives this rank waits on, as a clause
-        for messages (engines that know say so)."""
+    def _missing(self, call):
+        """Which ranks have not started the collective this rank waits on (`call`, a
+        stall.Call), as a clause for messages (engines that know say so)."""
         return ""
 
     # --- faults -----------------------------------------------------------
@@ -652,19 +746,20 @@ class Engine:
         if self.size() > 1:
             self._peers = self.allgather_object(whoami(), name="pipe_horovod.peers")
 
-    def _diagnose(self, exc, what):
-        """The error to raise for `exc`, a failure of the library while running `what`."""
-        refused = from_library(exc, what)
+    def _diagnose(self, exc, call):
+        """The error to raise for `exc`, a failure of the library while running `call`
+        (a stall.Call)."""
+        refused = from_library(exc, call.what)
         if refused is not None:          # ranks disagreed (Horovod's check): nobody is lost
             return refused
         self._failed = True
-        stopped = self._who_ended(exc, what, "has been shut down" in str(exc))
+        stopped = self._who_ended(exc, call, "has been shut down" in str(exc))
         if stopped is not None:
             return stopped
         if self._peers is None:
             return exc
         gone = lost_ranks(self._peers, self.rank())
-        stopped = self._who_ended(exc, what, bool(gone) and not isinstance(exc, WaitTimeoutError))
+        stopped = self._who_ended(exc, call, bool(gone) and not isinstance(exc, WaitTimeoutError))
         if stopped is not None:          # gone, but it had ended normally first
             return stopped
         if isinstance(exc, WaitTimeoutError):
@@ -672,126 +767,128 @@ class Engine:
         if not gone:
             return exc
         self._lost = describe_lost(self._peers, self.rank(), gone)
-        return RankLostError(f"{what} failed on rank {self.rank()}: {self._lost} "
+        return RankLostError(f"{call.what} failed on rank {self.rank()}: {self._lost} "
                              f"({type(exc).__name__}: {str(exc).strip()})")
 
     def refuse(self, exc):
         """`exc`, an error this rank raises at a step the others will not know of (they
         would wait for this rank's next collective), posted to the status board: every
-        other rank's next stalled wait raises it too, naming this rank (stall.py). Returns
+        other rank's next stalled wait raises it too, naming this rank (causes.py). Returns
         `exc`, so callers write `raise engine.refuse(...)`."""
-        if self._board is not None:
-            self._board.refuse(self.rank(), self.step, f"{type(exc).__name__}: {exc}")
-            self._refused.add(self.step)
+        self._tell_raised(exc, final=True)
         return exc
 
-    def _refused_elsewhere(self, what):
-        """A StepMismatchError for the first other rank's refusal not raised here yet (nor
-        refused here at the same step: every rank stopped there, each with its own error)."""
-        if self._board is None:
-            return None
-        me = self.rank()
-        for rank, refusal in self._board.read(
-                [r for r in range(self.size()) if r != me], "refused").items():
-            if refusal is None or (rank, refusal.get("step")) in self._told or \
-                    refusal.get("step") in self._refused:
-                continue
-            self._told.add((rank, refusal.get("step")))
-            self._board.acknowledge(me, rank)
-            step = refusal.get("step")
-            after = "" if step is None else f" after {step} step(s)"
-            return StepMismatchError(
-                f"rank {rank} raised an error{after} and stopped taking part, while rank {me} "
-                f"waits in {what}: {refusal['error']}")
-        return None
-
-    def _linger_for_refusal(self, bound_s=2 * STATUS_AFTER_S + 1.0):
-        """A rank that refused a step leaves once every other rank has raised it (read it
-        off the board) or refused the same step itself, or after `bound_s`: its launcher
-        would stop the others before they could say why."""
-        if not self._refused or self._board is None:
+    def _tell_raised(self, exc, kind=None, name=None, process_set=None, final=False,
+                     where=None, wires=None):
+        """Post `exc`, raised on this rank in the collective `kind` `name` (None: outside
+        one; an automatic name is the one the call would have taken), for the others.
+        `final`: this rank will not start what the others wait for (refuse(), or the error
+        ends its script); `wires`: the names of the collectives the ranks it concerns wait
+        in (a cause read off the board, which they raise too)."""
+        if self._board is None or self._closed:
             return
-        me = self.rank()
-        others = [r for r in range(self.size()) if r != me]
+        calls = self._object_calls()
+        if calls:                        # inside an object collective: that is the call
+            kind, name, _ = calls[0]
+        elif kind is not None and name is None:
+            try:
+                ps = self.resolve_process_set(process_set)
+            except Exception:
+                ps = global_process_set
+            name = self._unnamed_name(kind, ps)
+        self._raises += 1
+        if final:
+            self._final = self._raises
+        error = f"{type(exc).__name__}: {exc}".strip()
+        # Raised alike on another rank: the same error at the same step, the same cause, or
+        # in the same call.
+        key = ("final", self.step, error) if final else ("cause", error) if wires else \
+            ("name", name)
+        self._raised.add(key)
+        # A cause this rank read off the board, or every rank's MismatchError: the others
+        # raise the same words, not "rank r raised" them (causes.py).
+        shared = isinstance(exc, (StepMismatchError, RankLostError, MismatchError))
+        self._posted.append(dict(
+            seq=self._raises, error=error,
+            call=None if kind is None else describe(kind, name), name=name, where=where,
+            step=self.step, final=final, shared=shared, wires=wires, key=list(key),
+            at=time.time()))
+        self._board.tell_raised(self.rank(), self._posted)
+
+    def raised_alike(self, post):
+        """Whether this rank raised where another rank's posted error was raised (each
+        rank has its own error then: the other's is no news)."""
+        return tuple(post.get("key") or ()) in self._raised
+
+    def tell_uncaught(self, exc, tb):
+        """engine.init's excepthook: `exc` ends this rank's script; the others' waits name
+        it (with where it was raised) instead of blaming uneven data."""
+        self._failed = True              # leave without waiting for the others' teardown
+        frames = traceback.extract_tb(tb) if tb is not None else []
+        # The script's own line: the innermost frame outside pipe_horovod and installed
+        # packages (where a collective of ours or a library call raised, the caller's).
+        ours = [f for f in frames if not f.filename.startswith(_PACKAGE)
+                and "-packages" + os.sep not in f.filename]
+        where = None
+        if ours or frames:
+            last = (ours or frames)[-1]
+            where = f"{os.path.basename(last.filename)}:{last.lineno} in {last.name}"
+        self._tell_raised(exc, final=True, where=where)
+
+    def _linger_for_readers(self, me, size, bound_s=2 * STATUS_AFTER_S + 1.0):
+        """A rank that posted an error that stops it (refuse(), or one that ends its script)
+        leaves once every other rank has raised it (read it off the board), raised alike,
+        or ended, or after `bound_s`: its launcher would stop the others before they could
+        say why."""
+        if self._final is None or self._board is None:
+            return
+        others = [r for r in range(size) if r != me]
         deadline = time.monotonic() + bound_s
         while others and time.monotonic() < deadline:
             acks = self._board.read(others, f"told.{me}")
-            refusals = self._board.read(others, "refused")
-            others = [r for r in others if not acks[r] and not (
-                refusals[r] and refusals[r].get("step") in self._refused)]
-            time.sleep(0.05)
+            raised = self._board.raised(others)
+            statuses = self._board.read(others)
+            others = [r for r in others if not (
+                (acks[r] and acks[r].get("seq", 0) >= self._final)
+                or any(self.raised_alike(post) for post in raised[r])
+                or (statuses[r] and statuses[r]["state"] == "ended"))]
+            if others:
+                time.sleep(0.05)
 
-    def _who_ended(self, exc, what, look):
+    def _who_ended(self, exc, call, look):
         """A failure because another rank ended (Horovod's "has been shut down", or a
-        peer that exited) as the StepMismatchError naming that rank and its step, read
-        from the status board; None when no rank says it ended (it was lost)."""
+        peer that exited) as the error naming that rank and why, read from the status
+        board (causes.py); None when no rank says it ended (it was lost)."""
         if self._board is None or not look:
             return None
-        refused = self._refused_elsewhere(what)
-        if refused is not None:
-            return refused
-        me = self.rank()
-        others = self._board.read([r for r in range(self.size()) if r != me])
-        ended = [r for r, status in others.items() if status and status["state"] == "ended"]
-        if not ended:
-            return None
-        stall = Stall(self, what, time.monotonic())
-        return stall._error(others, time.time(), ended)
-
-    def _guarded(self, what, call, *args):
-        """`call(*args)`, a blocking collective, with a library failure diagnosed.
-
-        The library blocks inside it, so it cannot inspect its own stall; once it has
-        lasted STATUS_AFTER_S (as any wait) a timer says on the status board that this
-        rank waits in it, so the other ranks' stalled waits count it (stall.py: a rank in a
-        barrier while another waits for its next gradient is a step mismatch). Shorter
-        calls cost a timer's start and cancel, never a write."""
-        board = None if self._closed else self._board
-        posted = []
-        if board is not None:
-            since, me, step = time.time(), self.rank(), self.step
-
-            def post():
-                board.post(me, state="waiting", what=what, step=step, since=since)
-                posted.append(True)
-            timer = threading.Timer(STATUS_AFTER_S, post)
-            timer.daemon = True
-            timer.start()
-        failed = True
-        try:
-            result = call(*args)
-            failed = False
-            return result
-        except EngineError:
-            raise
-        except RuntimeError as exc:
-            raise self._diagnose(exc, what) from exc
-        finally:
-            if board is not None:
-                timer.cancel()
-                timer.join()
-                if posted and not self._closed:
-                    board.post(me, state="failed" if failed else "running", what=what,
-                               step=self.step, since=since, at=time.time())
+        stall = Stall(self, call, time.monotonic(), post=False)
+        others = self._board.read([r for r in range(self.size()) if r != self.rank()])
+        return causes.raised(stall, others) or causes.ended(stall, others, time.time())
 
     # --- synchronous collectives ----------------------------------------
     def broadcast(self, tensor, root, *, process_set=None):
         """Overwrite `tensor` in place with root's value; return it."""
         return self.wait(self.broadcast_async(tensor, root, None, process_set=process_set))
 
+    @_tells_the_others
     def broadcast_object(self, obj, root, *, name=None, process_set=None):
-        """Root's picklable `obj`, on every rank of the set."""
+        """Root's picklable `obj`, on every rank of the set (objects.py)."""
         check_name(name, "broadcast_object")
         ps = self.resolve_process_set(process_set)
         self._check_root_in(root, ps)
-        return self._guarded(_called("broadcast_object", name), self._broadcast_object, obj,
-                             root, name, ps)
+        return objects.broadcast_object(self, obj, root, self._object_name(name, ps), ps)
 
+    @_tells_the_others
     def allgather_object(self, obj, *, name=None, process_set=None):
-        """Every rank's `obj`, in rank order (for cross-rank consistency checks)."""
+        """Every rank's `obj`, in rank order (objects.py)."""
         check_name(name, "allgather_object")
-        return self._guarded(_called("allgather_object", name), self._allgather_object, obj,
-                             name, self.resolve_process_set(process_set))
+        ps = self.resolve_process_set(process_set)
+        return objects.allgather_object(self, obj, self._object_name(name, ps), ps)
+
+    def _object_name(self, name, ps):
+        """`name`, or the next automatic name of an object collective: one counter for both
+        kinds (objects.py says why)."""
+        return name if name is not None else self._unnamed_name("object", ps, claim=True)
 
     def gather_despite_join(self, obj, *, name, process_set=None):
         """Every rank's picklable `obj` in set order, None for a rank that has joined.
@@ -818,10 +915,17 @@ class Engine:
                                                  .tobytes())
                 for r, n in enumerate(sizes.tolist())]
 
+    @_tells_the_others
     def barrier(self, *, process_set=None):
-        """Return once every rank of the set has called barrier."""
-        self._guarded("barrier", self._barrier, self.resolve_process_set(process_set))
+        """Return once every rank of the set has called barrier (matched by name, as the
+        other collectives: an automatic one per call)."""
+        started = self._clock()
+        ps = self.resolve_process_set(process_set)
+        name = self._claim("barrier", None, ps)
+        self.wait(self._track("barrier", name, None, None, self._start_barrier(name, ps),
+                              started))
 
+    @_tells_the_others
     def join(self, device=-1):
         """Declare this rank done; return the rank that joined last.
 
@@ -837,6 +941,13 @@ class Engine:
         for _, after in list(self._around_join.values()):
             after(last)
         return last
+
+    def _wait_for_join(self, poll, nap=None):
+        """Engines' _join: wait, bounded and inspected as any wait, until every rank joined."""
+        if not self._wait_for(poll, lambda: Call("join", None), nap=nap):
+            raise WaitTimeoutError(f"join did not complete within {self.timeout_s:g} s "
+                                   f"({TIMEOUT_VARIABLE}, or init(timeout=...)): a rank has not "
+                                   "joined")
 
     def around_join(self, key, before, after):
         """Have join() call `before()` first and `after(last_rank)` last, once per `key`."""
@@ -880,6 +991,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        me, size = self.rank(), self.size()      # the library cannot say once released
         if self._board is not None:      # the others' waits can now say who stopped, when
             cause = {} if self._lost is None else {"lost": self._lost}
             self._board.post(self.rank(), state="ended", step=self.step, **cause)
@@ -898,7 +1010,7 @@ class Engine:
             pool, self._pool = self._pool, None
             if pool is not None:     # its threads see _releasing and leave
                 pool.shutdown(wait=True, cancel_futures=True)
-            self._linger_for_refusal()
+            self._linger_for_readers(me, size)
 
     def _close(self):
         """Subclass hook: release the library (after in-flight work completed)."""
@@ -912,7 +1024,7 @@ class Engine:
 
     def _start_grouped_allreduce(self, tensors, name, op, process_set, prescale_factor,
                                  postscale_factor):
-        return WorkList([self._start_allreduce(t, f"{name}.{i}", op, process_set,
+        return WorkList([self._start_allreduce(t, _member(name, i, tensors), op, process_set,
                                                prescale_factor, postscale_factor)
                          for i, t in enumerate(tensors)])
 
@@ -922,15 +1034,16 @@ class Engine:
 
     def _start_grouped_reducescatter(self, tensors, name, op, process_set, prescale_factor,
                                      postscale_factor):
-        return WorkList([self._start_reducescatter(t, f"{name}.{i}", op, process_set,
-                                                   prescale_factor, postscale_factor)
+        return WorkList([self._start_reducescatter(t, _member(name, i, tensors), op,
+                                                   process_set, prescale_factor,
+                                                   postscale_factor)
                          for i, t in enumerate(tensors)])
 
     def _start_allgather(self, tensor, name, process_set):
         raise NotImplementedError
 
     def _start_grouped_allgather(self, tensors, name, process_set):
-        return WorkList([self._start_allgather(t, f"{name}.{i}", process_set)
+        return WorkList([self._start_allgather(t, _member(name, i, tensors), process_set)
                          for i, t in enumerate(tensors)])
 
     def _start_broadcast(self, tensor, root, name, process_set):
@@ -946,13 +1059,7 @@ class Engine:
         refuse a tensor whose rows differ across ranks)."""
         return self._start_alltoall(tensor, splits, name, process_set)
 
-    def _broadcast_object(self, obj, root, name, process_set):
-        raise NotImplementedError
-
-    def _allgather_object(self, obj, name, process_set):
-        raise NotImplementedError
-
-    def _barrier(self, process_set):
+    def _start_barrier(self, name, process_set):
         raise NotImplementedError
 
     def _join(self, device):

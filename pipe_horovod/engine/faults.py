@@ -85,20 +85,22 @@ def resolve_timeout(value=None):
     return float(value)
 
 
-def wait_until(poll, deadline):
+def wait_until(poll, deadline, nap=None):
     """True once `poll()` is, False at `deadline` (time.monotonic()) if it never was.
 
     Sleeps between polls grow from 20 us to POLL_CAP_S, so a short wait costs
-    a few polls and a long one at most POLL_CAP_S of extra latency.
+    a few polls and a long one at most POLL_CAP_S of extra latency; `nap(seconds)`,
+    when given, pauses instead (one the operation can end early when it completes).
     """
     if poll():
         return True
+    nap = nap or time.sleep
     pause = 20e-6
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        time.sleep(min(pause, left))
+        nap(min(pause, left))
         pause = min(2 * pause, POLL_CAP_S)
         if poll():
             return True

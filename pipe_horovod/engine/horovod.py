@@ -47,12 +47,11 @@ Everything else delegates to `horovod.torch`, except Adasum without MPI
 (Horovod runs Adasum only through MPI): that gathers every rank's tensor
 and combines them with engine/adasum.py.
 """
-import io
 import os
 
 from .adasum import combine as adasum_combine
-from .base import (DEFAULT_TIMEOUT_S, Adasum, Average, Done, Engine, EngineError, Max, Min,
-                   Product, Sum, Work, scale_, shard_sizes)
+from .base import (DEFAULT_TIMEOUT_S, Adasum, Average, Call, Done, Engine, EngineError, Max,
+                   Min, Product, Sum, WaitError, Work, scale_, shard_sizes)
 from .process_sets import check_new_sets
 from .stall import http_board, torch_board
 
@@ -97,7 +96,6 @@ class HorovodEngine(Engine):
         import horovod.torch as hvd
 
         self.hvd = hvd
-        self._object_calls = 0
         self._hosts_board = False      # rank 0 under MPI: the board is its TCPStore
         # Checked before hvd.init, which answers a bad set with "initialization failed".
         size = int(os.environ["HOROVOD_SIZE"]) if "HOROVOD_SIZE" in os.environ else None
@@ -329,39 +327,30 @@ class HorovodEngine(Engine):
         return _HorovodWork(self.hvd, handle,
                             lambda out: (out[0].view(tensor.dtype), out[1]))
 
-    # --- synchronous collectives ----------------------------------------
-    # Horovod names object collectives after type(obj) by default, which
-    # deadlocks when the root sends a dict and the others pass None: name
-    # them by call count instead, identical on every rank.
-    def _broadcast_object(self, obj, root, name, process_set):
-        return self.hvd.broadcast_object(obj, root_rank=root,
-                                         name=name or self._object_name("bcast"),
-                                         process_set=self._library_set(process_set))
-
-    def _allgather_object(self, obj, name, process_set):
-        name = name or self._object_name("gather")
-        if process_set.process_set_id == 0:
-            return self.hvd.allgather_object(obj, name=name)
-        # Horovod 0.28.1's allgather_object has no process_set: the same steps on one.
-        import cloudpickle
-        torch = _torch()
-        library_set = self._library_set(process_set)
-        data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
-        sizes = self.hvd.allgather(torch.tensor([data.numel()]), name=f"{name}.sz",
-                                   process_set=library_set).tolist()
-        blob = self.hvd.allgather(data, name=f"{name}.t", process_set=library_set)
-        return [cloudpickle.load(io.BytesIO(part.numpy().tobytes()))
-                for part in blob.split(sizes)]
-
-    def _object_name(self, kind):
-        self._object_calls += 1
-        return f"pipe_horovod.{kind}_object.{self._object_calls}"
-
-    def _barrier(self, process_set):
-        self.hvd.barrier(process_set=self._library_set(process_set))
+    # --- barrier and join -------------------------------------------------
+    # Horovod's own barrier and join block in C++ until they complete; their handles
+    # (what hvd.barrier and hvd.join wait on) are waited for here instead, bounded and
+    # inspected as any wait (stall.py).
+    def _start_barrier(self, name, process_set):
+        mpi_ops = self.hvd.mpi_ops
+        handle = mpi_ops.mpi_lib.horovod_torch_barrier(
+            self._library_set(process_set).process_set_id)
+        mpi_ops._handle_map[handle] = (None, None)
+        return _HorovodWork(self.hvd, handle)
 
     def _join(self, device):
-        return self.hvd.join(device)
+        torch = _torch()
+        mpi_ops = self.hvd.mpi_ops
+        output = torch.tensor(-1, dtype=torch.int)
+        handle = mpi_ops.mpi_lib.horovod_torch_join(output, device)
+        mpi_ops._handle_map[handle] = (None, output)
+        try:
+            self._wait_for_join(lambda: self.hvd.poll(handle))
+            return self.hvd.synchronize(handle).item()
+        except RuntimeError as exc:
+            if isinstance(exc, WaitError):
+                raise
+            raise self._diagnose(exc, Call("join", None)) from exc
 
     # --- process sets ---------------------------------------------------
     def _add_library_set(self, process_set):

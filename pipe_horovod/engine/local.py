@@ -67,14 +67,8 @@ class LocalEngine(Engine):
 
         return Done((tensor.clone(), torch.tensor(splits, dtype=torch.int32)))
 
-    def _broadcast_object(self, obj, root, name, process_set):
-        return obj
-
-    def _allgather_object(self, obj, name, process_set):
-        return [obj]
-
-    def _barrier(self, process_set):
-        pass
+    def _start_barrier(self, name, process_set):
+        return Done(None)
 
     def _join(self, device):
         return 0

@@ -13,7 +13,7 @@ import struct
 from .faults import HorovodInternalError
 
 # Operation kinds as Horovod's Request::RequestType names them in its messages.
-KINDS = ("ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER", "JOIN")
+KINDS = ("ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER", "JOIN", "BARRIER")
 # Small codes for dtypes and ops (any code works if it is the same on every rank).
 DTYPES = ("float32", "float64", "float16", "bfloat16", "uint8", "int8", "int16", "int32",
           "int64", "bool", "complex64", "complex128")
@@ -65,9 +65,10 @@ class Record:
     """A decoded request: what the comparison and the joined ranks' stand-ins read."""
 
     __slots__ = ("key", "kind", "dtype", "op", "root", "ndim", "shape", "prescale",
-                 "postscale", "device", "name")
+                 "postscale", "device", "name", "data")
 
     def __init__(self, row):
+        self.data = None        # a small collective's bytes, sent in the cycle (negotiation.py)
         self.key, kind, self.dtype, op, self.root, self.ndim = row[:6]
         self.kind = KINDS[kind]
         self.op = None if op < 0 else OPS[op]

@@ -21,11 +21,28 @@ same order on every rank, whatever order the callers started them in.
 
 Cost: a collective waits for the next cycle (one small all_gather among
 the set) before it runs; requests started while a cycle runs share the
-next one. `pipe-horovod bench-collectives --unmatched` measures it against
-plain torch.distributed (docs/faults.md: on loopback with 2 busy cores, a
-lone small allreduce +1.5-1.7 ms, 1.8x; 8 in flight +0.2-0.4 ms each). A thread whose cycle made no progress
-(a name some rank has not started yet) backs off to STALL_POLL_S between
-cycles, so ranks that wait on each other do not spin a core.
+next one. A small collective's data (up to INLINE_BYTES) rides in the cycle
+itself: once every rank has announced it, each rank has every rank's data
+and finishes it alone (a sum in rank order, the same on every rank), so a
+lone small collective costs one all_gather, as plain torch.distributed's
+call does. A cycle carries up to FIRST_PAYLOAD bytes of such data per rank,
+or what the ranks' small requests of the previous cycle needed when that is
+at most INLINE_BYTES (every rank reads the same records, so every rank sizes
+the next cycle alike): a script's repeated small collective travels in the
+cycle from its second call on, and a pipeline's buckets (or a burst of
+collectives too large together) leave the cycles small. `pipe-horovod bench-collectives
+--unmatched` measures it against plain torch.distributed (docs/faults.md).
+A thread whose cycle made no progress (a name some rank has not started
+yet) backs off to STALL_POLL_S between cycles, so ranks that wait on each
+other do not spin a core.
+
+The thread never blocks inside torch: a cycle's all_gather is waited for in
+slices of SLICE_S, between which it looks at its stop flag, and the engine's
+shutdown stops and joins it. A Python thread that returns from a blocking
+torch call while the interpreter finalizes is ended by CPython with
+pthread_exit, whose unwinding through torch's noexcept frames calls
+std::terminate: the process then died by SIGABRT ("terminate called without
+an active exception") after any failure that left a cycle on the wire.
 
 Join (Horovod's semantics): a rank that called join() takes part in every
 cycle until all ranks joined, and stands in for the others' allreduces
@@ -34,15 +51,23 @@ join); for any other collective it cannot stand in, and every rank gets
 Horovod's "... is not supported with Join at this time".
 """
 import collections
+import datetime
 import hashlib
 import threading
 import time
+
+import numpy
 
 from . import mismatch
 from .faults import HorovodInternalError
 
 PER_CYCLE = 16          # requests announced per cycle; more wait for the next
+INLINE_BYTES = 64 << 10     # collectives this small may ride in the cycle
+FIRST_PAYLOAD = 4 << 10     # bytes per rank a cycle carries when the last needed less
 STALL_POLL_S = 0.005    # longest pause between two cycles that made no progress
+SLICE_S = 0.05          # how often a thread waiting for a cycle looks at its stop flag
+_HEAD = 3 + PER_CYCLE   # count, joining, small bytes wanted, each record's bytes (-1: none)
+_PAYLOAD = _HEAD + PER_CYCLE * mismatch.WIDTH
 
 
 def key_of(name):
@@ -51,19 +76,42 @@ def key_of(name):
                           signed=True)
 
 
+class _Stopped(Exception):
+    """The engine shut down while the thread waited for a cycle."""
+
+
 class Request:
     """One collective this rank started: announced, then run by the thread, or refused."""
 
-    __slots__ = ("name", "key", "row", "run", "work", "error", "started")
+    __slots__ = ("name", "key", "row", "run", "inline", "settle", "work", "error", "started",
+                 "_pending")
 
-    def __init__(self, name, row, run):
+    def __init__(self, name, row, run, inline=None, settle=None):
         self.name = name
         self.key = row[0]
         self.row = row
         self.run = run          # run(records by member) -> Work, on the negotiation thread
+        # A small collective's CPU tensor, whose bytes the cycle may carry, and
+        # settle(records by member) -> Work, which finishes it from every rank's bytes.
+        self.inline = inline
+        self.settle = settle
         self.work = None        # the running collective's Work, once every rank started it
         self.error = None       # a MismatchError (or the thread's failure) instead
         self.started = time.monotonic()
+        self._pending = threading.Lock()    # held until work or error is set (a lighter
+        self._pending.acquire()             # Event: one per collective)
+
+    def finish(self, work=None, error=None):
+        self.work, self.error = work, error
+        self._pending.release()
+
+    def done(self):
+        return self.work is not None or self.error is not None
+
+    def wait_done(self, seconds):
+        """Until work or error is set, at most `seconds`."""
+        if self._pending.acquire(timeout=seconds):
+            self._pending.release()
 
 
 class Negotiator:
@@ -82,6 +130,8 @@ class Negotiator:
         self._join = None                   # this rank's join: [done event, last rank]
         self._standing_in = []              # joined rank's zero tensors still on the wire
         self._cycles = 0
+        self._payload = FIRST_PAYLOAD       # this cycle's bytes of small collectives per rank
+        self._everyone = []                 # the last cycle's all_gather output, reused
         self._stop = False
         self.failure = None                 # what ended the thread, if it failed
         self._thread = None
@@ -90,7 +140,7 @@ class Negotiator:
     def submit(self, request):
         with self._lock:
             if self.failure is not None:
-                request.error = self.failure
+                request.finish(error=self.failure)
                 return request
             self._new.append(request)
             self._wake()
@@ -127,10 +177,15 @@ class Negotiator:
             return {self.ranks[m]: [rec.name for key, rec in table.items() if key not in mine]
                     for m, table in enumerate(self._table) if m != self.me}
 
-    def stop(self):
+    def stop(self, join_s=0.0):
+        """Stop the thread; wait up to `join_s` for it to leave (it looks at the flag
+        every SLICE_S while a cycle is on the wire)."""
         with self._lock:
             self._stop = True
             self._lock.notify_all()
+        thread = self._thread
+        if join_s and thread is not None and thread is not threading.current_thread():
+            thread.join(join_s)
 
     def _wake(self):
         if self._thread is None:
@@ -153,6 +208,8 @@ class Negotiator:
                     return
             try:
                 progressed = self._cycle()
+            except _Stopped:
+                return
             except Exception as exc:        # a rank is gone: fail everything waiting
                 self._fail(exc)
                 return
@@ -163,6 +220,19 @@ class Negotiator:
                 pause = min(max(2 * pause, 50e-6), STALL_POLL_S)
                 time.sleep(pause)
 
+    def await_work(self, work):
+        """On the thread: wait for a torch Work in slices, leaving at a stop; raises the
+        Work's error."""
+        slice_ = datetime.timedelta(seconds=SLICE_S)
+        while not work.is_completed():
+            if self._stop:
+                raise _Stopped()
+            try:
+                work.wait(slice_)
+            except RuntimeError:            # the slice passed, or it failed: looked at above
+                pass
+        work.wait()
+
     def _fail(self, exc):
         error = exc if isinstance(exc, HorovodInternalError) else HorovodInternalError(
             f"negotiation of collectives failed: {type(exc).__name__}: {exc}")
@@ -170,37 +240,77 @@ class Negotiator:
         with self._lock:
             self.failure = error
             for request in list(self._mine.values()) + list(self._new):
-                request.error = error
+                request.finish(error=error)
             self._mine.clear()
             self._new.clear()
             if self._join is not None:
                 self._join[0].set()
 
+    def _message(self, batch, joining):
+        """This rank's part of a cycle: its new records and the small ones' bytes (built
+        in NumPy: a cycle is on every collective's path, and torch's per-op cost is
+        several times NumPy's at this size)."""
+        mine = numpy.zeros(_PAYLOAD + self._payload // 8, dtype=numpy.int64)
+        mine[0], mine[1] = len(batch), int(joining)
+        if batch:
+            # Viewed here, not when started: a torch call lets this thread take the GIL
+            # from a caller still starting a burst of collectives, splitting it in cycles.
+            small = [(i, r.inline.reshape(-1).view(self.torch.uint8).numpy())
+                     for i, r in enumerate(batch) if r.inline is not None]
+            wanted = sum(-(-data.size // 8) * 8 for _, data in small)
+            lengths, at = [-1] * len(batch), 0
+            if wanted <= self._payload:     # all of them, or none: a burst of collectives
+                payload = mine[_PAYLOAD:].view(numpy.uint8)     # too large for the cycle runs
+                for i, data in small:                           # as a pipeline's buckets do
+                    payload[at:at + data.size] = data
+                    lengths[i], at = data.size, at + -(-data.size // 8) * 8
+            mine[2] = wanted
+            mine[3:3 + len(batch)] = lengths
+            mine[_HEAD:_HEAD + len(batch) * mismatch.WIDTH] = [v for r in batch for v in r.row]
+        return self.torch.from_numpy(mine)
+
+    def _read(self, member, row):
+        """Record member's new requests (and their bytes) from its part of a cycle; returns
+        the bytes of small collectives it wanted to send."""
+        row = row.numpy()
+        count = int(row[0])
+        if count:
+            lengths = row[3:3 + count].tolist()
+            values = row[_HEAD:_HEAD + count * mismatch.WIDTH].tolist()
+            payload, at = row[_PAYLOAD:].view(numpy.uint8), 0
+            for i in range(count):
+                record = mismatch.Record(values[i * mismatch.WIDTH:(i + 1) * mismatch.WIDTH])
+                if lengths[i] > 0:
+                    record.data = self.torch.from_numpy(payload[at:at + lengths[i]].copy())
+                    at += -(-lengths[i] // 8) * 8
+                elif lengths[i] == 0:       # (NumPy's empty arrays have stride 0)
+                    record.data = self.torch.empty(0, dtype=self.torch.uint8)
+                self._table[member][record.key] = record
+        if row[1] and self._joined[member] is None:
+            self._joined[member] = self._cycles
+        return int(row[2])
+
     def _cycle(self):
         """One all_gather of new requests, then run what every rank has requested."""
-        torch = self.torch
         with self._lock:
             batch = [self._new.popleft() for _ in range(min(PER_CYCLE, len(self._new)))]
             for request in batch:
                 self._mine[request.key] = request
             joining = self._join is not None
-        mine = torch.zeros(2 + PER_CYCLE * mismatch.WIDTH, dtype=torch.int64)
-        mine[0], mine[1] = len(batch), int(joining)
-        if batch:
-            mine[2:2 + len(batch) * mismatch.WIDTH] = torch.tensor(
-                [v for r in batch for v in r.row], dtype=torch.int64)
-        everyone = [torch.empty_like(mine) for _ in self.ranks]
-        self.dist.all_gather(everyone, mine, group=self.group)
+        mine = self._message(batch, joining)
+        everyone = self._everyone      # reused: one cycle at a time, read before the next
+        if not everyone or everyone[0].numel() != mine.numel():
+            everyone = self._everyone = [self.torch.empty_like(mine) for _ in self.ranks]
+        # The group's own call: torch.distributed.all_gather's checks in Python cost as
+        # much again as the small transfer itself.
+        self.await_work(self.group.allgather([everyone], [mine]))
         self._cycles += 1
-        table = torch.stack(everyone).tolist()
         with self._lock:
-            for member, row in enumerate(table):
-                for i in range(row[0]):
-                    record = mismatch.Record(row[2 + i * mismatch.WIDTH:
-                                                 2 + (i + 1) * mismatch.WIDTH])
-                    self._table[member][record.key] = record
-                if row[1] and self._joined[member] is None:
-                    self._joined[member] = self._cycles
+            wanted = max(self._read(member, row) for member, row in enumerate(everyone))
+            # Room for the small collectives of this cycle, next time: when they fit in one
+            # (a burst of larger ones, a pipeline's buckets, would only make cycles longer).
+            self._payload = max(wanted, FIRST_PAYLOAD) if wanted <= INLINE_BYTES \
+                else FIRST_PAYLOAD
             ready = self._ready()
         for key in ready:
             self._run(key)
@@ -222,24 +332,34 @@ class Negotiator:
         records = [(self.ranks[m], self._table[m].get(key)) for m in range(len(self.ranks))]
         present = [(rank, rec) for rank, rec in records if rec is not None]
         error = mismatch.compare(present)
-        if error is None and len(present) < len(records) and present[0][1].kind != "ALLREDUCE":
+        kind = present[0][1].kind
+        if error is None and len(present) < len(records) and kind not in ("ALLREDUCE",
+                                                                            "BARRIER"):
             error = mismatch.unsupported_with_join(present[0][1])
         for table in self._table:
             table.pop(key, None)
         with self._lock:
             request = self._mine.pop(key, None)
+        if request is None:                 # this rank joined: zeros in its place
+            if error is None and kind == "ALLREDUCE":
+                self._standing_in.append(self.stand_in(present[0][1]))
+            return
         if error is not None:
-            if request is not None:
-                request.error = error
+            request.finish(error=error)
             return
         by_member = [rec for _, rec in records]
-        if request is None:                 # this rank joined: zeros in its place
-            self._standing_in.append(self.stand_in(present[0][1]))
-            return
         try:
-            request.work = request.run(by_member)
+            if request.settle is not None and all(
+                    rec is not None and rec.data is not None for rec in by_member):
+                work = request.settle([rec.data for rec in by_member])
+            else:
+                work = request.run(by_member)
+        except _Stopped:
+            raise
         except Exception as exc:            # refused locally (e.g. a bad alltoall split)
-            request.error = exc
+            request.finish(error=exc)
+            return
+        request.finish(work=work)
 
     def _finish_join(self):
         last_cycle = max(self._joined)

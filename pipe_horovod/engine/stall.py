@@ -1,31 +1,37 @@
-"""Stalled waits: Horovod's stall inspector, and naming the rank that stopped.
+"""Stalled waits: what each rank posts, and Horovod's stall inspector.
 
-Ranks that run different numbers of steps (uneven data without `join`, a
-batch skipped on one rank) leave the others waiting for a collective that
-will never start. Horovod warns after HOROVOD_STALL_CHECK_TIME_SECONDS
-(default 60 s) and says which ranks have not submitted which tensors; when
-the rank that stopped shuts down, it fails the others with "Horovod has
-been shut down", which names neither the rank nor the cause. Here every
-wait that has lasted STATUS_AFTER_S posts what this rank is doing to a
-status board every rank can read (the rendezvous store), and then:
+A rank can stop taking part in the collectives the others wait for in
+many ways: it raised (an error at a call, or one that ended its script),
+it finished with fewer steps (uneven data), it calls other collectives
+(a different order, a call made on some ranks only, a barrier against an
+allreduce), it calls the same one differently (a count or root the library
+does not compare), or it died. The library alone says none of this:
+Horovod warns after HOROVOD_STALL_CHECK_TIME_SECONDS that some ranks have
+not submitted some tensors and, when a rank ends, fails the others with
+"Horovod has been shut down"; torch.distributed blocks.
 
-- a rank that ended (shut down) while this one waits for a collective it
-  never started: StepMismatchError at once (within STATUS_AFTER_S), naming
-  the rank, the step it stopped after and what every rank is doing;
-- every other rank waiting too, for HOROVOD_STALL_CHECK_TIME_SECONDS:
-  nobody can progress (each waits for a collective another never starts),
-  so StepMismatchError on every rank, with each rank's wait and step;
-- a rank that refused a step (an error raised on that rank alone, e.g. an edit
-  of `.grad` at pipeline_depth >= 2, torch/edits.py) posted the error with
-  `Engine.refuse`: the same error, naming that rank, at once (within
-  STATUS_AFTER_S), so every rank stops with the reason, not a timeout;
-- otherwise, at HOROVOD_STALL_CHECK_TIME_SECONDS, a warning naming the
-  missing ranks and tensors (Horovod's words), then one per period; past
-  HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (default 0: never), StepMismatchError.
+So every rank posts what it does to a status board every rank can read
+(torch's rendezvous store; horovodrun's key-value server; under MPI a
+store rank 0 hosts):
 
-HOROVOD_STALL_CHECK_DISABLE=1 turns the warnings and the all-waiting check
-off, as in Horovod; the ended-rank check and the timeout stay. A healthy
-wait shorter than STATUS_AFTER_S costs nothing beyond its polls.
+- a wait that has lasted STATUS_AFTER_S: the call it waits in (kind, name,
+  root, tensor count, shapes and dtypes: `Call`), the names it has in
+  flight, its step and since when; "running" again once the wait is over;
+- an error it raised at a collective (a bad argument on this rank alone),
+  one it declared the others will stall on (`Engine.refuse`), or one that
+  ends its script (the excepthook engine.init installs), kept apart from
+  the status, with the call it was raised in and where;
+- "ended" at shutdown, with the cause when a rank was lost.
+
+Each wait that has lasted STATUS_AFTER_S reads the others' posts every
+STATUS_AFTER_S and raises the cause, in words, as soon as the posts tell
+it (causes.py); otherwise, at HOROVOD_STALL_CHECK_TIME_SECONDS, a warning in
+Horovod's words, then one per period, and StepMismatchError past
+HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (default 0: never).
+HOROVOD_STALL_CHECK_DISABLE=1 turns the warnings and the stall-time check
+off, as in Horovod; the causes and the timeout stay. A healthy wait shorter
+than STATUS_AFTER_S costs nothing beyond its polls, and an error costs one
+post.
 """
 import json
 import os
@@ -33,16 +39,16 @@ import time
 import urllib.request
 import warnings
 
-from .faults import RankLostError, WaitError
+from .faults import WaitError
 
 CHECK_VARIABLE = "HOROVOD_STALL_CHECK_TIME_SECONDS"
 SHUTDOWN_VARIABLE = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
 DISABLE_VARIABLE = "HOROVOD_STALL_CHECK_DISABLE"
 DEFAULT_CHECK_S = 60.0
 STATUS_AFTER_S = 1.0    # a wait this long posts its status and reads the others', each period
-JOIN_HINT = ("The ranks ran different numbers of steps (uneven data, or a batch skipped on "
-             "some rank): give every rank the same number of batches, or call hvd.join() on "
-             "each rank when its data runs out (Horovod's way for uneven data)")
+POSTED_NAMES = 256      # names in flight a waiting rank posts (more: the list says partial)
+POSTED_SHAPES = 16      # tensors of a grouped call whose shapes and dtypes are posted
+POSTED_RAISES = 8       # a rank's last errors kept on the board
 
 
 class StepMismatchError(WaitError):
@@ -73,14 +79,48 @@ def settings():
     return check, _seconds(SHUTDOWN_VARIABLE, 0.0) or None
 
 
+def describe(kind, name):
+    """How messages name a call: allreduce 'x', broadcast_object 'o', barrier()."""
+    if kind in ("barrier", "join"):
+        return f"{kind}()"
+    return kind if name is None else f"{kind} {name!r}"
+
+
+class Call:
+    """A collective as the ranks post and compare it: what the user called (kind, name,
+    root, tensor count, shapes and dtypes), and `wire`, the name this rank's engine waits
+    on (the same as `name` except inside an object collective)."""
+
+    __slots__ = ("kind", "name", "wire", "root", "count", "shapes", "dtypes")
+
+    def __init__(self, kind, name, wire=None, root=None, tensors=None):
+        self.kind, self.name, self.root = kind, name, root
+        self.wire = name if wire is None else wire
+        if tensors is None:
+            tensors = []
+        elif not isinstance(tensors, (list, tuple)):
+            tensors = [tensors]
+        self.count = len(tensors) if kind.startswith("grouped_") else None
+        self.shapes = [list(t.shape) for t in tensors[:POSTED_SHAPES]]
+        self.dtypes = [str(t.dtype).replace("torch.", "") for t in tensors[:POSTED_SHAPES]]
+
+    @property
+    def what(self):
+        return describe(self.kind, self.name)
+
+    def posted(self):
+        return {"kind": self.kind, "name": self.name, "wire": self.wire, "root": self.root,
+                "count": self.count, "shapes": self.shapes, "dtypes": self.dtypes}
+
+
 class Board:
-    """Each rank's status (a small JSON dict) on a store every rank reaches."""
+    """Each rank's posts (small JSON dicts) on a store every rank reaches."""
 
     def __init__(self, put, get, size):
         self._put, self._get, self.size = put, get, size
 
     def read(self, ranks, kind="status"):
-        """{rank: status dict or None}."""
+        """{rank: post or None}."""
         out = {}
         for rank in ranks:
             try:
@@ -90,14 +130,20 @@ class Board:
                 out[rank] = None
         return out
 
-    def refuse(self, rank, step, error):
-        """Rank `rank` raised `error` (text) at a step the others cannot know of: kept apart
-        from its status, which later waits overwrite."""
-        self.post(rank, kind="refused", step=step, error=error)
+    def tell_raised(self, rank, raised):
+        """Rank `rank`'s last errors (each: seq, error, call, name, where, step, final,
+        shared, wires, key, at), oldest first: kept apart from its status, which later waits
+        overwrite, and several, as a rank may raise again before the others look."""
+        self.post(rank, kind="raised", raised=list(raised))
 
-    def acknowledge(self, rank, refuser):
-        """`rank` has raised `refuser`'s refusal (the refuser may leave now)."""
-        self.post(rank, kind=f"told.{refuser}", seen=True)
+    def raised(self, ranks):
+        """{rank: [its last errors, oldest first]}."""
+        return {rank: (post or {}).get("raised", []) for rank, post in
+                self.read(ranks, "raised").items()}
+
+    def acknowledge(self, rank, raiser, seq):
+        """`rank` has raised `raiser`'s error number `seq` (the raiser may leave now)."""
+        self.post(rank, kind=f"told.{raiser}", seq=seq)
 
     def wait_for_ends(self, ranks, bound_s=2 * STATUS_AFTER_S + 1.0):
         """Until every rank of `ranks` posted that it ended, or `bound_s` passed (a rank
@@ -141,36 +187,39 @@ def http_board(addr, port, size):
     return Board(put, get, size)
 
 
-def _doing(rank, status, now):
-    """One rank's line in a report: what it does, at which step, for how long."""
-    if status is None:
-        return f"rank {rank} is not waiting in any collective (computing, or stopped outside pipe_horovod)"
-    step = "" if status.get("step") is None else f" after {status['step']} step(s)"
-    if status["state"] == "ended":
-        steps = "" if status.get("step") is None else f" after {status['step']} step(s)"
-        cause = f", as {status['lost']}" if status.get("lost") else ""
-        return f"rank {rank} ended (shut down{steps}{cause})"
-    if status["state"] in ("waiting", "failed"):
-        return (f"rank {rank} waits in {status['what']}{step} (for "
-                f"{max(0.0, now - status['since']):.0f} s)")
-    return f"rank {rank} runs{step}"
-
-
 class Stall:
-    """One wait that has lasted STATUS_AFTER_S: posts, reads, warns, or raises."""
+    """One wait that has lasted STATUS_AFTER_S: posts, reads, warns, or raises its cause."""
 
-    def __init__(self, engine, what, start):
-        self.engine, self.what, self.start = engine, what, start
+    def __init__(self, engine, call, start, post=True):
+        from . import causes
+
+        self.causes = causes
+        self.engine, self.call, self.start = engine, call, start
+        self.what = call.what
         self.board = engine._board
         self.check_s, self.shutdown_s = settings()
         self.warned_at = 0.0
         self.since = time.time() - (time.monotonic() - start)
         self.me = engine.rank()
+        self.seen_deadlock = None   # a deadlock seen at the last tick, confirmed at the next
         if engine._closed:          # shutting down: the board keeps saying "ended"
             self.board = None
-        if self.board is not None:
-            self.board.post(self.me, state="waiting", what=what, step=engine.step,
-                            since=self.since)
+        if self.board is not None and post:
+            names = engine.names_in_flight()
+            self.board.post(self.me, state="waiting", what=self.what, call=call.posted(),
+                            step=engine.step, since=self.since,
+                            names=names[:POSTED_NAMES], partial=len(names) > POSTED_NAMES)
+
+    def gave_up(self, status):
+        """A rank whose wait failed during this one (it raised and went on): it will not
+        start this rank's collective for that wait."""
+        return status is not None and status["state"] == "failed" and \
+            status.get("at", 0.0) >= self.since
+
+    def mine(self):
+        """This rank's post, as the others read it."""
+        return {"state": "waiting", "what": self.what, "call": self.call.posted(),
+                "step": self.engine.step, "since": self.since}
 
     def tick(self, matched):
         """Called every STATUS_AFTER_S while the wait goes on; `matched()` tells whether
@@ -181,36 +230,34 @@ class Stall:
         now = time.time()
         others = self.board.read([r for r in range(self.engine.size()) if r != self.me])
         if not matched():
-            refused = self.engine._refused_elsewhere(self.what)
-            if refused is not None:
-                raise refused
-        ended = [r for r, s in others.items() if s and s["state"] == "ended"]
-        if ended and not matched():
-            raise self._error(others, now, ended)
-        def gave_up(status):        # during this wait: a rank that raised and went on before
-            # it started says nothing about it (its status stays until its next long wait)
-            return (status is not None and status["state"] == "failed"
-                    and status.get("at", 0.0) >= self.since)
-
-        if (self.check_s is None or elapsed < self.check_s) and \
-                not any(gave_up(status) for status in others.values()):
+            cause = self.causes.find(self, others, now)
+            if cause is not None:
+                raise self._shared(cause)
+        if self.check_s is None or elapsed < self.check_s:
             return
 
-        def stuck(status):          # waiting long enough that it is not just slow
-            return gave_up(status) or (status is not None and status["state"] == "waiting"
-                                       and self.check_s is not None
-                                       and now - status["since"] >= self.check_s / 2)
+        def stuck(status):          # waiting long enough that it is not just slow, or gave up
+            return self.gave_up(status) or (status is not None and status["state"] == "waiting"
+                                            and now - status["since"] >= self.check_s / 2)
 
         if all(stuck(status) for status in others.values()) and not matched():
-            raise self._error(others, now, [])
-        if self.check_s is None:
-            return
+            raise self._shared(self.causes.deadlock(self, others, now, confirmed=True))
         if self.shutdown_s is not None and elapsed >= self.shutdown_s:
-            raise self._error(others, now, [], f"stalled for {elapsed:.0f} s, past "
-                                                f"{SHUTDOWN_VARIABLE}={self.shutdown_s:g}")
+            raise self.causes.report(self, others, now, f"rank {self.me} stalled for "
+                                     f"{elapsed:.0f} s, past {SHUTDOWN_VARIABLE}="
+                                     f"{self.shutdown_s:g}, in {self.what}")
         if elapsed - self.warned_at >= self.check_s:
             self.warned_at = elapsed
             warnings.warn(self._report(others, now, elapsed), StallWarning, stacklevel=4)
+
+    def _shared(self, cause):
+        """`cause`, posted for the ranks it names (`cause.wires`: the collectives they wait
+        in), which raise the same words at their next look instead of concluding again
+        from posts this rank's end changes."""
+        wires = getattr(cause, "wires", None)
+        if wires:
+            self.engine._tell_raised(cause, wires=wires)
+        return cause
 
     def end(self, failed):
         """The wait is over: this rank runs again, or gave up (the others stop waiting
@@ -218,40 +265,15 @@ class Stall:
         if self.board is None:
             return
         if failed:
-            self.board.post(self.me, state="failed", what=self.what, step=self.engine.step,
-                            since=self.since, at=time.time())
+            self.board.post(self.me, state="failed", what=self.what, call=self.call.posted(),
+                            step=self.engine.step, since=self.since, at=time.time())
         else:
             self.board.post(self.me, state="running", step=self.engine.step)
-
-    def _everyone(self, others, now):
-        mine = {"state": "waiting", "what": self.what, "step": self.engine.step,
-                "since": self.since}
-        return "; ".join(_doing(r, mine if r == self.me else others.get(r), now)
-                         for r in range(self.engine.size()))
-
-    def _error(self, others, now, ended, why=None):
-        lost = [(r, others[r]["lost"]) for r in ended if others[r].get("lost")]
-        if lost:                    # it stopped because a rank died: name that one, not steps
-            rank, cause = lost[0]
-            self.engine._lost = cause   # and this rank's own end passes the cause on
-            return RankLostError(f"rank {rank} stopped while rank {self.me} waits in "
-                                 f"{self.what}: {cause}; {self._everyone(others, now)}")
-        if ended:
-            lead = (f"{', '.join(f'rank {r}' for r in ended)} ended while rank {self.me} "
-                    f"waits in {self.what}, which {'it' if len(ended) == 1 else 'they'} "
-                    f"never started")
-        elif why:
-            lead = f"rank {self.me} {why} in {self.what}"
-        else:
-            lead = (f"every rank waits for a collective that another rank never starts "
-                    f"(for more than {self.check_s:g} s, {CHECK_VARIABLE})")
-        missing = self.engine._missing(self.what)
-        return StepMismatchError(f"{lead}: {self._everyone(others, now)}{missing}. {JOIN_HINT}")
 
     def _report(self, others, now, elapsed):
         return (f"One or more tensors were submitted to be reduced, gathered or broadcasted by "
                 f"subset of ranks and are waiting for remainder of ranks for more than "
                 f"{elapsed:.0f} seconds. This may indicate that different ranks are trying to "
                 f"submit different tensors or that only subset of ranks is submitting tensors, "
-                f"which will cause deadlock. {self._everyone(others, now)}"
-                f"{self.engine._missing(self.what)}")
+                f"which will cause deadlock. {self.causes.everyone(self, others, now)}"
+                f"{self.engine._missing(self.call)}")

@@ -23,8 +23,9 @@ collectives map onto torch's:
 - join: Horovod's: a joined rank stands in with zeros for the others'
   allreduces until every rank joined, and returns the rank that joined last.
 
-Blocking calls (barrier, object collectives) stay matched by call order,
-which is also Horovod's behaviour for a single blocking call per rank.
+Barrier is a negotiated name like any other (every rank has announced it:
+it is done); object collectives are built on broadcast and allgather
+(objects.py), so they are matched and compared too.
 
 Launched by Open MPI's `mpirun` instead of torchrun (PIPE_HOROVOD_ENGINE=torch),
 the ranks come from mpirun's OMPI_COMM_WORLD_* variables and the rendezvous
@@ -36,17 +37,31 @@ import math
 import os
 import time
 
+from . import rendezvous
 from .adasum import combine as adasum_combine
-from .base import DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, Adasum, Average, Done, Engine, \
-    EngineError, Max, Min, Product, Sum, Then, WaitTimeoutError, Work, WorkList, scale_, \
+from .base import DEFAULT_TIMEOUT_S, Adasum, Average, Done, Engine, \
+    EngineError, Max, Min, Product, Sum, Then, Work, WorkList, scale_, \
     shard_sizes
 from .stall import torch_board
 from .mismatch import DTYPES, encode
-from .negotiation import Negotiator, Request, key_of
+from .negotiation import INLINE_BYTES, SLICE_S, Negotiator, Request, key_of
 
 # How Horovod's ops map onto torch.distributed's (Average: SUM, divided on wait).
 _OPS = {Average: "SUM", Sum: "SUM", Min: "MIN", Max: "MAX", Product: "PRODUCT"}
 _OP_NAMES = {"Average": "SUM", "Sum": "SUM", "Min": "MIN", "Max": "MAX", "Product": "PRODUCT"}
+# The same ops on two ranks' values, for small collectives settled from the cycle's bytes.
+_COMBINE = {Average: lambda a, b: a.add_(b), Sum: lambda a, b: a.add_(b),
+            Min: lambda a, b: a.copy_(a.minimum(b)), Max: lambda a, b: a.copy_(a.maximum(b)),
+            Product: lambda a, b: a.mul_(b)}
+
+
+def _finish_allreduce(tensor, op, size, postscale_factor):
+    """A reduced sum becomes the op's result: Average divides, then the postscale."""
+    if op is Average and not tensor.is_floating_point():
+        return scale_(tensor, postscale_factor / size)    # one truncation, as Horovod
+    if op is Average and size > 1:
+        tensor.div_(size)
+    return scale_(tensor, postscale_factor)
 
 
 class _Pending(Work):
@@ -65,6 +80,9 @@ class _Pending(Work):
         return self.finish()
 
 
+NAP_S = 0.05        # a wait for the negotiation thread looks at its deadline this often
+
+
 class _Negotiated(Work):
     """A collective waiting for every rank to start it, then running (negotiation.py)."""
 
@@ -74,6 +92,15 @@ class _Negotiated(Work):
     def poll(self):
         request = self.request
         return request.error is not None or (request.work is not None and request.work.poll())
+
+    def nap(self, seconds):
+        """Pause a wait: until the negotiation thread has run or refused it (a small
+        collective then is complete already), at most NAP_S; polling in short sleeps
+        would take the GIL the thread needs to finish its cycle."""
+        if self.request.done():
+            time.sleep(seconds)
+        else:
+            self.request.wait_done(NAP_S)
 
     def wait(self):
         request = self.request
@@ -139,11 +166,12 @@ class TorchDistEngine(Engine):
             if backend is None:
                 backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
             env_from_mpirun(os.environ)
-            # The group's timeout bounds torch's blocking collectives (barrier, object
-            # collectives) as our own deadline bounds every wait (faults.py).
+            # The group's timeout bounds torch's own waits (its rendezvous, a collective
+            # that failed) as our own deadline bounds every wait (faults.py).
             bound = {} if math.isinf(timeout_s) else {
                 "timeout": datetime.timedelta(seconds=timeout_s)}
-            dist.init_process_group(backend=backend, **bound)
+            self._rendezvous(lambda: dist.init_process_group(backend=backend, **bound),
+                             timeout_s)
             # Scripts rarely call shutdown(); exiting with the group alive lets gloo
             # abort the process ("terminate called without an active exception").
             atexit.register(self.shutdown)
@@ -159,6 +187,25 @@ class TorchDistEngine(Engine):
         if self.size() > 1:
             self._board = torch_board(dist.distributed_c10d._get_default_store(), self.size())
         self._register_process_sets(process_sets)
+
+    @staticmethod
+    def _rendezvous(init, timeout_s):
+        """`init()` (torch's env:// rendezvous), its failures naming MASTER_ADDR:MASTER_PORT
+        and what answers there; ranks but 0 first check that rank 0's store does, where
+        torch would wait forever on another program (rendezvous.py)."""
+        env = os.environ
+        if rendezvous.served_by_launcher(env) or "MASTER_PORT" not in env:
+            init()
+            return
+        addr, port, rank = env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]), \
+            int(env.get("RANK", 0))
+        if rank != 0:
+            rendezvous.check(addr, port, rank, timeout_s if math.isfinite(timeout_s)
+                             else DEFAULT_TIMEOUT_S)
+        try:
+            init()
+        except RuntimeError as exc:         # torch's DistNetworkError, DistStoreError
+            raise rendezvous.explain(exc, addr, port, rank) from exc
 
     def rank(self):
         return self.dist.get_rank()
@@ -210,12 +257,18 @@ class TorchDistEngine(Engine):
                                                    self.rank(), self._stand_in)
 
     def _negotiate(self, kind, name, tensor, process_set, run, op=None, root=-1,
-                   prescale_factor=1.0, postscale_factor=1.0):
-        """Start `run(records)` once every rank of the set started `name` alike."""
+                   prescale_factor=1.0, postscale_factor=1.0, settle=None):
+        """Start `run(records)` once every rank of the set started `name` alike; or, for a
+        small CPU tensor, `settle(records)` from every rank's bytes sent in the cycle."""
         row = encode(key_of(name), kind, tensor, op, root, prescale_factor, postscale_factor,
                      name)
+        inline = None
+        if settle is not None and tensor.device.type == "cpu" and \
+                tensor.numel() * tensor.element_size() <= INLINE_BYTES:
+            inline = tensor
         negotiator = self._negotiators[process_set.process_set_id]
-        return _Negotiated(negotiator.submit(Request(name, row, run)))
+        return _Negotiated(negotiator.submit(Request(name, row, run, inline,
+                                                     settle if inline is not None else None)))
 
     def _group(self, process_set):
         return self._negotiators[process_set.process_set_id].group
@@ -237,10 +290,21 @@ class TorchDistEngine(Engine):
 
     # --- reductions -----------------------------------------------------
     def _start_allreduce(self, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        def settle(records):
+            """Every rank's bytes, combined in rank order: the same result on every rank."""
+            total = None
+            for record in records:
+                part = scale_(record.data.view(tensor.dtype).view(tensor.shape),
+                              prescale_factor)
+                total = part if total is None else _COMBINE[op](total, part)
+            tensor.copy_(total)
+            return Done(_finish_allreduce(tensor, op, len(records), postscale_factor))
+
         return self._negotiate("allreduce", name, tensor, process_set,
                                lambda records: self._run_allreduce(
                                    tensor, op, process_set, prescale_factor, postscale_factor),
-                               op, -1, prescale_factor, postscale_factor)
+                               op, -1, prescale_factor, postscale_factor,
+                               None if op is Adasum else settle)
 
     def _run_allreduce(self, tensor, op, process_set, prescale_factor, postscale_factor):
         group, size = self._group(process_set), len(process_set.ranks)
@@ -252,15 +316,7 @@ class TorchDistEngine(Engine):
                                                    postscale_factor))
         work = self.dist.all_reduce(tensor, op=getattr(self.dist.ReduceOp, _OPS[op]),
                                     group=group, async_op=True)
-
-        def finish():
-            if op is Average and not tensor.is_floating_point():
-                return scale_(tensor, postscale_factor / size)    # one truncation, as Horovod
-            if op is Average and size > 1:
-                tensor.div_(size)
-            return scale_(tensor, postscale_factor)
-
-        return _Pending([work], finish)
+        return _Pending([work], lambda: _finish_allreduce(tensor, op, size, postscale_factor))
 
     def _start_reducescatter(self, tensor, name, op, process_set, prescale_factor,
                              postscale_factor):
@@ -278,8 +334,15 @@ class TorchDistEngine(Engine):
 
     # --- data movement --------------------------------------------------
     def _start_allgather(self, tensor, name, process_set):
+        trailing = tensor.shape[1:]
+
+        def settle(records):
+            return Done(self.torch.cat([r.data.view(tensor.dtype).view(-1, *trailing)
+                                        for r in records]))
+
         return self._negotiate("allgather", name, tensor, process_set,
-                               lambda records: self._run_allgather(tensor, records, process_set))
+                               lambda records: self._run_allgather(tensor, records, process_set),
+                               settle=settle if trailing.numel() else None)
 
     def _run_allgather(self, tensor, records, process_set):
         torch = self.torch
@@ -301,7 +364,14 @@ class TorchDistEngine(Engine):
                                        async_op=True)
             return _Pending([work], lambda: tensor)
 
-        return self._negotiate("broadcast", name, tensor, process_set, run, root=root)
+        def settle(records):
+            if self.rank() != root:
+                data = records[process_set.ranks.index(root)].data
+                tensor.copy_(data.view(tensor.dtype).view(tensor.shape))
+            return Done(tensor)
+
+        return self._negotiate("broadcast", name, tensor, process_set, run, root=root,
+                               settle=settle)
 
     def _start_alltoall(self, tensor, splits, name, process_set):
         return self._negotiate("alltoall", name, tensor, process_set,
@@ -337,7 +407,8 @@ class TorchDistEngine(Engine):
         group = self._group(process_set)
         mine = torch.tensor(splits, dtype=torch.int64, device=tensor.device)
         table = [torch.empty_like(mine) for _ in process_set.ranks]
-        self.dist.all_gather(table, mine, group=group)
+        self._negotiators[process_set.process_set_id].await_work(
+            self.dist.all_gather(table, mine, group=group, async_op=True))
         me = process_set.ranks.index(self.rank())
         received = [int(row[me]) for row in table]
         out = tensor.new_empty((sum(received), *tensor.shape[1:]))
@@ -349,28 +420,17 @@ class TorchDistEngine(Engine):
                                            async_op=True)
         return _Pending([work], lambda: (out, counts))
 
-    # --- synchronous collectives ----------------------------------------
-    def _broadcast_object(self, obj, root, name, process_set):
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=root, group=self._library_set(process_set))
-        return box[0]
-
-    def _allgather_object(self, obj, name, process_set):
-        out = [None] * len(process_set.ranks)
-        self.dist.all_gather_object(out, obj, group=self._library_set(process_set))
-        return out
-
-    def _barrier(self, process_set):
-        self.dist.barrier(group=self._library_set(process_set))
+    # --- barrier and join -------------------------------------------------
+    def _start_barrier(self, name, process_set):
+        """Done once every rank has announced it: the negotiation is the barrier."""
+        return self._negotiate("barrier", name, None, process_set,
+                               lambda records: Done(None))
 
     def _join(self, device):
         self._join_device = "cpu" if device < 0 else f"cuda:{device}"   # Horovod's meaning
         negotiator = self._negotiators[0]
         done = negotiator.start_join()
-        if not self._wait_for(done.is_set, "join"):
-            raise WaitTimeoutError(f"join did not complete within {self.timeout_s:g} s "
-                                   f"({TIMEOUT_VARIABLE}, or init(timeout=...)): a rank has not "
-                                   "joined")
+        self._wait_for_join(done.is_set, done.wait)
         return negotiator.joined_last()
 
     # --- stalls (stall.py) ------------------------------------------------
@@ -386,10 +446,13 @@ class TorchDistEngine(Engine):
             return True
         return started(handle.backend)
 
-    def _missing(self, what):
+    def _missing(self, call):
         missing = {}
+        wire = call.wire or ""
         for negotiator in self._negotiators.values():
             for name, ranks in negotiator.waiting_on().items():
+                if name != wire and not name.startswith(wire + "."):   # (grouped: its members)
+                    continue
                 for rank in ranks:
                     missing.setdefault(rank, []).append(name)
         if not missing:
@@ -413,8 +476,8 @@ class TorchDistEngine(Engine):
             self.dist.destroy_process_group(library_set)
 
     def _close(self):
-        for negotiator in self._negotiators.values():
-            negotiator.stop()
+        for negotiator in self._negotiators.values():   # no thread of ours left in torch
+            negotiator.stop(join_s=2 * SLICE_S + 1.0)
         # After a failed collective, a teardown's barrier would wait on the lost rank;
         # the ranks still in theirs stop waiting for this one.
         if self._owns_group and self.dist.is_initialized():

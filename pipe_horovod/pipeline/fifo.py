@@ -45,7 +45,11 @@ class GradientFifo:
     def replace(self, entries, steps):
         """Restore from a checkpoint: `entries` oldest first, `steps` pushed so far."""
         if len(entries) > max(self.pipeline_depth - 1, 0):
-            raise ValueError(f"a checkpoint with {len(entries)} gradients in flight cannot resume "
-                             f"with pipeline_depth={self.pipeline_depth}")
+            raise ValueError(
+                f"a checkpoint with {len(entries)} averaged gradient(s) in flight (saved at "
+                f"pipeline_depth >= {len(entries) + 1}) cannot resume with pipeline_depth="
+                f"{self.pipeline_depth}, which holds at most {self.pipeline_depth - 1}: "
+                f"resume with pipeline_depth={len(entries) + 1}, or call optimizer.flush() "
+                "before optimizer.state_dict() when saving, so that nothing is in flight")
         self._entries = deque(entries)
         self.steps = steps

@@ -273,8 +273,10 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
             return None
         seen = [self._name_of[p] for p in self._observed]
         rest = [self._name_of[p] for p in reversed(self._params) if p not in self._observed]
-        order, everyone = self._machine.agree(seen, rest, self._sparse_seen_here())
-        self._adopt_sparse(everyone)
+        order, everyone = self._machine.agree(seen, rest, (self._sparse_seen_here(),
+                                                           _describe_optimizer(self)))
+        self._adopt_sparse([sparse for sparse, _ in everyone])
+        _compare_rules([rule for _, rule in everyone])
         self._order_agreed = True
         self._observed = {}
         return order
@@ -336,6 +338,9 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
             raise RuntimeError("step() inside skip_synchronize() needs a synchronize() first")
         self._synchronized = False
         self._auto_synced = None
+        original = self._counted_by() if getattr(self, "_counted_by", None) else None
+        if original is not None:                 # as the scheduler's own wrapper would
+            original._opt_called = True
         entry, self._pending_apply = self._pending_apply, None
         if self._compensation == "predict":
             with self._charged():
@@ -593,10 +598,47 @@ def _changed_after_wrapping(name, grad, bucket):
 
 
 def _describe_optimizer(optimizer):
-    """The wrapped optimizer's class and hyper-parameters, as the ranks compare them."""
+    """The user's optimizer class and its hyper-parameters, as the ranks compare them."""
+    cls = _user_class(type(optimizer))
     groups = [{key: repr(value) for key, value in sorted(group.items()) if key != "params"}
               for group in optimizer.param_groups]
-    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__} {groups}"
+    return f"{cls.__module__}.{cls.__qualname__}", groups
+
+
+def _compare_rules(everyone):
+    """At the first step (every rank's optimizer as it is then, after the start-up
+    broadcasts): the class must be the same on every rank, as each rank applies the same
+    averaged gradient with it; hyper-parameters that differ are what Horovod's scripts
+    fix with broadcast_optimizer_state, which may come after a first step, as in
+    Horovod's own tests: a warning on every rank, not an error."""
+    (cls, groups), rest = everyone[0], everyone[1:]
+    for rank, (theirs, their_groups) in enumerate(rest, start=1):
+        if theirs != cls:
+            raise ValueError(f"the optimizer differs between ranks: it is {theirs} on rank "
+                             f"{rank} but {cls} on rank 0; every rank must wrap the same "
+                             "optimizer class")
+    for rank, (_, their_groups) in enumerate(rest, start=1):
+        if their_groups != groups:
+            diff = _first_difference(groups, their_groups)
+            warnings.warn(f"the optimizer's hyper-parameters differ between ranks at its "
+                          f"first step: {diff} on rank {rank}; each rank applies the "
+                          "averaged gradient with its own: call "
+                          "hvd.broadcast_optimizer_state(optimizer, root_rank=0) after "
+                          "wrapping (Horovod's way), or build it alike on every rank",
+                          stacklevel=5)
+            return
+
+
+def _first_difference(groups, theirs):
+    """The first hyper-parameter whose value differs, in words."""
+    if len(theirs) != len(groups):
+        return f"{len(theirs)} parameter group(s) against rank 0's {len(groups)}"
+    for i, (mine, other) in enumerate(zip(groups, theirs)):
+        for key in sorted(set(mine) | set(other)):
+            if mine.get(key) != other.get(key):
+                return (f"param_groups[{i}]['{key}'] is {other.get(key, '<missing>')} "
+                        f"against rank 0's {mine.get(key, '<missing>')}")
+    return "they differ"
 
 
 def _user_class(cls):
@@ -768,8 +810,7 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
                "op": op.value, "bucket_cap_mb": bucket_cap_mb,
                "gradient_predivide_factor": float(gradient_predivide_factor),
                "groups": bucket_groups, "staleness_compensation": compensation,
-               "collective": None if collective is None else collective.describe(),
-               "optimizer": _describe_optimizer(optimizer)}
+               "collective": None if collective is None else collective.describe()}
     if process_set is not None and not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
     if process_set is global_process_set:
@@ -794,8 +835,15 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
     cls = type(type(optimizer).__name__, (_PipelinedOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
     # Adopt the user's optimizer as unpickling would: hyperparameters, state and
-    # hooks carry over, whatever its constructor's signature.
-    torch.optim.Optimizer.__setstate__(wrapped, dict(optimizer.__dict__))
+    # hooks carry over, whatever its constructor's signature. Not a `step` set on the
+    # instance: an LR scheduler built before wrapping puts its step-counting wrapper there,
+    # bound to the original optimizer, which would then step in place of this one.
+    state = dict(optimizer.__dict__)
+    counted = state.pop("step", None)
+    torch.optim.Optimizer.__setstate__(wrapped, state)
+    wrapped._counted_by = None
+    if getattr(counted, "_wrapped_by_lr_sched", False):
+        wrapped._counted_by = weakref.ref(optimizer)    # its scheduler reads _opt_called
     wrapped._setup_pipeline(name_of, compression, backward_passes_per_step, op, pipeline_depth,
                             warmup_steps, bucket_cap_mb, grad_scaler,
                             float(gradient_predivide_factor), bucket_groups,

@@ -128,12 +128,22 @@ def check_options_and_models():
         meta = MLP()
     raises(ValueError, "is on the meta device", lambda: wrap(meta, 2))
     if phvd.size() > 1:
-        # Per-rank hyper-parameters and optimizer class: compared at wrap time.
-        raises(ValueError, "option optimizer", lambda: wrap(model, 2, lr=0.1 + phvd.rank()))
-        other = (torch.optim.SGD(model.parameters(), lr=0.1) if phvd.rank() == 0
-                 else torch.optim.Adam(model.parameters(), lr=0.1))
-        raises(ValueError, "option optimizer", lambda: phvd.DistributedOptimizer(
-            other, named_parameters=model.named_parameters()))
+        # Per-rank hyper-parameters, as Horovod's test_broadcast_state_options builds them:
+        # a warning on every rank at the first step, then broadcast_optimizer_state makes
+        # them rank 0's (issue 39: no longer refused at wrap time, as Horovod runs it).
+        model = fresh(MLP)
+        opt = wrap(model, 2, lr=0.1 + phvd.rank())
+        (x, y), = data_for()(phvd.rank(), 0)
+
+        def first_step():
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        warns(f"param_groups[0]['lr'] is {1.1!r} against rank 0's 0.1 on rank 1", first_step)
+        phvd.broadcast_optimizer_state(opt, root_rank=0)
+        assert opt.param_groups[0]["lr"] == 0.1, opt.param_groups[0]["lr"]
+        first_step()
+        opt.flush()
 
 
 def check_calls():
@@ -154,7 +164,16 @@ def check_calls():
     plain = torch.optim.SGD(fresh(MLP).parameters(), lr=0.1, momentum=0.9)
     raises(ValueError, "different number of parameter groups",
            lambda: plain.load_state_dict(opt.state_dict()))
+    # The documented way (issue 39): flush_into loads it into a plain optimizer and applies
+    # the gradient in flight as flush() does, to the bit.
+    saved, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
     opt.flush()
+    elsewhere = fresh(MLP)
+    elsewhere.load_state_dict(weights)
+    plain = torch.optim.SGD(elsewhere.parameters(), lr=0.1, momentum=0.9)
+    assert phvd.flush_into(plain, saved, elsewhere.named_parameters()) == 1
+    for (name, p), q in zip(model.named_parameters(), elsewhere.parameters()):
+        assert torch.equal(p, q), f"flush_into: {name} differs from flush()"
     plain.load_state_dict(opt.state_dict())
     again = wrap(fresh(MLP), 2, None)
     again.load_state_dict(opt.state_dict())
@@ -172,6 +191,31 @@ def check_calls():
     opt1.zero_grad()                             # discards the average, as DDP would
     F.cross_entropy(model(x), y).backward()
     opt1.step()
+
+
+def check_habits():
+    """An LR scheduler built on the optimizer before wrapping it (a common order; its
+    step-counting wrapper was bound to the original and stepped it instead): matches the
+    oracle at K=1 and K=2 under the default lookahead, with no warning (issue 39)."""
+    size = phvd.size()
+    for depth in (1, 2):
+        model, ref = fresh(MLP), fresh(MLP)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(inner, step_size=4, gamma=0.5)
+        opt = phvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                        pipeline_depth=depth)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")       # nor "scheduler before optimizer" warnings
+            train(model, opt, data_for(), scheduler=sched)
+        opt.flush()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        oracle.reference(ref, ref_opt, F.cross_entropy, data_for(), size, STEPS,
+                         1 if size == 1 else depth, 0,
+                         scheduler=torch.optim.lr_scheduler.StepLR(ref_opt, step_size=4,
+                                                                  gamma=0.5),
+                         compensation="lookahead")
+        assert_close(model, ref, f"StepLR built before wrapping, K={depth}")
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
 
 
 def check_errors_inside_step():
@@ -209,6 +253,17 @@ def check_errors_inside_step():
         embed(torch.tensor([1, 2])).backward()
         raises(ValueError, "is sparse on rank 0 but dense on rank 1", opt.step)
 
+        # Another optimizer class per rank: refused at the first step on every rank, as no
+        # broadcast can make them one.
+        model = fresh(MLP)
+        other = (torch.optim.SGD(model.parameters(), lr=0.1) if phvd.rank() == 0
+                 else torch.optim.Adam(model.parameters(), lr=0.1))
+        opt = phvd.DistributedOptimizer(other, named_parameters=model.named_parameters())
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        raises(ValueError, "the optimizer differs between ranks: it is torch.optim.adam.Adam "
+               "on rank 1 but torch.optim.sgd.SGD on rank 0", opt.step)
+
 
 def main():
     phvd.init()
@@ -216,6 +271,7 @@ def main():
     check_weight_edits_between_steps()
     check_options_and_models()
     check_calls()
+    check_habits()
     check_errors_inside_step()
     print(f"WORKER_OK rank={phvd.rank()}", flush=True)
 

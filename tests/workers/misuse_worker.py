@@ -1,4 +1,5 @@
-"""Issue 31, engine side: collectives that ranks start differently, and ranks that stop early.
+"""Issues 31 and 39, engine side: collectives that ranks start differently, ranks that
+raise alone, and ranks that stop early.
 
 One launch runs every case in turn, on 2 ranks (the engine's checks leave it
 usable after each refusal). Each case prints "CASE <name> rank=<r>: <outcome>"
@@ -10,16 +11,27 @@ ranks and engines; then:
   join      rank 1 joins at once: rank 0's Average divides by 2 (Horovod's join) and an
             allgather is refused; then a DistributedOptimizer with an empty shard on
             rank 1 and 4 steps on rank 0 joins and ends with the same weights on both engines;
-  deadlock  rank 0 waits for 'a', rank 1 for 'b': each raises StepMismatchError at
-            HOROVOD_STALL_CHECK_TIME_SECONDS (the test sets 2 s);
+  deadlock  rank 0 waits for 'a', rank 1 for 'b': each raises StepMismatchError naming
+            both waits, once two looks at the status board a second apart agree;
+  blocking  blocking allreduces in a different order per rank ('loss' then 'acc' on rank 0),
+            and a barrier on rank 0 against an allreduce on rank 1: the same, naming each
+            rank's call (broadcast_parameters on rank 0 alone before a step, after the Keras
+            case);
+  metric    rank 1 allreduces a complex64 tensor (a ValueError there, caught), rank 0 a
+            float one: rank 0 raises rank 1's error, naming the call, about 1 s in;
+  grouped   grouped_allreduce of 2 tensors on rank 0 and 3 on rank 1: MismatchError naming
+            the counts on both; object collectives with different roots, and
+            allgather_object against broadcast_object: MismatchError on both;
+  resume    a K=2 checkpoint (one gradient in flight) resumed at K=1 on rank 0 alone: rank 0's
+            ValueError says to flush before saving; rank 1, at its next step, raises it too;
   edited    at pipeline_depth=2 rank 1 alone clips .grad between backward and step at its
             third step: it raises there (torch/edits.py), and rank 0 raises the same error,
             naming rank 1, at its next wait for a gradient rank 1 never sends;
   keras     Keras `fit` (KERAS_BACKEND: the test runs TensorFlow under torchrun, torch under
-            horovodrun) on 6 batches on rank 0 and 4 on rank 1, which then waits in the next
-            case's allgather_object: rank 0 raises StepMismatchError naming both ranks' waits
-            and steps at HOROVOD_STALL_CHECK_TIME_SECONDS (on TensorFlow inside its
-            UnknownError, the text of which the case prints);
+            horovodrun) on 6 batches on rank 0 and 4 on rank 1, which then waits in an
+            allgather_object: both raise StepMismatchError naming both ranks' waits and
+            steps (rank 0 on TensorFlow inside its UnknownError, the text of which the case
+            prints);
   ended     rank 1 trains 3 steps and exits; rank 0, at its 5th step, raises
             StepMismatchError naming rank 1 and its step count (last: rank 1 is gone).
 """
@@ -34,6 +46,18 @@ import torch
 
 import pipe_horovod.torch as hvd
 from pipe_horovod.compression import two_stage
+
+
+def wrapped(model, depth=None, **options):
+    """`model`'s DistributedOptimizer: SGD, lr 0.1, named parameters."""
+    return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    named_parameters=model.named_parameters(),
+                                    pipeline_depth=depth, **options)
+
+
+def linear():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 1)
 
 
 def outcome(case, fn):
@@ -101,10 +125,8 @@ def join(r):
         outcome("join.bf16", lambda: hvd.allreduce(
             torch.tensor([1.5, -3.0, 2.0 ** -130], dtype=torch.bfloat16), name="j.bf16").tolist())
         outcome("join.last", hvd.join)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+    model = linear()
+    opt = wrapped(model)
     for _ in range((4, 0)[r]):                          # rank 1's shard is empty
         opt.zero_grad()
         model(torch.ones(2, 4)).sum().backward()
@@ -116,12 +138,68 @@ def deadlock(r):
     outcome("deadlock", lambda: hvd.allreduce(torch.ones(1), name="d.a" if r == 0 else "d.b"))
 
 
+def blocking(r):
+    names = ("o.loss", "o.acc") if r == 0 else ("o.acc", "o.loss")
+    outcome("blocking", lambda: [hvd.allreduce(torch.ones(1), name=n) for n in names])
+    if r == 0:
+        outcome("barrier", hvd.barrier)
+    else:
+        outcome("barrier", lambda: hvd.allreduce(torch.ones(1), name="o.x"))
+
+
+def rank0_only(r):
+    """broadcast_parameters on rank 0 alone, then a step (after the Keras case: its
+    automatic names are not used again, and rank 1 waits in this wrap's comparison)."""
+    model = linear()
+    opt = wrapped(model, 1)
+
+    def start():
+        if r == 0:
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+
+    outcome("rank0only", start)
+
+
+def metric(r):
+    def reduce():
+        value = torch.ones(2, dtype=torch.complex64 if r == 1 else torch.float32)
+        return hvd.allreduce(value, name="metric")
+    outcome("metric", reduce)
+
+
+def grouped(r):
+    outcome("grouped", lambda: hvd.grouped_allreduce([torch.ones(2)] * (2 + r), name="g"))
+    outcome("grouped.root", lambda: hvd.broadcast_object({"rank": r}, root_rank=r))
+    outcome("grouped.kind", lambda: hvd.allgather_object(r) if r == 0
+            else hvd.broadcast_object(r, root_rank=0))
+
+
+def resume(r):
+    model = linear()
+    opt = wrapped(model, 2, staleness_compensation=None)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    saved = opt.state_dict()                    # one averaged gradient in flight
+    opt.flush()
+    again = wrapped(model, 1, staleness_compensation=None)
+
+    def step():
+        if r == 0:
+            again.load_state_dict(saved)        # rank 0 alone resumes, as Horovod scripts do
+        again.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        again.step()
+    outcome("resume", step)
+
+
 def edited(r):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(),
-                                   pipeline_depth=2)
+    model = linear()
+    opt = wrapped(model, 2)
 
     def train():
         for t in range(8):
@@ -158,14 +236,13 @@ def keras_uneven(r):
         text = f"{type(exc).__name__}: {inner.group(1) if inner else exc}"
     sys.stdout.write(f"CASE keras rank={r}: {text} [{time.monotonic() - start:.1f} s]\n")
     sys.stdout.flush()
+    if r == 1:      # on to a collective rank 0 does not start now: both name both waits
+        outcome("keras.next", lambda: hvd.allgather_object(r, name="keras.next"))
 
 
 def ended(r):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(),
-                                   pipeline_depth=1)
+    model = linear()
+    opt = wrapped(model, 1)
 
     def train():
         for _ in range((5, 3)[r]):
@@ -188,8 +265,13 @@ def main():
     refused(r)
     join(r)
     deadlock(r)
+    blocking(r)
+    metric(r)
+    grouped(r)
+    resume(r)
     edited(r)
     keras_uneven(r)
+    rank0_only(r)
     ended(r)
     print(f"WORKER_OK rank={r}", flush=True)
 
