@@ -191,6 +191,9 @@ class TensorFlowPath:
             start = time.perf_counter()
             out = self._to_tf(oldest.gradients())
             self.timings["wait_s"] += time.perf_counter() - start
+            # TensorFlow holds what it applies now; the slot allocates again when next
+            # filled, so between steps only the gradients in flight hold a buffer.
+            machine.release(oldest)
             self.timings["applied"] += 1
         else:
             out = self._zeros_tf()
@@ -223,6 +226,7 @@ class TensorFlowPath:
             self.optimizer._base_apply(
                 [tf.convert_to_tensor(self.transfer.to_tf(grads[n].reshape(self.shapes[n])))
                  for n in self.names], self.variables)
+            self.machine.release(entry)
             self.timings["applied"] += 1
         self._set_depth()
 
