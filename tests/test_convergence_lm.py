@@ -140,6 +140,16 @@ def test_keras_settings_and_the_sweep_design_and_report(tmp_path):
     assert type(opt).__name__ == "Adam" and opt.clipnorm == s.clip and not opt.global_clipnorm
     opt = lm.keras_optimizer(keras, lm.Settings(), 2)
     assert type(opt).__name__ == "AdamW" and opt.global_clipnorm == s.clip
+    small = dict(d_model=64, heads=2, layers=1, context=8)
+    linear = 64 ** -0.5                            # nn.Linear's bound for the head: 0.125
+    for init, low, high in [("torch", 0.0, linear),
+                            ("keras", linear, (6 / (64 + lm.VOCAB)) ** 0.5)]:   # glorot
+        model = lm.keras_model(keras, lm.Settings(init=init, **small))
+        head = model.layers[-1].kernel            # Dense(VOCAB) after the last LayerNorm
+        top = float(np.abs(keras.ops.convert_to_numpy(head)).max())   # of 6144 draws
+        assert low < top <= high * (1 + 1e-6), (init, top)
+    with pytest.raises(ValueError, match="unknown init 'xavier'"):
+        lm.keras_model(keras, lm.Settings(init="xavier", **small))
 
     cells = sweep.issue36()
     assert len({(c.schedule, c.clipping) for c in cells}) == 12 == len(cells)
@@ -159,8 +169,9 @@ def test_keras_settings_and_the_sweep_design_and_report(tmp_path):
             sweep.cells_of(bad)
     parser = __import__("argparse").ArgumentParser()
     lm.add_arguments(parser)
-    with pytest.raises(SystemExit):                # schedules and clipping are Keras's
-        lm.check_args(parser.parse_args(["--frameworks", "torch", "--schedule", "cosine"]))
+    for keras_only in (["--schedule", "cosine"], ["--init", "torch"]):
+        with pytest.raises(SystemExit):            # schedules, clipping, init are Keras's
+            lm.check_args(parser.parse_args(["--frameworks", "torch", *keras_only]))
 
     cell = sweep.Cell("keras-tf", "cosine", "global", 0.1, 400)
     runs = [{"config": c, "seed": seed, "steps": [400], "val_loss": [v], "train_time_s": 2.0,

@@ -104,6 +104,9 @@ class Settings:
     # decays weights (weight_decay > 0: AdamW; 0: Adam).
     schedule: str = "warmup-cosine"
     clipping: str = "global"
+    # Keras only: the kernels' initializer (INITS: Keras's own defaults, or PyTorch's
+    # nn.Linear bound; keras_model says which).
+    init: str = "keras"
     eval_every: int = 50
     train_chars: int = 1_000_000
     val_chars: int = 100_000
@@ -269,21 +272,31 @@ def keras_model(keras, s):
         def call(self, idx):
             return ops.take(self.tok, idx, axis=0) + self.pos[:ops.shape(idx)[1]]
 
+    if s.init not in INITS:
+        raise ValueError(f"unknown init {s.init!r}; choose from {', '.join(INITS)}")
+    # "torch": U(+-1/sqrt(fan_in)), nn.Linear's kernel bound, for every Dense and attention
+    # kernel (Keras counts a 3-D query/key/value kernel's fan_in as heads x d_model); the
+    # biases stay zero. "keras": Keras's glorot_uniform.
+    init = ({"kernel_initializer": keras.initializers.VarianceScaling(1 / 3, "fan_in",
+                                                                       "uniform")}
+            if s.init == "torch" else {})
     inp = keras.Input((s.context,), dtype="int32")
     x = TokenAndPosition()(inp)
     for _ in range(s.layers):
         h = layers.LayerNormalization(epsilon=1e-5)(x)
-        h = layers.MultiHeadAttention(s.heads, s.d_model // s.heads)(h, h, use_causal_mask=True)
+        h = layers.MultiHeadAttention(s.heads, s.d_model // s.heads, **init)(
+            h, h, use_causal_mask=True)
         x = x + h
         h = layers.LayerNormalization(epsilon=1e-5)(x)
-        h = layers.Dense(4 * s.d_model, activation="gelu")(h)
-        x = x + layers.Dense(s.d_model)(h)
+        h = layers.Dense(4 * s.d_model, activation="gelu", **init)(h)
+        x = x + layers.Dense(s.d_model, **init)(h)
     x = layers.LayerNormalization(epsilon=1e-5)(x)
-    return keras.Model(inp, layers.Dense(VOCAB)(x))
+    return keras.Model(inp, layers.Dense(VOCAB, **init)(x))
 
 
 SCHEDULES = ("warmup-cosine", "cosine", "exponential", "piecewise", "constant")
 CLIPPINGS = ("global", "norm", "none")
+INITS = ("keras", "torch")
 
 
 def keras_schedule(keras, s, size):
@@ -615,6 +628,9 @@ def add_arguments(p):
                         f"{Settings.schedule}, the PyTorch run's shape)")
     p.add_argument("--clipping", choices=CLIPPINGS, default=Settings.clipping,
                    help="Keras: global_clipnorm, clipnorm or no clipping (default global)")
+    p.add_argument("--init", choices=INITS, default=Settings.init,
+                   help="Keras: the kernels' initializer, Keras's glorot_uniform (default) or "
+                        "PyTorch's nn.Linear bound 1/sqrt(fan_in) (keras_model)")
     p.add_argument("--weight-decay", type=float, default=Settings.weight_decay,
                    help=f"AdamW's weight decay (default {Settings.weight_decay}); Keras: 0 "
                         "trains with Adam")
@@ -653,10 +669,11 @@ def check_args(args):
                              f"{', '.join(CONFIGS + EXTRA_CONFIGS)}")
         if config in EXTRA_CONFIGS and frameworks != ["torch"]:
             raise SystemExit(f"{config} runs in the PyTorch adapter only (--frameworks torch)")
-    if "torch" in frameworks and (args.schedule, args.clipping) != (Settings.schedule,
-                                                                     Settings.clipping):
-        raise SystemExit("--schedule and --clipping are Keras settings; the PyTorch run "
-                         "clips the averaged gradient and warms up + cosine (lr_at)")
+    if "torch" in frameworks and (args.schedule, args.clipping, args.init) != (
+            Settings.schedule, Settings.clipping, Settings.init):
+        raise SystemExit("--schedule, --clipping and --init are Keras settings; the PyTorch "
+                         "run clips the averaged gradient, warms up + cosine (lr_at) and "
+                         "initializes as torch.nn does")
     if args.engine != "torch" and frameworks != ["torch"]:
         raise SystemExit("--engine horovod runs the PyTorch adapter only (--frameworks torch)")
 
@@ -670,7 +687,7 @@ def run(args, argv=None):
     if not args.report_only:
         check_args(args)
     s = Settings(steps=args.steps, schedule=args.schedule, clipping=args.clipping,
-                 weight_decay=args.weight_decay, d_model=args.d_model)
+                 weight_decay=args.weight_decay, d_model=args.d_model, init=args.init)
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     command = shlex.join(["pipe-horovod", "convergence-lm", *(

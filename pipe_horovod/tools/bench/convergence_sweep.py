@@ -98,7 +98,8 @@ def run(args, argv=None):
             print(f"[sweep] cell {i + 1}/{len(cells)}: {cell.key}", file=sys.stderr, flush=True)
             cell_args = _with(args, name=name, configs="sync,k2-lookahead")
             s = lm.Settings(steps=cell.steps, schedule=cell.schedule, clipping=cell.clipping,
-                            weight_decay=cell.weight_decay, d_model=args.d_model)
+                            weight_decay=cell.weight_decay, d_model=args.d_model,
+                            init=args.init)
             lm.launch(cell_args, cell.framework, s, out_dir)
         with open(path) as f:
             results.append((cell, json.load(f)))
