@@ -100,7 +100,7 @@ class Settings:
     beta2: float = 0.95
     clip: float = 1.0
     # Keras only (issue 36's sweep): the LearningRateSchedule (SCHEDULES), how the
-    # optimizer clips (CLIPS: global_clipnorm=clip, clipnorm=clip, none) and whether it
+    # optimizer clips (CLIPPINGS: global_clipnorm=clip, clipnorm=clip, none) and whether it
     # decays weights (weight_decay > 0: AdamW; 0: Adam).
     schedule: str = "warmup-cosine"
     clipping: str = "global"
