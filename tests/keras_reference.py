@@ -3,7 +3,10 @@
 The oracle for the Keras adapter (DESIGN.md, "Semantics"). It shares no code
 with the package, nor with Keras: the two optimizer rules are written out
 here in float32 NumPy, in the operation order of Keras 3.15's
-keras/src/optimizers/sgd.py and adam.py, and the pipeline is a plain FIFO.
+keras/src/optimizers/sgd.py and adam.py, with what BaseOptimizer.apply does
+around them (clipnorm / global_clipnorm, decoupled weight decay as AdamW's,
+a learning-rate schedule read at the optimizer's iteration count) and three
+of Keras's built-in schedules; the pipeline is a plain FIFO.
 
     each step t: push g_t = (sum over ranks of the rank gradients) / size
                  pop and apply, oldest first, while the FIFO holds >= need
@@ -41,23 +44,71 @@ import numpy as np
 F32 = np.float32
 
 
-class SGD:
+class Optimizer:
+    """What Keras 3's BaseOptimizer.apply does around each rule's update_step, in its order:
+
+        clip the gradients      clipnorm: g * c / max(|g|, c) per tensor;
+                                global_clipnorm: g * (c * min(1 / |all|, 1 / c))
+        lr = learning_rate      a number, or a schedule: a function of `iterations`
+                                (the updates so far), returning float32
+        weight decay            w = w - w * wd * lr (decoupled: AdamW, or any optimizer
+                                given weight_decay)
+        the rule's update       with the same lr
+        iterations += 1
+
+    Norms are float32 sums of squares, per tensor, then over tensors, as Keras's are.
+    """
+
+    def __init__(self, learning_rate, weight_decay=None, clipnorm=None, global_clipnorm=None):
+        if clipnorm is not None and global_clipnorm is not None:
+            raise ValueError("one of clipnorm and global_clipnorm")
+        self.learning_rate = learning_rate
+        self.weight_decay, self.clipnorm, self.global_clipnorm = (
+            weight_decay, clipnorm, global_clipnorm)
+        self.iterations = 0
+
+    def lr(self):
+        rate = self.learning_rate
+        return F32(rate(self.iterations)) if callable(rate) else F32(rate)
+
+    def clip(self, grads):
+        if self.clipnorm:
+            c = F32(self.clipnorm)
+            return [g * c / np.maximum(np.sqrt(np.sum(np.square(g), dtype=F32)), c)
+                    for g in grads]
+        if self.global_clipnorm:
+            c = F32(self.global_clipnorm)
+            norm = np.sqrt(np.sum(np.array([np.sum(np.square(g), dtype=F32) for g in grads],
+                                           dtype=F32), dtype=F32))
+            scale = c * np.minimum(F32(1) / norm, F32(1) / c)
+            return [g * scale for g in grads]
+        return grads
+
+    def update(self, weights, grads):
+        grads = self.clip([np.asarray(g).astype(F32) for g in grads])
+        lr = self.lr()
+        if self.weight_decay:
+            wd = F32(self.weight_decay)
+            for i, w in enumerate(weights):
+                weights[i] = w - w * wd * lr
+        self.rule(weights, grads, lr)
+        self.iterations += 1
+
+
+class SGD(Optimizer):
     """keras.optimizers.SGD(learning_rate, momentum, nesterov=False)."""
 
-    def __init__(self, learning_rate=0.01, momentum=0.0):
-        self.learning_rate = F32(learning_rate)
+    def __init__(self, learning_rate=0.01, momentum=0.0, **options):
+        super().__init__(learning_rate, **options)
         self.momentum = momentum
-        self.iterations = 0
         self.momentums = None
 
     def build(self, weights):
         if self.momentum != 0:
             self.momentums = [np.zeros_like(w) for w in weights]
 
-    def update(self, weights, grads):
-        lr = self.learning_rate
+    def rule(self, weights, grads, lr):
         for i, (w, g) in enumerate(zip(weights, grads)):
-            g = g.astype(F32)
             if self.momentums is not None and self.momentum != 0:
                 # m = m * momentum - g * lr;  w = w + m
                 m = self.momentums[i] * F32(self.momentum) - g * lr
@@ -65,14 +116,14 @@ class SGD:
                 weights[i] = w + m
             else:
                 weights[i] = w - g * lr
-        self.iterations += 1
 
     def slots(self):
         return {"momentum": self.momentums} if self.momentums is not None else {}
 
 
-class Adam:
-    """keras.optimizers.Adam(learning_rate, beta_1, beta_2, epsilon), amsgrad=False.
+class Adam(Optimizer):
+    """keras.optimizers.Adam(learning_rate, beta_1, beta_2, epsilon), amsgrad=False; with
+    weight_decay, keras.optimizers.AdamW.
 
     Keras's form: the bias corrections go into the step size, and epsilon is
     added to sqrt(v) uncorrected ("epsilon hat" of Kingma & Ba, sec. 2):
@@ -83,18 +134,16 @@ class Adam:
         w    -= m * alpha / (sqrt(v) + epsilon)
     """
 
-    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
-        self.learning_rate = F32(learning_rate)
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, **options):
+        super().__init__(learning_rate, **options)
         self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
-        self.iterations = 0
         self.m = self.v = None
 
     def build(self, weights):
         self.m = [np.zeros_like(w) for w in weights]
         self.v = [np.zeros_like(w) for w in weights]
 
-    def update(self, weights, grads):
-        lr = self.learning_rate
+    def rule(self, weights, grads, lr):
         t = F32(self.iterations + 1)
         b1_power = np.power(F32(self.beta_1), t)
         b2_power = np.power(F32(self.beta_2), t)
@@ -103,14 +152,55 @@ class Adam:
         # in double, then rounded to float32.
         one_minus_b1, one_minus_b2 = F32(1 - self.beta_1), F32(1 - self.beta_2)
         for i, (w, g) in enumerate(zip(weights, grads)):
-            g = g.astype(F32)
             self.m[i] = self.m[i] + (g - self.m[i]) * one_minus_b1
             self.v[i] = self.v[i] + (np.square(g) - self.v[i]) * one_minus_b2
             weights[i] = w - (self.m[i] * alpha) / (np.sqrt(self.v[i]) + F32(self.epsilon))
-        self.iterations += 1
 
     def slots(self):
         return {"momentum": self.m, "velocity": self.v}
+
+
+# Keras's built-in LearningRateSchedules, each as a function of the step written out in
+# float32 from keras/src/optimizers/schedules/learning_rate_schedule.py.
+
+def cosine_decay(initial_learning_rate, decay_steps, alpha=0.0, warmup_target=None,
+                 warmup_steps=0):
+    """keras.optimizers.schedules.CosineDecay (with warm-up when warmup_target is given)."""
+    initial, steps = F32(initial_learning_rate), F32(decay_steps)
+
+    def decayed(step, peak):
+        cosine = F32(0.5) * (F32(1) + np.cos(F32(np.pi) * (step / steps)))
+        return peak * (F32(1 - alpha) * cosine + F32(alpha))
+
+    def schedule(step):
+        step = F32(step)
+        if warmup_target is None:
+            return decayed(min(step, steps), initial)
+        target, warm = F32(warmup_target), F32(warmup_steps)
+        step = min(step, steps + warm)
+        if step < warm:
+            return (target - initial) * (step / warm) + initial
+        return decayed(step - warm, target)
+    return schedule
+
+
+def exponential_decay(initial_learning_rate, decay_steps, decay_rate):
+    """keras.optimizers.schedules.ExponentialDecay, staircase=False."""
+    def schedule(step):
+        return F32(initial_learning_rate) * np.power(F32(decay_rate),
+                                                     F32(step) / F32(decay_steps))
+    return schedule
+
+
+def piecewise_constant_decay(boundaries, values):
+    """keras.optimizers.schedules.PiecewiseConstantDecay: values[i] up to and including
+    boundaries[i], the last value after the last boundary."""
+    def schedule(step):
+        for boundary, value in zip(boundaries, values):
+            if step <= boundary:
+                return F32(value)
+        return F32(values[-1])
+    return schedule
 
 
 class Result:

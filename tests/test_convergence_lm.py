@@ -117,3 +117,74 @@ print("ok")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=240)
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
+
+
+def test_keras_settings_and_the_sweep_design_and_report(tmp_path):
+    """Issue 36's sweep: the schedules a Keras user passes (peak lr x size), the fractional
+    design's balance, the cell syntax, and the per-cell report from raw files."""
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    keras = pytest.importorskip("keras")
+    from pipe_horovod.tools.bench import convergence_sweep as sweep
+
+    s = lm.Settings(steps=400)
+    peak = 2 * s.lr
+    for name, at, want in [("cosine", [0, 50, 400], [0.0, peak, 0.0]),
+                           ("exponential", [0, 100], [peak, peak / 2]),
+                           ("piecewise", [200, 201, 301], [peak, peak / 4, peak / 16]),
+                           ("warmup-cosine", [0, 49], [lm.lr_at(s, 2, 0), peak])]:
+        schedule = lm.keras_schedule(keras, lm.Settings(steps=400, schedule=name), 2)
+        got = [float(keras.ops.convert_to_numpy(schedule(t))) for t in at]
+        assert got == pytest.approx(want, rel=1e-6), name
+    assert lm.keras_schedule(keras, lm.Settings(schedule="constant"), 2) == peak
+    opt = lm.keras_optimizer(keras, lm.Settings(clipping="norm", weight_decay=0.0), 2)
+    assert type(opt).__name__ == "Adam" and opt.clipnorm == s.clip and not opt.global_clipnorm
+    opt = lm.keras_optimizer(keras, lm.Settings(), 2)
+    assert type(opt).__name__ == "AdamW" and opt.global_clipnorm == s.clip
+    small = dict(d_model=64, heads=2, layers=1, context=8)
+    linear = 64 ** -0.5                            # nn.Linear's bound for the head: 0.125
+    for init, low, high in [("torch", 0.0, linear),
+                            ("keras", linear, (6 / (64 + lm.VOCAB)) ** 0.5)]:   # glorot
+        model = lm.keras_model(keras, lm.Settings(init=init, **small))
+        head = model.layers[-1].kernel            # Dense(VOCAB) after the last LayerNorm
+        top = float(np.abs(keras.ops.convert_to_numpy(head)).max())   # of 6144 draws
+        assert low < top <= high * (1 + 1e-6), (init, top)
+    with pytest.raises(ValueError, match="unknown init 'xavier'"):
+        lm.keras_model(keras, lm.Settings(init="xavier", **small))
+
+    cells = sweep.issue36()
+    assert len({(c.schedule, c.clipping) for c in cells}) == 12 == len(cells)
+    for attr in ("schedule", "clipping"):          # each level meets both of each binary
+        for level in {getattr(c, attr) for c in cells}:
+            mine = [c for c in cells if getattr(c, attr) == level]
+            assert {c.weight_decay for c in mine} == {0.0, 0.1}, (attr, level)
+            assert {c.framework for c in mine} == {"keras-tf", "keras-torch"}, (attr, level)
+    assert {(c.weight_decay, c.framework) for c in cells} == {
+        (w, f) for w in (0.0, 0.1) for f in ("keras-tf", "keras-torch")}
+    assert {c.steps for c in cells} == {400, 800, 1600}
+    assert sweep.cells_of("keras-torch:piecewise:none:0:800") == [
+        sweep.Cell("keras-torch", "piecewise", "none", 0.0, 800)]
+    for bad in ("keras-tf:cosine:global:0.1", "torch:cosine:global:0.1:400",
+                "keras-tf:linear:global:0.1:400"):
+        with pytest.raises(SystemExit):
+            sweep.cells_of(bad)
+    parser = __import__("argparse").ArgumentParser()
+    lm.add_arguments(parser)
+    for keras_only in (["--schedule", "cosine"], ["--init", "torch"]):
+        with pytest.raises(SystemExit):            # schedules, clipping, init are Keras's
+            lm.check_args(parser.parse_args(["--frameworks", "torch", *keras_only]))
+
+    cell = sweep.Cell("keras-tf", "cosine", "global", 0.1, 400)
+    runs = [{"config": c, "seed": seed, "steps": [400], "val_loss": [v], "train_time_s": 2.0,
+             "ranks_agree": True}
+            for c, seed, v in [("sync", 1, 1.90), ("sync", 2, 1.92), ("k2-lookahead", 1, 1.91),
+                               ("k2-lookahead", 2, 1.94)]]
+    raw = {"framework": "keras-tf", "settings": lm.asdict(s), "runs": runs}
+    with open(tmp_path / f"lm-{cell.key}-keras-tf-raw.json", "w") as f:
+        json.dump(raw, f)
+    args = parser.parse_args(["--sweep", "keras-tf:cosine:global:0.1:400", "--report-only",
+                              "--out", str(tmp_path), "--name", "lm"])
+    assert lm.run(args, ["--sweep", "..."]) == 0
+    text = (tmp_path / "lm.md").read_text()
+    assert "| keras-tf | cosine | global | 0.1 | 400 | 1.9100 | 1.9250 | +0.0100 / +0.0200 | " \
+           "**+0.0150** | yes | 2 |" in text, text
+    assert "the worst gap: +0.0150" in text and (tmp_path / "lm.png").stat().st_size > 0

@@ -18,6 +18,7 @@ pytest.importorskip("tensorflow")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 keras = pytest.importorskip("keras")
 
+import keras_reference as ref  # noqa: E402
 from keras_reference import SGD, Adam, average, reference  # noqa: E402
 from tolerance import OPTIMIZER_OPS, gamma, relative_error, training_rtol  # noqa: E402
 
@@ -88,10 +89,16 @@ def keras_run(make_optimizer, w0, grad_fn, depth, warmup, flush, compensation=No
 
 def rtol_for(name, depth=1, compensation=None):
     """Rounding's bound for STEPS steps of `name` on this problem (tests/tolerance.py):
-    the gradients are NumPy's on both sides, the rule is Keras's against the reference's."""
+    the gradients are NumPy's on both sides, the rule is Keras's against the reference's,
+    with what Keras's apply adds to it (SETTINGS' clipping, decay and schedule)."""
+    settings = SETTINGS.get(name, {})
+    clipped = (N_IN * N_OUT + N_OUT if "global_clipnorm" in settings
+               else N_IN * N_OUT if "clipnorm" in settings else 0)
     return training_rtol(steps=STEPS, fan_ins=(N_IN, N_OUT), batch=BATCH, ranks=SIZE,
                          optimizer="momentum" if name.startswith("sgd") else "adam",
-                         predicted=depth - 1 if compensation == "lookahead" else 0)
+                         predicted=depth - 1 if compensation == "lookahead" else 0,
+                         clipped=clipped, decayed="weight_decay" in settings,
+                         scheduled="schedule" in settings)
 
 
 def assert_close(actual, expected, what, rtol):
@@ -114,11 +121,54 @@ OPTIMIZERS = {
 }
 
 
+# What Keras's apply does around the rule (issue 36): a schedule read at the iteration
+# count, clipping, decoupled weight decay; each (keras, reference) pair of schedules and
+# the optimizer's other keyword arguments. Every setting moves the weights beyond
+# rounding's bound (checked below), so one applied at the wrong step or to the wrong
+# gradient cannot pass.
+SCHEDULES = {
+    "cosine": (lambda: keras.optimizers.schedules.CosineDecay(
+        0.0, STEPS - 3, alpha=0.1, warmup_target=0.05, warmup_steps=3),
+        lambda: ref.cosine_decay(0.0, STEPS - 3, alpha=0.1, warmup_target=0.05,
+                                 warmup_steps=3)),
+    "exponential": (lambda: keras.optimizers.schedules.ExponentialDecay(0.1, 3, 0.5),
+                    lambda: ref.exponential_decay(0.1, 3, 0.5)),
+    "piecewise": (lambda: keras.optimizers.schedules.PiecewiseConstantDecay(
+        [2, 5], [0.05, 0.02, 0.005]),
+        lambda: ref.piecewise_constant_decay([2, 5], [0.05, 0.02, 0.005])),
+}
+SETTINGS = {
+    "adamw-cosine-global": {"schedule": "cosine", "weight_decay": 0.2, "global_clipnorm": 0.5},
+    "sgd-exponential-clipnorm": {"schedule": "exponential", "weight_decay": 0.1,
+                                 "clipnorm": 0.3},
+    "adam-piecewise-global": {"schedule": "piecewise", "global_clipnorm": 0.5},
+}
+
+
+def with_settings(name, side):
+    """(keras or reference optimizer factory) for SETTINGS[name]; side 0: Keras, 1: ours."""
+    settings = dict(SETTINGS[name])
+    schedule = SCHEDULES[settings.pop("schedule")][side]
+    if name.startswith("sgd"):
+        cls = (keras.optimizers.SGD, SGD)[side]
+        return lambda: cls(learning_rate=schedule(), momentum=0.9, **settings)
+    if side == 0:
+        cls = keras.optimizers.AdamW if "weight_decay" in settings else keras.optimizers.Adam
+        return lambda: cls(learning_rate=schedule(), beta_1=0.9, beta_2=0.95, **settings)
+    return lambda: Adam(learning_rate=schedule(), beta_1=0.9, beta_2=0.95, **settings)
+
+
+for _name in SETTINGS:
+    OPTIMIZERS[_name] = (with_settings(_name, 0), with_settings(_name, 1),
+                         {"momentum": "momentum"} if _name.startswith("sgd")
+                         else {"momentum": "momentum", "velocity": "velocity"})
+
+
 @pytest.mark.parametrize("depth,warmup,compensation", [
     (1, 0, None), (2, 0, None), (2, 2, None), (3, 1, None),
     (2, 0, "lookahead"), (2, 2, "lookahead"), (3, 1, "lookahead")])
 @pytest.mark.parametrize("flush", [True, False], ids=["flush", "noflush"])
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - set(SETTINGS)))
 def test_reference_matches_keras(name, depth, warmup, flush, compensation):
     make_keras, make_ref, slot_names = OPTIMIZERS[name]
     w0, grad_fn = problem()
@@ -150,6 +200,30 @@ def test_reference_matches_keras(name, depth, warmup, flush, compensation):
                 base = reference(w0, grad_fn, make_ref(), steps=STEPS, size=SIZE, flush=flush,
                                  **other)
                 assert relative_error(base.weights[0], ref.weights[0]) > rtol
+
+
+@pytest.mark.parametrize("depth,warmup,compensation", [
+    (1, 0, None), (2, 0, None), (2, 0, "lookahead"), (3, 1, "lookahead")])
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_schedules_clipping_and_decay_match_keras(name, depth, warmup, compensation):
+    """The reference's schedules, clipping and weight decay against Keras's own, pipelined
+    and with lookahead (whose prediction runs the whole apply: this rank's gradient
+    clipped alone, the rate of the update it predicts, the decay)."""
+    test_reference_matches_keras(name, depth, warmup, True, compensation)
+    w0, grad_fn = problem()
+    want = reference(w0, grad_fn, OPTIMIZERS[name][1](), pipeline_depth=depth,
+                     warmup_steps=warmup, steps=STEPS, size=SIZE, compensation=compensation)
+    rtol = rtol_for(name, depth, compensation)
+    for setting in SETTINGS[name]:
+        opt = OPTIMIZERS[name][1]()
+        if setting == "schedule":       # the rate it has half-way, throughout
+            opt.learning_rate = opt.learning_rate(STEPS // 2)
+        else:
+            setattr(opt, setting, None)
+        other = reference(w0, grad_fn, opt, pipeline_depth=depth, warmup_steps=warmup,
+                          steps=STEPS, size=SIZE, compensation=compensation)
+        assert relative_error(other.weights[0], want.weights[0]) > rtol, (
+            f"{name}: without {setting} the weights stay within rounding's bound")
 
 
 @pytest.mark.parametrize("depth,warmup", [(2, 0), (3, 2)])

@@ -47,6 +47,16 @@ OPTIMIZER_OPS = {
     "adamw": 14,         # adam and the decoupled decay
 }
 
+# What Keras's apply adds to a rule, per update: clipping sums the squares of the
+# elements it takes the norm of (a tensor's for clipnorm, every gradient's for
+# global_clipnorm), then takes the root and scales (CLIP_OPS); decoupled weight decay
+# (w - w * wd * lr: DECAY_OPS, what "adamw" adds to "adam"); a learning-rate schedule
+# computes the rate in a few roundings (SCHEDULE_OPS: CosineDecay's division, cosine,
+# two products and two sums; ExponentialDecay's division and power).
+CLIP_OPS = 4
+DECAY_OPS = 2
+SCHEDULE_OPS = 6
+
 # The loss and the nonlinearities: a softmax and its log over a handful of classes,
 # tanh/relu, the mean's division: a few roundings each pass.
 LOSS_OPS = 8
@@ -97,22 +107,28 @@ def fan_ins(model) -> list:
 
 
 def training_ops(*, steps: int, fan_ins, batch: int, ranks: int, optimizer: str,
-                 predicted: int = 0) -> int:
+                 predicted: int = 0, clipped: int = 0, decayed: bool = False,
+                 scheduled: bool = False) -> int:
     """The rounded operations on the longest chain a weight depends on after `steps` updates:
     each step a forward and a backward pass (2 * the layers' fan-ins), the loss, the batch
     sum of the weight's gradient, the sum over ranks, and the optimizer's rule, run once for
     the update and `predicted` more times where a gradient is computed at predicted weights
-    (staleness_compensation="lookahead" at depth K predicts K - 1 updates ahead)."""
-    rule = OPTIMIZER_OPS[optimizer] * (1 + predicted)
+    (staleness_compensation="lookahead" at depth K predicts K - 1 updates ahead). What
+    Keras's apply adds to the rule: `clipped`, the elements a clipping norm sums (0: no
+    clipping); `decayed`, weight decay; `scheduled`, a learning-rate schedule."""
+    rule = (OPTIMIZER_OPS[optimizer] + (clipped + CLIP_OPS if clipped else 0)
+            + DECAY_OPS * decayed + SCHEDULE_OPS * scheduled) * (1 + predicted)
     return steps * (2 * sum(fan_ins) + LOSS_OPS + batch + ranks + rule)
 
 
 def training_rtol(dtype="float32", *, steps: int, fan_ins, batch: int, ranks: int,
-                  optimizer: str, predicted: int = 0) -> float:
+                  optimizer: str, predicted: int = 0, clipped: int = 0,
+                  decayed: bool = False, scheduled: bool = False) -> float:
     """How far two float runs of the same training may differ, relative to the largest
     weight: 2 * gamma~_n of the chain `training_ops` counts."""
     n = training_ops(steps=steps, fan_ins=fan_ins, batch=batch, ranks=ranks,
-                     optimizer=optimizer, predicted=predicted)
+                     optimizer=optimizer, predicted=predicted, clipped=clipped,
+                     decayed=decayed, scheduled=scheduled)
     return 2 * probable_gamma(n, dtype)
 
 

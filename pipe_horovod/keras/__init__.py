@@ -9,9 +9,8 @@
 
 Backends: TensorFlow (graph mode or eager; not XLA) and torch. The rest of
 horovod.tensorflow.keras's names are here too (identity, build flags,
-process sets, timeline, load_model, the value collectives), each
-delegating to the one pipe_horovod implementation; its `elastic` module is
-not (elastic training is PyTorch-only here: pipe_horovod.torch.elastic).
+process sets, timeline, load_model, the value collectives, `elastic`), each
+delegating to the one pipe_horovod implementation.
 """
 from ..compression import Compression
 from ..torch.mpi_ops import (Adasum, Average, ProcessSet, Sum, add_process_set,
@@ -21,7 +20,7 @@ from ..torch.mpi_ops import (Adasum, Average, ProcessSet, Sum, add_process_set,
                              local_size, mpi_built, mpi_enabled, mpi_threads_supported,
                              nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
                              start_timeline, stop_timeline)
-from . import callbacks
+from . import callbacks, elastic
 from .callbacks import broadcast_variables
 from .functions import allgather, allreduce, broadcast, broadcast_global_variables, reducescatter
 from .optimizer import DistributedOptimizer
@@ -31,7 +30,8 @@ __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "ProcessSet", "Sum",
     "add_process_set", "allgather", "allgather_object", "allreduce", "barrier", "broadcast",
     "broadcast_global_variables", "broadcast_object", "broadcast_variables", "callbacks",
-    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set",
+    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic",
+    "global_process_set",
     "gloo_built", "gloo_enabled", "init", "is_homogeneous", "is_initialized", "load_model",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "rank", "reducescatter", "remove_process_set", "rocm_built", "shutdown",

@@ -133,6 +133,43 @@ class _PipelinedKeras:
         """How many computed gradients are not applied yet."""
         return 0 if self._path is None else self._path.in_flight()
 
+    # --- elastic training (pipe_horovod.keras.elastic) ----------------------------
+    # KerasState calls these around a failure and an engine reset, as the PyTorch
+    # adapter's elastic state calls the torch optimizer's methods of the same names.
+    def drop_in_flight(self):
+        """Forget, without waiting, every gradient in flight and this step's progress:
+        after a failed collective they never land here. The committed state is loaded
+        next (load_own_variables)."""
+        if self._path is not None:
+            self._path.drop_in_flight()
+
+    def release_engine(self):
+        """Leave the engine before elastic resets it: its shutdown reports gradients in
+        flight as never applied, and the committed ones will be, after the reset."""
+        _built.discard(self)
+        if self._path is not None and _backend() == "torch":
+            self._path.torch_optimizer.release_engine()
+
+    def rebind_engine(self):
+        """Attach to the engine running now: after an elastic reset it is a new one, and
+        rank and size may differ. Every rank compares its model again at the next
+        collective point (elastic's sync).
+
+        Raises:
+            RuntimeError: the optimizer reduces over a process set, which does not
+                survive the reset.
+        """
+        if self._pipe_options["process_set"] is not None:
+            raise RuntimeError("a DistributedOptimizer over a process set cannot follow an "
+                               "elastic reset: process sets do not survive it")
+        self._joined = False
+        if self._path is None:
+            return
+        self._path.rebind_engine()
+        if _backend() == "tensorflow":
+            _built.add(self)
+            engine.current().before_shutdown(__name__, _report_unapplied)
+
     def prediction_scope(self):
         """The context the "lookahead" prediction runs this optimizer's updates in.
 

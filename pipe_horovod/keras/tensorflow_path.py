@@ -29,6 +29,7 @@ the real weights back before the real update. This step's own gradients are
 still in the graph; older ones (K >= 3) come back from the Python side,
 which keeps them with their step.
 """
+import functools
 import os
 import time
 
@@ -36,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 import torch
 
+from .. import engine
 from ..pipeline import StepGradient, StepMachine
 from ..pipeline.buckets import bucket_cap_bytes
 from .naming import next_prefix, variable_names
@@ -96,10 +98,11 @@ class TensorFlowPath:
         token = tf.constant(0, tf.int64)
         for bucket in self.machine.buckets:
             members = [grads[index[name]] for name in bucket.names]
-            token = self.transfer.op(self._handoff_for(bucket), [token, *members], tf.int64,
+            token = self.transfer.op(_keeping_failures(self._handoff_for(bucket)),
+                                     [token, *members], tf.int64,
                                      f"pipe_horovod_bucket_{bucket.index}")
         types = [tf.as_dtype(v.dtype) for v in variables]
-        out = self.transfer.op(self._finish, [token],
+        out = self.transfer.op(_keeping_failures(self._finish), [token],
                                types + [tf.bool] + types * self.older + [tf.int64] * self.lookahead,
                                "pipe_horovod_finish")
         n = len(variables)
@@ -191,6 +194,9 @@ class TensorFlowPath:
             start = time.perf_counter()
             out = self._to_tf(oldest.gradients())
             self.timings["wait_s"] += time.perf_counter() - start
+            # TensorFlow holds what it applies now; the slot allocates again when next
+            # filled, so between steps only the gradients in flight hold a buffer.
+            machine.release(oldest)
             self.timings["applied"] += 1
         else:
             out = self._zeros_tf()
@@ -223,8 +229,23 @@ class TensorFlowPath:
             self.optimizer._base_apply(
                 [tf.convert_to_tensor(self.transfer.to_tf(grads[n].reshape(self.shapes[n])))
                  for n in self.names], self.variables)
+            self.machine.release(entry)
             self.timings["applied"] += 1
         self._set_depth()
+
+    # --- elastic training (pipe_horovod.keras.elastic) ----------------------------
+    def drop_in_flight(self):
+        """Forget, without waiting, the gradients in flight and this step's hand-offs
+        (after a failed collective they never land); a committed state is loaded next."""
+        self.machine.forget()
+        self._arrays, self._local = {}, {}
+
+    def rebind_engine(self):
+        """Use the engine running now (rank and size may differ). The buckets stay as
+        planned: the traced train step holds one hand-off per bucket."""
+        self.machine.attach()
+        self.alone = self.lookahead and self.machine.solo
+        self._set_depth(len(self.machine.fifo))
 
     def _set_depth(self, in_flight=0):
         self.machine.fifo.pipeline_depth = 1 if self.alone and not in_flight else self.depth
@@ -269,6 +290,39 @@ class TensorFlowPath:
                 v.assign(real[n])
         if self.lookahead:
             self.predicted.assign(bool(real))
+
+
+_failures = []          # the last engine failure raised inside a hand-off
+
+
+def _keeping_failures(fn):
+    """`fn` (a hand-off the graph calls back), keeping the engine failure it raises:
+    TensorFlow reports an exception inside a numpy_function as its own UnknownError, and
+    elastic training must see the HorovodInternalError or HostsUpdatedInterrupt behind it
+    (failure_behind)."""
+    @functools.wraps(fn)
+    def call(*args):
+        try:
+            return fn(*args)
+        except (engine.HorovodInternalError, engine.HostsUpdatedInterrupt) as failure:
+            _failures[:] = [failure]
+            raise
+    return call
+
+
+def failure_behind(error):
+    """The engine failure a TensorFlow error raised by a train step stands for, or None.
+
+    Args:
+        error: an exception that left model.fit (or a train step).
+
+    Returns:
+        The HorovodInternalError or HostsUpdatedInterrupt a hand-off raised inside the
+        step, once (it is forgotten), when `error` is the TensorFlow error that carried it.
+    """
+    if not _failures or not isinstance(error, tf.errors.OpError):
+        return None
+    return _failures.pop()
 
 
 def _refuse_xla():

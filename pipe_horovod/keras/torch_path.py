@@ -115,6 +115,12 @@ class TorchPath:
         self.torch_optimizer.follow_keras()
         self.torch_optimizer.flush()
 
+    def drop_in_flight(self):
+        self.torch_optimizer.drop_in_flight()
+
+    def rebind_engine(self):
+        self.torch_optimizer.rebind_engine()
+
     def in_flight(self):
         return self.torch_optimizer.gradients_in_flight()
 

@@ -243,6 +243,16 @@ class StepMachine:
     def drain(self):
         return self.fifo.drain()
 
+    def release(self, entry):
+        """Let go of the slot buffers `entry`'s reductions landed in, once the adapter has
+        its gradients elsewhere: that slot allocates again at its next use. For a data path
+        whose framework keeps no gradient between steps (Keras on TensorFlow), so that
+        between steps only the slots still in flight hold memory; a tensor still viewing
+        a released buffer keeps it alive until it goes."""
+        for reduction in entry.reductions:
+            key = (reduction.step % self.fifo.pipeline_depth, reduction.bucket.index)
+            self._buffers.pop(key, None)
+
     # --- checkpoints --------------------------------------------------------
     def state(self):
         """What a checkpoint carries: waits for (local) reductions still in flight."""

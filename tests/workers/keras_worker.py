@@ -5,8 +5,11 @@ NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
   oracle                 SGD+momentum and Adam, K = 1, 2, 3, warm-up 0 and 2 (plain Pipe-SGD);
                          on several ranks also reduced by collective="ring"
   staleness              the same with staleness_compensation="lookahead", K = 2, 3 (with one
-                         rank equal to K=1 bit for bit); on TensorFlow one run_eagerly case
-                         too; on torch one case of each other option
+                         rank equal to K=1 bit for bit); on several ranks also "settings";
+                         on TensorFlow one run_eagerly case too; on torch one case of each
+                         other option
+  settings               AdamW with CosineDecay's warm-up and global_clipnorm, SGD with
+                         ExponentialDecay, clipnorm and weight decay, under lookahead
   full K OUT             all STEPS steps, then flush; weights to OUT (.npz)
   save K CKPT            SAVE_AT steps, then save the model (gradients in flight)
   full,save K OUT CKPT   both, in one launch, other optimizers; also among other modes
@@ -76,7 +79,23 @@ def gradients(step, rank, weights):
 def make(kind):
     if kind == "sgd":
         return keras.optimizers.SGD(0.05, momentum=0.9), ref.SGD(0.05, momentum=0.9)
-    return keras.optimizers.Adam(0.01), ref.Adam(0.01)
+    if kind == "adam":
+        return keras.optimizers.Adam(0.01), ref.Adam(0.01)
+    # What Keras's apply does around the rule (issue 36): a schedule read at the iteration
+    # count, clipping of the gradient it is given, decoupled weight decay.
+    schedules = keras.optimizers.schedules
+    if kind == "adamw-cosine-global":
+        return (keras.optimizers.AdamW(schedules.CosineDecay(
+                    0.0, STEPS - 4, alpha=0.1, warmup_target=0.03, warmup_steps=4),
+                    weight_decay=0.2, beta_2=0.95, global_clipnorm=0.5),
+                ref.Adam(ref.cosine_decay(0.0, STEPS - 4, alpha=0.1, warmup_target=0.03,
+                                          warmup_steps=4),
+                         weight_decay=0.2, beta_2=0.95, global_clipnorm=0.5))
+    assert kind == "sgd-exponential-clipnorm", kind
+    return (keras.optimizers.SGD(schedules.ExponentialDecay(0.05, 4, 0.5), momentum=0.9,
+                                 weight_decay=0.1, clipnorm=0.3),
+            ref.SGD(ref.exponential_decay(0.05, 4, 0.5), momentum=0.9, weight_decay=0.1,
+                    clipnorm=0.3))
 
 
 def fit(model, start, stop, callbacks=()):
@@ -94,9 +113,13 @@ def fit_rtol(kind, depth=1, compensation=None):
     rounding alone (tests/tolerance.py), with `kind`'s rule run once per update and, under
     "lookahead", K - 1 more times per step for the prediction."""
     predicted = depth - 1 if compensation == "lookahead" else 0
+    clipped = (IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT if "global" in kind
+               else IN * HIDDEN if "clipnorm" in kind else 0)
+    settings = kind not in ("sgd", "adam")       # make()'s: each decays and is scheduled
     return training_rtol(steps=STEPS, fan_ins=(IN, HIDDEN, OUT), batch=BATCH,
-                         ranks=phvd.size(), optimizer="adam" if kind == "adam" else "momentum",
-                         predicted=predicted)
+                         ranks=phvd.size(), optimizer="adam" if kind.startswith("adam")
+                         else "momentum", predicted=predicted, clipped=clipped,
+                         decayed=settings, scheduled=settings)
 
 
 def assert_close(got, want, what, rtol):
@@ -201,6 +224,8 @@ def check_staleness():
                                                      f"{i} differs from K=1"
     if alone:
         check_case("sgd", 3, 0, "lookahead")     # depth 1: nothing to send
+    else:
+        check_settings()
     if keras.backend.backend() == "tensorflow":
         if alone:
             check_case("adam", 3, 2, "lookahead", eagerly=True, predivide=2.0)
@@ -209,6 +234,14 @@ def check_staleness():
     for kind, depth, warmup, option in (("sgd", 3, 2, "predict"), ("adam", 2, 0, "dc"),
                                         ("sgd", 2, 1, "momentum"), ("adam", 3, 0, "momentum")):
         check_case(kind, depth, warmup, option)
+
+
+def check_settings():
+    """A schedule, clipping and weight decay in the real update and in the prediction
+    (issue 36): lookahead runs the whole of Keras's apply on this rank's own gradient, at
+    the iteration count the update it predicts will have."""
+    check_case("adamw-cosine-global", 2, 0, "lookahead")
+    check_case("sgd-exponential-clipnorm", 3, 1, "lookahead")
 
 
 def case_file(path, compensation, rank=None):
@@ -568,7 +601,8 @@ def main():
         # K, then one file for each of full and save that the launch runs, in that order.
         files = dict(zip([m for m in modes.split(",") if m in ("full", "save")], args[1:]))
         checks = {"oracle": check_oracle, "staleness": check_staleness,
-                  "callbacks": check_callbacks, "errors": check_errors, "overlap": check_overlap,
+                  "settings": check_settings, "callbacks": check_callbacks,
+                  "errors": check_errors, "overlap": check_overlap,
                   "api": lambda: check_api(Path(os.environ["PIPE_HOROVOD_TEST_DIR"])),
                   "full": lambda: check_checkpoint("full", args[0], files["full"]),
                   "save": lambda: check_checkpoint("save", args[0], files["save"])}

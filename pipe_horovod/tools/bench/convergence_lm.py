@@ -36,7 +36,11 @@ Training, as a user writes it with Horovod:
   LearningRateSchedule of the same shape and `global_clipnorm=1.0`, inside
   `pipe_horovod.keras.DistributedOptimizer`, trained by `model.fit` with
   BroadcastGlobalVariablesCallback and PipelineFlushCallback, validation by
-  fit's own `validation_data`.
+  fit's own `validation_data`. `--schedule` (Keras's built-in CosineDecay with
+  warm-up, ExponentialDecay, PiecewiseConstantDecay, a constant: keras_schedule),
+  `--clipping` (global_clipnorm, clipnorm, none) and `--weight-decay` (0: Adam)
+  change what Keras's optimizer does around its rule; `--sweep` runs a design of
+  such cells (convergence_sweep.py, issue 36).
 
 Each rank draws its own random windows of the training text (NumPy
 generator seeded with (seed, rank), the same for every configuration and
@@ -95,6 +99,14 @@ class Settings:
     beta1: float = 0.9
     beta2: float = 0.95
     clip: float = 1.0
+    # Keras only (issue 36's sweep): the LearningRateSchedule (SCHEDULES), how the
+    # optimizer clips (CLIPPINGS: global_clipnorm=clip, clipnorm=clip, none) and whether it
+    # decays weights (weight_decay > 0: AdamW; 0: Adam).
+    schedule: str = "warmup-cosine"
+    clipping: str = "global"
+    # Keras only: the kernels' initializer (INITS: Keras's own defaults, or PyTorch's
+    # nn.Linear bound; keras_model says which).
+    init: str = "keras"
     eval_every: int = 50
     train_chars: int = 1_000_000
     val_chars: int = 100_000
@@ -260,17 +272,83 @@ def keras_model(keras, s):
         def call(self, idx):
             return ops.take(self.tok, idx, axis=0) + self.pos[:ops.shape(idx)[1]]
 
+    if s.init not in INITS:
+        raise ValueError(f"unknown init {s.init!r}; choose from {', '.join(INITS)}")
+    # "torch": U(+-1/sqrt(fan_in)), nn.Linear's kernel bound, for every Dense and attention
+    # kernel (Keras counts a 3-D query/key/value kernel's fan_in as heads x d_model); the
+    # biases stay zero. "keras": Keras's glorot_uniform.
+    init = ({"kernel_initializer": keras.initializers.VarianceScaling(1 / 3, "fan_in",
+                                                                       "uniform")}
+            if s.init == "torch" else {})
     inp = keras.Input((s.context,), dtype="int32")
     x = TokenAndPosition()(inp)
     for _ in range(s.layers):
         h = layers.LayerNormalization(epsilon=1e-5)(x)
-        h = layers.MultiHeadAttention(s.heads, s.d_model // s.heads)(h, h, use_causal_mask=True)
+        h = layers.MultiHeadAttention(s.heads, s.d_model // s.heads, **init)(
+            h, h, use_causal_mask=True)
         x = x + h
         h = layers.LayerNormalization(epsilon=1e-5)(x)
-        h = layers.Dense(4 * s.d_model, activation="gelu")(h)
-        x = x + layers.Dense(s.d_model)(h)
+        h = layers.Dense(4 * s.d_model, activation="gelu", **init)(h)
+        x = x + layers.Dense(s.d_model, **init)(h)
     x = layers.LayerNormalization(epsilon=1e-5)(x)
-    return keras.Model(inp, layers.Dense(VOCAB)(x))
+    return keras.Model(inp, layers.Dense(VOCAB, **init)(x))
+
+
+SCHEDULES = ("warmup-cosine", "cosine", "exponential", "piecewise", "constant")
+CLIPPINGS = ("global", "norm", "none")
+INITS = ("keras", "torch")
+
+
+def keras_schedule(keras, s, size):
+    """The learning rate a Keras user passes, peak lr x size, by `s.schedule`:
+
+    * warmup-cosine: a LearningRateSchedule of lr_at's shape (linear warm-up over
+      `warmup` steps, cosine to min_lr_ratio of the peak), as the PyTorch run's LambdaLR;
+    * cosine: Keras's own CosineDecay with warm-up as its documentation shows it: from
+      0 up to the peak over `warmup` steps, then cosine over the rest down to 0;
+    * exponential: ExponentialDecay halving every quarter of the run (peak / 16 at the end);
+    * piecewise: PiecewiseConstantDecay, the peak, / 4 from half-way, / 16 from
+      three quarters;
+    * constant: the peak as a float (Keras keeps it in a variable).
+    """
+    peak, schedules = s.lr * size, keras.optimizers.schedules
+    if s.schedule == "cosine":
+        return schedules.CosineDecay(0.0, max(1, s.steps - s.warmup), alpha=0.0,
+                                     warmup_target=peak, warmup_steps=s.warmup)
+    if s.schedule == "exponential":
+        return schedules.ExponentialDecay(peak, max(1, s.steps // 4), 0.5)
+    if s.schedule == "piecewise":
+        return schedules.PiecewiseConstantDecay([s.steps // 2, 3 * s.steps // 4],
+                                                [peak, peak / 4, peak / 16])
+    if s.schedule == "constant":
+        return peak
+    if s.schedule != "warmup-cosine":
+        raise ValueError(f"unknown schedule {s.schedule!r}; choose from {', '.join(SCHEDULES)}")
+
+    class WarmupCosine(schedules.LearningRateSchedule):
+        def __call__(self, step):
+            ops = keras.ops
+            step = ops.cast(step, "float32")
+            warm = peak * (step + 1.0) / s.warmup
+            progress = ops.minimum(1.0, (step - s.warmup) / max(1, s.steps - s.warmup))
+            cos = peak * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5
+                          * (1.0 + ops.cos(math.pi * progress)))
+            return ops.where(step < s.warmup, warm, cos)
+
+    return WarmupCosine()
+
+
+def keras_optimizer(keras, s, size):
+    """The user's Keras optimizer: AdamW (Adam where weight_decay is 0) with the schedule,
+    betas and clipping of `s`."""
+    if s.clipping not in CLIPPINGS:
+        raise ValueError(f"unknown clipping {s.clipping!r}; choose from {', '.join(CLIPPINGS)}")
+    clip = {"global": {"global_clipnorm": s.clip}, "norm": {"clipnorm": s.clip}, "none": {}}
+    kwargs = dict(learning_rate=keras_schedule(keras, s, size), beta_1=s.beta1, beta_2=s.beta2,
+                  **clip[s.clipping])
+    if s.weight_decay:
+        return keras.optimizers.AdamW(weight_decay=s.weight_decay, **kwargs)
+    return keras.optimizers.Adam(**kwargs)
 
 
 def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True,
@@ -288,21 +366,8 @@ def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True,
     keras.utils.set_random_seed(seed)
     model = keras_model(keras, s)
 
-    class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
-        def __call__(self, step):
-            ops = keras.ops
-            step = ops.cast(step, "float32")
-            peak = s.lr * size
-            warm = peak * (step + 1.0) / s.warmup
-            progress = ops.minimum(1.0, (step - s.warmup) / max(1, s.steps - s.warmup))
-            cos = peak * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5
-                          * (1.0 + ops.cos(math.pi * progress)))
-            return ops.where(step < s.warmup, warm, cos)
-
-    opt = hvd.DistributedOptimizer(
-        keras.optimizers.AdamW(learning_rate=WarmupCosine(), weight_decay=s.weight_decay,
-                               beta_1=s.beta1, beta_2=s.beta2, global_clipnorm=s.clip),
-        pipeline_depth=depth, staleness_compensation=option)
+    opt = hvd.DistributedOptimizer(keras_optimizer(keras, s, size),
+                                   pipeline_depth=depth, staleness_compensation=option)
     if unclipped:
         predict_unclipped(opt)
     model.compile(optimizer=opt,
@@ -347,8 +412,8 @@ def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True,
 
 def predict_unclipped(opt):
     """Issue 24's check of one difference between the adapters: Keras's lookahead predicts by
-    the optimizer's own apply(), which clips this rank's *local* gradient by
-    global_clipnorm, while the PyTorch prediction uses the unclipped local gradient (users
+    the optimizer's own apply(), which clips this rank's *local* gradient (global_clipnorm
+    or clipnorm), while the PyTorch prediction uses the unclipped local gradient (users
     clip the averaged one after synchronize()). This makes the prediction of the Keras
     DistributedOptimizer `opt` unclipped too (the real update still clips), on whichever
     backend is in use, through its prediction_scope, to measure what it does."""
@@ -356,11 +421,12 @@ def predict_unclipped(opt):
 
     @contextlib.contextmanager
     def unclipped():
-        saved, opt.global_clipnorm = opt.global_clipnorm, None
+        saved = opt.global_clipnorm, opt.clipnorm
+        opt.global_clipnorm = opt.clipnorm = None
         try:
             yield
         finally:
-            opt.global_clipnorm = saved
+            opt.global_clipnorm, opt.clipnorm = saved
 
     opt.prediction_scope = unclipped
 
@@ -557,6 +623,24 @@ def add_arguments(p):
     p.add_argument("--steps", type=int, default=Settings.steps,
                    help=f"steps per run (default {Settings.steps}; Keras: a multiple of "
                         f"{Settings.eval_every})")
+    p.add_argument("--schedule", choices=SCHEDULES, default=Settings.schedule,
+                   help="Keras: the learning-rate schedule (keras_schedule says each; default "
+                        f"{Settings.schedule}, the PyTorch run's shape)")
+    p.add_argument("--clipping", choices=CLIPPINGS, default=Settings.clipping,
+                   help="Keras: global_clipnorm, clipnorm or no clipping (default global)")
+    p.add_argument("--init", choices=INITS, default=Settings.init,
+                   help="Keras: the kernels' initializer, Keras's glorot_uniform (default) or "
+                        "PyTorch's nn.Linear bound 1/sqrt(fan_in) (keras_model)")
+    p.add_argument("--weight-decay", type=float, default=Settings.weight_decay,
+                   help=f"AdamW's weight decay (default {Settings.weight_decay}); Keras: 0 "
+                        "trains with Adam")
+    p.add_argument("--d-model", type=int, default=Settings.d_model,
+                   help=f"the transformer's width (default {Settings.d_model})")
+    p.add_argument("--sweep",
+                   help="Keras: run the cells of a design (issue36) or of a list "
+                        "framework:schedule:clipping:weight_decay:steps,... (sync and the "
+                        "default, --seeds each) and report the default's gap per cell "
+                        "(convergence_sweep.py)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--engine", choices=ENGINES, default="torch",
                    help="PyTorch's engine: torch = torch.distributed.run (default), horovod = "
@@ -585,6 +669,11 @@ def check_args(args):
                              f"{', '.join(CONFIGS + EXTRA_CONFIGS)}")
         if config in EXTRA_CONFIGS and frameworks != ["torch"]:
             raise SystemExit(f"{config} runs in the PyTorch adapter only (--frameworks torch)")
+    if "torch" in frameworks and (args.schedule, args.clipping, args.init) != (
+            Settings.schedule, Settings.clipping, Settings.init):
+        raise SystemExit("--schedule, --clipping and --init are Keras settings; the PyTorch "
+                         "run clips the averaged gradient, warms up + cosine (lr_at) and "
+                         "initializes as torch.nn does")
     if args.engine != "torch" and frameworks != ["torch"]:
         raise SystemExit("--engine horovod runs the PyTorch adapter only (--frameworks torch)")
 
@@ -592,9 +681,13 @@ def check_args(args):
 def run(args, argv=None):
     if args.worker:
         return worker(args)
+    if args.sweep:
+        from . import convergence_sweep
+        return convergence_sweep.run(args, argv)
     if not args.report_only:
         check_args(args)
-    s = Settings(steps=args.steps)
+    s = Settings(steps=args.steps, schedule=args.schedule, clipping=args.clipping,
+                 weight_decay=args.weight_decay, d_model=args.d_model, init=args.init)
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     command = shlex.join(["pipe-horovod", "convergence-lm", *(
