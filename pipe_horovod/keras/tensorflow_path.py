@@ -27,7 +27,8 @@ run on this rank's own gradients of those steps, from a snapshot of its
 variables (iterations included) put back afterwards. The next apply() puts
 the real weights back before the real update. This step's own gradients are
 still in the graph; older ones (K >= 3) come back from the Python side,
-which keeps them with their step.
+which keeps them with their step. Local variables (register_local_var) are
+not reduced and not predicted: their gradient travels with its step.
 """
 import os
 import time
@@ -42,12 +43,16 @@ from .naming import next_prefix, variable_names
 
 
 class TensorFlowPath:
-    def __init__(self, optimizer, variables, options):
+    def __init__(self, optimizer, variables, options, local=()):
         self.optimizer = optimizer
         self.variables = variables
         self.names = variable_names(variables)
         self.shapes = dict(zip(self.names, (tuple(v.shape) for v in variables)))
         devices = [_torch_device(v) for v in variables]
+        # Local variables (register_local_var): not reduced; this rank's gradient, divided
+        # by size() with scale_local_gradients, travels with its step (_keep_unreduced).
+        self.local = [n for n, own in zip(self.names, local) if own]
+        self._unreduced = {}
         choice = os.environ.get("PIPE_HOROVOD_KERAS_TRANSFER")
         if choice not in (None, "numpy", "dlpack"):
             raise ValueError(f"PIPE_HOROVOD_KERAS_TRANSFER must be numpy or dlpack, got {choice!r}")
@@ -59,11 +64,13 @@ class TensorFlowPath:
             predivide=options["gradient_predivide_factor"], process_set=options["process_set"],
             cap_bytes=bucket_cap_bytes(options["bucket_cap_mb"]), groups=options["groups"],
             collective=options["collective"])
+        self.local_scale = 1.0 / self.machine.size if options["scale_local_gradients"] else 1.0
+        self.kinds = {name: (getattr(torch, _dtype(v).name), device)
+                      for name, v, device in zip(self.names, variables, devices)}
         # Ready order: backward produces the last layer's gradients first.
-        self.machine.plan([(name, int(np.prod(v.shape)), np.dtype(v.dtype).itemsize,
-                            (getattr(torch, np.dtype(v.dtype).name), device))
-                           for name, v, device in reversed(list(zip(self.names, variables,
-                                                                    devices)))])
+        self.machine.plan([(name, int(np.prod(v.shape)), _dtype(v).itemsize, self.kinds[name])
+                           for name, v in reversed(list(zip(self.names, variables)))
+                           if name not in self.local])
         self._arrays = {}                        # this step's gradients (torch views), by name
         self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0}
         depth = options["pipeline_depth"]
@@ -98,6 +105,10 @@ class TensorFlowPath:
             members = [grads[index[name]] for name in bucket.names]
             token = self.transfer.op(self._handoff_for(bucket), [token, *members], tf.int64,
                                      f"pipe_horovod_bucket_{bucket.index}")
+        if self.local:
+            token = self.transfer.op(self._keep_unreduced, [token, *(grads[index[name]]
+                                                                    for name in self.local)],
+                                     tf.int64, "pipe_horovod_local")
         types = [tf.as_dtype(v.dtype) for v in variables]
         out = self.transfer.op(self._finish, [token],
                                types + [tf.bool] + types * self.older + [tf.int64] * self.lookahead,
@@ -117,9 +128,15 @@ class TensorFlowPath:
                     lambda: tf.constant(False))
         return applied
 
-    def _step(self, grads):
-        """One update of the user's optimizer (a tf.cond branch: returns a tensor)."""
-        self.optimizer._base_apply(grads, self.variables)
+    def _step(self, grads, shared=False):
+        """One update of the user's optimizer (a tf.cond branch: returns a tensor); shared:
+        of the variables that are not local only (a prediction leaves those alone)."""
+        if shared and self.local:
+            grads, variables = zip(*[(g, v) for g, v, n in zip(grads, self.variables, self.names)
+                                     if n not in self.local])
+            self.optimizer._base_apply(list(grads), list(variables))
+        else:
+            self.optimizer._base_apply(grads, self.variables)
         return tf.constant(True)
 
     def put_real_back(self):
@@ -144,8 +161,9 @@ class TensorFlowPath:
         saved = [tf.identity(v.value) for v in state]   # reads: later updates do not change them
         with self.optimizer.prediction_scope():        # entered while tracing the prediction
             for j, grads in enumerate(older):
-                tf.cond(j + 1 < ahead, lambda g=grads: self._step(g), lambda: tf.constant(False))
-            self._step(current)
+                tf.cond(j + 1 < ahead, lambda g=grads: self._step(g, shared=True),
+                        lambda: tf.constant(False))
+            self._step(current, shared=True)
         for v, value in zip(state, saved):
             v.assign(value)
         self.predicted.assign(True)
@@ -168,6 +186,14 @@ class TensorFlowPath:
             return token
         return handoff
 
+    def _keep_unreduced(self, token, *arrays):
+        for name, array in zip(self.local, map(self.transfer.to_torch, arrays)):
+            own = array.clone()                  # TF reuses the buffer after the hand-off
+            self._unreduced[name] = own * self.local_scale if self.local_scale != 1.0 else own
+            if self.older:
+                self._local[name] = own
+        return token
+
     def _fill(self, bucket, flat):
         for name, start, numel in bucket.offsets():
             array = self._arrays.pop(name)
@@ -178,12 +204,13 @@ class TensorFlowPath:
     def _finish(self, token):
         machine = self.machine
         if machine.solo:                         # TF reuses its buffers after the hand-off
-            entry = StepGradient(loaded={n: a.clone() for n, a in self._arrays.items()})
+            entry = StepGradient(loaded={**{n: a.clone() for n, a in self._arrays.items()},
+                                         **self._unreduced})
         else:
             machine.launch_rest(self._fill)
-            entry = StepGradient(machine.launched, kept={"local": self._local} if self.older
-                                 else None)
-        self._arrays, self._local = {}, {}
+            entry = StepGradient(machine.launched, loaded=self._unreduced or None,
+                                 kept={"local": self._local} if self.older else None)
+        self._arrays, self._local, self._unreduced = {}, {}, {}
         ready = machine.finish_step(entry)
         self.timings["steps"] += 1
         if ready:
@@ -211,9 +238,9 @@ class TensorFlowPath:
         # Made per call, not kept: only the steps that fill the pipeline (and, at depth
         # K >= 3, its older slots until it is full) need them, and kept they were a
         # copy of the model alive for the whole run.
-        return [self.transfer.to_tf(torch.zeros(self.shapes[n], dtype=b.kind[0],
-                                                device=b.kind[1]))
-                for n, b in ((n, self.machine.bucket_of[n]) for n in self.names)]
+        return [self.transfer.to_tf(torch.zeros(self.shapes[n], dtype=self.kinds[n][0],
+                                                device=self.kinds[n][1]))
+                for n in self.names]
 
     # --- outside the step ---------------------------------------------------------
     def flush(self):
@@ -252,7 +279,7 @@ class TensorFlowPath:
 
         def here(arrays):
             return {n: torch.from_numpy(np.array(a, copy=True)).reshape(-1).to(
-                self.machine.bucket_of[n].kind[1]) for n, a in arrays.items()}
+                self.kinds[n][1]) for n, a in arrays.items()}
         self.machine.restore([here(grads) for grads in in_flight], [None] * len(in_flight), steps,
                              [{kind: here(t) for kind, t in k.items()}
                               for k in state.get("kept", [])] or None,
@@ -322,9 +349,15 @@ class DLPack:
         return tf.constant(value, tf.int64)
 
 
+def _dtype(variable):
+    """A Keras or tf.Variable's NumPy dtype."""
+    return np.dtype(tf.as_dtype(variable.dtype).as_numpy_dtype)
+
+
 def _torch_device(variable):
-    """The torch device of a TF variable ("/job:.../device:GPU:1" -> cuda:1)."""
-    spec = tf.DeviceSpec.from_string(variable.value.device or "/device:CPU:0")
+    """The torch device of a Keras or TF variable ("/job:.../device:GPU:1" -> cuda:1)."""
+    device = variable.value.device if hasattr(variable, "path") else variable.device
+    spec = tf.DeviceSpec.from_string(device or "/device:CPU:0")
     if spec.device_type == "GPU":
         return torch.device("cuda", spec.device_index or 0)
     return torch.device("cpu")
