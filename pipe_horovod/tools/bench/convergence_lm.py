@@ -302,7 +302,7 @@ def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True,
     opt = hvd.DistributedOptimizer(
         keras.optimizers.AdamW(learning_rate=WarmupCosine(), weight_decay=s.weight_decay,
                                beta_1=s.beta1, beta_2=s.beta2, global_clipnorm=s.clip),
-        pipeline_depth=depth, staleness_compensation=option)
+        pipeline_depth=depth, staleness_compensation=option, flush_in_fit=flush)
     if unclipped:
         predict_unclipped(opt)
     model.compile(optimizer=opt,
