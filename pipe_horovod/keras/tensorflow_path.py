@@ -337,6 +337,11 @@ class DLPack:
 
     @staticmethod
     def to_tf(tensor):
+        # TensorFlow's kernels need the 64-byte alignment its own buffers have (on the CPU a
+        # misaligned input aborts the process in Eigen); a gradient inside a bucket's flat
+        # buffer may start anywhere, so that one crosses as a copy.
+        if tensor.data_ptr() % 64:
+            tensor = tensor.clone()
         return tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(
             tensor.contiguous()))
 
