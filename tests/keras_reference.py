@@ -54,12 +54,9 @@ class SGD:
         if self.momentum != 0:
             self.momentums = [np.zeros_like(w) for w in weights]
 
-    def update(self, weights, grads, only=None):
-        """One update; `only`: the indices of the variables it moves (default all)."""
+    def update(self, weights, grads):
         lr = self.learning_rate
         for i, (w, g) in enumerate(zip(weights, grads)):
-            if only is not None and i not in only:
-                continue
             g = g.astype(F32)
             if self.momentums is not None and self.momentum != 0:
                 # m = m * momentum - g * lr;  w = w + m
@@ -96,8 +93,7 @@ class Adam:
         self.m = [np.zeros_like(w) for w in weights]
         self.v = [np.zeros_like(w) for w in weights]
 
-    def update(self, weights, grads, only=None):
-        """One update; `only`: the indices of the variables it moves (default all)."""
+    def update(self, weights, grads):
         lr = self.learning_rate
         t = F32(self.iterations + 1)
         b1_power = np.power(F32(self.beta_1), t)
@@ -107,8 +103,6 @@ class Adam:
         # in double, then rounded to float32.
         one_minus_b1, one_minus_b2 = F32(1 - self.beta_1), F32(1 - self.beta_2)
         for i, (w, g) in enumerate(zip(weights, grads)):
-            if only is not None and i not in only:
-                continue
             g = g.astype(F32)
             self.m[i] = self.m[i] + (g - self.m[i]) * one_minus_b1
             self.v[i] = self.v[i] + (np.square(g) - self.v[i]) * one_minus_b2
@@ -170,7 +164,8 @@ def reference(initial_weights, gradients, optimizer, pipeline_depth=1, warmup_st
     local: indices of variables whose gradient is not averaged: each rank applies
     its own, divided by size when scale_local (Horovod's register_local_var), so
     ranks differ in those variables, and every rank is simulated with its own
-    weights and optimizer. A "lookahead" prediction moves the other variables only.
+    weights and optimizer. A "lookahead" prediction runs the whole update and puts the
+    local variables back: it moves the others only.
     """
     if pipeline_depth < 1 or warmup_steps < 0 or passes < 1:
         raise ValueError("pipeline_depth >= 1, warmup_steps >= 0 and passes >= 1")
@@ -191,7 +186,6 @@ def reference(initial_weights, gradients, optimizer, pipeline_depth=1, warmup_st
     optimizer.build(weights[0])
     optimizers = [optimizer] + [copy.deepcopy(optimizer) for _ in range(size - 1)]
     local = set(local)
-    shared = [i for i in range(len(initial_weights)) if i not in local] if local else None
     fifo, applied = [], []         # fifo: (step, each rank's gradient to apply, each rank's own)
     previous = None                # "predict": each rank's weights before the last step's updates
     computed_at = {}               # "dc": step -> each rank's weights its gradients were computed at
@@ -223,7 +217,9 @@ def reference(initial_weights, gradients, optimizer, pipeline_depth=1, warmup_st
         if compensation == "lookahead" and fifo:
             simulated = copy.deepcopy(optimizers[rank])
             for _, _, per_rank in fifo:
-                simulated.update(ahead, per_rank[rank], only=shared)
+                simulated.update(ahead, per_rank[rank])
+                for i in local:                  # not predicted
+                    ahead[i] = weights[rank][i].copy()
         if compensation == "predict" and fifo:
             ahead = [w + len(fifo) * (w - w_prev)
                      for w, w_prev in zip(weights[rank], previous[rank])]

@@ -104,7 +104,7 @@ class _PipelinedKeras(_Keras2Gradients):
             return
         self._joined = True
         options = self._pipe_options
-        description = {f"variable {i} ({_variable_name(v)})":
+        description = {f"variable {i} ({v.name})":      # not its path: that counts models
                        f"shape {tuple(v.shape)} {_dtype(v)}{' local' if local else ''}"
                        for i, (v, local) in enumerate(zip(self._path.variables, self._local))}
         description.update({f"option {k}": repr(v) for k, v in options.items()

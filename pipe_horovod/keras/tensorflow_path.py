@@ -128,15 +128,9 @@ class TensorFlowPath:
                     lambda: tf.constant(False))
         return applied
 
-    def _step(self, grads, shared=False):
-        """One update of the user's optimizer (a tf.cond branch: returns a tensor); shared:
-        of the variables that are not local only (a prediction leaves those alone)."""
-        if shared and self.local:
-            grads, variables = zip(*[(g, v) for g, v, n in zip(grads, self.variables, self.names)
-                                     if n not in self.local])
-            self.optimizer._base_apply(list(grads), list(variables))
-        else:
-            self.optimizer._base_apply(grads, self.variables)
+    def _step(self, grads):
+        """One update of the user's optimizer (a tf.cond branch: returns a tensor)."""
+        self.optimizer._base_apply(grads, self.variables)
         return tf.constant(True)
 
     def put_real_back(self):
@@ -161,11 +155,13 @@ class TensorFlowPath:
         saved = [tf.identity(v.value) for v in state]   # reads: later updates do not change them
         with self.optimizer.prediction_scope():        # entered while tracing the prediction
             for j, grads in enumerate(older):
-                tf.cond(j + 1 < ahead, lambda g=grads: self._step(g, shared=True),
-                        lambda: tf.constant(False))
-            self._step(current, shared=True)
+                tf.cond(j + 1 < ahead, lambda g=grads: self._step(g), lambda: tf.constant(False))
+            self._step(current)
         for v, value in zip(state, saved):
             v.assign(value)
+        for v, real, name in zip(self.variables, self.real, self.names):
+            if name in self.local:                     # not predicted: back to the real one
+                v.assign(real)
         self.predicted.assign(True)
         return tf.constant(True)
 

@@ -97,13 +97,17 @@ class TorchPath:
 
         def update():
             with torch.no_grad():
-                if self.torch_optimizer.simulating or not self.local:
-                    optimizer._base_apply([p.grad for _, p, _ in reduced],
-                                          [v for _, _, v in reduced] if self.local else variables)
-                    return
-                grads = self.local_in_flight.pop(0)
-                optimizer._base_apply([grads[n] if n in grads else p.grad
-                                       for n, p in zip(self.names, params)], variables)
+                if not self.local:
+                    optimizer._base_apply([p.grad for p in params], variables)
+                elif self.torch_optimizer.simulating:          # not predicted: put back
+                    held = [(p, p.detach().clone()) for p in self._local_params.values()]
+                    optimizer._base_apply([p.grad for p in params], variables)
+                    for p, value in held:
+                        p.copy_(value)
+                else:
+                    grads = self.local_in_flight.pop(0)
+                    optimizer._base_apply([grads.get(n, p.grad)
+                                           for n, p in zip(self.names, params)], variables)
 
         self.params = params
         stand_in = _KerasUpdate([p for _, p, _ in reduced], optimizer, update,
