@@ -234,11 +234,9 @@ def check_aggregation():
     at K=1 and K=2, against the reference; then Horovod's Keras 2 entry points
     (_compute_gradients + apply_gradients) with both, and from_config leaving its input
     alone."""
-    for kind, depth, passes, average, local in (("sgd", 1, 2, True, ()),
-                                                ("adam", 2, 3, False, ()),
-                                                ("sgd", 2, 1, False, (1, 2)),
-                                                ("adam", 1, 4, True, (3,)),
-                                                ("sgd", 2, 2, False, (0,))):
+    # Each case traces a new train step (seconds on TensorFlow): the features combined.
+    for kind, depth, passes, average, local in (("sgd", 1, 2, True, (1, 2)),
+                                                ("adam", 2, 3, False, (0,))):
         check_case(kind, depth, 0, passes=passes, average=average, local=local)
     check_case("adam", 2, 0, "lookahead", passes=2, average=True, local=(1,))
     if keras.backend.backend() == "tensorflow":
