@@ -82,7 +82,7 @@ class _Keras2Gradients:
 
         aggregation = self._agg_helper
         if aggregation is None:
-            return self._reduced_now(grads)
+            return self._reduced_now(grads, [self._local[self._index(v)] for v in variables])
         present = [i for i, g in enumerate(grads) if g is not None]
         sums = [aggregation.sums[self._index(variables[i])] for i in present]
         aggregation.counter.assign_add(1)

@@ -249,32 +249,41 @@ def check_aggregation():
 
 def check_compute_gradients():
     """_compute_gradients reduces now: x's gradient is averaged over ranks, the local y's is
-    this rank's / size; summed over 2 passes and applied on the second, every pass an
-    iteration (Horovod's rule, as its test_gradient_aggregation_with_local_vars has it)."""
+    this rank's / size; with backward_passes_per_step=2 summed over 2 passes and applied on
+    the second, every pass an iteration (Horovod's rule, as its
+    test_gradient_aggregation_with_local_vars has it); with 1, every pass reduced and
+    applied (its test_partial_distributed_optimizer)."""
     import tensorflow as tf
 
     r, n = phvd.rank(), phvd.size()
-    opt = phvd.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2)
-    x, y = tf.Variable([0.0, 0.0]), tf.Variable([0.0])
-    opt.register_local_var(y)
-
-    @tf.function
-    def step():
-        grads_and_vars = opt._compute_gradients(
-            lambda: tf.reduce_sum(x * float(r + 1)) + tf.reduce_sum(y * float(r + 1)), [x, y])
-        opt.apply_gradients(grads_and_vars, experimental_aggregate_gradients=False)
-        return [g for g, _ in grads_and_vars]
     mean = sum(k + 1 for k in range(n)) / n
-    for i in range(4):
-        gx, gy = step()
-        cycles = (i + 1) // 2
-        assert int(opt.iterations.numpy()) == i + 1
-        assert int(opt._agg_helper.counter.numpy()) == (i + 1) % 2
-        want_x = 2 * mean if i % 2 else r + 1.0      # the reduced sum, or this rank's so far
-        want_y = 2 * (r + 1) / n if i % 2 else r + 1.0
-        assert gx.numpy().tolist() == [want_x] * 2 and gy.numpy().tolist() == [want_y], (i, gx, gy)
-        assert x.numpy().tolist() == [-2 * mean * cycles] * 2, (i, x)
-        assert y.numpy().tolist() == [-2 * (r + 1) / n * cycles], (i, y)
+    for passes in (1, 2):
+        opt = phvd.DistributedOptimizer(keras.optimizers.SGD(1.0),
+                                        backward_passes_per_step=passes)
+        x, y = tf.Variable([0.0, 0.0]), tf.Variable([0.0])
+        opt.register_local_var(y)
+
+        @tf.function
+        def step():
+            grads_and_vars = opt._compute_gradients(
+                lambda: tf.reduce_sum(x * float(r + 1)) + tf.reduce_sum(y * float(r + 1)),
+                [x, y])
+            opt.apply_gradients(grads_and_vars, experimental_aggregate_gradients=False)
+            return [g for g, _ in grads_and_vars]
+        for i in range(4):
+            gx, gy = step()
+            cycles = (i + 1) // passes
+            reduced = (i + 1) % passes == 0
+            assert int(opt.iterations.numpy()) == i + 1
+            if passes > 1:
+                assert int(opt._agg_helper.counter.numpy()) == (i + 1) % passes
+            # the reduced sum, or this rank's so far
+            want_x = passes * mean if reduced else r + 1.0
+            want_y = passes * (r + 1) / n if reduced else r + 1.0
+            assert gx.numpy().tolist() == [want_x] * 2 and gy.numpy().tolist() == [want_y], \
+                (passes, i, gx, gy)
+            assert x.numpy().tolist() == [-passes * mean * cycles] * 2, (passes, i, x)
+            assert y.numpy().tolist() == [-passes * (r + 1) / n * cycles], (passes, i, y)
 
 
 def case_file(path, compensation, rank=None):
