@@ -25,6 +25,9 @@ to a JSON file (resumable, as scripts/horovod_compat.py's) and, with
 
     python scripts/horovod_compat_keras.py --horovod-git /work/.mirror/horovod+horovod/repo \\
         --out docs/horovod_compatibility_keras.json --markdown docs/horovod_compatibility.md
+
+Horovod's test file imports `parameterized` (pip install parameterized); without it
+collection fails and the harness stops, saying so.
 """
 import argparse
 import datetime
