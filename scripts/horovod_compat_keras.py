@@ -218,8 +218,8 @@ def render_keras(data, command):
         out.append(f"| {hc.CONFIG_TITLES[c]} | " + " | ".join(str(counts.get(s, 0))
                                                            for s in hc.STATUSES)
                    + f" | {counts.get('—', 0)} |")
-    horovod_errors = {r["error"] for group in (tests, examples) for runs in group.values()
-                      for c, r in runs.items() if c == "horovod"}
+    horovod_errors = {r.get("error") or "" for group in (tests, examples)
+                      for runs in group.values() for c, r in runs.items() if c == "horovod"}
     if len(horovod_errors) == 1 and "has not been built" in next(iter(horovod_errors)):
         out.append(f"\nHorovod: every run made fails at `import horovod.tensorflow.keras` "
                    f"({hc._md_code(next(iter(horovod_errors)))}): Horovod 0.28.1's TensorFlow "

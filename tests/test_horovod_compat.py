@@ -446,16 +446,20 @@ def test_keras_example_outcome():
 def test_keras_section_replaces_itself_and_survives_the_torch_render(tmp_path):
     md = tmp_path / "compat.md"
     md.write_text(hc.render_markdown(_results(), "cmd"))
+    built = "ImportError: Extension horovod.tensorflow has not been built"
     data = {"meta": {"horovod_ref": "v0.28.1"}, "examples": {},
             "tests": {"Tf2KerasTests::test_a": {"ours-k2": {"status": "PASS"},
-                                                "ours-k1": {"status": "PASS"}},
+                                                "ours-k1": {"status": "PASS"},
+                                                "horovod": {"status": "FAIL", "error": built}},
+                      "Tf2KerasTests::test_session": {"ours-k2": {"status": "SKIP"}},
                       "Tf2KerasTests::test_legacy_optimizer": {"ours-k2": {"status": "FAIL"}}}}
     hk.write_section(md, hk.render_keras(data, "python scripts/horovod_compat_keras.py"))
     hk.write_section(md, hk.render_keras(data, "python scripts/horovod_compat_keras.py"))
     text = md.read_text()
-    assert text.count(hk.KERAS_BEGIN) == 1 and "| `test_a` | — | PASS | PASS |" in text
-    assert "ours K=2: 1/1 of the tests" in text and "target met" in text
+    assert text.count(hk.KERAS_BEGIN) == 1 and "| `test_a` | FAIL | PASS | PASS |" in text
+    assert "ours K=2: 1/1 of the tests" in text and "target met" in text, "test_session apart"
+    assert "every run made fails at `import horovod.tensorflow.keras`" in text
     out = tmp_path / "r.json"
     hc.save_results(_results(), out)
     hc.main(["--render-only", "--out", str(out), "--markdown", str(md)])
-    assert "| `test_a` | — | PASS | PASS |" in md.read_text(), "the torch render kept it"
+    assert "| `test_a` | FAIL | PASS | PASS |" in md.read_text(), "the torch render kept it"
