@@ -11,7 +11,10 @@ at once, so its cost is about one exposed reduction per epoch (plus, on
 TensorFlow, one update run eagerly); the script times whole epochs (wall time
 from on_epoch_begin to on_epoch_end, validation excluded) and reports the
 median of each setting and their difference, for every K and backend asked.
-Settings alternate epoch blocks, so a machine's drift hits both alike.
+Settings alternate epoch blocks, so a machine's drift hits both alike. On a
+loaded machine the epochs' spread hides the difference, so it also times the
+drains themselves (the flush calls fit makes in an epoch): an upper bound on
+the cost, since without the drain the next step would wait for part of it.
 """
 import argparse
 import json
@@ -54,13 +57,18 @@ def main(argv=None):
                 flush_in_fit=flush), loss="mse")
             model.fit(x, y, batch_size=32, epochs=1, verbose=0)      # traced, pipeline built
             models[flush] = model
+        drains = timed_flush(models[True].optimizer)
         seconds = {False: [], True: []}
+        drain_s = []
         for block in range(args.epochs):
             for flush in ((False, True) if block % 2 == 0 else (True, False)):
                 clock = epoch_clock(keras)
+                drains.clear()
                 models[flush].fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False,
                                   callbacks=[clock])
                 seconds[flush].append(clock.seconds)
+                if flush:
+                    drain_s.append(sum(drains))
         for model in models.values():
             model.optimizer.flush()
         row = {"backend": keras.backend.backend(), "size": hvd.size(), "pipeline_depth": depth,
@@ -68,6 +76,9 @@ def main(argv=None):
                "epoch_s_no_flush": float(np.median(seconds[False])),
                "epoch_s_flush": float(np.median(seconds[True]))}
         row["cost_s"] = row["epoch_s_flush"] - row["epoch_s_no_flush"]
+        row["drain_s"] = float(np.median(drain_s))
+        row["epoch_s_spread"] = [float(np.percentile(seconds[f], 75) - np.percentile(
+            seconds[f], 25)) for f in (False, True)]
         row["cost_steps"] = row["cost_s"] / (row["epoch_s_no_flush"] / args.steps)
         results.append(row)
         if hvd.rank() == 0:
@@ -75,6 +86,20 @@ def main(argv=None):
     if hvd.rank() == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def timed_flush(optimizer):
+    """Time every flush() of `optimizer` (the drains fit makes): the list of seconds."""
+    seconds, flush = [], optimizer.flush
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return flush(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+    optimizer.flush = timed
+    return seconds
 
 
 def epoch_clock(keras):
