@@ -202,6 +202,11 @@ def render_keras(data, command):
                 "pipe_horovod", "tensorflow", "keras", "python", "updated", "example_env"):
         if key in meta:
             out.append(f"| {key} | {meta[key]} |")
+    commits = Counter(r["pipe_horovod"] for group in (tests, examples) for runs in group.values()
+                      for r in runs.values() if "pipe_horovod" in r)
+    if len(commits) > 1:
+        out += ["", "The runs of ours were made at these pipe_horovod commits (runs): "
+                + ", ".join(f"{c} ({n})" for c, n in sorted(commits.items())) + "."]
     out += ["", "### The changes for ours", "",
             "Besides the imports, each applied where it matches, in every file:", "",
             "| pattern | replacement | forced by | applied |", "|---|---|---|---|"]
