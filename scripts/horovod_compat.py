@@ -43,6 +43,8 @@ CONFIG_TITLES = {"horovod": "Horovod", "ours-k2": "ours K=2", "ours-k1": "ours K
 DEPTH_ENV = "PIPE_HOROVOD_PIPELINE_DEPTH"
 STATUSES = ("PASS", "FAIL", "SKIP", "TIMEOUT")
 NOTES_BEGIN, NOTES_END = "<!-- notes -->", "<!-- /notes -->"
+# The Keras suite's section (scripts/horovod_compat_keras.py writes it; kept here).
+KERAS_BEGIN, KERAS_END = "<!-- keras -->", "<!-- /keras -->"
 
 # Tests whose result differs by the design of pipelining at K=2 (they must
 # pass with PIPE_HOROVOD_PIPELINE_DEPTH=1): test id -> why.
@@ -57,14 +59,20 @@ BY_DESIGN_K2 = {
 # --------------------------------------------------------------------------
 # The one change made to Horovod's file
 
-_IMPORT_AS = re.compile(r"^(?P<indent>\s*)import\s+horovod\.torch(?P<sub>(?:\.\w+)*)\s+as\s+(?P<alias>\w+)\s*(?P<comment>#.*)?$")
-_FROM_IMPORT = re.compile(r"^(?P<indent>\s*)from\s+horovod\.torch(?P<sub>(?:\.\w+)*)\s+import\s+(?P<names>.+)$")
-_BARE_IMPORT = re.compile(r"^\s*import\s+horovod\.torch(?:\.\w+)*\s*(?:#.*)?$")
+TORCH_MODULES = {"horovod.torch": "pipe_horovod.torch"}
 
 
-def rewrite_imports(source):
-    """Point every import of `horovod.torch` (and its submodules) at
-    `pipe_horovod.torch`; nothing else changes.
+def _import_patterns(module):
+    m = re.escape(module)
+    return (re.compile(rf"^(?P<indent>\s*)import\s+{m}(?P<sub>(?:\.\w+)*)\s+as\s+(?P<alias>\w+)\s*(?P<comment>#.*)?$"),
+            re.compile(rf"^(?P<indent>\s*)from\s+{m}(?P<sub>(?:\.\w+)*)\s+import\s+(?P<names>.+)$"),
+            re.compile(rf"^\s*import\s+{m}(?:\.\w+)*\s*(?:#.*)?$"))
+
+
+def rewrite_imports(source, modules=TORCH_MODULES):
+    """Point every import of each Horovod module in `modules` (and its submodules) at
+    ours (`modules`: {horovod module: pipe_horovod module}, default `horovod.torch` ->
+    `pipe_horovod.torch`); nothing else changes.
 
     Returns (new_source, changes) where changes is a list of
     (line_number, old_line, new_line). Raises ValueError for a bare
@@ -73,19 +81,24 @@ def rewrite_imports(source):
     """
     lines = source.splitlines(keepends=True)
     changes = []
+    # Longest first: `horovod.tensorflow.keras` before a `horovod.tensorflow` in the map.
+    patterns = [(module, ours, *_import_patterns(module))
+                for module, ours in sorted(modules.items(), key=lambda kv: -len(kv[0]))]
     for i, line in enumerate(lines):
         body = line.rstrip("\r\n")
         ending = line[len(body):]
         new = None
-        if _IMPORT_AS.match(body) or _FROM_IMPORT.match(body):
-            new = re.sub(r"\bhorovod\.torch\b", "pipe_horovod.torch", body, count=1)
-        elif _BARE_IMPORT.match(body):
-            raise ValueError(f"line {i + 1}: bare {body.strip()!r}: its uses would need rewriting too")
+        for module, ours, import_as, from_import, bare in patterns:
+            if import_as.match(body) or from_import.match(body):
+                new = re.sub(rf"\b{re.escape(module)}\b", ours, body, count=1)
+                break
+            if bare.match(body):
+                raise ValueError(f"line {i + 1}: bare {body.strip()!r}: its uses would need rewriting too")
         if new is not None and new != body:
             changes.append((i + 1, body, new))
             lines[i] = new + ending
     if not changes:
-        raise ValueError("no `horovod.torch` import to rewrite")
+        raise ValueError(f"no {' or '.join(f'`{m}`' for m in modules)} import to rewrite")
     return "".join(lines), changes
 
 
@@ -269,10 +282,11 @@ def _alive(p):
         return False
 
 
-def run_one(workdir, test_id, config, horovodrun, python, timeout, np=2, log_dir=None):
-    cmd = horovodrun_command(horovodrun, python, test_id, np)
+def launch(cmd, workdir, env, timeout):
+    """Run a launcher's command line in a session of its own, the whole tree killed at
+    `timeout`: (output, exit code, timed out, seconds)."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=workdir, env=config_env(config), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace",
                             start_new_session=True)
     timed_out = False
@@ -282,13 +296,22 @@ def run_one(workdir, test_id, config, horovodrun, python, timeout, np=2, log_dir
         timed_out = True
         _kill_tree(proc)
         output, _ = proc.communicate()
-    seconds = round(time.monotonic() - start, 1)
-    status, error = parse_run(output, proc.returncode, np=np, timed_out=timed_out, timeout=timeout)
+    return output, proc.returncode, timed_out, round(time.monotonic() - start, 1)
+
+
+def write_log(log_dir, config, name, cmd, workdir, rc, output):
     if log_dir:
-        log = Path(log_dir) / config / (test_id.split("::")[-1] + ".log")
+        log = Path(log_dir) / config / (name + ".log")
         log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(f"$ {shlex.join(cmd)}\n# cwd={workdir} config={config} rc={proc.returncode}\n{output}")
-    return {"status": status, "error": error, "rc": proc.returncode, "seconds": seconds}
+        log.write_text(f"$ {shlex.join(cmd)}\n# cwd={workdir} config={config} rc={rc}\n{output}")
+
+
+def run_one(workdir, test_id, config, horovodrun, python, timeout, np=2, log_dir=None):
+    cmd = horovodrun_command(horovodrun, python, test_id, np)
+    output, rc, timed_out, seconds = launch(cmd, workdir, config_env(config), timeout)
+    status, error = parse_run(output, rc, np=np, timed_out=timed_out, timeout=timeout)
+    write_log(log_dir, config, test_id.split("::")[-1], cmd, workdir, rc, output)
+    return {"status": status, "error": error, "rc": rc, "seconds": seconds}
 
 
 def pytest_ini(timeout):
@@ -297,10 +320,11 @@ def pytest_ini(timeout):
     return f"[pytest]\nfaulthandler_timeout = {max(5, int(timeout) - 20)}\n"
 
 
-def prepare_copies(tests_path, configs, root, timeout=120):
+def prepare_copies(tests_path, configs, root, timeout=120, convert=rewrite_imports):
     """A copy of the test file's folder (and its sibling `utils`, which the
-    file puts on sys.path) per configuration; for ours, with the imports
-    rewritten. Returns ({config: test file path}, diff text)."""
+    file puts on sys.path) per configuration; for ours, converted by
+    `convert(source) -> (new source, changes)` (the imports rewritten).
+    Returns ({config: test file path}, diff text)."""
     tests_path = Path(tests_path).resolve()
     source = tests_path.read_text()
     copies, diff = {}, ""
@@ -314,7 +338,7 @@ def prepare_copies(tests_path, configs, root, timeout=120):
         target = base / tests_path.parent.name / tests_path.name
         (target.parent / "pytest.ini").write_text(pytest_ini(timeout))
         if kind == "ours":
-            new_source, _ = rewrite_imports(source)
+            new_source, _ = convert(source)
             diff = import_diff(source, new_source, tests_path.name)
             target.write_text(new_source)
         copies[kind] = target
@@ -328,7 +352,7 @@ def collect(test_file, python, keyword=None):
         cmd += ["-k", keyword]
     env = config_env("horovod")
     proc = subprocess.run(cmd, cwd=test_file.parent, env=env, capture_output=True, text=True, timeout=300)
-    ids = [line.strip() for line in proc.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+    ids = [line.strip() for line in proc.stdout.splitlines() if line.startswith(f"{test_file.name}::")]
     if not ids and proc.returncode not in (0, 5):
         raise SystemExit(f"collection failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return ids
@@ -498,13 +522,18 @@ def _md_code(text):
     return f"`{text}`"
 
 
-def read_notes(markdown_path):
+def read_section(markdown_path, begin, end):
+    """The text between the markers `begin` and `end` in the file, or None."""
     if not markdown_path or not Path(markdown_path).exists():
         return None
     text = Path(markdown_path).read_text()
-    if NOTES_BEGIN in text and NOTES_END in text:
-        return text.split(NOTES_BEGIN, 1)[1].split(NOTES_END, 1)[0].strip("\n") or None
+    if begin in text and end in text:
+        return text.split(begin, 1)[1].split(end, 1)[0].strip("\n") or None
     return None
+
+
+def read_notes(markdown_path):
+    return read_section(markdown_path, NOTES_BEGIN, NOTES_END)
 
 
 # --------------------------------------------------------------------------
@@ -544,6 +573,9 @@ def main(argv=None):
     if args.markdown:
         cmds = data["meta"].get("commands") or [command]
         text = render_markdown(data, "\n".join(cmds), notes=read_notes(args.markdown))
+        keras = read_section(args.markdown, KERAS_BEGIN, KERAS_END)
+        if keras is not None:
+            text = text.rstrip("\n") + f"\n\n{KERAS_BEGIN}\n{keras}\n{KERAS_END}\n"
         Path(args.markdown).write_text(text)
         print(f"wrote {args.markdown}")
     summary = Counter()

@@ -204,13 +204,16 @@ def piecewise_constant_decay(boundaries, values):
 
 
 class Result:
-    """weights, optimizer (its iterations and slots), the FIFO left in flight
-    (steps and averaged gradients, oldest first), which step's gradient each
-    update applied, in order, and points[rank]: the weights each rank would
-    compute its next gradient at (the predicted ones under "lookahead")."""
+    """weights (rank 0's; rank_weights[r] every rank's, which differ only in local
+    variables), optimizer (rank 0's: its iterations and slots), the FIFO left in flight
+    (steps and rank 0's averaged gradients, oldest first), which step's gradient each
+    update applied, in order, and points[rank]: the weights each rank would compute its
+    next gradient at (the predicted ones under "lookahead")."""
 
-    def __init__(self, weights, optimizer, fifo, applied, points):
-        self.weights, self.optimizer, self.fifo, self.applied = weights, optimizer, fifo, applied
+    def __init__(self, rank_weights, optimizer, fifo, applied, points):
+        self.rank_weights = rank_weights
+        self.weights, self.optimizer, self.fifo, self.applied = (rank_weights[0], optimizer,
+                                                                 fifo, applied)
         self.points = points
 
     @property
@@ -231,7 +234,8 @@ def average(per_rank):
 
 
 def reference(initial_weights, gradients, optimizer, pipeline_depth=1, warmup_steps=0,
-              steps=None, size=None, flush=True, compensation=None):
+              steps=None, size=None, flush=True, compensation=None, passes=1,
+              average_passes=False, local=(), scale_local=True):
     """Run `steps` pipelined steps from `initial_weights` and return a Result.
 
     gradients: gradients[step][rank] -> list of arrays, or a callable
@@ -240,14 +244,25 @@ def reference(initial_weights, gradients, optimizer, pipeline_depth=1, warmup_st
     flush: apply what is still in flight at the end.
     compensation: None, "lookahead", "predict", "dc" or "momentum" (the module's
     docstring).
+    passes (backward_passes_per_step): `steps` counts backward passes then; each
+    rank sums its gradients over `passes` passes (float32, in order; divided by
+    `passes` with average_passes) and every passes-th pass pushes that sum as one
+    pipeline step (warm-up counts those steps); each pass between counts an
+    iteration of the optimizer and applies nothing (Horovod's rule), and computes
+    at the point the last step left (a prediction is made once per step). A cycle
+    not finished at the end stays unapplied, as in the package.
+    local: indices of variables whose gradient is not averaged: each rank applies
+    its own, divided by size when scale_local (Horovod's register_local_var), so
+    ranks differ in those variables, and every rank is simulated with its own
+    weights and optimizer. A "lookahead" prediction runs the whole update and puts the
+    local variables back: it moves the others only.
     """
-    if pipeline_depth < 1 or warmup_steps < 0:
-        raise ValueError("pipeline_depth >= 1 and warmup_steps >= 0")
+    if pipeline_depth < 1 or warmup_steps < 0 or passes < 1:
+        raise ValueError("pipeline_depth >= 1, warmup_steps >= 0 and passes >= 1")
     if compensation not in (None, "lookahead", "predict", "dc", "momentum"):
         raise ValueError(f"no reference for compensation={compensation!r}")
     if pipeline_depth == 1:
         compensation = None
-    weights = [np.array(w, dtype=F32, copy=True) for w in initial_weights]
     if callable(gradients):
         if steps is None or size is None:
             raise ValueError("a gradient function needs steps= and size=")
@@ -256,50 +271,78 @@ def reference(initial_weights, gradients, optimizer, pipeline_depth=1, warmup_st
         steps = len(gradients) if steps is None else steps
         grad_fn = lambda t, r, w: gradients[t][r]  # noqa: E731
         size = len(gradients[0]) if size is None else size
-    optimizer.build(weights)
-    fifo, applied = [], []         # fifo: (step, averaged gradient, each rank's own gradient)
-    previous = None                # "predict": the weights before the last step's updates
-    computed_at = {}               # "dc": step -> the weights its gradients were computed at
-    mean_square = [None] * len(weights)
+    weights = [[np.array(w, dtype=F32, copy=True) for w in initial_weights]
+               for _ in range(size)]
+    optimizer.build(weights[0])
+    optimizers = [optimizer] + [copy.deepcopy(optimizer) for _ in range(size - 1)]
+    local = set(local)
+    fifo, applied = [], []         # fifo: (step, each rank's gradient to apply, each rank's own)
+    previous = None                # "predict": each rank's weights before the last step's updates
+    computed_at = {}               # "dc": step -> each rank's weights its gradients were computed at
+    mean_square = [[None] * len(initial_weights) for _ in range(size)]
     momentum = "momentum" if isinstance(optimizer, SGD) else "beta_1"
+    sums = None                    # passes > 1: each rank's sum of this cycle's gradients
 
     def apply(step, grads, _, pushed):
-        if compensation == "dc":
-            for i, (g, w, w_then) in enumerate(zip(grads, weights, computed_at.pop(step))):
-                ms = g * g if mean_square[i] is None else F32(0.95) * mean_square[i] + \
-                    F32(0.05) * (g * g)
-                mean_square[i] = ms
-                grads[i] = g + F32(2.0) / (np.sqrt(ms) + F32(1e-7)) * g * g * (w - w_then)
-        value = getattr(optimizer, momentum)
-        if compensation == "momentum" and pushed > warmup_steps:
-            tau = pipeline_depth - 1
-            setattr(optimizer, momentum, max(0.0, value - tau / (tau + 1)))
-        optimizer.update(weights, grads)
-        setattr(optimizer, momentum, value)
+        for r in range(size):
+            opt, ws, g_r = optimizers[r], weights[r], list(grads[r])
+            if compensation == "dc":
+                for i, (g, w, w_then) in enumerate(zip(g_r, ws, computed_at[step][r])):
+                    ms = g * g if mean_square[r][i] is None else F32(0.95) * mean_square[r][i] + \
+                        F32(0.05) * (g * g)
+                    mean_square[r][i] = ms
+                    g_r[i] = g + F32(2.0) / (np.sqrt(ms) + F32(1e-7)) * g * g * (w - w_then)
+            value = getattr(opt, momentum)
+            if compensation == "momentum" and pushed > warmup_steps:
+                tau = pipeline_depth - 1
+                setattr(opt, momentum, max(0.0, value - tau / (tau + 1)))
+            opt.update(ws, g_r)
+            setattr(opt, momentum, value)
+        computed_at.pop(step, None)
         applied.append(step)
 
     def point(rank):
         """Where rank `rank` computes its next gradient."""
-        ahead = [w.copy() for w in weights]
+        ahead = [w.copy() for w in weights[rank]]
         if compensation == "lookahead" and fifo:
-            simulated = copy.deepcopy(optimizer)
+            simulated = copy.deepcopy(optimizers[rank])
             for _, _, per_rank in fifo:
                 simulated.update(ahead, per_rank[rank])
+                for i in local:                  # not predicted
+                    ahead[i] = weights[rank][i].copy()
         if compensation == "predict" and fifo:
-            ahead = [w + len(fifo) * (w - w_prev) for w, w_prev in zip(weights, previous)]
+            ahead = [w + len(fifo) * (w - w_prev)
+                     for w, w_prev in zip(weights[rank], previous[rank])]
         return ahead
 
+    pushed = 0
+    points = [point(r) for r in range(size)]     # made once per step: passes between reuse it
     for t in range(steps):
-        per_rank = [[np.asarray(g, dtype=F32) for g in grad_fn(t, r, point(r))]
+        per_rank = [[np.asarray(g, dtype=F32) for g in grad_fn(t, r, points[r])]
                     for r in range(size)]
-        computed_at[t] = [w.copy() for w in weights]
-        fifo.append((t, average(per_rank), per_rank))
-        previous = [w.copy() for w in weights]
-        need = 1 if t < warmup_steps else pipeline_depth
+        if passes > 1:
+            sums = per_rank if sums is None else [[s + g for s, g in zip(ss, gs)]
+                                                  for ss, gs in zip(sums, per_rank)]
+            if (t + 1) % passes:
+                for opt in optimizers:
+                    opt.iterations += 1
+                continue
+            per_rank, sums = sums, None
+            if average_passes:
+                per_rank = [[g / F32(passes) for g in gs] for gs in per_rank]
+        step = pushed
+        computed_at[step] = [[w.copy() for w in ws] for ws in weights]
+        mean = average(per_rank)
+        to_apply = [[(g * F32(1.0 / size) if scale_local else g) if i in local else mean[i]
+                     for i, g in enumerate(per_rank[r])] for r in range(size)]
+        fifo.append((step, to_apply, per_rank))
+        previous = [[w.copy() for w in ws] for ws in weights]
+        need = 1 if step < warmup_steps else pipeline_depth
+        pushed += 1
         while len(fifo) >= need:
-            apply(*fifo.pop(0), t + 1)
-    points = [point(r) for r in range(size)]
+            apply(*fifo.pop(0), pushed)
+        points = [point(r) for r in range(size)]
     if flush:
         while fifo:
-            apply(*fifo.pop(0), steps)
-    return Result(weights, optimizer, [(t, avg) for t, avg, _ in fifo], applied, points)
+            apply(*fifo.pop(0), pushed)
+    return Result(weights, optimizer, [(t, grads[0]) for t, grads, _ in fifo], applied, points)

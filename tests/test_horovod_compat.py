@@ -388,3 +388,78 @@ def test_copies_carry_a_faulthandler_timeout_below_the_kill(tmp_path):
     (tests / "test_f.py").write_text("import horovod.torch as hvd\n")
     copies, _ = hc.prepare_copies(tests / "test_f.py", ["ours-k2"], tmp_path / "w", timeout=120)
     assert "faulthandler_timeout = 100" in (copies["ours-k2"].parent / "pytest.ini").read_text()
+
+
+# ---------------------------------------------------------------- the Keras suite
+
+KERAS_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "horovod_compat_keras.py"
+_keras_spec = importlib.util.spec_from_file_location("horovod_compat_keras", KERAS_SCRIPT)
+hk = importlib.util.module_from_spec(_keras_spec)
+_keras_spec.loader.exec_module(hk)
+
+
+def test_keras_conversion_is_the_imports_and_the_listed_renames():
+    src = ("import tensorflow as tf\n"
+           "import horovod.keras as hvd_keras\n"
+           "import horovod.tensorflow.keras as hvd\n"
+           "from horovod.common.util import is_version_greater_equal_than\n"
+           "opt = keras.optimizers.RMSprop(lr=0.0001)\n"
+           "cb = hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.1)\n"
+           "model.compile(loss=keras.losses.mean_squared_error,\n"
+           "              optimizer=opt,\n"
+           "              experimental_run_tf_function=False)\n"
+           "config = tf.ConfigProto()\n"
+           "config.gpu_options.allow_growth = True\n"
+           "K.set_session(tf.Session(config=config))\n"
+           "lr = self.model.optimizer.lr.numpy()\n")
+    new, changes = hk.convert(src)
+    assert new == ("import tensorflow as tf\n"
+                   "import pipe_horovod.keras as hvd_keras\n"
+                   "import pipe_horovod.keras as hvd\n"
+                   "from horovod.common.util import is_version_greater_equal_than\n"
+                   "opt = keras.optimizers.RMSprop(learning_rate=0.0001)\n"
+                   "cb = hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.1)\n"
+                   "model.compile(loss=keras.losses.MSE,\n"
+                   "              optimizer=opt)\n"
+                   "lr = self.model.optimizer.learning_rate.numpy()\n")
+    assert sum(count for _, count in changes) == 7 and len(changes) == 7
+    assert all(len(why) > 20 for _, _, why in hk.RENAMES), "each rename says why"
+
+
+def test_keras_example_outcome():
+    ok = ("[0]<stdout>:EXAMPLE_END rank=0 models=1 in_flight=0 weights=ab12\n"
+          "[1]<stdout>:EXAMPLE_END rank=1 models=1 in_flight=0 weights=ab12\n")
+    res = hk.parse_example(ok, 0)
+    assert res["status"] == "PASS" and res["weights_agree"] and res["in_flight"] == 0
+    assert res["unapplied_warning"] is False
+    apart = ok.replace("rank=1 models=1 in_flight=0 weights=ab12",
+                       "rank=1 models=1 in_flight=1 weights=cd34") + \
+        "pipe_horovod: 1 computed gradient(s) were not applied because flush() was not called\n"
+    res = hk.parse_example(apart, 0)
+    assert res["status"] == "PASS" and not res["weights_agree"] and res["in_flight"] == 1
+    assert res["unapplied_warning"] is True
+    died = "[0]<stderr>:ValueError: apply() got other variables\n"
+    assert hk.parse_example(died, 1) == {"unapplied_warning": False, "status": "FAIL",
+                                         "error": "ValueError: apply() got other variables"}
+
+
+def test_keras_section_replaces_itself_and_survives_the_torch_render(tmp_path):
+    md = tmp_path / "compat.md"
+    md.write_text(hc.render_markdown(_results(), "cmd"))
+    built = "ImportError: Extension horovod.tensorflow has not been built"
+    data = {"meta": {"horovod_ref": "v0.28.1"}, "examples": {},
+            "tests": {"Tf2KerasTests::test_a": {"ours-k2": {"status": "PASS"},
+                                                "ours-k1": {"status": "PASS"},
+                                                "horovod": {"status": "FAIL", "error": built}},
+                      "Tf2KerasTests::test_session": {"ours-k2": {"status": "SKIP"}},
+                      "Tf2KerasTests::test_legacy_optimizer": {"ours-k2": {"status": "FAIL"}}}}
+    hk.write_section(md, hk.render_keras(data, "python scripts/horovod_compat_keras.py"))
+    hk.write_section(md, hk.render_keras(data, "python scripts/horovod_compat_keras.py"))
+    text = md.read_text()
+    assert text.count(hk.KERAS_BEGIN) == 1 and "| `test_a` | FAIL | PASS | PASS |" in text
+    assert "ours K=2: 1/1 of the tests" in text and "target met" in text, "test_session apart"
+    assert "every run made fails at `import horovod.tensorflow.keras`" in text
+    out = tmp_path / "r.json"
+    hc.save_results(_results(), out)
+    hc.main(["--render-only", "--out", str(out), "--markdown", str(md)])
+    assert "| `test_a` | FAIL | PASS | PASS |" in md.read_text(), "the torch render kept it"

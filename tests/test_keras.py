@@ -17,7 +17,8 @@ pytest.importorskip("keras")
 # TensorFlow process only the oracle runs: the torchrun launch checks the rest on
 # TensorFlow with the same code (42 s of the suite's 20 minutes otherwise).
 MODES = {"local": "oracle,staleness,errors,callbacks,overlap",
-         "torch": "oracle,staleness,errors,callbacks", "horovod": "oracle,callbacks"}
+         "torch": "oracle,staleness,errors,callbacks,aggregation,settings",
+         "horovod": "oracle,callbacks,metrics"}
 EXTRA_MODES = {("horovod", "torch"): ",staleness", ("torch", "tensorflow"): ",overlap"}
 ONLY_MODES = {("local", "tensorflow"): "oracle"}
 LAST_MODE = ",api"           # rank 0 alone builds optimizers there: nothing may follow
@@ -112,7 +113,8 @@ def test_wrapping_before_init_is_a_clear_error():
 
 def test_horovod_keras_script_runs_with_only_its_import_changed(tmp_path):
     """Under horovodrun, Horovod's own Keras arguments and callbacks, a tf.data pipeline,
-    rank-0 checkpoints and no flush(): it runs, every rank ends with the same weights.
+    rank-0 checkpoints and no flush(): it runs, every rank ends with the same weights, every
+    computed gradient applied (fit flushes), and nothing is said about unapplied ones.
     Launched again for one more epoch, it resumes as Horovod's Keras ImageNet example
     does (hvd.broadcast of the epoch, hvd.load_model on rank 0 alone). (The torch engine
     runs the same TensorFlow path in test_fit_matches_the_reference.)"""
@@ -123,7 +125,7 @@ def test_horovod_keras_script_runs_with_only_its_import_changed(tmp_path):
                           env=env)
     assert (tmp_path / "checkpoint-2.keras").exists() and (tmp_path / "weights-2.npy").exists()
     assert "resumed_from=0" in out
-    assert "1 computed gradient(s) were not applied" in out   # told, not silently lost
+    assert "were not applied" not in out       # fit applied them
     _, out = launcher.run("horovod", 2, "horovod_keras_script.py", tmp_path, 3, timeout=300,
                           env=env)
     assert "resumed_from=2" in out and (tmp_path / "checkpoint-3.keras").exists()

@@ -259,3 +259,36 @@ def test_fixed_gradient_sequences():
     ref2 = reference(w0, grads, Adam(learning_rate=0.05), pipeline_depth=2, flush=False)
     assert ref2.applied == [0, 1, 2, 3] and [s for s, _ in ref2.fifo] == [4]
     assert ref2.iterations == 4
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_aggregation_and_local_variables(average):
+    """backward_passes_per_step=3 and a local variable, written out: the real Keras Adam,
+    per rank, given each 3 passes' sum (/ 3 averaged) every third pass, averaged over the
+    2 ranks except the local bias (this rank's / 2); iterations count every pass."""
+    rng = np.random.default_rng(2)
+    shapes = [(4, 2), (2,)]
+    passes, size = 3, 2
+    grads = [[[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(size)]
+             for _ in range(2 * passes)]
+    w0 = [np.ones(s, np.float32) for s in shapes]
+    ref = reference(w0, grads, Adam(learning_rate=0.05), pipeline_depth=1, passes=passes,
+                    average_passes=average, local=(1,))
+    rtol = 2 * gamma(len(grads) * (OPTIMIZER_OPS["adam"] + 4), "float32")
+    for rank in range(size):
+        variables = [keras.Variable(w, dtype="float32") for w in w0]
+        opt = keras.optimizers.Adam(learning_rate=0.05)
+        opt.build(variables)
+        for cycle in range(2):
+            sums = [[sum(grads[cycle * passes + p][r][i] for p in range(passes))
+                     for i in range(len(shapes))] for r in range(size)]
+            if average:
+                sums = [[g / np.float32(passes) for g in gs] for gs in sums]
+            opt.iterations.assign_add(passes - 1)          # the passes that apply nothing
+            opt.apply([(sums[0][0] + sums[1][0]) / np.float32(2), sums[rank][1] / np.float32(2)],
+                      variables)
+        assert int(opt.iterations.numpy()) == ref.iterations == 2 * passes
+        for v, w in zip(variables, ref.rank_weights[rank]):
+            assert_close(v.numpy(), w, f"rank {rank}", rtol)
+    assert not np.array_equal(ref.rank_weights[0][1], ref.rank_weights[1][1]), "local differs"
+    assert np.array_equal(ref.rank_weights[0][0], ref.rank_weights[1][0]), "shared agrees"

@@ -4,8 +4,11 @@
     hvd.init()
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size()))
     model.compile(optimizer=opt, ...)
-    model.fit(..., callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
-                              hvd.callbacks.PipelineFlushCallback()])
+    model.fit(..., callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+fit applies every gradient in flight after each epoch and when it ends
+(DistributedOptimizer's flush_in_fit), so what it validates, saves and leaves
+behind holds every computed gradient, the same on every rank.
 
 Backends: TensorFlow (graph mode or eager; not XLA) and torch. The rest of
 horovod.tensorflow.keras's names are here too (identity, build flags,
@@ -23,11 +26,12 @@ from ..torch.mpi_ops import (Adasum, Average, ProcessSet, Sum, add_process_set,
 from . import callbacks, elastic
 from .callbacks import broadcast_variables
 from .functions import allgather, allreduce, broadcast, broadcast_global_variables, reducescatter
-from .optimizer import DistributedOptimizer
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from .saving import load_model
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedOptimizer", "ProcessSet", "Sum",
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "PartialDistributedOptimizer",
+    "ProcessSet", "Sum",
     "add_process_set", "allgather", "allgather_object", "allreduce", "barrier", "broadcast",
     "broadcast_global_variables", "broadcast_object", "broadcast_variables", "callbacks",
     "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic",

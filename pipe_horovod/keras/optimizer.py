@@ -16,6 +16,7 @@ The data path depends on the backend:
 Both paths share pipeline.StepMachine with the PyTorch adapter.
 """
 import contextlib
+import copy
 import json
 import warnings
 import weakref
@@ -29,7 +30,8 @@ from ..compression import Compression, config_name
 from ..pipeline.buckets import AutoBucketCap, resolve_bucket_cap_mb
 from ..pipeline import (announce_depth, check_options, check_reduction, check_staleness,
                         compare_across_ranks, report_unapplied, resolve_depth, staleness)
-from .naming import momentum_attribute
+from .keras2_gradients import _Keras2Gradients
+from .naming import momentum_attribute, next_prefix
 
 SUPPORTED_BACKENDS = ("tensorflow", "torch")
 # staleness_compensation options per backend (None works everywhere): on torch the
@@ -39,13 +41,34 @@ _announced = set()                 # depth settings rank 0 has explained already
 _built = weakref.WeakSet()         # wrapped optimizers with a data path, for the exit report
 
 
-class _PipelinedKeras:
+class _PipelinedKeras(_Keras2Gradients):
     """Mixin placed before the user's optimizer class in the MRO."""
 
     def _setup_pipeline(self, options):
         self._pipe_options = options
         self._path = None                        # the backend's data path, made by build()
         self._joined = False
+        # register_local_var's, until build(): set past Keras's attribute tracking, which
+        # would make model variables in a list here variables of the optimizer (saved,
+        # broadcast and put back after each lookahead prediction with its state).
+        object.__setattr__(self, "_local_vars", [])
+        self._local = []                         # per built variable: its gradient stays local
+        self._agg_helper = None                  # aggregation.py, Horovod's attribute name
+        self._reduced = False                    # _compute_gradients reduced what apply gets
+
+    def register_local_var(self, var):
+        """Keep `var`'s gradient local: never reduced, divided by size() when
+        scale_local_gradients=True (Horovod's rule), and applied with its step's averaged
+        gradients. Call before the first step (Horovod's PartialDistributedOptimizer calls
+        it for every trainable variable of its `local_layers`).
+
+        Raises:
+            ValueError: the optimizer is built already (its reductions are planned).
+        """
+        if self.built:
+            raise ValueError(f"register_local_var({_variable_name(var)}): the optimizer is "
+                             "built already; register local variables before the first step")
+        self._local_vars.append(var)
 
     # --- building ----------------------------------------------------------
     # Keras builds an optimizer wherever it first needs its variables: before the first
@@ -59,12 +82,19 @@ class _PipelinedKeras:
             return
         super().build(variables)
         variables, options = list(variables), self._pipe_options
+        self._local = [any(_same_variable(v, local) for local in self._local_vars)
+                       for v in variables]
+        self._prefix = next_prefix()             # names of what it reduces outside the path
+        if options["backward_passes_per_step"] > 1:
+            from .aggregation import Aggregation
+            self._agg_helper = Aggregation(self, variables, options["backward_passes_per_step"],
+                                           options["average_aggregated_gradients"])
         if _backend() == "torch":
             from .torch_path import TorchPath
-            self._path = TorchPath(self, variables, options)
+            self._path = TorchPath(self, variables, options, self._local)
         else:
             from .tensorflow_path import TensorFlowPath
-            self._path = TensorFlowPath(self, variables, options)
+            self._path = TensorFlowPath(self, variables, options, self._local)
             _built.add(self)
             engine.current().before_shutdown(__name__, _report_unapplied)
 
@@ -74,8 +104,9 @@ class _PipelinedKeras:
             return
         self._joined = True
         options = self._pipe_options
-        description = {f"variable {i} ({v.name})": f"shape {tuple(v.shape)} {v.dtype}"
-                       for i, v in enumerate(self._path.variables)}
+        description = {f"variable {i} ({v.name})":      # not its path: that counts models
+                       f"shape {tuple(v.shape)} {_dtype(v)}{' local' if local else ''}"
+                       for i, (v, local) in enumerate(zip(self._path.variables, self._local))}
         description.update({f"option {k}": repr(v) for k, v in options.items()
                             if k != "process_set"})
         ps = options["process_set"]
@@ -93,21 +124,62 @@ class _PipelinedKeras:
     def apply(self, grads, trainable_variables=None):
         variables = (list(trainable_variables) if trainable_variables is not None
                      else list(self._trainable_variables))
+        self._build_for(variables)
+        self._join()
+        grads = [_dense(g) for g in grads]
+        if self._reduced:                        # _compute_gradients reduced them already
+            self._reduced = False
+            return self._apply_reduced(grads, variables)
+        if self._agg_helper is None:
+            return self._path.apply(grads, variables)
+        return self._agg_helper.apply(grads, lambda total: self._path.apply(total, variables),
+                                      getattr(self._path, "count_pass", None))
+
+    def _build_for(self, variables):
         if not self.built:
             from keras.src import backend as keras_backend
             with keras_backend.name_scope(self.name, caller=self):
                 self.build(variables)
             self.built = True
-        self._join()
-        return self._path.apply(list(grads), variables)
+
+    def scale_loss(self, loss):
+        """Keras's loss scaling; on the torch backend with backward_passes_per_step > 1 it
+        also prepares this pass's backward (aggregation.py: Keras's train step calls this
+        after Model.zero_grad() and before backward, the one place to put the running sum
+        back into `.grad`)."""
+        loss = super().scale_loss(loss)
+        if self._agg_helper is not None and _backend() == "torch":
+            self._agg_helper.prepare_backward()
+            scale = self._agg_helper.loss_scale()
+            if scale != 1.0:
+                loss = loss * scale
+        return loss
 
     def finalize_variable_values(self, var_list):
-        """Keras calls this at the end of fit: the model gets its real weights back where
-        the staleness compensation left this rank's predicted ones, so what is read after
-        fit is the same on every rank. The gradients in flight stay in flight."""
+        """Keras calls this at the end of fit, on every rank: with flush_in_fit (the
+        default) every gradient in flight is applied (flush()); with flush_in_fit=False
+        they stay in flight and the model only gets its real weights back where the
+        staleness compensation left this rank's predicted ones. Either way what is read
+        after fit is the same on every rank."""
+        if self._path is not None:
+            if self._pipe_options["flush_in_fit"]:
+                self.flush()
+            else:
+                self._path.put_real_back()
+        super().finalize_variable_values(var_list)
+
+    def restore_real_weights(self):
+        """Put the real weights back in the model where it holds this rank's prediction.
+
+        Why: with staleness_compensation="lookahead" the TensorFlow backend leaves the
+        model at this rank's predicted weights between steps. Whatever reads the model
+        outside a train step (evaluate, predict, a checkpoint; callbacks.
+        PipelineFlushCallback does it at the start of each) calls this first, so it
+        sees the weights training updates, the same on every rank. No collective: one
+        rank may call it alone. The next step computes at the real weights.
+        """
         if self._path is not None:
             self._path.put_real_back()
-        super().finalize_variable_values(var_list)
 
     def flush(self):
         """Apply every gradient still in flight, oldest first (one update each).
@@ -235,7 +307,7 @@ class _PipelinedKeras:
     def from_config(cls, config, custom_objects=None):
         import keras
 
-        config = dict(config)
+        config = copy.deepcopy(config)           # deserialize edits what it is given
         inner = keras.optimizers.deserialize(config.pop("optimizer"),
                                              custom_objects=custom_objects)
         config["compression"] = Compression.by_name(config["compression"])
@@ -333,7 +405,8 @@ def _register(cls):
 
 
 def _user_class(cls):
-    return next(c for c in cls.__mro__[1:] if c is not _PipelinedKeras
+    """The user's optimizer class behind a wrapped class (past our mixins)."""
+    return next(c for c in cls.__mro__[1:] if c not in _PipelinedKeras.__mro__
                 and not issubclass(c, _PipelinedKeras))
 
 
@@ -372,9 +445,11 @@ def _check_optimizer(optimizer):
                              "gradients a second time; use pipe_horovod alone (no strategy "
                              "scope) for data parallelism")
     if getattr(optimizer, "gradient_accumulation_steps", None):
-        raise ValueError("the optimizer accumulates gradients itself "
-                         "(gradient_accumulation_steps); pipe_horovod reduces every step's "
-                         "gradient, so wrap an optimizer without it")
+        raise ValueError(f"the optimizer accumulates gradients itself "
+                         f"(gradient_accumulation_steps={optimizer.gradient_accumulation_steps}), "
+                         "after the reduction; wrap it without that and pass "
+                         "DistributedOptimizer(..., backward_passes_per_step=N, "
+                         "average_aggregated_gradients=True), which sums before reducing")
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
@@ -384,15 +459,24 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          num_groups=0, groups=None, process_set=None,
                          scale_local_gradients=True, *, pipeline_depth=None, warmup_steps=0,
                          bucket_cap_mb=None, staleness_compensation=staleness.DEFAULT,
-                         collective=None):
+                         collective=None, flush_in_fit=True):
     """Wrap a Keras 3 optimizer so its gradients are averaged across ranks, pipelined.
 
     The arguments up to `scale_local_gradients` are horovod.tensorflow.keras's,
     in its order, so a Horovod script's call works unchanged. device_dense
     and device_sparse are accepted and unused (the engine places
-    reductions); gradients reach the engine dense, so sparse_as_dense
-    changes nothing; backward_passes_per_step must be 1 (accumulate with a
-    larger batch instead); groups is a bucket count, like num_groups.
+    reductions); gradients reach the engine dense (a sparse one, such as an
+    Embedding's, is made dense), so sparse_as_dense changes nothing; groups
+    is a bucket count, like num_groups.
+
+    backward_passes_per_step=N > 1 sums each variable's gradient locally over
+    N passes and reduces the sum once (divided by N with
+    average_aggregated_gradients), as Horovod does; the N-1 passes between
+    count an iteration each and apply nothing, so `iterations` counts passes.
+    The N-th pass's sum is one pipeline step (aggregation.py).
+    Local variables (register_local_var, PartialDistributedOptimizer) are
+    not reduced: their gradient is this rank's, divided by size() when
+    scale_local_gradients is True, and travels with its step.
 
     `compression`, `gradient_predivide_factor`, `op` and `process_set` mean
     what they mean to Horovod. pipeline_depth: 1 applies g_t at step t
@@ -420,26 +504,35 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     bucket_cap_mb: MiB per bucket; None (default): chosen from the number of
     ranks and the link, as in the PyTorch adapter (docs/planner.md). A saved
     model keeps None, so loading it chooses again for the ranks it runs on.
+    flush_in_fit (default True): `fit` applies every gradient in flight after
+    each epoch's last batch and when it ends, and puts the real weights back
+    before each evaluate() and predict() (callbacks.PipelineFlushCallback,
+    which fit then gets first among its callbacks), so validation,
+    checkpoints, EarlyStopping and what fit leaves behind all see the real
+    weights, the same on every rank, with every computed gradient applied.
+    False keeps the gradients in flight across epochs and fits (flush() is
+    then the caller's, as before).
     Every rank must build the same model: differences are raised as
     ValueError on every rank at the first step (or at
     BroadcastGlobalVariablesCallback's on_train_begin), not when the
     optimizer is built, which Horovod's resume does on rank 0 alone.
     """
     _check_optimizer(optimizer)
-    if backward_passes_per_step != 1:
-        raise ValueError(f"backward_passes_per_step={backward_passes_per_step}: the Keras "
-                         "adapter reduces every step's gradient; use a larger batch instead")
+    for flag, value in (("average_aggregated_gradients", average_aggregated_gradients),
+                        ("sparse_as_dense", sparse_as_dense),
+                        ("scale_local_gradients", scale_local_gradients),
+                        ("flush_in_fit", flush_in_fit)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{flag} must be True or False, got {value!r}")
     if num_groups:
         groups = num_groups if groups is None else groups
     if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int)
                                or groups < 0):
         raise ValueError(f"groups must be a bucket count (an int >= 0) in the Keras adapter, "
                          f"got {groups!r}")
-    if scale_local_gradients is not True:
-        raise ValueError("scale_local_gradients=False is not supported")
     pipeline_depth, depth_source = resolve_depth(pipeline_depth)
     bucket_cap_mb = resolve_bucket_cap_mb(bucket_cap_mb, process_set)   # None: auto
-    check_options(pipeline_depth, warmup_steps, 1, bucket_cap_mb)
+    check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket_cap_mb)
     collective = check_collective(collective, compression)
     check_reduction(op, gradient_predivide_factor)
     compensation = check_staleness(staleness_compensation)
@@ -475,10 +568,77 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         "compression": compression, "op": op,
         "gradient_predivide_factor": float(gradient_predivide_factor),
         "bucket_cap_mb": bucket_cap_mb, "groups": groups or None, "process_set": process_set,
-        "staleness_compensation": compensation, "collective": collective})
+        "staleness_compensation": compensation, "collective": collective,
+        "backward_passes_per_step": backward_passes_per_step,
+        "average_aggregated_gradients": bool(average_aggregated_gradients),
+        "sparse_as_dense": bool(sparse_as_dense),
+        "scale_local_gradients": bool(scale_local_gradients), "flush_in_fit": bool(flush_in_fit)})
+    if flush_in_fit:
+        from .callbacks import flush_in_every_fit
+        flush_in_every_fit()
     return optimizer
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=engine.Average, groups=None,
+                                process_set=None, local_layers=None, scale_local_gradients=True,
+                                **options):
+    """A DistributedOptimizer whose `local_layers`' trainable variables are local
+    (register_local_var): their gradients are not reduced. Horovod's
+    (horovod.keras.PartialDistributedOptimizer), with the same arguments; the keyword
+    options after them are DistributedOptimizer's.
+
+    Raises:
+        TypeError: `local_layers` holds something that is not a Keras layer.
+    """
+    import keras
+
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    bad = [layer for layer in local_layers if not isinstance(layer, keras.layers.Layer)]
+    if bad:
+        raise TypeError(f"PartialDistributedOptimizer: local_layers must be Keras layers, got "
+                        f"{type(bad[0]).__name__}")
+    wrapped = DistributedOptimizer(
+        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+        compression=compression, sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, op=op, groups=groups,
+        process_set=process_set, scale_local_gradients=scale_local_gradients, **options)
+    for layer in local_layers:
+        for variable in layer.trainable_weights:
+            wrapped.register_local_var(variable)
+    return wrapped
+
+
+def _same_variable(variable, other):
+    """Whether `other` names `variable`: the Keras variable itself or its backend variable."""
+    return other is variable or other is getattr(variable, "value", None) or \
+        variable is getattr(other, "value", None)
+
+
+def _variable_name(variable):
+    return getattr(variable, "path", None) or variable.name
+
+
+def _dtype(variable):
+    import keras
+    return keras.backend.standardize_dtype(variable.dtype)
+
+
+def _dense(grad):
+    """A gradient as the engine takes it: a TensorFlow IndexedSlices (an Embedding's)
+    made dense; None (no gradient) and dense tensors as they are."""
+    if grad is None or _backend() != "tensorflow":
+        return grad
+    import tensorflow as tf
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.convert_to_tensor(grad)
+    return grad
 
 
 _register(_PipelinedKeras)   # so load_model in a fresh process finds from_config
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]

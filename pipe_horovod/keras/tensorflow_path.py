@@ -27,7 +27,8 @@ run on this rank's own gradients of those steps, from a snapshot of its
 variables (iterations included) put back afterwards. The next apply() puts
 the real weights back before the real update. This step's own gradients are
 still in the graph; older ones (K >= 3) come back from the Python side,
-which keeps them with their step.
+which keeps them with their step. Local variables (register_local_var) are
+not reduced and not predicted: their gradient travels with its step.
 """
 import functools
 import os
@@ -44,12 +45,16 @@ from .naming import next_prefix, variable_names
 
 
 class TensorFlowPath:
-    def __init__(self, optimizer, variables, options):
+    def __init__(self, optimizer, variables, options, local=()):
         self.optimizer = optimizer
         self.variables = variables
         self.names = variable_names(variables)
         self.shapes = dict(zip(self.names, (tuple(v.shape) for v in variables)))
         devices = [_torch_device(v) for v in variables]
+        # Local variables (register_local_var): not reduced; this rank's gradient, divided
+        # by size() with scale_local_gradients, travels with its step (_keep_unreduced).
+        self.local = [n for n, own in zip(self.names, local) if own]
+        self._unreduced = {}
         choice = os.environ.get("PIPE_HOROVOD_KERAS_TRANSFER")
         if choice not in (None, "numpy", "dlpack"):
             raise ValueError(f"PIPE_HOROVOD_KERAS_TRANSFER must be numpy or dlpack, got {choice!r}")
@@ -61,11 +66,13 @@ class TensorFlowPath:
             predivide=options["gradient_predivide_factor"], process_set=options["process_set"],
             cap_bytes=bucket_cap_bytes(options["bucket_cap_mb"]), groups=options["groups"],
             collective=options["collective"])
+        self.local_scale = 1.0 / self.machine.size if options["scale_local_gradients"] else 1.0
+        self.kinds = {name: (getattr(torch, _dtype(v).name), device)
+                      for name, v, device in zip(self.names, variables, devices)}
         # Ready order: backward produces the last layer's gradients first.
-        self.machine.plan([(name, int(np.prod(v.shape)), np.dtype(v.dtype).itemsize,
-                            (getattr(torch, np.dtype(v.dtype).name), device))
-                           for name, v, device in reversed(list(zip(self.names, variables,
-                                                                    devices)))])
+        self.machine.plan([(name, int(np.prod(v.shape)), _dtype(v).itemsize, self.kinds[name])
+                           for name, v in reversed(list(zip(self.names, variables)))
+                           if name not in self.local])
         self._arrays = {}                        # this step's gradients (torch views), by name
         self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0}
         depth = options["pipeline_depth"]
@@ -101,6 +108,10 @@ class TensorFlowPath:
             token = self.transfer.op(_keeping_failures(self._handoff_for(bucket)),
                                      [token, *members], tf.int64,
                                      f"pipe_horovod_bucket_{bucket.index}")
+        if self.local:
+            token = self.transfer.op(self._keep_unreduced, [token, *(grads[index[name]]
+                                                                    for name in self.local)],
+                                     tf.int64, "pipe_horovod_local")
         types = [tf.as_dtype(v.dtype) for v in variables]
         out = self.transfer.op(_keeping_failures(self._finish), [token],
                                types + [tf.bool] + types * self.older + [tf.int64] * self.lookahead,
@@ -151,6 +162,9 @@ class TensorFlowPath:
             self._step(current)
         for v, value in zip(state, saved):
             v.assign(value)
+        for v, real, name in zip(self.variables, self.real, self.names):
+            if name in self.local:                     # not predicted: back to the real one
+                v.assign(real)
         self.predicted.assign(True)
         return tf.constant(True)
 
@@ -171,6 +185,14 @@ class TensorFlowPath:
             return token
         return handoff
 
+    def _keep_unreduced(self, token, *arrays):
+        for name, array in zip(self.local, map(self.transfer.to_torch, arrays)):
+            own = array.clone()                  # TF reuses the buffer after the hand-off
+            self._unreduced[name] = own * self.local_scale if self.local_scale != 1.0 else own
+            if self.older:
+                self._local[name] = own
+        return token
+
     def _fill(self, bucket, flat):
         for name, start, numel in bucket.offsets():
             array = self._arrays.pop(name)
@@ -181,12 +203,13 @@ class TensorFlowPath:
     def _finish(self, token):
         machine = self.machine
         if machine.solo:                         # TF reuses its buffers after the hand-off
-            entry = StepGradient(loaded={n: a.clone() for n, a in self._arrays.items()})
+            entry = StepGradient(loaded={**{n: a.clone() for n, a in self._arrays.items()},
+                                         **self._unreduced})
         else:
             machine.launch_rest(self._fill)
-            entry = StepGradient(machine.launched, kept={"local": self._local} if self.older
-                                 else None)
-        self._arrays, self._local = {}, {}
+            entry = StepGradient(machine.launched, loaded=self._unreduced or None,
+                                 kept={"local": self._local} if self.older else None)
+        self._arrays, self._local, self._unreduced = {}, {}, {}
         ready = machine.finish_step(entry)
         self.timings["steps"] += 1
         if ready:
@@ -217,9 +240,9 @@ class TensorFlowPath:
         # Made per call, not kept: only the steps that fill the pipeline (and, at depth
         # K >= 3, its older slots until it is full) need them, and kept they were a
         # copy of the model alive for the whole run.
-        return [self.transfer.to_tf(torch.zeros(self.shapes[n], dtype=b.kind[0],
-                                                device=b.kind[1]))
-                for n, b in ((n, self.machine.bucket_of[n]) for n in self.names)]
+        return [self.transfer.to_tf(torch.zeros(self.shapes[n], dtype=self.kinds[n][0],
+                                                device=self.kinds[n][1]))
+                for n in self.names]
 
     # --- outside the step ---------------------------------------------------------
     def flush(self):
@@ -273,7 +296,7 @@ class TensorFlowPath:
 
         def here(arrays):
             return {n: torch.from_numpy(np.array(a, copy=True)).reshape(-1).to(
-                self.machine.bucket_of[n].kind[1]) for n, a in arrays.items()}
+                self.kinds[n][1]) for n, a in arrays.items()}
         self.machine.restore([here(grads) for grads in in_flight], [None] * len(in_flight), steps,
                              [{kind: here(t) for kind, t in k.items()}
                               for k in state.get("kept", [])] or None,
@@ -364,6 +387,11 @@ class DLPack:
 
     @staticmethod
     def to_tf(tensor):
+        # TensorFlow's kernels need the 64-byte alignment its own buffers have (on the CPU a
+        # misaligned input aborts the process in Eigen); a gradient inside a bucket's flat
+        # buffer may start anywhere, so that one crosses as a copy.
+        if tensor.data_ptr() % 64:
+            tensor = tensor.clone()
         return tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(
             tensor.contiguous()))
 
@@ -376,9 +404,15 @@ class DLPack:
         return tf.constant(value, tf.int64)
 
 
+def _dtype(variable):
+    """A Keras or tf.Variable's NumPy dtype."""
+    return np.dtype(tf.as_dtype(variable.dtype).as_numpy_dtype)
+
+
 def _torch_device(variable):
-    """The torch device of a TF variable ("/job:.../device:GPU:1" -> cuda:1)."""
-    spec = tf.DeviceSpec.from_string(variable.value.device or "/device:CPU:0")
+    """The torch device of a Keras or TF variable ("/job:.../device:GPU:1" -> cuda:1)."""
+    device = variable.value.device if hasattr(variable, "path") else variable.device
+    spec = tf.DeviceSpec.from_string(device or "/device:CPU:0")
     if spec.device_type == "GPU":
         return torch.device("cuda", spec.device_index or 0)
     return torch.device("cpu")

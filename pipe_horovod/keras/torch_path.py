@@ -11,6 +11,7 @@ import contextlib
 import numpy as np
 import torch
 
+from .. import engine
 from ..torch import optimizer as torch_optimizer
 from .naming import momentum_attribute, variable_names
 
@@ -28,6 +29,7 @@ class _KerasUpdate(torch.optim.Optimizer):
     def __init__(self, params, keras_optimizer, update, compensation):
         super().__init__(params, {})
         self._keras, self._update = keras_optimizer, update
+        self.simulating = False                  # inside a prediction's steps
         self._attribute = momentum_attribute(keras_optimizer) if compensation == "momentum" \
             else None
         self.follow_keras()
@@ -64,32 +66,61 @@ class _KerasUpdate(torch.optim.Optimizer):
         """
         variables = self._keras.variables
         saved = [v.value.clone() for v in variables]
+        self.simulating = True
         try:
             with self._keras.prediction_scope():
                 yield
         finally:
+            self.simulating = False
             for v, value in zip(variables, saved):
                 v.assign(value)
 
 
 class TorchPath:
-    def __init__(self, optimizer, variables, options):
+    """Local variables (register_local_var) stay outside the PyTorch adapter, which
+    reduces every parameter it is given: their gradients, divided by size() with
+    scale_local_gradients, wait in `local_in_flight` (one entry per step the adapter
+    holds, oldest first) and go into the update that applies their step. A prediction
+    ("lookahead", "predict") moves the reduced variables only."""
+
+    def __init__(self, optimizer, variables, options, local=()):
         self.optimizer = optimizer
         self.variables = variables
         self.names = variable_names(variables)
         params = [v.value for v in variables]
+        local = list(local) or [False] * len(variables)
+        self.local = [n for n, own in zip(self.names, local) if own]
+        self.local_in_flight = []
+        self._local_params = {n: p for n, p, own in zip(self.names, params, local) if own}
+        reduced = [(n, p, v) for n, p, v, own in zip(self.names, params, variables, local)
+                   if not own]
 
         def update():
             with torch.no_grad():
-                optimizer._base_apply([p.grad for p in params], variables)
+                if not self.local:
+                    optimizer._base_apply([p.grad for p in params], variables)
+                elif self.torch_optimizer.simulating:          # not predicted: put back
+                    held = [(p, p.detach().clone()) for p in self._local_params.values()]
+                    optimizer._base_apply([p.grad for p in params], variables)
+                    for p, value in held:
+                        p.copy_(value)
+                else:
+                    grads = self.local_in_flight.pop(0)
+                    optimizer._base_apply([grads.get(n, p.grad)
+                                           for n, p in zip(self.names, params)], variables)
 
         self.params = params
-        stand_in = _KerasUpdate(params, optimizer, update, options["staleness_compensation"])
+        stand_in = _KerasUpdate([p for _, p, _ in reduced], optimizer, update,
+                                options["staleness_compensation"])
+        self._size = (options["process_set"].size() if options["process_set"] is not None
+                      else engine.size())
+        self._local_scale = 1.0 / self._size if options["scale_local_gradients"] else 1.0
         # Not DistributedOptimizer: the Keras wrapper has told the user the depth already,
         # and its _join compares the ranks at the first gradient (this may be built on one
         # rank alone, inside load_model).
         self.torch_optimizer = torch_optimizer.wrap_for_adapter(
-            stand_in, named_parameters=list(zip(self.names, params)),
+            stand_in, named_parameters=[(n, p) for n, p, _ in reduced],
+            backward_passes_per_step=options["backward_passes_per_step"],
             compression=options["compression"], op=options["op"],
             gradient_predivide_factor=options["gradient_predivide_factor"],
             process_set=options["process_set"], pipeline_depth=options["pipeline_depth"],
@@ -102,7 +133,15 @@ class TorchPath:
         opt = self.torch_optimizer
         opt.follow_keras()
         opt.collect_gradients()      # built after this backward (no hooks then): hand them over
+        if self.local:
+            self.local_in_flight.append({n: p.grad.detach() * self._local_scale
+                                         for n, p in self._local_params.items()})
         opt.step()
+
+    def count_pass(self):
+        """A pass of backward_passes_per_step that ends no step (aggregation.py): the
+        adapter counts it (its hooks missed the first pass of an optimizer built after it)."""
+        self.torch_optimizer.collect_gradients()
 
     @property
     def timings(self):
@@ -126,7 +165,10 @@ class TorchPath:
 
     def state(self):
         pipe = self.torch_optimizer.state_dict()["pipe_horovod"]
-        return {"steps": pipe["steps"], "in_flight": pipe["in_flight"], "kept": pipe["kept"],
+        in_flight = [{**grads, **{n: g.reshape(-1) for n, g in local.items()}}
+                     for grads, local in zip(pipe["in_flight"], self.local_in_flight)] \
+            if self.local else pipe["in_flight"]
+        return {"steps": pipe["steps"], "in_flight": in_flight, "kept": pipe["kept"],
                 "real": pipe["real_weights"], "mean_square": pipe["mean_square"],
                 "order": pipe["bucket_order"], "order_agreed": pipe["order_agreed"],
                 "error_feedback": pipe["error_feedback"], "due": pipe["prediction_due"]}
@@ -137,8 +179,12 @@ class TorchPath:
         opt = self.torch_optimizer
         torch_state = opt.state_dict()
         real = state.get("real")
+        self.local_in_flight = [{n: g.reshape(self._local_params[n].shape)
+                                 for n, g in tensors(grads).items() if n in self.local}
+                                for grads in in_flight]
         torch_state["pipe_horovod"].update(
-            steps=state["steps"], in_flight=[{n: g.reshape(-1) for n, g in tensors(grads).items()}
+            steps=state["steps"], in_flight=[{n: g.reshape(-1) for n, g in tensors(grads).items()
+                                              if n not in self.local}
                                              for grads in in_flight],
             scales=[None] * len(in_flight), bucket_order=state.get("order", []),
             order_agreed=state.get("order_agreed", False),

@@ -59,7 +59,8 @@ class StepGradient:
     """A step's averaged gradient: its reductions, or per-name tensors.
 
     `loaded` holds tensors that need no reduction: read from a checkpoint,
-    or a lone rank's own gradients. `scale` is what the adapter needs to
+    a lone rank's own gradients, or (beside reductions) the gradients of
+    variables kept local to the rank. `scale` is what the adapter needs to
     interpret them later (a GradScaler's scale at compute time); `kept`
     what a staleness compensation keeps with the step ({kind: {name: tensor}}:
     this rank's own gradient, the weights it was computed at).
@@ -75,9 +76,9 @@ class StepGradient:
 
     def gradients(self):
         """{name: flat averaged gradient}; waits for reductions still on the wire."""
-        if self.loaded is not None:
-            return self.loaded
-        grads = {}
+        if not self.reductions:
+            return self.loaded if self.loaded is not None else {}
+        grads = dict(self.loaded or {})
         for reduction in self.reductions:
             grads.update(reduction.results())
         return grads

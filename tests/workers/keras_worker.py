@@ -23,7 +23,13 @@ NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
                          int8 with error feedback in two stages on the engine's collectives,
                          each rank saving and loading its own: the files are named after the
                          case, and the rank)
-  callbacks              the four callbacks together, different initial weights per rank
+  callbacks              Horovod's callbacks together, different initial weights per rank;
+                         its warm-up and schedule rates and momentum correction
+  aggregation            backward_passes_per_step and local variables against the reference
+                         at K=1 and K=2; Horovod's _compute_gradients path; from_config
+  metrics                flush_in_fit (the default): validation, evaluate and the built-in
+                         checkpoint callbacks see the real weights, the same on every rank, on
+                         a model built by its first batch (broadcast after it)
   errors                 bad input: a clear error on every rank, and no hang after it
   overlap                with reductions slowed by a fixed delay, K=2 steps beat K=1's
   api                    horovod.tensorflow.keras's allreduce, allgather, broadcast,
@@ -31,6 +37,8 @@ NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
                          pipelined checkpoint; files in $PIPE_HOROVOD_TEST_DIR. Last in a
                          launch (rank 0 alone builds optimizers)
 """
+import copy
+import hashlib
 import os
 import sys
 import time
@@ -148,26 +156,35 @@ class AtLastBatch(keras.callbacks.Callback):
 
 
 def check_case(kind, depth, warmup, compensation=None, eagerly=False, predivide=1.0,
-               collective=None):
-    """fit STEPS steps against the reference, then flush against it again.
+               collective=None, passes=1, average=False, local=()):
+    """fit STEPS steps against the reference, then flush against it again (flush_in_fit off:
+    the pipeline's state after fit is what is checked).
 
     One process with nothing to send runs lookahead at depth 1 (its prediction is the
-    next update); a predivide factor of 2 (exact) sends its gradients through the engine."""
+    next update); a predivide factor of 2 (exact) sends its gradients through the engine.
+    passes: backward_passes_per_step (average: average_aggregated_gradients); local: the
+    indices of variables registered local."""
     what = (f"{keras.backend.backend()} {kind} K={depth} W={warmup} {compensation}"
-            f"{' eagerly' if eagerly else ''} predivide {predivide} collective {collective}")
+            f"{' eagerly' if eagerly else ''} predivide {predivide} collective {collective} "
+            f"passes {passes}{' averaged' if average else ''} local {list(local)}")
     keras_opt, ref_opt = make(kind)
     opt = phvd.DistributedOptimizer(keras_opt, pipeline_depth=depth, warmup_steps=warmup,
                                     bucket_cap_mb=1e-5, staleness_compensation=compensation,
-                                    gradient_predivide_factor=predivide, collective=collective)
+                                    gradient_predivide_factor=predivide, collective=collective,
+                                    backward_passes_per_step=passes,
+                                    average_aggregated_gradients=average, flush_in_fit=False)
     if phvd.size() == 1 and compensation == "lookahead" and predivide == 1.0:
         depth = 1
     model = build()
+    for i in local:
+        opt.register_local_var(model.trainable_variables[i])
     model.compile(optimizer=opt, loss="mse", run_eagerly=eagerly)
     start = weights_of(model)
     last = AtLastBatch(lambda: weights_of(model))
     fit(model, 0, STEPS, [last])
-    expected = ref.reference(start, gradients, ref_opt, depth, warmup, steps=STEPS,
-                             size=phvd.size(), flush=False, compensation=compensation)
+    options = {"steps": STEPS, "size": phvd.size(), "compensation": compensation,
+               "passes": passes, "average_passes": average, "local": local}
+    expected = ref.reference(start, gradients, ref_opt, depth, warmup, flush=False, **options)
     assert int(opt.iterations.numpy()) == expected.iterations, what
     assert opt.in_flight == len(expected.fifo), what
     # During fit on TensorFlow the model holds the weights this rank computes its next
@@ -175,21 +192,22 @@ def check_case(kind, depth, warmup, compensation=None, eagerly=False, predivide=
     # forward pass (torch/compensation.py), so a batch's end sees the real weights. fit
     # ends with the real ones.
     rtol = fit_rtol(kind, depth, compensation)
-    at_last = (expected.weights if keras.backend.backend() == "torch"
-               else expected.points[phvd.rank()])
+    mine = expected.rank_weights[phvd.rank()]
+    at_last = mine if keras.backend.backend() == "torch" else expected.points[phvd.rank()]
     assert_close(last.result, at_last, what + " (last batch)", rtol)
-    assert_close(weights_of(model), expected.weights, what, rtol)
+    assert_close(weights_of(model), mine, what, rtol)
     opt.flush()
-    expected = ref.reference(start, gradients, make(kind)[1], depth, warmup, steps=STEPS,
-                             size=phvd.size(), compensation=compensation)
+    expected = ref.reference(start, gradients, make(kind)[1], depth, warmup, **options)
     assert int(opt.iterations.numpy()) == STEPS, what
-    assert opt.timings["applied"] == STEPS and opt.timings["steps"] == STEPS, what
-    assert_close(weights_of(model), expected.weights, what + " after flush", rtol)
+    assert opt.timings["applied"] == STEPS // passes, what
+    assert opt.timings["steps"] == STEPS // passes, what
+    assert_close(weights_of(model), expected.rank_weights[phvd.rank()], what + " after flush",
+                 rtol)
     # The bound still tells the pipelines apart: one step more or less of delay moves the
     # weights beyond it (so a wrong order or a dropped gradient cannot pass).
     if depth > 1 and warmup < STEPS and compensation is None:
-        other = ref.reference(start, gradients, make(kind)[1], depth - 1, warmup, steps=STEPS,
-                              size=phvd.size())
+        other = ref.reference(start, gradients, make(kind)[1], depth - 1, warmup,
+                              **{**options, "compensation": None})
         assert relative_error(other.weights[0], expected.weights[0]) > rtol, what
     return weights_of(model)
 
@@ -242,6 +260,63 @@ def check_settings():
     the iteration count the update it predicts will have."""
     check_case("adamw-cosine-global", 2, 0, "lookahead")
     check_case("sgd-exponential-clipnorm", 3, 1, "lookahead")
+
+
+def check_aggregation():
+    """backward_passes_per_step (summed, and averaged), local variables, and both together,
+    at K=1 and K=2, against the reference; then Horovod's Keras 2 entry points
+    (_compute_gradients + apply_gradients) with both, and from_config leaving its input
+    alone."""
+    # Each case traces a new train step (seconds on TensorFlow): the features combined.
+    for kind, depth, passes, average, local in (("sgd", 1, 2, True, (1, 2)),
+                                                ("adam", 2, 3, False, (0,))):
+        check_case(kind, depth, 0, passes=passes, average=average, local=local)
+    check_case("adam", 2, 0, "lookahead", passes=2, average=True, local=(1,))
+    if keras.backend.backend() == "tensorflow":
+        check_compute_gradients()
+    opt = phvd.DistributedOptimizer(keras.optimizers.Adam(0.01), backward_passes_per_step=2)
+    config = opt.get_config()
+    kept = copy.deepcopy(config)
+    assert opt.from_config(config).get_config() == kept and config == kept, "from_config"
+
+
+def check_compute_gradients():
+    """_compute_gradients reduces now: x's gradient is averaged over ranks, the local y's is
+    this rank's / size; with backward_passes_per_step=2 summed over 2 passes and applied on
+    the second, every pass an iteration (Horovod's rule, as its
+    test_gradient_aggregation_with_local_vars has it); with 1, every pass reduced and
+    applied (its test_partial_distributed_optimizer)."""
+    import tensorflow as tf
+
+    r, n = phvd.rank(), phvd.size()
+    mean = sum(k + 1 for k in range(n)) / n
+    for passes in (1, 2):
+        opt = phvd.DistributedOptimizer(keras.optimizers.SGD(1.0),
+                                        backward_passes_per_step=passes)
+        x, y = tf.Variable([0.0, 0.0]), tf.Variable([0.0])
+        opt.register_local_var(y)
+
+        @tf.function
+        def step():
+            grads_and_vars = opt._compute_gradients(
+                lambda: tf.reduce_sum(x * float(r + 1)) + tf.reduce_sum(y * float(r + 1)),
+                [x, y])
+            opt.apply_gradients(grads_and_vars, experimental_aggregate_gradients=False)
+            return [g for g, _ in grads_and_vars]
+        for i in range(4):
+            gx, gy = step()
+            cycles = (i + 1) // passes
+            reduced = (i + 1) % passes == 0
+            assert int(opt.iterations.numpy()) == i + 1
+            if passes > 1:
+                assert int(opt._agg_helper.counter.numpy()) == (i + 1) % passes
+            # the reduced sum, or this rank's so far
+            want_x = passes * mean if reduced else r + 1.0
+            want_y = passes * (r + 1) / n if reduced else r + 1.0
+            assert gx.numpy().tolist() == [want_x] * 2 and gy.numpy().tolist() == [want_y], \
+                (passes, i, gx, gy)
+            assert x.numpy().tolist() == [-passes * mean * cycles] * 2, (passes, i, x)
+            assert y.numpy().tolist() == [-passes * (r + 1) / n * cycles], (passes, i, y)
 
 
 def case_file(path, compensation, rank=None):
@@ -329,26 +404,37 @@ def checkpoint_case(mode, depth, label, path, out):
 
 
 def checkpointed_optimizer(depth, options):
+    """flush_in_fit=False: the checkpoints are saved, and loaded, with gradients in flight."""
     return phvd.DistributedOptimizer(keras.optimizers.Adam(0.01), pipeline_depth=depth,
-                                     bucket_cap_mb=1e-5, **options)
+                                     bucket_cap_mb=1e-5, flush_in_fit=False, **options)
 
 
 def check_callbacks():
-    """Every rank starts from other weights; the callbacks make them one run."""
+    """Every rank starts from other weights; the callbacks make them one run. Horovod's
+    warm-up and schedule rates, batch by batch, and its momentum correction."""
     lr = 0.05 * phvd.size()
     opt = phvd.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9), pipeline_depth=2,
                                     bucket_cap_mb=1e-5)
     model = compiled(opt, build(seed=phvd.rank()))
     x, y = fit_data(phvd.rank(), 0, STEPS)
+    rates = RateProbe()
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                         validation_data=(x, y), callbacks=[
                             phvd.callbacks.BroadcastGlobalVariablesCallback(0),
                             phvd.callbacks.MetricAverageCallback(),
                             phvd.callbacks.LearningRateWarmupCallback(lr, warmup_epochs=1),
-                            phvd.callbacks.PipelineFlushCallback()])
+                            rates, phvd.callbacks.PipelineFlushCallback()])
     assert opt.in_flight == 0, "PipelineFlushCallback must leave nothing in flight"
     assert int(opt.iterations.numpy()) == 2 * STEPS
-    assert history.history["lr"][-1] == np.float32(lr)
+    # Horovod's warm-up: lr / size * (e * (size - 1) / warmup + 1), e = (batch + 1) / steps,
+    # then left alone; each change scales the momentum buffers by new / old rate.
+    n = phvd.size()
+    want = [np.float32(lr / n * ((b + 1) / STEPS * (n - 1) + 1)) for b in range(STEPS)]
+    assert rates.rates[:STEPS] == want, (rates.rates, want)
+    assert rates.rates[STEPS:] == [want[-1]] * STEPS and history.history["lr"][-1] == want[-1]
+    if n > 1:
+        assert rates.corrected and all(abs(got - r) <= 4 * gamma(2, "float32") * abs(r)
+                                       for got, r in rates.corrected), rates.corrected
     # The same weights everywhere, and the averaged metrics agree across ranks.
     mine = np.concatenate([w.ravel() for w in weights_of(model)])
     total = phvd.allreduce(mine, "weights", op=phvd.Sum)
@@ -363,12 +449,115 @@ def check_callbacks():
     ops = IN + HIDDEN + BATCH * OUT + STEPS + phvd.size()
     assert abs(loss - history.history["val_loss"][-1]) <= 2 * gamma(ops, "float32") * abs(loss), (
         loss, history.history["val_loss"])
-    # Horovod's staircase schedule: untouched before start_epoch, then lr * 0.5**epoch.
-    schedule = phvd.callbacks.LearningRateScheduleCallback(initial_lr=lr, start_epoch=1,
-                                                          multiplier=lambda epoch: 0.5 ** epoch)
-    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
-                        callbacks=[schedule, phvd.callbacks.PipelineFlushCallback()])
-    assert history.history["lr"] == [np.float32(lr * m) for m in (1, 0.5, 0.25)], history.history
+    # Horovod's staircase schedules: untouched before start_epoch, then lr * 0.5**epoch from a
+    # function; a number m means m ** (epoch - start_epoch).
+    for multiplier, factors in ((lambda epoch: 0.5 ** epoch, (1, 0.5, 0.25)), (0.5, (1, 1, 0.5))):
+        opt.learning_rate = lr
+        schedule = phvd.callbacks.LearningRateScheduleCallback(initial_lr=lr, start_epoch=1,
+                                                              multiplier=multiplier)
+        history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                            callbacks=[schedule])
+        assert history.history["lr"] == [np.float32(lr * m) for m in factors], history.history
+    expect_error(ValueError, "BestModelCheckpoint needs its filepath", lambda: model.fit(
+        x, y, batch_size=BATCH, epochs=1, verbose=0,
+        callbacks=[phvd.callbacks.BestModelCheckpoint(monitor="loss")]))
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    scheduled = compiled(phvd.DistributedOptimizer(keras.optimizers.SGD(schedule)))
+    expect_error(ValueError, "LearningRateWarmupCallback sets the optimizer's learning rate",
+                 lambda: scheduled.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[
+                     phvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=1)]))
+
+
+class RateProbe(keras.callbacks.Callback):
+    """Each batch's learning rate, and (rate ratio, momentum buffer ratio) where the rate
+    changed (the callbacks before it in the list ran already)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rates, self.corrected, self._last = [], [], None
+
+    def _state(self):
+        opt = self.model.optimizer
+        buffers = [np.array(keras.ops.convert_to_numpy(b)) for b in opt.momentums]
+        return float(keras.ops.convert_to_numpy(opt.learning_rate)), buffers
+
+    def on_train_batch_begin(self, batch, logs=None):
+        rate, buffers = self._state()
+        self.rates.append(np.float32(rate))
+        if self._last is not None and rate != self._last[0] and self.model.optimizer.built:
+            before = self._last[1][0].ravel()
+            if np.abs(before).max() > 0:
+                i = int(np.abs(before).argmax())
+                self.corrected.append((float(buffers[0].ravel()[i] / before[i]),
+                                       rate / self._last[0]))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._last = self._state()
+
+
+def check_metrics(tmp):
+    """flush_in_fit (the default) on a model built by its first batch, each rank from its own
+    start: after the first batch the broadcast makes them one run; every epoch, validation,
+    evaluate(), the checkpoint that epoch saved and EarlyStopping / ReduceLROnPlateau /
+    BackupAndRestore see the real weights with every gradient applied, the same on every
+    rank; fit ends with nothing in flight. The hidden layer's bias is local to each rank
+    (local_variables=): never broadcast, never averaged."""
+    r = phvd.rank()
+    keras.utils.set_random_seed(r)
+    model = keras.Sequential([keras.layers.Dense(HIDDEN, name="hidden"),
+                              keras.layers.Dense(OUT, name="out")])   # built by its first batch
+    opt = phvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), pipeline_depth=2,
+                                    bucket_cap_mb=1e-5)
+    model.compile(optimizer=opt, loss="mse")
+    x, y = fit_data(r, 0, STEPS)
+    vx, vy = fit_data(1000, 0, 3)                # the same validation data on every rank
+    probe = EpochProbe(vx, vy)
+    path = tmp / f"epoch-{r}.weights.h5"
+    fit_callbacks = [phvd.callbacks.BroadcastGlobalVariablesCallback(0), probe,
+                     keras.callbacks.ModelCheckpoint(str(path), save_weights_only=True),
+                     keras.callbacks.EarlyStopping(patience=10),
+                     keras.callbacks.ReduceLROnPlateau(patience=10)]
+
+    class LocalBias(keras.callbacks.Callback):
+        """The bias exists from the first batch on: registered before the broadcast."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            if not fit_callbacks[0].broadcast_done:
+                fit_callbacks[0].register_local_var(model.get_layer("hidden").bias)
+
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                        validation_data=(vx, vy), callbacks=[LocalBias(), *fit_callbacks])
+    # BackupAndRestore needs a built model: a third epoch, now that it is.
+    history.history["val_loss"] += model.fit(
+        x, y, batch_size=BATCH, initial_epoch=2, epochs=3, shuffle=False, verbose=0,
+        validation_data=(vx, vy), callbacks=[
+            probe, keras.callbacks.BackupAndRestore(str(tmp / f"backup-{r}"))]
+    ).history["val_loss"]
+    assert opt.in_flight == 0 and opt.timings["applied"] == 3 * STEPS, opt.timings
+    assert [v for v, _, _ in probe.epochs] == history.history["val_loss"]
+    for val_loss, evaluated, digest in probe.epochs:
+        assert val_loss == evaluated, (val_loss, evaluated)     # same weights, same kernels
+        assert len(set(phvd.allgather_object(digest))) == 1, "ranks differ at an epoch's end"
+    saved = keras.models.clone_model(model)
+    saved.load_weights(path)                     # the second epoch's, what the model held then
+    assert all(np.array_equal(a, b) for a, b in zip(weights_of(saved), probe.weights[1]))
+
+
+class EpochProbe(keras.callbacks.Callback):
+    """Per epoch: fit's val_loss, evaluate() on the same data now, and a digest of the
+    shared weights (all but the local hidden bias)."""
+
+    def __init__(self, vx, vy):
+        super().__init__()
+        self.vx, self.vy, self.epochs, self.weights = vx, vy, [], []
+
+    def on_epoch_end(self, epoch, logs=None):
+        evaluated = self.model.evaluate(self.vx, self.vy, batch_size=BATCH, verbose=0)
+        shared = [w for v, w in zip(self.model.weights, self.model.get_weights())
+                  if v.path != self.model.get_layer("hidden").bias.path]
+        digest = hashlib.sha256(b"".join(np.ascontiguousarray(w).tobytes() for w in shared))
+        self.epochs.append((logs["val_loss"], evaluated, digest.hexdigest()))
+        self.weights.append(weights_of(self.model))
 
 
 def expect_error(error, text, call):
@@ -440,9 +629,41 @@ def check_errors():
                                                    collective="ring"))
     expect_error(ValueError, "unknown collective 'rign'",
                  lambda: phvd.DistributedOptimizer(keras.optimizers.SGD(0.1), collective="rign"))
+    # Horovod's aggregation, local variables and callbacks: at the call, on every rank.
+    expect_error(ValueError, "backward_passes_per_step must be >= 1", lambda: phvd.
+                 DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0))
+    expect_error(TypeError, "average_aggregated_gradients must be True or False", lambda: phvd.
+                 DistributedOptimizer(keras.optimizers.SGD(0.1), average_aggregated_gradients=1))
+    expect_error(TypeError, "local_layers must be Keras layers", lambda: phvd.
+                 PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=["dense"]))
+    expect_error(TypeError, "BroadcastGlobalVariablesCallback: local_variables must be variables",
+                 lambda: phvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[1]))
+    model = compiled(phvd.DistributedOptimizer(keras.optimizers.SGD(0.1)))
+    expect_error(ValueError, f"root_rank={phvd.size()} is not a rank", lambda: fit(
+        model, 0, 2, [phvd.callbacks.BroadcastGlobalVariablesCallback(phvd.size())]))
+    model = compiled(phvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                               backward_passes_per_step=2))
+    expect_error(ValueError, "backward_passes_per_step=2 does not divide the 3 steps", lambda:
+                 fit(model, 0, 3))
+    if backend == "torch":
+        expect_error(RuntimeError, "Keras 2's TensorFlow API", lambda: model.optimizer.
+                     _compute_gradients(lambda: 0.0, model.trainable_variables))
+    if phvd.size() > 1:
+        # A variable local on one rank only, and aggregation set differently: named, on every
+        # rank, at the first step.
+        opt = phvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+        model = compiled(opt)
+        if phvd.rank() == 1:
+            opt.register_local_var(model.trainable_variables[1])
+        expect_error(ValueError, "differs between ranks", lambda: fit(model, 0, 2))
+        model = compiled(phvd.DistributedOptimizer(
+            keras.optimizers.SGD(0.1), backward_passes_per_step=2 if phvd.rank() else 1))
+        expect_error(ValueError, "option backward_passes_per_step is", lambda: fit(model, 0, 2))
     # After all of that the ranks still agree: a normal run works.
     model = compiled(phvd.DistributedOptimizer(keras.optimizers.SGD(0.1)))
     fit(model, 0, 4)
+    expect_error(ValueError, "register local variables before the first step",
+                 lambda: model.optimizer.register_local_var(model.trainable_variables[0]))
 
 
 class Sleep(keras.layers.Layer):
@@ -509,9 +730,9 @@ def check_overlap():
                                   keras.layers.Dense(OUT)])
         # One process reduces nothing unless a codec makes it (fp16 here).
         codec = phvd.Compression.fp16 if phvd.size() == 1 else phvd.Compression.none
-        model.compile(optimizer=phvd.DistributedOptimizer(
+        model.compile(optimizer=phvd.DistributedOptimizer(   # one pipeline over the fits
             keras.optimizers.SGD(0.01), pipeline_depth=depth, bucket_cap_mb=1e-5,
-            compression=codec), loss="mse")
+            compression=codec, flush_in_fit=False), loss="mse")
         fit(model, 0, 3)                         # traced, built, pipeline started
         clock = StepClock()
         for _ in range(3):
@@ -603,6 +824,8 @@ def main():
         checks = {"oracle": check_oracle, "staleness": check_staleness,
                   "settings": check_settings, "callbacks": check_callbacks,
                   "errors": check_errors, "overlap": check_overlap,
+                  "aggregation": check_aggregation,
+                  "metrics": lambda: check_metrics(Path(os.environ["PIPE_HOROVOD_TEST_DIR"])),
                   "api": lambda: check_api(Path(os.environ["PIPE_HOROVOD_TEST_DIR"])),
                   "full": lambda: check_checkpoint("full", args[0], files["full"]),
                   "save": lambda: check_checkpoint("save", args[0], files["save"])}

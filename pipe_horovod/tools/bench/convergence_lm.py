@@ -367,7 +367,8 @@ def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True,
     model = keras_model(keras, s)
 
     opt = hvd.DistributedOptimizer(keras_optimizer(keras, s, size),
-                                   pipeline_depth=depth, staleness_compensation=option)
+                                   pipeline_depth=depth, staleness_compensation=option,
+                                   flush_in_fit=flush)
     if unclipped:
         predict_unclipped(opt)
     model.compile(optimizer=opt,

