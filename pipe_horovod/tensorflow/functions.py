@@ -20,7 +20,8 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     Call it eagerly after the first step built the model and the optimizer's
     slots (Horovod's pattern: `if first_batch: hvd.broadcast_variables(...)`;
     inside a tf.function it runs as graph ops too). `inplace` is accepted for
-    Horovod's signature: the assignment is always in place.
+    Horovod's signature: the assignment is always in place. Returns None (Horovod
+    returns a TF1 group op in graph mode; TF2 runs the assignments in order).
 
     Raises:
         TypeError: an entry is not a tf.Variable (its index says which).
@@ -31,9 +32,8 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
             raise TypeError(f"broadcast_variables: entry {i} is a {type(variable).__name__}, "
                             "not a tf.Variable or Keras variable")
     handoff.refuse_xla("broadcast_variables")
-    for variable in variables:
+    for variable in variables:                   # in a graph: ordered by control dependencies
         variable.assign(broadcast(variable, root_rank, process_set=process_set))
-    return None if tf.executing_eagerly() else tf.group(*[v.value() for v in variables])
 
 
 def _no_session(session, what):

@@ -118,11 +118,15 @@ def check_api():
     assert np.array_equal(tf.convert_to_tensor(reduced).numpy(),
                           np.array([[(k + 1) / n] * 3 for k in range(n)], np.float32))
     # broadcast_variables: every rank ends with rank 0's weights.
-    model = build(seed=r)
-    hvd.broadcast_variables(model.variables, root_rank=0)
-    mine = weights_of(model)
-    for theirs in hvd.allgather_object(mine):
-        equal(theirs, mine, "broadcast_variables")
+    for mode in ("eager", "tf.function"):
+        model = build(seed=r)
+        if mode == "eager":
+            hvd.broadcast_variables(model.variables, root_rank=0)
+        else:
+            tf.function(lambda: hvd.broadcast_variables(model.variables, root_rank=0))()
+        mine = weights_of(model)
+        for theirs in hvd.allgather_object(mine):
+            equal(theirs, mine, f"broadcast_variables {mode}")
     assert hvd.broadcast_object({"epoch": 3} if r == 0 else None, 0) == {"epoch": 3}
     hvd.barrier()
     compressed = hvd.allreduce(tf.constant([1.0, 2.0]), compression=hvd.Compression.fp16)
