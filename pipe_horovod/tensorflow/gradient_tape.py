@@ -210,8 +210,8 @@ class _DistributedGradientTape:
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
         handoff.refuse_xla("DistributedGradientTape.gradient")
-        pipe = _pipeline_for(flat_sources, self._pipe_options)
-        self._pipe = pipe
+        pipe = _pipeline_for(flat_sources, self._tape_options)
+        self._tape_pipeline = pipe
         dense = [tf.zeros(shape, dtype) if g is None else tf.convert_to_tensor(g, dtype)
                  for g, shape, dtype in zip(flat_grads, pipe.shapes, pipe.dtypes)]
         out = handoff.run(pipe.step, dense, pipe.dtypes + [tf.bool], "pipe_horovod_tape_step")
@@ -231,10 +231,10 @@ class _DistributedGradientTape:
             ValueError: called before gradient() (use hvd.flush(sources)), or inside a
                 tf.function.
         """
-        if getattr(self, "_pipe", None) is None:
+        if getattr(self, "_tape_pipeline", None) is None:
             raise ValueError("this tape has computed no gradient yet: call "
                              "hvd.flush(model.trainable_variables) instead")
-        return flush(self._pipe.sources, self._pipe_options["process_set"])
+        return flush(self._tape_pipeline.sources, self._tape_options["process_set"])
 
 
 def flush(sources, process_set=None):
@@ -272,11 +272,11 @@ class GradientsInFlight(tf.train.experimental.PythonState):
         self._sources = tf.nest.flatten(sources)
         self._process_set = None if process_set is engine.global_process_set else process_set
 
-    def _pipe(self):
+    def _pipeline(self):
         return _pipelines.get((_key(self._sources), self._process_set))
 
     def serialize(self):
-        pipe = self._pipe()
+        pipe = self._pipeline()
         state = pipe.state() if pipe is not None else _pending.get(
             _key(self._sources), {"steps": 0, "in_flight": []})
         arrays = {f"{k}/{n}": a for k, entry in enumerate(state["in_flight"])
@@ -294,7 +294,7 @@ class GradientsInFlight(tf.train.experimental.PythonState):
                     k, name = key.split("/", 1)
                     entries[int(k)][name] = data[key]
             state = {"steps": int(data["steps"]), "in_flight": entries}
-        pipe = self._pipe()
+        pipe = self._pipeline()
         if pipe is None:
             _pending[_key(self._sources)] = state
         else:
@@ -360,10 +360,10 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     cls = type(gradtape)
     gradtape.__class__ = type(cls.__name__, (_DistributedGradientTape, cls),
                               {"__module__": __name__})
-    gradtape._pipe_options = {
+    gradtape._tape_options = {
         "pipeline_depth": pipeline_depth, "warmup_steps": warmup_steps,
         "compression": compression, "op": op,
         "gradient_predivide_factor": float(gradient_predivide_factor),
         "bucket_cap_mb": bucket_cap_mb, "groups": groups or None, "process_set": process_set}
-    gradtape._pipe = None
+    gradtape._tape_pipeline = None
     return gradtape
