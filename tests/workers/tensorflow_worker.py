@@ -271,6 +271,8 @@ def check_errors():
     expect_error(ValueError, "pipeline_depth", lambda: hvd.DistributedGradientTape(
         tf.GradientTape(), pipeline_depth=0))
     expect_error(TypeError, "tf.GradientTape", lambda: hvd.DistributedGradientTape(model))
+    expect_error(ValueError, "no gradient yet",
+                 hvd.DistributedGradientTape(tf.GradientTape(), pipeline_depth=1).flush)
     expect_error(TypeError, "TensorFlow 1", lambda: hvd.DistributedOptimizer(
         tf.compat.v1.train.GradientDescentOptimizer(0.1)))
     # Nothing hangs after the errors: a collective still agrees.
