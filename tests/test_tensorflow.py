@@ -27,3 +27,19 @@ def test_tensorflow_custom_loop(tensorflow_dir, engine_name, np_, case):
     launcher.run_case(engine_name, np_, "tensorflow_worker.py", CASES, case,
                       tensorflow_dir / f"{engine_name}{np_}", timeout=420,
                       env={"KERAS_BACKEND": "tensorflow"})
+
+
+def test_check_names_the_tensorflow_adapter(capsys):
+    """`pipe-horovod check --framework tensorflow` passes where TensorFlow and Keras import,
+    and lists pipe_horovod.tensorflow among the adapters."""
+    import argparse
+
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("keras")
+    from pipe_horovod.tools.commands import check
+
+    parser = argparse.ArgumentParser()
+    check.add_arguments(parser)
+    rc = check.run(parser.parse_args(["--framework", "tensorflow"]))
+    out = capsys.readouterr().out
+    assert rc == 0 and "    [X] pipe_horovod.tensorflow" in out.split("adapters:")[1], out

@@ -14,6 +14,7 @@ from . import handoff
 from .mpi_ops import broadcast
 
 
+@tf.autograph.experimental.do_not_convert   # Python at trace time (see mpi_ops)
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
     """Assign `root_rank`'s values to `variables` (tf.Variables) on every rank.
 

@@ -203,6 +203,7 @@ def _report_unapplied():
 class _DistributedGradientTape:
     """Methods placed before the user's tape class (see DistributedGradientTape)."""
 
+    @tf.autograph.experimental.do_not_convert      # Python at trace time (see mpi_ops)
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         # The tape's own computation first: TensorFlow's errors (a non-persistent tape used

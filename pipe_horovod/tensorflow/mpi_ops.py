@@ -25,12 +25,16 @@ from ..torch import mpi_ops as _torch
 from . import handoff
 
 
+# Called inside a tf.function, these are plain Python at trace time (their graph op is
+# handoff.run's py_function): AutoGraph need not convert them, and converting them
+# walks the modules they import (torch's deprecated names warn on the way).
+_python = tf.autograph.experimental.do_not_convert
+
+
 def _dense(tensor, what):
     if isinstance(tensor, tf.IndexedSlices):
         raise TypeError(f"{what} takes a dense tf.Tensor or tf.Variable, got tf.IndexedSlices "
                         "(convert it with tf.convert_to_tensor)")
-    if isinstance(tensor, (tf.Tensor, tf.Variable)):
-        return tf.convert_to_tensor(tensor)
     try:
         return tf.convert_to_tensor(tensor)
     except (TypeError, ValueError) as exc:
@@ -59,6 +63,7 @@ def _static(out, like):
     return out
 
 
+@_python
 def allreduce(tensor, average=None, device_dense="", device_sparse="",
               compression=Compression.none, op=None, prescale_factor=1.0,
               postscale_factor=1.0, name=None, process_set=global_process_set,
@@ -100,6 +105,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
                    tensor)
 
 
+@_python
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set,
@@ -126,6 +132,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     return [_static(o, t) for o, t in zip(out, dense)]
 
 
+@_python
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Every rank's `tensor` concatenated on the first dimension, in rank order (the
     first dimension may differ between ranks)."""
@@ -148,6 +155,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
             for i, t in enumerate(tensors)]
 
 
+@_python
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
               process_set=global_process_set):
     """`root_rank`'s `tensor` on every rank (its shape must agree across ranks)."""
@@ -162,6 +170,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
                    tensor)
 
 
+@_python
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """Assign root's values to each of `variables` (tf.Variable) in place; returns them."""
     for i, variable in enumerate(variables):
@@ -174,6 +183,7 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     return variables
 
 
+@_python
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
              process_set=global_process_set):
     """Slices of `tensor` (first dimension, `splits` rows to each rank; equal parts when
@@ -196,6 +206,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     return (out, received) if given else out
 
 
+@_python
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average,
                   name=None, process_set=global_process_set, ignore_name_scope=False,
                   prescale_factor=1.0, postscale_factor=1.0):
