@@ -2,7 +2,7 @@
 """Run one of Horovod's TensorFlow 2 examples with only its import changed (issue 38).
 
     python scripts/horovod_tf2_example.py --example /tmp/tensorflow2_mnist.py \
-        [--depth 1] [--np 2] [--launcher horovod|torch] [--steps 40]
+        [--depth 1] [--np 2] [--launcher horovod|torch] [--steps 40] [-- SCRIPT ARGS...]
 
 Horovod's code is never part of this repository: pass its file (at tag v0.28.1,
 e.g. `git -C <horovod checkout> show v0.28.1:examples/tensorflow2/tensorflow2_mnist.py`).
@@ -53,7 +53,7 @@ for module in (keras.datasets.mnist, tf.keras.datasets.mnist):
     module.load_data = synthetic_mnist
 take = tf.data.Dataset.take
 tf.data.Dataset.take = lambda self, count, name=None: take(self, min(int(count), STEPS), name)
-sys.argv = [SCRIPT]
+sys.argv = [SCRIPT, *ARGS]
 runpy.run_path(SCRIPT, run_name="__main__")
 print(f"EXAMPLE_END rank={os.environ.get('HOROVOD_RANK', os.environ.get('RANK', '0'))}",
       flush=True)
@@ -78,6 +78,7 @@ def main():
     parser.add_argument("--launcher", choices=["horovod", "torch"], default="horovod")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--timeout", type=int, default=1200)
+    parser.add_argument("script_args", nargs="*", help="after --: the example's own arguments")
     args = parser.parse_args()
     source = args.example.read_text()
     copy = changed_copy(source)
@@ -87,7 +88,8 @@ def main():
     script = work / args.example.name
     script.write_text(copy)
     runner = work / "run_example.py"
-    runner.write_text(f"SCRIPT = {str(script)!r}\nSTEPS = {args.steps}\n{RUNNER}")
+    runner.write_text(f"SCRIPT = {str(script)!r}\nSTEPS = {args.steps}\n"
+                      f"ARGS = {args.script_args!r}\n{RUNNER}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO), os.environ.get("PYTHONPATH", "")]), TF_CPP_MIN_LOG_LEVEL="2")
     if args.depth is not None:
