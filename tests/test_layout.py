@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pipe_horovod"
-RUNTIME = ("engine", "pipeline", "compression", "collectives", "torch", "keras")
+RUNTIME = ("engine", "pipeline", "compression", "collectives", "torch", "keras", "tensorflow")
 TOOLS = "pipe_horovod.tools"
 # Old names kept so users' scripts keep working; each only re-exports the tooling.
 ALIASES = {"pipe_horovod.emulate": "pipe_horovod.tools.emulate",
@@ -166,6 +166,8 @@ import importlib.util, json, sys
 import pipe_horovod.torch
 if importlib.util.find_spec("keras") is not None:
     import pipe_horovod.keras
+if importlib.util.find_spec("tensorflow") is not None:
+    import pipe_horovod.tensorflow
 print(json.dumps(sorted(m for m in sys.modules if m.startswith("pipe_horovod"))))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -60,7 +60,18 @@ opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                named_parameters=model.named_parameters())
 start, steps = 0, 3
 """,
+    "import pipe_horovod.tensorflow as hvd": """
+import numpy as np, keras
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+loss_fn = keras.losses.SparseCategoricalCrossentropy()
+rng = np.random.default_rng(0)
+dataset = [(rng.standard_normal((8, 4)).astype("float32"), rng.integers(0, 3, 8))
+           for _ in range(3)]
+""",
 }
+
+# Blocks that run in the Keras process (TensorFlow is imported there anyway).
+KERAS_PROCESS = ("pipe_horovod.keras", "pipe_horovod.tensorflow")
 
 
 def _python_blocks():
@@ -101,8 +112,8 @@ for index, source in enumerate(BLOCKS):
 
 @pytest.mark.parametrize("framework", ["torch", "keras"])
 def test_python_blocks_run_as_written(framework, tmp_path):
-    blocks = [code for code in _python_blocks() if ("pipe_horovod.keras" in code) == (
-        framework == "keras")]
+    blocks = [code for code in _python_blocks()
+              if any(name in code for name in KERAS_PROCESS) == (framework == "keras")]
     sources = [_prelude(code) + "\n" + code for code in blocks]
     script = tmp_path / "blocks.py"
     script.write_text(f"BLOCKS = {sources!r}\n{RUNNER}")

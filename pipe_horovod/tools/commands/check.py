@@ -77,9 +77,17 @@ def no_gpu_line(gpus):
             "--gpus all): training runs on the CPU")
 
 
+# The adapters a script imports, and the frameworks each needs (pipe_horovod.tensorflow is
+# Horovod's TF2 custom-loop API: tf.GradientTape, tf.function, Keras 3 optimizers).
+ADAPTERS = {"pipe_horovod.torch": ("torch",), "pipe_horovod.keras": ("keras",),
+            "pipe_horovod.tensorflow": ("tensorflow", "keras")}
+
+
 def report():
     """{section: {item: available?}} plus framework versions."""
     controllers, ops = _horovod_build()
+    frameworks = {"torch": _version("torch"), "tensorflow": _version("tensorflow"),
+                  "keras": _version("keras"), "horovod": _version("horovod")}
     return {
         "engines": {name: missing_package(name) is None for name in ENGINES},
         "horovod controllers": controllers,
@@ -87,8 +95,8 @@ def report():
         "launchers": _launchers(),
         "torch.distributed backends": _torch_backends(),
         "gpus": _gpus(),
-        "frameworks": {"torch": _version("torch"), "tensorflow": _version("tensorflow"),
-                       "keras": _version("keras"), "horovod": _version("horovod")},
+        "frameworks": frameworks,
+        "adapters": {name: all(frameworks[f] for f in needs) for name, needs in ADAPTERS.items()},
     }
 
 
@@ -96,8 +104,9 @@ def report():
 INSTALL_FRAMEWORK = {
     "torch": "pip install 'torch>=2.1'",
     "keras": "pip install 'pipe_horovod[keras]' (Keras 3; its torch backend needs nothing more)",
-    "tensorflow": "only for Keras's TensorFlow backend: pip install tensorflow (or tensorflow-cpu, "
-                  "or tensorflow[and-cuda]), 2.16 or newer",
+    "tensorflow": "for pipe_horovod.tensorflow and Keras's TensorFlow backend: pip install "
+                  "'pipe_horovod[tensorflow]' (or tensorflow-cpu, or tensorflow[and-cuda]), "
+                  "2.16 or newer",
 }
 
 
@@ -114,7 +123,8 @@ def add_arguments(parser):
                         help="fail unless Horovod was built with this controller")
     parser.add_argument("--ops", choices=["nccl", "ddl", "ccl", "mpi", "gloo"],
                         help="fail unless Horovod was built with these tensor operations")
-    parser.add_argument("--framework", choices=["torch", "keras"], help="fail unless installed")
+    parser.add_argument("--framework", choices=["torch", "keras", "tensorflow"],
+                        help="fail unless installed")
 
 
 def run(args):

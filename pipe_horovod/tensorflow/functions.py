@@ -1,0 +1,61 @@
+"""horovod.tensorflow.functions: variables and Python objects across ranks.
+
+`broadcast_variables` is how a TF2 custom loop starts every rank from the
+same weights (and, after a restore on rank 0, from its checkpoint). The
+object collectives are pipe_horovod.torch's (one implementation; the engine
+names their transfers, so ranks passing different types do not deadlock as
+Horovod 0.28.1's did). Horovod's `session=` (TF1) is accepted and must be None.
+"""
+import tensorflow as tf
+
+from ..engine import global_process_set
+from ..torch import mpi_ops as _torch
+from . import handoff
+from .mpi_ops import broadcast
+
+
+@tf.autograph.experimental.do_not_convert   # Python at trace time (see mpi_ops)
+def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
+    """Assign `root_rank`'s values to `variables` (tf.Variables) on every rank.
+
+    Call it eagerly after the first step built the model and the optimizer's
+    slots (Horovod's pattern: `if first_batch: hvd.broadcast_variables(...)`;
+    inside a tf.function it runs as graph ops too). `inplace` is accepted for
+    Horovod's signature: the assignment is always in place. Returns None (Horovod
+    returns a TF1 group op in graph mode; TF2 runs the assignments in order).
+
+    Raises:
+        TypeError: an entry is not a tf.Variable (its index says which).
+    """
+    variables = list(variables)
+    for i, variable in enumerate(variables):
+        if not (isinstance(variable, tf.Variable) or handoff.is_keras_variable(variable)):
+            raise TypeError(f"broadcast_variables: entry {i} is a {type(variable).__name__}, "
+                            "not a tf.Variable or Keras variable")
+    handoff.refuse_xla("broadcast_variables")
+    for variable in variables:                   # in a graph: ordered by control dependencies
+        variable.assign(broadcast(variable, root_rank, process_set=process_set))
+
+
+def _no_session(session, what):
+    if session is not None:
+        raise ValueError(f"{what}(session=...) is TensorFlow 1's; pipe_horovod.tensorflow runs "
+                         "TensorFlow 2 eagerly: pass no session")
+
+
+def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
+    """`root_rank`'s picklable `obj` on every rank (eager; see torch's broadcast_object)."""
+    _no_session(session, "broadcast_object")
+    return _torch.broadcast_object(obj, root_rank, name, process_set)
+
+
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
+    """A function that broadcasts its argument from `root_rank` (Horovod's helper)."""
+    _no_session(session, "broadcast_object_fn")
+    return lambda obj: broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+
+def allgather_object(obj, session=None, name=None, process_set=global_process_set):
+    """Every rank's picklable `obj`, in rank order."""
+    _no_session(session, "allgather_object")
+    return _torch.allgather_object(obj, name, process_set)

@@ -1,0 +1,370 @@
+"""DistributedGradientTape: Horovod's TF2 tape, its gradients averaged across ranks, pipelined.
+
+    with tf.GradientTape() as tape:
+        loss = ...
+    tape = hvd.DistributedGradientTape(tape)              # Horovod's keyword arguments
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+A script builds a new tape every step, so the pipeline cannot live in the
+tape: it lives in a `_Pipeline` per list of sources (the variables, by
+identity), made at the first `gradient()` for them (at trace time inside a
+tf.function) and found again by every later tape, retrace or not. Its step
+is pipe_horovod.pipeline.StepMachine, the one the other adapters use.
+
+What `tape.gradient` returns (DESIGN.md's semantics, pipeline_depth=K):
+- K=1: this step's gradients, averaged over the ranks (Horovod's math).
+- K>=2: the averaged gradients of the step K-1 steps earlier; while the
+  pipeline fills (the first K-1 steps after warm-up, none before) it
+  returns zeros. An optimizer step on zeros leaves plain SGD's weights
+  where they are, but moves momentum, Adam's moments, weight decay and the
+  iteration counter: for those, wrap the optimizer instead
+  (hvd.DistributedOptimizer, which applies nothing while the pipeline
+  fills, and compensates the staleness), or use pipeline_depth=1. The tape
+  never sees the optimizer, so it applies no staleness compensation.
+- `tape.flush()` (or `hvd.flush(sources)`) hands back the averaged
+  gradients still in flight, oldest first: apply each at the end of
+  training so no gradient is lost.
+- A gradient that is None on this rank is sent as zeros (ranks must send
+  the same buckets) and returned as None, as Horovod returns it.
+  tf.IndexedSlices gradients are reduced dense (sparse_as_dense=True).
+
+Overlap: TensorFlow's tape.gradient hands back every gradient at once, so a
+step's reduction starts after its backward pass and overlaps the next K-1
+steps' compute (at K=1 it overlaps nothing). `GradientsInFlight(sources)`
+puts what is in flight into a tf.train.Checkpoint, so save -> restore ->
+continue is exact.
+"""
+import io
+import itertools
+import weakref
+
+import numpy as np
+import tensorflow as tf
+import torch
+
+from .. import engine
+from ..compression import Compression
+from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
+                        check_reduction, compare_across_ranks, report_unapplied, resolve_depth)
+from ..pipeline.buckets import bucket_cap_bytes, resolve_bucket_cap_mb
+from . import handoff
+
+_pipelines = {}                    # (source refs, process set) -> _Pipeline
+_pending = {}                      # source refs -> a restored checkpoint's state, until built
+_prefixes = itertools.count()      # built in the same order on every rank: names agree
+_announced = set()
+_built = weakref.WeakSet()
+
+
+def _ref(source):
+    """A hashable stand-in for a source: TF's reference, or (a Keras 3 variable, which
+    the pipeline keeps alive) its identity."""
+    return source.ref() if hasattr(source, "ref") else id(source)
+
+
+def _key(sources):
+    return tuple(_ref(s) for s in sources)
+
+
+def _torch_device(source):
+    if not isinstance(source, (tf.Variable, tf.Tensor)):      # a Keras 3 variable
+        source = source.value
+    spec = tf.DeviceSpec.from_string(source.device or "/device:CPU:0")
+    return torch.device("cuda", spec.device_index or 0) if spec.device_type == "GPU" \
+        else torch.device("cpu")
+
+
+def _torch_dtype(dtype):
+    return getattr(torch, tf.as_dtype(dtype).name)
+
+
+class _Pipeline:
+    """The pipelined reduction of one list of sources' gradients, across tapes and steps."""
+
+    def __init__(self, sources, options):
+        self.sources = list(sources)
+        self.options = options
+        self.names = [f"{i}.{getattr(s, 'name', 'tensor')}" for i, s in enumerate(self.sources)]
+        self.shapes = [tuple(s.shape) for s in self.sources]
+        self.dtypes = [tf.as_dtype(s.dtype) for s in self.sources]
+        for shape, source in zip(self.shapes, self.sources):
+            if any(d is None for d in shape):
+                raise ValueError(f"DistributedGradientTape needs sources of a known shape; "
+                                 f"{getattr(source, 'name', source)} has shape {shape}")
+        ps = options["process_set"]
+        groups = options["groups"]
+        if isinstance(groups, list):                 # Horovod's lists of variables -> names
+            position = {_ref(s): n for s, n in zip(self.sources, self.names)}
+            groups = [[position[ref] for ref in group] for group in groups]
+        self.machine = StepMachine(
+            f"tf_tape{next(_prefixes)}", options["pipeline_depth"], options["warmup_steps"],
+            compression=options["compression"], op=options["op"],
+            predivide=options["gradient_predivide_factor"], process_set=ps,
+            cap_bytes=bucket_cap_bytes(options["bucket_cap_mb"]), groups=groups)
+        # Ready order: backward produces the last layer's gradients first.
+        self.machine.plan([(name, int(np.prod(shape, dtype=np.int64)), dtype.size,
+                            (_torch_dtype(dtype), _torch_device(source)))
+                           for name, shape, dtype, source in reversed(list(zip(
+                               self.names, self.shapes, self.dtypes, self.sources)))])
+        description = {f"source {i} ({n.split('.', 1)[1]})": f"shape {s} {d.name}"
+                       for i, (n, s, d) in enumerate(zip(self.names, self.shapes, self.dtypes))}
+        description.update({f"option {k}": repr(v) for k, v in options.items()
+                            if k not in ("process_set", "groups")})
+        if ps is None or ps.included():
+            compare_across_ranks(lambda obj: engine.current().allgather_object(
+                obj, process_set=ps), description, what="list of variables to differentiate")
+        self._arrays = {}
+        self.timings = {"steps": 0, "applied": 0}
+        pending = _pending.pop(_key(self.sources), None)
+        if pending is not None:
+            self.restore(pending)
+        _built.add(self)
+
+    # --- a step (Python side: eagerly, or a py_function inside a tf.function) -------
+    def step(self, *grads):
+        machine = self.machine
+        self._arrays = {n: handoff.to_torch(g) for n, g in zip(self.names, grads)}
+        if machine.solo:                         # nothing to send: the gradient is the average
+            entry = StepGradient(loaded={n: a.reshape(-1).clone()
+                                         for n, a in self._arrays.items()})
+        else:
+            for name in reversed(self.names):
+                machine.ready(name, self._fill)
+            machine.launch_rest(self._fill)
+            entry = StepGradient(machine.launched)
+        self._arrays = {}
+        ready = machine.finish_step(entry)
+        self.timings["steps"] += 1
+        if not ready:
+            return [tf.zeros(s, d) for s, d in zip(self.shapes, self.dtypes)] + [False]
+        (oldest,) = ready                        # restore() refuses what would pop several
+        self.timings["applied"] += 1
+        return self._to_tf(oldest.gradients()) + [True]
+
+    def _fill(self, bucket, flat):
+        for name, start, numel in bucket.offsets():
+            flat[start:start + numel].copy_(self._arrays[name].reshape(-1))
+
+    def _to_tf(self, grads):
+        return [handoff.to_tf(grads[n].reshape(s), d)
+                for n, s, d in zip(self.names, self.shapes, self.dtypes)]
+
+    def flush(self):
+        out = [self._to_tf(entry.gradients()) for entry in self.machine.drain()]
+        self.timings["applied"] += len(out)
+        return out
+
+    # --- checkpoints ------------------------------------------------------------------
+    def state(self):
+        state = self.machine.state()
+        return {"steps": state["steps"],
+                "in_flight": [{n: g.cpu().numpy() for n, g in e.items()}
+                              for e in state["in_flight"]]}
+
+    def restore(self, state):
+        fifo = self.machine.fifo
+        in_flight = state["in_flight"]
+        if in_flight and len(in_flight) >= fifo.threshold(state["steps"]):
+            raise ValueError(f"a checkpoint with {len(in_flight)} gradients in flight at step "
+                             f"{state['steps']} cannot resume inside warm-up (warmup_steps="
+                             f"{fifo.warmup_steps}): resume with the warm-up it was saved with")
+        for entry in in_flight:
+            if sorted(entry) != sorted(self.names):
+                raise ValueError("the checkpoint's gradients in flight are for other variables "
+                                 f"({sorted(entry)[:3]}...) than these ({self.names[:3]}...)")
+        self.machine.settle()
+        self.machine.restore(
+            [{n: torch.from_numpy(np.array(a, copy=True)).reshape(-1).to(
+                self.machine.bucket_of[n].kind[1]) for n, a in entry.items()}
+             for entry in in_flight], [None] * len(in_flight), state["steps"])
+
+
+def _pipeline_for(sources, options):
+    key = (_key(sources), options["process_set"])
+    pipe = _pipelines.get(key)
+    if pipe is None:
+        pipe = _pipelines[key] = _Pipeline(sources, options)
+        engine.current().before_shutdown(__name__, _report_unapplied)
+    elif pipe.options != options:
+        changed = sorted(k for k in options if options[k] != pipe.options[k])
+        raise ValueError(f"these variables' gradients are pipelined with other options already "
+                         f"({', '.join(f'{k}={pipe.options[k]!r}' for k in changed)}); a later "
+                         "DistributedGradientTape for them must pass the same ones")
+    return pipe
+
+
+def _report_unapplied():
+    report_unapplied(sum(len(p.machine.fifo) for p in list(_built)),
+                     "call tape.flush() (or hvd.flush(variables)) after the last step and "
+                     "apply the gradients it returns")
+
+
+class _DistributedGradientTape:
+    """Methods placed before the user's tape class (see DistributedGradientTape)."""
+
+    @tf.autograph.experimental.do_not_convert      # Python at trace time (see mpi_ops)
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        # The tape's own computation first: TensorFlow's errors (a non-persistent tape used
+        # twice, ...) are raised on this rank before anything is sent.
+        grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
+        flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
+        handoff.refuse_xla("DistributedGradientTape.gradient")
+        pipe = _pipeline_for(flat_sources, self._tape_options)
+        self._tape_pipeline = pipe
+        dense = [tf.zeros(shape, dtype) if g is None else tf.convert_to_tensor(g, dtype)
+                 for g, shape, dtype in zip(flat_grads, pipe.shapes, pipe.dtypes)]
+        out = handoff.run(pipe.step, dense, pipe.dtypes + [tf.bool], "pipe_horovod_tape_step")
+        averaged = [tf.ensure_shape(g, shape) if not tf.executing_eagerly() else g
+                    for g, shape in zip(out[:-1], pipe.shapes)]
+        averaged = [None if g is None else a for g, a in zip(flat_grads, averaged)]
+        return tf.nest.pack_sequence_as(grads, averaged)
+
+    def flush(self):
+        """The averaged gradients still in flight for this tape's sources, oldest first.
+
+        Returns:
+            A list with one gradient list (in the sources' order) per step in flight:
+            apply each, in order, at the end of training.
+
+        Raises:
+            ValueError: called before gradient() (use hvd.flush(sources)), or inside a
+                tf.function.
+        """
+        if getattr(self, "_tape_pipeline", None) is None:
+            raise ValueError("this tape has computed no gradient yet: call "
+                             "hvd.flush(model.trainable_variables) instead")
+        return flush(self._tape_pipeline.sources, self._tape_options["process_set"])
+
+
+def flush(sources, process_set=None):
+    """The averaged gradients still in flight for `sources`, oldest first (eager only).
+
+    Args:
+        sources: the variables the tapes differentiated (the same list, in the same order).
+        process_set: the tapes' process_set, where they had one.
+
+    Returns:
+        A list of gradient lists, one per step in flight (empty when nothing is).
+    """
+    if not tf.executing_eagerly():
+        raise ValueError("flush() runs eagerly, after the last step: call it outside any "
+                         "tf.function")
+    if process_set is engine.global_process_set:
+        process_set = None
+    pipe = _pipelines.get((_key(tf.nest.flatten(sources)), process_set))
+    return [] if pipe is None else pipe.flush()
+
+
+class GradientsInFlight(tf.train.experimental.PythonState):
+    """The gradients in flight for `sources`, as a tf.train.Checkpoint dependency.
+
+        ckpt = tf.train.Checkpoint(model=model, optimizer=opt,
+                                   pipeline=hvd.GradientsInFlight(model.trainable_variables))
+
+    Saved: the pipeline's step count and every averaged gradient in flight (each
+    rank holds the same ones). Restored before the first step of the resumed run,
+    they are what the next steps' tape.gradient returns, so the run continues as if
+    it had never stopped.
+    """
+
+    def __init__(self, sources, process_set=None):
+        self._sources = tf.nest.flatten(sources)
+        self._process_set = None if process_set is engine.global_process_set else process_set
+
+    def _pipeline(self):
+        return _pipelines.get((_key(self._sources), self._process_set))
+
+    def serialize(self):
+        pipe = self._pipeline()
+        state = pipe.state() if pipe is not None else _pending.get(
+            _key(self._sources), {"steps": 0, "in_flight": []})
+        arrays = {f"{k}/{n}": a for k, entry in enumerate(state["in_flight"])
+                  for n, a in entry.items()}
+        buffer = io.BytesIO()
+        np.savez(buffer, steps=np.int64(state["steps"]),
+                 entries=np.int64(len(state["in_flight"])), **arrays)
+        return buffer.getvalue()
+
+    def deserialize(self, string_value):
+        with np.load(io.BytesIO(string_value)) as data:
+            entries = [{} for _ in range(int(data["entries"]))]
+            for key in data.files:
+                if "/" in key:
+                    k, name = key.split("/", 1)
+                    entries[int(k)][name] = data[key]
+            state = {"steps": int(data["steps"]), "in_flight": entries}
+        pipe = self._pipeline()
+        if pipe is None:
+            _pending[_key(self._sources)] = state
+        else:
+            pipe.restore(state)
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
+                            compression=Compression.none, sparse_as_dense=False,
+                            op=engine.Average, gradient_predivide_factor=1.0, num_groups=0,
+                            groups=None, process_set=engine.global_process_set,
+                            scale_local_gradients=True, *, pipeline_depth=None,
+                            warmup_steps=0, bucket_cap_mb=None):
+    """Wrap `gradtape` so its gradient() averages the gradients across ranks, pipelined.
+
+    The arguments up to `scale_local_gradients` are horovod.tensorflow's, in its
+    order. device_dense and device_sparse are accepted and unused (the engine
+    places reductions); sparse gradients are always reduced dense, so
+    sparse_as_dense changes nothing; num_groups/groups fuse the gradients into that
+    many buckets (groups may also be Horovod's lists of variables);
+    scale_local_gradients must be True.
+
+    pipeline_depth: 1 returns this step's average (Horovod's behaviour); K >= 2 the
+    average of K-1 steps earlier, zeros while the pipeline fills (module docstring).
+    Default: $PIPE_HOROVOD_PIPELINE_DEPTH, else 2. warmup_steps: steps at depth 1
+    before the pipeline starts. bucket_cap_mb: MiB per fused reduction (None: chosen
+    from the ranks and the link, as in the other adapters).
+
+    Returns:
+        `gradtape` itself, its class now a subclass of its own with gradient() and
+        flush() (Horovod returns a wrapper of the same class).
+
+    Raises:
+        TypeError, ValueError: a bad argument (not a tape, an op the pipeline cannot
+            reduce, a depth out of range), before init() too. Sources that differ
+            between ranks (number, shapes, dtypes, names) raise ValueError on every
+            rank at the first gradient().
+    """
+    if not isinstance(gradtape, tf.GradientTape):
+        raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got "
+                        f"{type(gradtape).__name__}")
+    if isinstance(gradtape, _DistributedGradientTape):
+        raise ValueError("this tape is a DistributedGradientTape already; wrap it once")
+    if scale_local_gradients is not True:
+        raise ValueError("scale_local_gradients=False is not supported")
+    if num_groups:
+        groups = num_groups if groups is None else groups
+    if isinstance(groups, (list, tuple)):         # compared by reference, as TF wants
+        groups = [[_ref(v) for v in group] for group in groups]
+    elif groups is not None and (isinstance(groups, bool) or not isinstance(groups, int)
+                                 or groups < 0):
+        raise ValueError(f"groups must be a bucket count (an int >= 0) or lists of variables, "
+                         f"got {groups!r}")
+    if process_set is engine.global_process_set:
+        process_set = None
+    if process_set is not None and not isinstance(process_set, engine.ProcessSet):
+        raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
+    pipeline_depth, source = resolve_depth(pipeline_depth)
+    check_options(pipeline_depth, warmup_steps, 1, 25 if bucket_cap_mb is None else bucket_cap_mb)
+    check_reduction(op, gradient_predivide_factor)
+    engine.current()                             # a clear error before init()
+    bucket_cap_mb = resolve_bucket_cap_mb(bucket_cap_mb, process_set)
+    announce_depth(pipeline_depth, warmup_steps, source, process_set, _announced)
+    cls = type(gradtape)
+    gradtape.__class__ = type(cls.__name__, (_DistributedGradientTape, cls),
+                              {"__module__": __name__})
+    gradtape._tape_options = {
+        "pipeline_depth": pipeline_depth, "warmup_steps": warmup_steps,
+        "compression": compression, "op": op,
+        "gradient_predivide_factor": float(gradient_predivide_factor),
+        "bucket_cap_mb": bucket_cap_mb, "groups": groups or None, "process_set": process_set}
+    gradtape._tape_pipeline = None
+    return gradtape

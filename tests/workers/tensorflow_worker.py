@@ -1,0 +1,292 @@
+"""Launched on N ranks: pipe_horovod.tensorflow (Horovod's TF2 API) in custom loops.
+
+`python tensorflow_worker.py CASE[,CASE...] DIR` (launcher.worker_cases):
+  api         the collectives on tf.Tensor / tf.Variable / IndexedSlices, eagerly and inside
+              tf.function, against values every rank computes for every rank; the object
+              collectives, broadcast_variables, barrier
+  tape        DistributedGradientTape in a tf.function with Keras SGD, K = 1, 2, 3 and a
+              warm-up, against tests/keras_reference.py's pipelined FIFO fed with the same
+              TensorFlow gradients: bit for bit (the float32 average of 1 or 2 ranks is
+              exact); zeros while the pipeline fills; flush() hands back the rest
+  optimizer   hvd.DistributedOptimizer(Adam) with a plain tape at K=2 (plain Pipe-SGD)
+              against the reference's Adam, within tests/tolerance.py's bound
+  checkpoint  tf.train.Checkpoint with GradientsInFlight saved mid-run at K=2; a fresh
+              model restored from it continues to the uninterrupted run's weights exactly
+  errors      bad input: a clear error on every rank, and a collective still works after
+"""
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np  # noqa: E402
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_reference as ref  # noqa: E402
+import launcher  # noqa: E402
+import pipe_horovod.tensorflow as hvd  # noqa: E402
+from tolerance import relative_error, training_rtol  # noqa: E402
+
+STEPS, SAVE_AT, BATCH, IN, HIDDEN, OUT = 8, 3, 8, 4, 5, 3
+
+
+def rank_data(rank, step):
+    rng = np.random.default_rng(1000 * rank + step)
+    return (rng.standard_normal((BATCH, IN)).astype("float32"),
+            rng.standard_normal((BATCH, OUT)).astype("float32"))
+
+
+def build(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((IN,)), keras.layers.Dense(HIDDEN, activation="tanh"),
+                             keras.layers.Dense(OUT)])
+
+
+def loss_of(model, x, y):
+    return tf.reduce_mean(tf.square(model(x) - y))
+
+
+def weights_of(model):
+    return [np.asarray(v.numpy()) for v in model.trainable_variables]
+
+
+_probe = {}
+
+
+def local_gradients(step, rank, weights):
+    """Rank `rank`'s gradient at `weights`, by the same traced TensorFlow computation."""
+    if not _probe:
+        _probe["model"] = model = build()
+
+        @tf.function
+        def grads(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_of(model, x, y)
+            return tape.gradient(loss, model.trainable_variables)
+        _probe["grads"] = grads
+    for v, w in zip(_probe["model"].trainable_variables, weights):
+        v.assign(w)
+    return [g.numpy() for g in _probe["grads"](*rank_data(rank, step))]
+
+
+def equal(got, want, what):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert np.array_equal(a, b), (f"{what}: variable {i} differs from the reference by "
+                                      f"{relative_error(a, b):.3g}")
+
+
+# --- api ---------------------------------------------------------------------------------
+def check_api():
+    r, n = hvd.rank(), hvd.size()
+    assert hvd.local_rank() == r and hvd.local_size() == n and hvd.cross_size() == 1
+    assert hvd.is_initialized() and isinstance(hvd.gloo_built(), bool)
+    value = lambda k: tf.constant(np.arange(6, dtype=np.float32).reshape(2, 3) + k)  # noqa
+    total = sum(value(k).numpy() for k in range(n))
+
+    @tf.function
+    def in_graph(t):
+        return (hvd.allreduce(t, op=hvd.Sum), hvd.allgather(t), hvd.broadcast(t, n - 1),
+                hvd.grouped_allreduce([t, 2 * t]))
+    for mode, run in (("eager", lambda t: (hvd.allreduce(t, op=hvd.Sum), hvd.allgather(t),
+                                           hvd.broadcast(t, n - 1),
+                                           hvd.grouped_allreduce([t, 2 * t]))),
+                      ("tf.function", in_graph)):
+        summed, gathered, sent, grouped = run(value(r))
+        assert np.array_equal(summed.numpy(), total), mode
+        assert np.array_equal(gathered.numpy(), np.concatenate([value(k) for k in range(n)]))
+        assert np.array_equal(sent.numpy(), value(n - 1).numpy()), mode
+        assert np.allclose(grouped[0].numpy(), total / n) and np.allclose(
+            grouped[1].numpy(), 2 * total / n), mode
+    variable = tf.Variable(value(r))
+    assert np.array_equal(hvd.allreduce(variable, op=hvd.Max).numpy(), value(n - 1).numpy())
+    # Ranks gather different first dimensions; alltoall with splits; reducescatter.
+    gathered = hvd.allgather(tf.fill([r + 1, 2], float(r)))
+    assert gathered.shape == (n * (n + 1) // 2, 2)
+    rows = tf.reshape(tf.range(2 * n, dtype=tf.float32) + 10 * r, (2 * n, 1))
+    out, received = hvd.alltoall(rows, splits=[2] * n)
+    assert received.numpy().tolist() == [2] * n
+    assert out.numpy().ravel().tolist() == [10 * k + 2 * r + j for k in range(n) for j in (0, 1)]
+    scattered = hvd.reducescatter(tf.ones((2 * n, 3)) * (r + 1), op=hvd.Sum)
+    assert np.array_equal(scattered.numpy(), np.full((2, 3), n * (n + 1) / 2, np.float32))
+    # IndexedSlices: values and indices gathered, values averaged (Horovod's reduction).
+    slices = tf.IndexedSlices(tf.fill([1, 3], float(r + 1)), tf.constant([r]),
+                              tf.constant([n, 3]))
+    reduced = hvd.allreduce(slices)
+    assert isinstance(reduced, tf.IndexedSlices)
+    assert np.array_equal(tf.convert_to_tensor(reduced).numpy(),
+                          np.array([[(k + 1) / n] * 3 for k in range(n)], np.float32))
+    # broadcast_variables: every rank ends with rank 0's weights.
+    for mode in ("eager", "tf.function"):
+        model = build(seed=r)
+        if mode == "eager":
+            hvd.broadcast_variables(model.variables, root_rank=0)
+        else:
+            tf.function(lambda: hvd.broadcast_variables(model.variables, root_rank=0))()
+        mine = weights_of(model)
+        for theirs in hvd.allgather_object(mine):
+            equal(theirs, mine, f"broadcast_variables {mode}")
+    assert hvd.broadcast_object({"epoch": 3} if r == 0 else None, 0) == {"epoch": 3}
+    hvd.barrier()
+    compressed = hvd.allreduce(tf.constant([1.0, 2.0]), compression=hvd.Compression.fp16)
+    assert compressed.dtype == tf.float32 and np.array_equal(compressed.numpy(), [1.0, 2.0])
+
+
+# --- the tape against the pipelined reference ----------------------------------------------
+def tape_run(depth, warmup, steps=STEPS, model=None, start=0, eagerly=False, state=None):
+    """Train `steps` steps with DistributedGradientTape and Keras SGD; return the model,
+    the optimizer and what tape.gradient returned at each step."""
+    model = model or build()
+    opt = keras.optimizers.SGD(0.1) if state is None else state
+    returned = []
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_of(model, x, y)
+        tape = hvd.DistributedGradientTape(tape, pipeline_depth=depth, warmup_steps=warmup,
+                                           bucket_cap_mb=1e-5)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return grads
+    run = step if eagerly else tf.function(step)
+    for t in range(start, start + steps):
+        returned.append([g.numpy() for g in run(*rank_data(hvd.rank(), t))])
+    return model, opt, returned
+
+
+def check_tape():
+    for depth, warmup, eagerly in ((1, 0, False), (2, 0, False), (3, 2, False), (2, 1, True)):
+        what = f"tape K={depth} W={warmup}{' eagerly' if eagerly else ''}"
+        model, opt, returned = tape_run(depth, warmup, eagerly=eagerly)
+        start = weights_of(build())
+        expected = ref.reference(start, local_gradients, ref.SGD(0.1), depth, warmup,
+                                 steps=STEPS, size=hvd.size(), flush=False)
+        equal(weights_of(model), expected.weights, what)
+        filling = [t for t in range(STEPS) if t >= warmup][:depth - 1]
+        for t in filling:
+            assert all(not g.any() for g in returned[t]), f"{what}: step {t} is not zeros"
+        left = hvd.flush(model.trainable_variables)
+        assert len(left) == len(expected.fifo), what
+        for grads, (_, averaged) in zip(left, expected.fifo):
+            equal([g.numpy() for g in grads], averaged, what + " flush")
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        done = ref.reference(start, local_gradients, ref.SGD(0.1), depth, warmup, steps=STEPS,
+                             size=hvd.size())
+        equal(weights_of(model), done.weights, what + " after flush")
+        assert hvd.flush(model.trainable_variables) == []
+        if depth > 1:      # one step more or less of delay is told apart
+            other = ref.reference(start, local_gradients, ref.SGD(0.1), depth - 1, warmup,
+                                  steps=STEPS, size=hvd.size())
+            assert not np.array_equal(other.weights[0], done.weights[0]), what
+
+
+def check_optimizer():
+    model = build()
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), pipeline_depth=2,
+                                   staleness_compensation=None)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_of(model, x, y)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    for t in range(STEPS):
+        step(*rank_data(hvd.rank(), t))
+    opt.flush()
+    expected = ref.reference(weights_of(build()), local_gradients, ref.Adam(0.01), 2, 0,
+                             steps=STEPS, size=hvd.size())
+    rtol = training_rtol(steps=STEPS, fan_ins=(IN, HIDDEN, OUT), batch=BATCH, ranks=hvd.size(),
+                         optimizer="adam")
+    assert int(opt.iterations.numpy()) == STEPS
+    for i, (a, b) in enumerate(zip(weights_of(model), expected.weights)):
+        err = relative_error(a, b)
+        assert err <= rtol, f"DistributedOptimizer: variable {i} off by {err:.3g} > {rtol:.3g}"
+
+
+def check_checkpoint(directory):
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    path = Path(directory) / f"tape_rank{hvd.rank()}"
+    model, opt, _ = tape_run(2, 0, steps=SAVE_AT)
+    ckpt = tf.train.Checkpoint(model=model, optimizer=opt,
+                               pipeline=hvd.GradientsInFlight(model.trainable_variables))
+    saved = ckpt.write(str(path))
+    tape_run(2, 0, steps=STEPS - SAVE_AT, model=model, start=SAVE_AT, state=opt)
+    for grads in hvd.flush(model.trainable_variables):
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    uninterrupted = weights_of(model)
+    # A fresh model, optimizer and pipeline, as a restarted job has them.
+    fresh, fresh_opt = build(seed=7), keras.optimizers.SGD(0.1)
+    fresh_opt.build(fresh.trainable_variables)
+    tf.train.Checkpoint(model=fresh, optimizer=fresh_opt,
+                        pipeline=hvd.GradientsInFlight(fresh.trainable_variables)).read(
+        saved).assert_consumed()
+    tape_run(2, 0, steps=STEPS - SAVE_AT, model=fresh, start=SAVE_AT, state=fresh_opt)
+    for grads in hvd.flush(fresh.trainable_variables):
+        fresh_opt.apply_gradients(zip(grads, fresh.trainable_variables))
+    equal(weights_of(fresh), uninterrupted, "restored from tf.train.Checkpoint")
+
+
+# --- bad input ---------------------------------------------------------------------------
+def expect_error(kind, words, fn):
+    try:
+        fn()
+    except kind as exc:
+        assert words in str(exc), f"{kind.__name__} without {words!r}: {exc}"
+        return
+    raise AssertionError(f"no {kind.__name__} ({words!r})")
+
+
+def check_errors():
+    r = hvd.rank()
+    model = build()
+    x, y = rank_data(r, 0)
+
+    def twice():
+        with tf.GradientTape() as tape:
+            loss = loss_of(model, x, y)
+        tape = hvd.DistributedGradientTape(tape, pipeline_depth=1)
+        tape.gradient(loss, model.trainable_variables)
+        tape.gradient(loss, model.trainable_variables)
+    expect_error(RuntimeError, "only be used to compute one set of gradients", twice)
+    hvd.flush(model.trainable_variables)
+
+    def differing():               # rank 1 differentiates a differently shaped model
+        other = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(HIDDEN + r)])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(other(x))
+        hvd.DistributedGradientTape(tape).gradient(loss, other.trainable_variables)
+    if hvd.size() > 1:
+        expect_error(ValueError, "differs between ranks", differing)
+
+    @tf.function(jit_compile=True)
+    def compiled(t):
+        return hvd.allreduce(t)
+    expect_error(ValueError, "jit_compile=True", lambda: compiled(tf.ones(2)))
+    expect_error(ValueError, "op must be", lambda: hvd.DistributedGradientTape(
+        tf.GradientTape(), op=hvd.Adasum))
+    expect_error(ValueError, "IndexedSlices", lambda: hvd.allreduce(
+        tf.IndexedSlices(tf.ones((1, 2)), tf.constant([0])), op=hvd.Max))
+    expect_error(ValueError, "pipeline_depth", lambda: hvd.DistributedGradientTape(
+        tf.GradientTape(), pipeline_depth=0))
+    expect_error(TypeError, "tf.GradientTape", lambda: hvd.DistributedGradientTape(model))
+    expect_error(ValueError, "no gradient yet",
+                 hvd.DistributedGradientTape(tf.GradientTape(), pipeline_depth=1).flush)
+    expect_error(TypeError, "TensorFlow 1", lambda: hvd.DistributedOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1)))
+    # Nothing hangs after the errors: a collective still agrees.
+    assert hvd.allreduce(tf.constant(1.0), op=hvd.Sum).numpy() == hvd.size()
+
+
+def main():
+    hvd.init()
+    checks = {"api": check_api, "tape": check_tape, "optimizer": check_optimizer,
+              "checkpoint": lambda: check_checkpoint(sys.argv[2]), "errors": check_errors}
+    launcher.worker_cases(checks, sys.argv[1], hvd.rank)
+    print(f"WORKER_OK rank={hvd.rank()}", flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
