@@ -103,10 +103,17 @@ class _Quantized(Compressor):
     wire = None
     block_size = DEFAULT_BLOCK_SIZE
     per_hop = True                # False: only the two-stage path carries it
+    hop_class = None              # its per-hop codec in compression/hops.py
 
     @classmethod
     def compress(cls, tensor):
         raise ValueError(_INSIDE_THE_REDUCTION.format(name=cls.name))
+
+    @classmethod
+    def hop(cls, dtype):
+        from . import hops
+
+        return getattr(hops, cls.hop_class)()
 
     @classmethod
     def with_block_size(cls, block_size):
@@ -130,12 +137,7 @@ class INT8Compressor(_Quantized):
 
     name = "int8"
     wire = "int8"
-
-    @staticmethod
-    def hop(dtype):
-        from .hops import Int8Hop
-
-        return Int8Hop()
+    hop_class = "Int8Hop"
 
 
 class INT8FeedbackCompressor(INT8Compressor):
@@ -155,12 +157,7 @@ class INT4Compressor(_Quantized):
 
     name = "int4"
     wire = "int4"
-
-    @staticmethod
-    def hop(dtype):
-        from .hops import Int4Hop
-
-        return Int4Hop()
+    hop_class = "Int4Hop"
 
 
 class INT4FeedbackCompressor(INT4Compressor):

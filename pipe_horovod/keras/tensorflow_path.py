@@ -50,7 +50,7 @@ class TensorFlowPath:
         self.variables = variables
         self.names = variable_names(variables)
         self.shapes = dict(zip(self.names, (tuple(v.shape) for v in variables)))
-        devices = [_torch_device(v) for v in variables]
+        devices = [torch_device(v) for v in variables]
         # Local variables (register_local_var): not reduced; this rank's gradient, divided
         # by size() with scale_local_gradients, travels with its step (_keep_unreduced).
         self.local = [n for n, own in zip(self.names, local) if own]
@@ -348,10 +348,17 @@ def failure_behind(error):
     return _failures.pop()
 
 
-def _refuse_xla():
+def in_xla_context():
+    """Whether the graph being traced is XLA-compiled (jit_compile=True): a hand-off to
+    Python (tf.py_function, numpy_function) cannot run there. pipe_horovod.tensorflow
+    asks it too."""
     from tensorflow.python.ops import control_flow_util
 
-    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def _refuse_xla():
+    if in_xla_context():
         raise ValueError("the pipelined DistributedOptimizer cannot run inside an XLA-compiled "
                          "train step: its reductions outlive the step. Compile the model with "
                          "model.compile(..., jit_compile=False)")
@@ -409,8 +416,9 @@ def _dtype(variable):
     return np.dtype(tf.as_dtype(variable.dtype).as_numpy_dtype)
 
 
-def _torch_device(variable):
-    """The torch device of a Keras or TF variable ("/job:.../device:GPU:1" -> cuda:1)."""
+def torch_device(variable):
+    """The torch device of a Keras or TF variable, or a tf.Tensor ("/job:.../device:GPU:1"
+    -> cuda:1). pipe_horovod.tensorflow places its gradients by it too."""
     device = variable.value.device if hasattr(variable, "path") else variable.device
     spec = tf.DeviceSpec.from_string(device or "/device:CPU:0")
     if spec.device_type == "GPU":

@@ -45,6 +45,7 @@ import torch
 
 from .. import engine
 from ..compression import Compression
+from ..keras.tensorflow_path import torch_device
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
                         check_reduction, compare_across_ranks, report_unapplied, resolve_depth)
 from ..pipeline.buckets import bucket_cap_bytes, resolve_bucket_cap_mb
@@ -65,14 +66,6 @@ def _ref(source):
 
 def _key(sources):
     return tuple(_ref(s) for s in sources)
-
-
-def _torch_device(source):
-    if not isinstance(source, (tf.Variable, tf.Tensor)):      # a Keras 3 variable
-        source = source.value
-    spec = tf.DeviceSpec.from_string(source.device or "/device:CPU:0")
-    return torch.device("cuda", spec.device_index or 0) if spec.device_type == "GPU" \
-        else torch.device("cpu")
 
 
 def _torch_dtype(dtype):
@@ -104,7 +97,7 @@ class _Pipeline:
             cap_bytes=bucket_cap_bytes(options["bucket_cap_mb"]), groups=groups)
         # Ready order: backward produces the last layer's gradients first.
         self.machine.plan([(name, int(np.prod(shape, dtype=np.int64)), dtype.size,
-                            (_torch_dtype(dtype), _torch_device(source)))
+                            (_torch_dtype(dtype), torch_device(source)))
                            for name, shape, dtype, source in reversed(list(zip(
                                self.names, self.shapes, self.dtypes, self.sources)))])
         description = {f"source {i} ({n.split('.', 1)[1]})": f"shape {s} {d.name}"

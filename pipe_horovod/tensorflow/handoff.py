@@ -53,9 +53,9 @@ def run(func, inputs, types, name):
 
 def refuse_xla(what):
     """A collective here is a Python call: XLA cannot compile it (jit_compile=True)."""
-    from tensorflow.python.ops import control_flow_util
+    from pipe_horovod.keras.tensorflow_path import in_xla_context
 
-    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+    if in_xla_context():
         raise ValueError(f"{what} cannot run inside an XLA-compiled tf.function "
                          "(jit_compile=True): pipe_horovod's collectives run outside the graph; "
                          "use tf.function(jit_compile=False) for the step that calls it")
