@@ -79,7 +79,7 @@ def test_int4_codec_is_the_two_stage_format_on_one_block(numel):
     format packs them (pack_int4), so the two paths agree on what 4 bits mean; the error
     is at most half a step, and the residual is what was lost, to the bit."""
     hop = Int4Hop()
-    x = torch.randn(numel, dtype=torch.float32) * 3
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3
     wire = torch.empty(hop.wire_numel(numel), dtype=torch.uint8)
     assert hop.wire_numel(numel) == 4 + -(-numel // 8) * 4          # bytes padded to 4
     residual, out = torch.empty(numel), torch.zeros(numel)
@@ -92,8 +92,8 @@ def test_int4_codec_is_the_two_stage_format_on_one_block(numel):
     assert (x - out).abs().max() <= x.abs().max() / 14 * 1.0001
     assert torch.equal(residual, x - out)
     acc = torch.ones(numel)
-    hop.decode_add(wire, acc)
-    assert torch.equal(acc, torch.ones(numel) + out)
+    hop.decode_add(wire, acc)                # 1 + q * scale: two roundings at most, fused or not
+    assert ((acc - (1 + out)).abs() <= 2.0**-23 * (1 + out.abs())).all()
 
 
 class _GlooLikeRecv:
