@@ -33,21 +33,10 @@ EDITS = [("import horovod.tensorflow as hvd", "import pipe_horovod.tensorflow as
 
 RUNNER = '''
 import os, runpy, sys
-import numpy as np
 import keras, tensorflow as tf
 
-
-def synthetic_mnist(path="mnist.npz"):
-    rng = np.random.default_rng(0)
-
-    def part(n):
-        labels = rng.integers(0, 10, n).astype("uint8")
-        images = rng.integers(0, 64, (n, 28, 28)).astype("uint8")
-        for label in range(10):
-            images[labels == label, 2 + 2 * label:4 + 2 * label, 4:24] = 255
-        return images, labels
-    return part(2048), part(512)
-
+sys.path.insert(0, SCRIPTS)
+from run_with_synthetic_mnist import synthetic_mnist  # the Keras harness's MNIST
 
 for module in (keras.datasets.mnist, tf.keras.datasets.mnist):
     module.load_data = synthetic_mnist
@@ -88,7 +77,8 @@ def main():
     script = work / args.example.name
     script.write_text(copy)
     runner = work / "run_example.py"
-    runner.write_text(f"SCRIPT = {str(script)!r}\nSTEPS = {args.steps}\n"
+    runner.write_text(f"SCRIPT = {str(script)!r}\nSCRIPTS = {str(REPO / 'scripts')!r}\n"
+                      f"STEPS = {args.steps}\n"
                       f"ARGS = {args.script_args!r}\n{RUNNER}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO), os.environ.get("PYTHONPATH", "")]), TF_CPP_MIN_LOG_LEVEL="2")
