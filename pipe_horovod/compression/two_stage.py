@@ -18,7 +18,8 @@ Wire formats (`WireFormat`): "int8" (per block of `block_size` elements
 one float32 scale max|x| / 127, values rounded half to even and clamped
 to +-127), "int4" (the same with max|x| / 7 and +-7, two values a byte: the
 even element in the low four bits, the odd one in the high four, two's
-complement; blocks of an even size, so a block starts on a byte), "float8_e4m3fn" / "float8_e5m2" (the same blocks, scale
+complement; blocks of an even size, so a block starts on a byte),
+"float8_e4m3fn" / "float8_e5m2" (the same blocks, scale
 max|x| / the format's largest finite value, values cast to the 8-bit
 float type), "float16" / "bfloat16" (a cast, no scale). Blocks start at
 each shard's first element; a shard's wire is its scales (float32 bytes)
