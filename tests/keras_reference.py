@@ -221,6 +221,14 @@ class Result:
         return self.optimizer.iterations
 
 
+def rank_data(rank, step, batch, n_in, n_out):
+    """The batch (x, y) rank `rank` trains on at `step`: the workers' and this
+    reference's inputs, the same on every engine and backend."""
+    rng = np.random.default_rng(1000 * rank + step)
+    return (rng.standard_normal((batch, n_in)).astype("float32"),
+            rng.standard_normal((batch, n_out)).astype("float32"))
+
+
 def average(per_rank):
     """The mean over ranks of one step's gradients: float32 sum in rank order, / size."""
     size = len(per_rank)

@@ -9,10 +9,18 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "horovod_compat.py"
-spec = importlib.util.spec_from_file_location("horovod_compat", SCRIPT)
-hc = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(hc)
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _load_script(name):
+    """scripts/<name>.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+hc = _load_script("horovod_compat")
 
 
 # ---------------------------------------------------------------- imports
@@ -301,7 +309,7 @@ def test_results_file_round_trip_and_resume_key(tmp_path):
 def test_render_only_needs_no_test_file(tmp_path):
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     hc.save_results(_results(), out)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--render-only", "--out", str(out), "--markdown", str(md)],
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "horovod_compat.py"), "--render-only", "--out", str(out), "--markdown", str(md)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "| `test_ok` | PASS | PASS | PASS |" in md.read_text()
@@ -392,10 +400,7 @@ def test_copies_carry_a_faulthandler_timeout_below_the_kill(tmp_path):
 
 # ---------------------------------------------------------------- the Keras suite
 
-KERAS_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "horovod_compat_keras.py"
-_keras_spec = importlib.util.spec_from_file_location("horovod_compat_keras", KERAS_SCRIPT)
-hk = importlib.util.module_from_spec(_keras_spec)
-_keras_spec.loader.exec_module(hk)
+hk = _load_script("horovod_compat_keras")
 
 
 def test_keras_conversion_is_the_imports_and_the_listed_renames():
