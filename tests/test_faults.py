@@ -149,6 +149,43 @@ def test_a_rank_that_ended_because_a_peer_died_passes_the_death_on():
     assert str(error).endswith(causes.JOIN_HINT), error
 
 
+def test_a_cause_another_rank_concluded_is_raised_only_by_the_waits_it_names():
+    """Rank 1 concluded a deadlock of the waits 'o.loss' and 'o.acc' and posted it (CI saw
+    rank 0 raise it again two cases later, once rank 1 had ended): a wait on another name
+    passes it by, one it names raises it, and a rank that concluded the same cause itself
+    takes the post as told."""
+    from pipe_horovod.engine import causes
+    from pipe_horovod.engine.stall import Board, Call, Stall
+    store = {}
+    text = "the ranks wait in different collectives: rank 0 waits in allreduce 'o.loss'"
+    board = Board(store.__setitem__, store.get, 2)
+    board.tell_raised(1, [dict(seq=1, error=f"StepMismatchError: {text}", call=None, name=None,
+                               shared=True, wires=["o.acc", "o.loss"], key=["cause", text])])
+
+    class Engine:
+        _board, _closed, step = board, False, 4
+        def __init__(self):
+            self._told = set()
+        def rank(self):
+            return 0
+        def size(self):
+            return 2
+        def names_in_flight(self):
+            return []
+        def raised_alike(self, post):
+            return False
+
+    ended = {1: {"state": "ended", "step": 3}}
+    later = Stall(Engine(), Call("allreduce", "pipe0.0.5.0"), time.monotonic(), post=False)
+    assert causes.raised(later, ended) is None
+    same = Stall(Engine(), Call("allreduce", "o.loss"), time.monotonic(), post=False)
+    error = causes.raised(same, ended)
+    assert type(error).__name__ == "StepMismatchError" and str(error) == text, error
+    again = Stall(Engine(), Call("allreduce", "o.loss"), time.monotonic(), post=False)
+    causes.concluded(again, ["o.loss"])
+    assert causes.raised(again, ended) is None
+
+
 # --- a rank killed, on real ranks -----------------------------------------------------
 def _free_port():
     with socket.socket() as s:

@@ -89,9 +89,11 @@ def raised(stall, others):
                 continue
             status = others.get(rank)
             exited = status is not None and status["state"] == "ended"
-            if not (post.get("final") or exited or post.get("name") in (
-                    stall.call.name, stall.call.wire) or stall.call.wire in (
-                    post.get("wires") or ())):
+            if post.get("wires"):   # a cause about given waits: only those, even once
+                if stall.call.wire not in post["wires"]:    # that rank has ended
+                    continue
+            elif not (post.get("final") or exited or post.get("name") in (
+                    stall.call.name, stall.call.wire)):
                 continue        # raised elsewhere and went on: it may still start this one
             engine._told.add((rank, post["seq"]))
             board.acknowledge(stall.me, rank, post["seq"])
@@ -106,6 +108,17 @@ def raised(stall, others):
                 f"rank {stall.me} waits in {stall.what}{_after(engine.step)}, which rank "
                 f"{rank} did not start")
     return None
+
+
+def concluded(stall, wires):
+    """This rank raised its own cause for the waits `wires`: the same cause another rank
+    concluded at the same tick and posted is no news to a later wait of this rank."""
+    engine = stall.engine
+    for rank, posts in engine._board.raised(
+            [r for r in range(engine.size()) if r != stall.me]).items():
+        for post in posts:
+            if set(post.get("wires") or ()) & set(wires):
+                engine._told.add((rank, post["seq"]))
 
 
 def ended(stall, others, now, ranks=None):

@@ -257,6 +257,7 @@ class Stall:
         wires = getattr(cause, "wires", None)
         if wires:
             self.engine._tell_raised(cause, wires=wires)
+            self.causes.concluded(self, wires)
         return cause
 
     def end(self, failed):
