@@ -292,6 +292,12 @@ class Engine:
             raise ValueError(f"rank {self.rank()} is not a member of {ps}")
         return ps
 
+    def process_set_by_id(self, set_id):
+        """The registered ProcessSet with Horovod's id `set_id`, or None (the TensorFlow
+        identity ops take ids, as Horovod's do)."""
+        entry = self._process_sets.get(set_id)
+        return None if entry is None else entry[0]
+
     def _library_set(self, ps):
         """What the library calls process set `ps` (a Horovod ProcessSet, a torch group)."""
         return self._process_sets[ps.process_set_id][1]

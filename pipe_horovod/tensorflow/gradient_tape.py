@@ -27,6 +27,10 @@ What `tape.gradient` returns (DESIGN.md's semantics, pipeline_depth=K):
   training so no gradient is lost.
 - A gradient that is None on this rank is sent as zeros (ranks must send
   the same buckets) and returned as None, as Horovod returns it.
+- A local source (`register_local_source`, or PartialDistributedGradientTape's
+  `local_layers`) is not reduced: its gradient is this rank's own, divided by
+  the ranks' number with scale_local_gradients (Horovod's rule), and travels
+  with its step, so it is returned with the same delay as the averaged ones.
   tf.IndexedSlices gradients are reduced dense (sparse_as_dense=True).
 
 Overlap: TensorFlow's tape.gradient hands back every gradient at once, so a
@@ -79,6 +83,9 @@ class _Pipeline:
         self.sources = list(sources)
         self.options = options
         self.names = [f"{i}.{getattr(s, 'name', 'tensor')}" for i, s in enumerate(self.sources)]
+        self.local = {n for n, s in zip(self.names, self.sources)
+                      if _ref(s) in options["local_sources"]}
+        self.devices = {n: torch_device(s) for n, s in zip(self.names, self.sources)}
         self.shapes = [tuple(s.shape) for s in self.sources]
         self.dtypes = [tf.as_dtype(s.dtype) for s in self.sources]
         for shape, source in zip(self.shapes, self.sources):
@@ -97,13 +104,16 @@ class _Pipeline:
             cap_bytes=bucket_cap_bytes(options["bucket_cap_mb"]), groups=groups)
         # Ready order: backward produces the last layer's gradients first.
         self.machine.plan([(name, int(np.prod(shape, dtype=np.int64)), dtype.size,
-                            (_torch_dtype(dtype), torch_device(source)))
-                           for name, shape, dtype, source in reversed(list(zip(
-                               self.names, self.shapes, self.dtypes, self.sources)))])
-        description = {f"source {i} ({n.split('.', 1)[1]})": f"shape {s} {d.name}"
+                            (_torch_dtype(dtype), self.devices[name]))
+                           for name, shape, dtype in reversed(list(zip(
+                               self.names, self.shapes, self.dtypes))) if name not in self.local])
+        self.local_scale = (1.0 / self.machine.size if options["scale_local_gradients"]
+                            else 1.0)
+        description = {f"source {i} ({n.split('.', 1)[1]})":
+                       f"shape {s} {d.name}{' local' if n in self.local else ''}"
                        for i, (n, s, d) in enumerate(zip(self.names, self.shapes, self.dtypes))}
         description.update({f"option {k}": repr(v) for k, v in options.items()
-                            if k not in ("process_set", "groups")})
+                            if k not in ("process_set", "groups", "local_sources")})
         if ps is None or ps.included():
             compare_across_ranks(lambda obj: engine.current().allgather_object(
                 obj, process_set=ps), description, what="list of variables to differentiate")
@@ -118,14 +128,17 @@ class _Pipeline:
     def step(self, *grads):
         machine = self.machine
         self._arrays = {n: handoff.to_torch(g) for n, g in zip(self.names, grads)}
+        # Copies: TensorFlow reuses the buffers once the hand-off returns.
+        own = {n: self._arrays.pop(n).reshape(-1) * self.local_scale for n in self.local}
         if machine.solo:                         # nothing to send: the gradient is the average
-            entry = StepGradient(loaded={n: a.reshape(-1).clone()
-                                         for n, a in self._arrays.items()})
+            entry = StepGradient(loaded={**{n: a.reshape(-1).clone()
+                                            for n, a in self._arrays.items()}, **own})
         else:
             for name in reversed(self.names):
-                machine.ready(name, self._fill)
+                if name not in self.local:
+                    machine.ready(name, self._fill)
             machine.launch_rest(self._fill)
-            entry = StepGradient(machine.launched)
+            entry = StepGradient(machine.launched, loaded=own or None)
         self._arrays = {}
         ready = machine.finish_step(entry)
         self.timings["steps"] += 1
@@ -168,8 +181,8 @@ class _Pipeline:
                                  f"({sorted(entry)[:3]}...) than these ({self.names[:3]}...)")
         self.machine.settle()
         self.machine.restore(
-            [{n: torch.from_numpy(np.array(a, copy=True)).reshape(-1).to(
-                self.machine.bucket_of[n].kind[1]) for n, a in entry.items()}
+            [{n: torch.from_numpy(np.array(a, copy=True)).reshape(-1).to(self.devices[n])
+              for n, a in entry.items()}
              for entry in in_flight], [None] * len(in_flight), state["steps"])
 
 
@@ -181,9 +194,11 @@ def _pipeline_for(sources, options):
         engine.current().before_shutdown(__name__, _report_unapplied)
     elif pipe.options != options:
         changed = sorted(k for k in options if options[k] != pipe.options[k])
+        said = [f"{len(pipe.local)} local source(s) registered" if k == "local_sources"
+                else f"{k}={pipe.options[k]!r}" for k in changed]
         raise ValueError(f"these variables' gradients are pipelined with other options already "
-                         f"({', '.join(f'{k}={pipe.options[k]!r}' for k in changed)}); a later "
-                         "DistributedGradientTape for them must pass the same ones")
+                         f"({', '.join(said)}); a later DistributedGradientTape for them must "
+                         "pass the same ones")
     return pipe
 
 
@@ -204,7 +219,8 @@ class _DistributedGradientTape:
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
         handoff.refuse_xla("DistributedGradientTape.gradient")
-        pipe = _pipeline_for(flat_sources, self._tape_options)
+        pipe = _pipeline_for(flat_sources, dict(self._tape_options, local_sources=frozenset(
+            self._local_sources)))
         self._tape_pipeline = pipe
         dense = [tf.zeros(shape, dtype) if g is None else tf.convert_to_tensor(g, dtype)
                  for g, shape, dtype in zip(flat_grads, pipe.shapes, pipe.dtypes)]
@@ -213,6 +229,19 @@ class _DistributedGradientTape:
                     for g, shape in zip(out[:-1], pipe.shapes)]
         averaged = [None if g is None else a for g, a in zip(flat_grads, averaged)]
         return tf.nest.pack_sequence_as(grads, averaged)
+
+    def register_local_source(self, source):
+        """Keep `source`'s gradient on this rank: not reduced, only scaled by 1/size()
+        with scale_local_gradients (Horovod's method). Before the first gradient() of
+        these sources: every later tape for them must register the same ones."""
+        self._local_sources.add(_ref(source))
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None):
+        """gradient()'s result split as Horovod's: ([(local source, gradient)],
+        [(reduced source, gradient)]), each in the sources' order."""
+        pairs = list(zip(sources, self.gradient(target, sources, output_gradients)))
+        local = [(s, g) for s, g in pairs if _ref(s) in self._local_sources]
+        return local, [(s, g) for s, g in pairs if _ref(s) not in self._local_sources]
 
     def flush(self):
         """The averaged gradients still in flight for this tape's sources, oldest first.
@@ -308,7 +337,8 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     places reductions); sparse gradients are always reduced dense, so
     sparse_as_dense changes nothing; num_groups/groups fuse the gradients into that
     many buckets (groups may also be Horovod's lists of variables);
-    scale_local_gradients must be True.
+    scale_local_gradients divides the gradients of local sources
+    (register_local_source) by the number of ranks.
 
     pipeline_depth: 1 returns this step's average (Horovod's behaviour); K >= 2 the
     average of K-1 steps earlier, zeros while the pipeline fills (module docstring).
@@ -331,8 +361,8 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
                         f"{type(gradtape).__name__}")
     if isinstance(gradtape, _DistributedGradientTape):
         raise ValueError("this tape is a DistributedGradientTape already; wrap it once")
-    if scale_local_gradients is not True:
-        raise ValueError("scale_local_gradients=False is not supported")
+    if not isinstance(scale_local_gradients, bool):
+        raise TypeError(f"scale_local_gradients must be a bool, got {scale_local_gradients!r}")
     if num_groups:
         groups = num_groups if groups is None else groups
     if isinstance(groups, (list, tuple)):         # compared by reference, as TF wants
@@ -358,6 +388,35 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
         "pipeline_depth": pipeline_depth, "warmup_steps": warmup_steps,
         "compression": compression, "op": op,
         "gradient_predivide_factor": float(gradient_predivide_factor),
-        "bucket_cap_mb": bucket_cap_mb, "groups": groups or None, "process_set": process_set}
+        "bucket_cap_mb": bucket_cap_mb, "groups": groups or None, "process_set": process_set,
+        "scale_local_gradients": scale_local_gradients}
     gradtape._tape_pipeline = None
+    gradtape._local_sources = set()
     return gradtape
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
+                                   compression=Compression.none, sparse_as_dense=False,
+                                   op=engine.Average, gradient_predivide_factor=1.0,
+                                   num_groups=0, groups=None,
+                                   process_set=engine.global_process_set, local_layers=None,
+                                   scale_local_gradients=True, **pipelining):
+    """DistributedGradientTape whose `local_layers` (a Keras layer or a list of them)
+    keep their gradients on this rank (register_local_source for each of their
+    trainable weights). `pipelining`: DistributedGradientTape's pipeline_depth,
+    warmup_steps, bucket_cap_mb."""
+    import keras
+
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
+                                   sparse_as_dense, op, gradient_predivide_factor, num_groups,
+                                   groups, process_set, scale_local_gradients, **pipelining)
+    for layer in local_layers:
+        for variable in layer.trainable_weights:
+            tape.register_local_source(variable)
+    return tape

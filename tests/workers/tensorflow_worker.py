@@ -13,6 +13,9 @@
   checkpoint  tf.train.Checkpoint with GradientsInFlight saved mid-run at K=2; a fresh
               model restored from it continues to the uninterrupted run's weights exactly
   errors      bad input: a clear error on every rank, and a collective still works after
+  partial     PartialDistributedGradientTape at K=2 in a tf.function: the last layer local
+              (this rank's own gradient / size), the others averaged, both one step late,
+              zeros first; get_local_and_global_gradients; the *_op identity ops
 """
 import os
 import sys
@@ -226,6 +229,40 @@ def check_checkpoint(directory):
     equal(weights_of(fresh), uninterrupted, "restored from tf.train.Checkpoint")
 
 
+def check_partial():
+    r, n = hvd.rank(), hvd.size()
+    model = build()
+    weights = weights_of(model)           # no update is applied: every step at these weights
+    variables = model.trainable_variables
+    local = [id(v) in {id(w) for w in model.layers[-1].trainable_weights} for v in variables]
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_of(model, x, y)
+        tape = hvd.PartialDistributedGradientTape(tape, local_layers=model.layers[-1],
+                                                  pipeline_depth=2)
+        mine, reduced = tape.get_local_and_global_gradients(loss, variables)
+        return ([g for _, g in mine], [g for _, g in reduced], hvd.rank_op(), hvd.size_op(),
+                hvd.local_rank_op(), hvd.local_size_op(), hvd.process_set_included_op(),
+                hvd.process_set_included_op(99))
+    for t in range(3):
+        mine, reduced, *identity = step(*rank_data(r, t))
+        assert [int(i) for i in identity] == [r, n, r, n, 1, -3], identity
+        assert len(mine) == sum(local) and len(reduced) == len(variables) - sum(local)
+        mine, reduced = iter(mine), iter(reduced)
+        got = [next(mine if own else reduced).numpy() for own in local]
+        if t == 0:                        # the pipeline fills: zeros
+            assert all(not g.any() for g in got), "partial: step 0 is not zeros"
+            continue
+        own = local_gradients(t - 1, r, weights)
+        averaged = ref.average([local_gradients(t - 1, k, weights) for k in range(n)])
+        for i, is_local in enumerate(local):
+            want = own[i] / np.float32(n) if is_local else averaged[i]
+            assert np.array_equal(got[i], want), f"partial: step {t}, variable {i}"
+    assert len(hvd.flush(variables)) == 1
+
+
 # --- bad input ---------------------------------------------------------------------------
 def expect_error(kind, words, fn):
     try:
@@ -269,6 +306,10 @@ def check_errors():
     expect_error(ValueError, "pipeline_depth", lambda: hvd.DistributedGradientTape(
         tf.GradientTape(), pipeline_depth=0))
     expect_error(TypeError, "tf.GradientTape", lambda: hvd.DistributedGradientTape(model))
+    expect_error(ValueError, "local layers must be", lambda: hvd.PartialDistributedGradientTape(
+        tf.GradientTape(), local_layers=[model.layers[0], "dense"]))
+    expect_error(TypeError, "scale_local_gradients must be a bool",
+                 lambda: hvd.DistributedGradientTape(tf.GradientTape(), scale_local_gradients=1))
     expect_error(ValueError, "no gradient yet",
                  hvd.DistributedGradientTape(tf.GradientTape(), pipeline_depth=1).flush)
     expect_error(TypeError, "TensorFlow 1", lambda: hvd.DistributedOptimizer(
@@ -280,7 +321,8 @@ def check_errors():
 def main():
     hvd.init()
     checks = {"api": check_api, "tape": check_tape, "optimizer": check_optimizer,
-              "checkpoint": lambda: check_checkpoint(sys.argv[2]), "errors": check_errors}
+              "checkpoint": lambda: check_checkpoint(sys.argv[2]), "errors": check_errors,
+              "partial": check_partial}
     launcher.worker_cases(checks, sys.argv[1], hvd.rank)
     print(f"WORKER_OK rank={hvd.rank()}", flush=True)
     hvd.shutdown()
