@@ -9,7 +9,7 @@ import pytest
 
 import launcher
 
-CASES = ("api", "tape", "optimizer", "checkpoint", "errors", "partial")
+CASES = ("api", "tape", "optimizer", "checkpoint", "errors", "partial", "autodiff")
 LAUNCHES = [("horovod", 2), ("torch", 2), ("local", 1)]
 
 

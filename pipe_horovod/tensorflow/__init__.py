@@ -19,7 +19,7 @@ runs on today's TensorFlow through the same engines as the other adapters
 queries and process sets are pipe_horovod.torch's (one implementation);
 gradient_tape.py says what tape.gradient returns while the pipeline fills.
 Not here: TF1 sessions and graph collections (broadcast_global_variables,
-BroadcastGlobalVariablesHook), SyncBatchNormalization, elastic.
+BroadcastGlobalVariablesHook), elastic.
 """
 from ..compression import Compression
 from ..torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
@@ -38,16 +38,18 @@ from .identity_ops import (local_rank_op, local_size_op, process_set_included_op
 from .mpi_ops import (allgather, allreduce, alltoall, broadcast, broadcast_, grouped_allgather,
                       grouped_allreduce, grouped_reducescatter, join, reducescatter)
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNormalization
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer",
     "GradientsInFlight", "Max", "Min", "PartialDistributedGradientTape", "ProcessSet",
-    "Product", "Sum", "add_process_set", "allgather", "allgather_object", "allreduce",
-    "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_object",
-    "broadcast_object_fn", "broadcast_variables", "ccl_built", "cross_rank", "cross_size",
-    "cuda_built", "ddl_built", "flush", "global_process_set", "gloo_built", "gloo_enabled",
-    "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init",
-    "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op", "local_size",
-    "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
-    "process_set_included_op", "rank", "rank_op", "reducescatter", "remove_process_set",
-    "rocm_built", "shutdown", "size", "size_op", "start_timeline", "stop_timeline"]
+    "Product", "Sum", "SyncBatchNormalization", "add_process_set", "allgather",
+    "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
+    "broadcast_object", "broadcast_object_fn", "broadcast_variables", "ccl_built",
+    "cross_rank", "cross_size", "cuda_built", "ddl_built", "flush", "global_process_set",
+    "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
+    "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
+    "local_rank_op", "local_size", "local_size_op", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "process_set_included_op", "rank", "rank_op",
+    "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "size_op",
+    "start_timeline", "stop_timeline"]

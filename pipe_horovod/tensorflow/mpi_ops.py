@@ -11,8 +11,11 @@ same counted names on every rank. The arguments Horovod uses to place ops
 (`device_dense`, `device_sparse`, `ignore_name_scope`) are accepted and unused.
 
 Horovod's TensorFlow module has no `*_async` forms (only horovod.torch has),
-so neither does this one. Gradients do not flow through these ops (Horovod
-registers some): reduce gradients with DistributedGradientTape instead.
+so neither does this one. Gradients flow through allreduce, grouped_allreduce,
+allgather and broadcast of floating tensors as Horovod registers them: the
+allreduce of the upstream gradient with the same op and factors; for
+allgather this rank's rows of its average; for broadcast its average on the
+root and zeros elsewhere (SyncBatchNormalization's statistics need them).
 """
 import numbers
 import warnings
@@ -63,6 +66,21 @@ def _static(out, like):
     return out
 
 
+def _with_gradient(forward, backward, tensors):
+    """forward(*tensors), its gradient backward(*upstream) (Horovod's registered
+    gradients); integer tensors have none."""
+    if not all(t.dtype.is_floating or t.dtype.is_complex for t in tensors):
+        return forward(*tensors)
+
+    @tf.custom_gradient
+    def op(*values):
+        def grad(*upstream):
+            upstream = [tf.zeros_like(v) if g is None else g for g, v in zip(upstream, values)]
+            return backward(*upstream)
+        return forward(*values), grad
+    return op(*tensors)
+
+
 @_python
 def allreduce(tensor, average=None, device_dense="", device_sparse="",
               compression=Compression.none, op=None, prescale_factor=1.0,
@@ -101,8 +119,12 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
         return [handoff.to_tf(_torch.allreduce(
             handoff.to_torch(value), None, name, compression, op, prescale_factor,
             postscale_factor, process_set), value.dtype)]
-    return _static(handoff.run(reduce, [tensor], [tensor.dtype], "pipe_horovod_allreduce")[0],
-                   tensor)
+    return _with_gradient(
+        lambda value: _static(handoff.run(reduce, [value], [value.dtype],
+                                          "pipe_horovod_allreduce")[0], value),
+        lambda grad: allreduce(grad, op=op, prescale_factor=prescale_factor,
+                               postscale_factor=postscale_factor, process_set=process_set),
+        [tensor])
 
 
 @_python
@@ -128,8 +150,14 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                                        compression, op, prescale_factor, postscale_factor,
                                        process_set)
         return [handoff.to_tf(t, v.dtype) for t, v in zip(out, values)]
-    out = handoff.run(reduce, dense, [t.dtype for t in dense], "pipe_horovod_grouped_allreduce")
-    return [_static(o, t) for o, t in zip(out, dense)]
+
+    def forward(*values):
+        out = handoff.run(reduce, values, [t.dtype for t in values],
+                          "pipe_horovod_grouped_allreduce")
+        return [_static(o, t) for o, t in zip(out, values)]
+    return _with_gradient(forward, lambda *grads: grouped_allreduce(
+        grads, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        process_set=process_set), dense)
 
 
 @_python
@@ -142,10 +170,19 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     def gather(value):
         return [handoff.to_tf(_torch.allgather(handoff.to_torch(value), name, process_set),
                               value.dtype)]
-    out = handoff.run(gather, [tensor], [tensor.dtype], "pipe_horovod_allgather")[0]
-    out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:])
-                  if tensor.shape.rank else tensor.shape)
-    return out
+
+    def forward(value):
+        out = handoff.run(gather, [value], [value.dtype], "pipe_horovod_allgather")[0]
+        out.set_shape(tf.TensorShape([None]).concatenate(value.shape[1:])
+                      if value.shape.rank else value.shape)
+        return out
+
+    def backward(grad):                  # this rank's rows of the average
+        rows = allgather(tf.shape(tensor, out_type=tf.int64)[:1], process_set=process_set)
+        me = _torch.rank() if process_set is global_process_set else process_set.rank()
+        start = tf.reduce_sum(rows[:me])
+        return allreduce(grad, op=Average, process_set=process_set)[start:start + rows[me]]
+    return _with_gradient(forward, backward, [tensor])
 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False,
@@ -166,8 +203,14 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     def send(value):
         return [handoff.to_tf(_torch.broadcast(handoff.to_torch(value), root_rank, name,
                                                process_set), value.dtype)]
-    return _static(handoff.run(send, [tensor], [tensor.dtype], "pipe_horovod_broadcast")[0],
-                   tensor)
+
+    def backward(grad):                  # the average, on the root only
+        averaged = allreduce(grad, op=Average, process_set=process_set)
+        return averaged if _torch.rank() == root_rank else averaged * 0
+    return _with_gradient(
+        lambda value: _static(handoff.run(send, [value], [value.dtype],
+                                          "pipe_horovod_broadcast")[0], value),
+        backward, [tensor])
 
 
 @_python

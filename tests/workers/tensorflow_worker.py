@@ -16,6 +16,10 @@
   partial     PartialDistributedGradientTape at K=2 in a tf.function: the last layer local
               (this rank's own gradient / size), the others averaged, both one step late,
               zeros first; get_local_and_global_gradients; the *_op identity ops
+  autodiff    gradients through allreduce, grouped_allreduce, allgather and broadcast
+              (Horovod's rules, exact values), eagerly and in a tf.function;
+              SyncBatchNormalization against Keras's BatchNormalization on every rank's
+              batch at once: outputs, input gradients, moving statistics
 """
 import os
 import sys
@@ -30,7 +34,7 @@ import tensorflow as tf  # noqa: E402
 import keras_reference as ref  # noqa: E402
 import launcher  # noqa: E402
 import pipe_horovod.tensorflow as hvd  # noqa: E402
-from tolerance import relative_error, training_rtol  # noqa: E402
+from tolerance import gamma, relative_error, training_rtol  # noqa: E402
 
 STEPS, SAVE_AT, BATCH, IN, HIDDEN, OUT = 8, 3, 8, 4, 5, 3
 
@@ -263,6 +267,60 @@ def check_partial():
     assert len(hvd.flush(variables)) == 1
 
 
+def check_autodiff():
+    r, n = hvd.rank(), hvd.size()
+    x = tf.Variable([1.0, 2.0, 3.0])
+    c = tf.constant([1.0, 2.0, 3.0])
+    cases = {   # loss -> this rank's gradient by Horovod's rules
+        "allreduce Sum": (lambda: tf.reduce_sum(hvd.allreduce(x * (r + 1), op=hvd.Sum) * c),
+                          n * (r + 1) * c),
+        "allreduce Average": (lambda: tf.reduce_sum(hvd.allreduce(x * (r + 1)) * c),
+                              (r + 1) * c),
+        "grouped_allreduce": (lambda: tf.reduce_sum(hvd.grouped_allreduce([x, 2 * x])[1]),
+                              tf.fill([3], 2.0)),
+        "allgather": (lambda: tf.reduce_sum(hvd.allgather(tf.reshape(x, (3, 1))[:r + 1]) ** 2),
+                      tf.concat([2 * x[:r + 1], tf.zeros(2 - r)], 0)),
+        "broadcast": (lambda: tf.reduce_sum(hvd.broadcast(x * (r + 1), 0) * c),
+                      c if r == 0 else tf.zeros(3)),
+    }
+    for what, (loss, want) in cases.items():
+        def grad(loss=loss):
+            with tf.GradientTape() as tape:
+                value = loss()
+            return tape.gradient(value, x)
+        for mode, got in (("eager", grad()), ("tf.function", tf.function(grad)())):
+            assert np.array_equal(got.numpy(), want.numpy()), (what, mode, got, want)
+    # SyncBatchNormalization: this rank's rows of Keras's BatchNormalization of every rank's.
+    inputs = [rank_data(k, 0)[0] for k in range(n)]
+    weights = [rank_data(k, 1)[0] for k in range(n)]
+    layer = hvd.SyncBatchNormalization(momentum=0.5)
+    mine = tf.constant(inputs[r])
+    with tf.GradientTape() as tape:
+        tape.watch(mine)
+        out = layer(mine, training=True)
+        loss = tf.reduce_sum(out * weights[r])
+    got = [out.numpy(), tape.gradient(loss, mine).numpy(), layer.moving_mean.numpy(),
+           layer.moving_variance.numpy()]
+    oracle = keras.layers.BatchNormalization(momentum=0.5)
+    everyone = tf.constant(np.concatenate(inputs))
+    with tf.GradientTape() as tape:
+        tape.watch(everyone)
+        out = oracle(everyone, training=True)
+        loss = tf.reduce_sum(out * np.concatenate(weights))
+    rows = slice(r * BATCH, (r + 1) * BATCH)
+    want = [out.numpy()[rows], tape.gradient(loss, everyone).numpy()[rows],
+            oracle.moving_mean.numpy(), oracle.moving_variance.numpy()]
+    data = np.concatenate(inputs)   # E[x^2] - E[x]^2 amplifies rounding by E[x^2] / Var[x]
+    condition = float(np.max(np.mean(data ** 2, 0) / np.var(data, 0)))
+    rtol = gamma(8 * n * BATCH, "float32") * condition
+    for name, a, b in zip(("output", "input gradient", "moving mean", "moving variance"),
+                          got, want):
+        assert relative_error(a, b) <= rtol, (name, relative_error(a, b), rtol)
+    if n > 1:                       # this rank's batch alone normalises differently
+        alone = keras.layers.BatchNormalization()(mine, training=True).numpy()
+        assert relative_error(alone, want[0]) > 100 * rtol
+
+
 # --- bad input ---------------------------------------------------------------------------
 def expect_error(kind, words, fn):
     try:
@@ -308,6 +366,7 @@ def check_errors():
     expect_error(TypeError, "tf.GradientTape", lambda: hvd.DistributedGradientTape(model))
     expect_error(ValueError, "local layers must be", lambda: hvd.PartialDistributedGradientTape(
         tf.GradientTape(), local_layers=[model.layers[0], "dense"]))
+    expect_error(ValueError, "fused=True", lambda: hvd.SyncBatchNormalization(fused=True))
     expect_error(TypeError, "scale_local_gradients must be a bool",
                  lambda: hvd.DistributedGradientTape(tf.GradientTape(), scale_local_gradients=1))
     expect_error(ValueError, "no gradient yet",
@@ -322,7 +381,7 @@ def main():
     hvd.init()
     checks = {"api": check_api, "tape": check_tape, "optimizer": check_optimizer,
               "checkpoint": lambda: check_checkpoint(sys.argv[2]), "errors": check_errors,
-              "partial": check_partial}
+              "partial": check_partial, "autodiff": check_autodiff}
     launcher.worker_cases(checks, sys.argv[1], hvd.rank)
     print(f"WORKER_OK rank={hvd.rank()}", flush=True)
     hvd.shutdown()
