@@ -1,11 +1,14 @@
 """Launched on N ranks: the pipelined optimizer against the single-process oracle.
 
-`python optimizer_worker.py MODE[,MODE...]` (one launch runs several,
+`python optimizer_worker.py MODE[,MODE...] [FOLDER]` (one launch runs several,
 launcher.run_case; process-set last, as it leaves a set behind); every rank runs the same scenarios on
 its own data shard and checks its weights against the oracle, which every
 rank can compute alone because all data is derived from (rank, step).
+The cases of sparse_worker, staleness_worker, horovod_compare_worker (the horovod engine), mismatch_worker
+(2 ranks) and checkpoint_worker (its files in FOLDER) run in the same launch.
 """
 import copy
+import functools
 import os
 import sys
 import warnings
@@ -351,13 +354,53 @@ def check_process_set():
     phvd.barrier()
 
 
+def check_sparse():
+    import sparse_worker                  # it imports this module: imported when run
+    sparse_worker.check_all()
+
+
+def check_staleness():
+    import staleness_worker               # every option explicitly: ORACLE_COMPENSATION aside
+    staleness_worker.check_oracle()
+    staleness_worker.check_resume()
+
+
+def check_horovod_compare():
+    import horovod_compare_worker
+    horovod_compare_worker.check()
+
+
+def check_mismatch():
+    import mismatch_worker
+    mismatch_worker.check_all()
+
+
+def checkpoint_checks(cases, folder):
+    """checkpoint_worker's save and resume runs among `cases`, named MODE-KIND-DEPTH-COMPENSATION
+    (mode save, resume or resume-rank0); their files go to `folder`."""
+    import checkpoint_worker
+    checks = {}
+    for case in cases.split(","):
+        if case.startswith(("save-", "resume-")):
+            mode, kind, depth, compensation = case.rsplit("-", 3)
+            checks[case] = functools.partial(checkpoint_worker.check, mode, kind, int(depth),
+                                             compensation, Path(folder))
+    return checks
+
+
 def main():
     if BACKEND:
         torch.distributed.init_process_group(BACKEND)
     phvd.init()
-    launcher.worker_cases({"oracle": check_oracle, "features": check_features,
-                           "param-group": check_param_group, "process-set": check_process_set},
-                          sys.argv[1], phvd.rank)
+    cases = sys.argv[1]
+    checks = {"oracle": check_oracle, "features": check_features,
+              "param-group": check_param_group, "process-set": check_process_set,
+              "sparse": check_sparse, "staleness": check_staleness,
+              "horovod-compare": check_horovod_compare,
+              "mismatch": check_mismatch}
+    if len(sys.argv) > 2:
+        checks.update(checkpoint_checks(cases, sys.argv[2]))
+    launcher.worker_cases(checks, cases, phvd.rank)
     print(f"WORKER_OK rank={phvd.rank()}", flush=True)
     phvd.shutdown()
 
