@@ -3,40 +3,19 @@ import pytest
 import torch
 
 import launcher
+import shared_launches
 import pipe_horovod.torch as phvd
 
 pytestmark = pytest.mark.timeout(600)
-# optimizer_worker.py's cases, one launch per engine and size (launcher.run_case), with those
-# of sparse_worker, horovod_compare_worker, mismatch_worker and checkpoint_worker's saving
-# runs; a second launch resumes the checkpoints. The oracle at 2 ranks runs in test_mpi.py's
-# launches (horovod over MPI, torch under mpirun).
-CASES = {("local", 1): ["oracle", "features", "param-group", "sparse"],
-         ("horovod", 2): ["features", "param-group", "sparse", "horovod-compare", "mismatch",
-                          "save-sgd-3-none", "save-sgd-2-none"],
-         ("horovod", 3): ["oracle", "features", "process-set"],
-         ("torch", 2): ["features", "mismatch"],
-         ("torch", 3): ["oracle", "features", "param-group", "sparse", "save-adam-3-none",
-                        "save-sgd-2-lookahead", "process-set"]}
-RESUMED = {("horovod", 2): ["resume-sgd-3-none", "resume-rank0-sgd-2-none"],
-           ("torch", 3): ["resume-adam-3-none", "resume-rank0-sgd-2-lookahead"]}
-
-
-def needs(engine_name):
-    if engine_name == "horovod":
-        pytest.importorskip("horovod.torch")
+# The launches: tests/shared_launches.py (test_engine.py's engine checks share them). The
+# oracle at 2 ranks runs in test_mpi.py's launches (horovod over MPI, torch under mpirun).
+CASES, RESUMED = shared_launches.OPTIMIZER, shared_launches.RESUMED
+run_case = shared_launches.optimizer_case
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """Where the checkpoint cases keep their files: one for the module, as the launches are."""
-    return tmp_path_factory.mktemp("optimizer-launches")
-
-
-def run_case(folder, engine_name, np, case, launches=CASES):
-    needs(engine_name)
-    # Horovod adds a set after init only with HOROVOD_DYNAMIC_PROCESS_SETS=1, as users must.
-    launcher.run_case(engine_name, np, "optimizer_worker.py", launches[engine_name, np], case,
-                      folder, timeout=480, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    return shared_launches.optimizer_folder(tmp_path_factory)
 
 
 @pytest.mark.parametrize("engine_name, np, mode", [
@@ -337,11 +316,12 @@ def test_digits_example_runs_under_each_launcher(tmp_path, launch, np):
 
 
 @pytest.mark.parametrize("engine_name, depth", [("horovod", 2), ("horovod", 3), ("torch", 2)])
-def test_exit_without_flush_completes_reductions_and_warns(engine_name, depth):
+def test_exit_without_flush_completes_reductions_and_warns(folder, engine_name, depth):
     # Horovod scripts never call flush(): the faster rank must not leave (and
     # shut the engine down) while the slower one still needs its reductions.
-    needs(engine_name)
-    _, out = launcher.run(engine_name, 2, "no_flush_worker.py", depth, timeout=120)
+    case = f"no-flush-{depth}"
+    out = run_case(folder, engine_name, 2, case,
+                   CASES if case in CASES[engine_name, 2] else RESUMED)
     warned = [line for line in out.splitlines() if "not applied" in line]
     assert len(warned) == 1, out
     assert f"{depth - 1} computed gradient(s)" in warned[0] and "flush()" in warned[0], warned

@@ -4,8 +4,10 @@
 launcher.run_case; process-set last, as it leaves a set behind); every rank runs the same scenarios on
 its own data shard and checks its weights against the oracle, which every
 rank can compute alone because all data is derived from (rank, step).
-The cases of sparse_worker, staleness_worker, horovod_compare_worker (the horovod engine), mismatch_worker
-(2 ranks) and checkpoint_worker (its files in FOLDER) run in the same launch.
+The cases of engine_worker, sparse_worker, staleness_worker, horovod_compare_worker (the
+horovod engine), mismatch_worker (2 ranks), checkpoint_worker (its files in FOLDER) and
+no_flush_worker (the last case: the launch then ends without shutdown()) run in the same
+launch (tests/shared_launches.py lists the launches).
 """
 import copy
 import functools
@@ -375,16 +377,26 @@ def check_mismatch():
     mismatch_worker.check_all()
 
 
-def checkpoint_checks(cases, folder):
-    """checkpoint_worker's save and resume runs among `cases`, named MODE-KIND-DEPTH-COMPENSATION
-    (mode save, resume or resume-rank0); their files go to `folder`."""
-    import checkpoint_worker
+def argument_checks(cases, folder):
+    """The cases among `cases` that carry arguments in their names: engine_worker's
+    engine-ENGINE-SIZE (the engine and size the launch must give), checkpoint_worker's
+    save and resume runs, MODE-KIND-DEPTH-COMPENSATION (mode save, resume or
+    resume-rank0; their files go to `folder`), and no_flush_worker's no-flush-DEPTH.
+    (Those modules import this one: imported when named.)"""
     checks = {}
     for case in cases.split(","):
-        if case.startswith(("save-", "resume-")):
+        if case.startswith("engine-"):
+            import engine_worker
+            _, name, size = case.split("-")
+            checks[case] = functools.partial(engine_worker.check_engine, name, int(size))
+        elif case.startswith(("save-", "resume-")):
+            import checkpoint_worker
             mode, kind, depth, compensation = case.rsplit("-", 3)
             checks[case] = functools.partial(checkpoint_worker.check, mode, kind, int(depth),
                                              compensation, Path(folder))
+        elif case.startswith("no-flush-"):
+            import no_flush_worker
+            checks[case] = functools.partial(no_flush_worker.check, int(case.rsplit("-", 1)[1]))
     return checks
 
 
@@ -398,11 +410,11 @@ def main():
               "sparse": check_sparse, "staleness": check_staleness,
               "horovod-compare": check_horovod_compare,
               "mismatch": check_mismatch}
-    if len(sys.argv) > 2:
-        checks.update(checkpoint_checks(cases, sys.argv[2]))
+    checks.update(argument_checks(cases, sys.argv[2] if len(sys.argv) > 2 else None))
     launcher.worker_cases(checks, cases, phvd.rank)
     print(f"WORKER_OK rank={phvd.rank()}", flush=True)
-    phvd.shutdown()
+    if not cases.split(",")[-1].startswith("no-flush-"):   # that one ends as a script does
+        phvd.shutdown()
 
 
 if __name__ == "__main__":
