@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+import shared_launches
 import launcher
 import pipe_horovod.torch as phvd
 from pipe_horovod import collectives
@@ -25,7 +26,7 @@ from pipe_horovod.compression import Compression
 from pipe_horovod.compression.hops import Int4Hop, Int8Hop
 from pipe_horovod.compression.two_stage import pack_int4
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 
 # 2, 3 and 4 ranks; where one engine already runs the optimizer and DDP cases at that
@@ -37,10 +38,9 @@ pytestmark = pytest.mark.timeout(300)
     ("horovod", 2, "all"), ("horovod", 3, "all"),
     ("torch", 2, "all"), ("torch", 3, "collectives"), ("torch", 4, "all")])
 def test_collectives_match_the_oracles(engine_name, np, scope):
-    if engine_name == "horovod":
-        pytest.importorskip("horovod.torch")
-    launcher.run(engine_name, np, "collectives_worker.py", engine_name, scope, timeout=240,
-                 env={"PIPE_HOROVOD_TIMEOUT": "120"})
+    # In the launches test_quantized_allreduce.py shares (tests/shared_launches.py).
+    shared_launches.collectives_case(engine_name, np,
+                                     "collectives-all" if scope == "all" else "collectives")
 
 
 # --- one process ----------------------------------------------------------------

@@ -81,22 +81,27 @@ def test_horovodrun_elastic_worker_added_receives_the_state(tmp_path):
     assert re.search(r"WORKER_OK rank=1 size=2", out), out
 
 
+# torchrun and plain python: the clean run and the failing one in the same processes, one
+# launch (the worker asserts each run's count of resets: none, then one).
 @pytest.mark.parametrize("depth", [2])
 def test_torchrun_failure_on_every_rank_restores_bit_exactly(tmp_path, depth):
     clean, failed = tmp_path / "clean.pt", tmp_path / "failed.pt"
-    launcher.run("torch", 2, WORKER, "clean", depth, clean, timeout=180)
-    _, out = launcher.run("torch", 2, WORKER, "fail-all", depth, failed, timeout=180)
+    _, out = launcher.run("torch", 2, WORKER, "clean", depth, clean, "fail-all", depth, failed,
+                          timeout=240)
     assert out.count("ELASTIC_RESET") == 2, out
     _same_run(clean, failed)
 
 
-@pytest.mark.parametrize("depth", [1, 3])
-def test_local_failure_restores_bit_exactly(tmp_path, depth):
-    clean, failed = tmp_path / "clean.pt", tmp_path / "failed.pt"
-    launcher.run("local", 1, WORKER, "clean", depth, clean)
-    _, out = launcher.run("local", 1, WORKER, "fail-all", depth, failed)
-    assert "ELASTIC_RESET rank=0 size=1" in out
-    _same_run(clean, failed)
+def test_local_failure_restores_bit_exactly(tmp_path):
+    runs = {depth: (tmp_path / f"clean-{depth}.pt", tmp_path / f"failed-{depth}.pt")
+            for depth in (1, 3)}
+    _, out = launcher.run("local", 1, WORKER, *[arg for depth, (clean, failed) in runs.items()
+                                               for arg in ("clean", depth, clean,
+                                                           "fail-all", depth, failed)],
+                          timeout=240)
+    assert out.count("ELASTIC_RESET rank=0 size=1") == 2, out
+    for clean, failed in runs.values():
+        _same_run(clean, failed)
 
 
 # --- in one process, local engine ---------------------------------------------

@@ -2,19 +2,34 @@
 import pytest
 
 import launcher
+import shared_launches
 from pipe_horovod import engine
 from pipe_horovod.engine import EngineError
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return shared_launches.optimizer_folder(tmp_path_factory)
+
+
+def engine_case(folder, engine_name, np):
+    """engine_worker's checks, the first case of test_optimizer.py's launch of that engine
+    and size (tests/shared_launches.py)."""
+    shared_launches.optimizer_case(folder, engine_name, np, f"engine-{engine_name}-{np}")
 
 
 @pytest.mark.parametrize("np", [1, 3])
-def test_horovod_engine(np):
+def test_horovod_engine(folder, np):
     # np=1: bfloat16 reductions take the no-communication path; np=3: shards of
     # unequal size, and empty ones for tensors with fewer elements than ranks.
     # 2 ranks: over MPI in test_mpi.py.
     pytest.importorskip("horovod.torch")
-    launcher.run("horovod", np, "engine_worker.py", "horovod", np)
+    if np == 3:
+        engine_case(folder, "horovod", 3)
+    else:
+        launcher.run("horovod", np, "engine_worker.py", "horovod", np)
 
 
 @pytest.mark.parametrize("numel, size", [(0, 1), (0, 3), (1, 3), (2, 3), (3, 3), (10, 3), (7, 2),
@@ -27,13 +42,13 @@ def test_horovod_bf16_shards_cover_the_tensor(numel, size):
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
-def test_torch_engine():
+def test_torch_engine(folder):
     # 2 ranks: under mpirun in test_mpi.py (the same checks, ranks from Open MPI's variables).
-    launcher.run("torch", 3, "engine_worker.py", "torch", 3)
+    engine_case(folder, "torch", 3)
 
 
-def test_local_engine():
-    launcher.run("local", 1, "engine_worker.py", "local", 1)
+def test_local_engine(folder):
+    engine_case(folder, "local", 1)
 
 
 def test_environment_override_picks_engine():

@@ -22,13 +22,21 @@ from pipe_horovod.torch import functions
 pytestmark = pytest.mark.timeout(300)
 
 ENGINES = [("horovod", 2), ("torch", 2), ("local", 1)]
+# The modes each engine's one launch runs (launcher.run_case); cuda runs alone.
+MODES = {("horovod", 2): ["names", "intavg", "autograd", "optstate"],
+         ("torch", 2): ["intavg", "optstate"],
+         ("local", 1): ["names", "intavg", "autograd", "optstate"]}
 
 
-def launch(mode, engine_name, np, **kwargs):
+def launch(mode, engine_name, np):
     if engine_name == "horovod" and launcher.horovod_missing():
         pytest.skip(launcher.horovod_missing())
-    launcher.run(engine_name, np, "hardening_engine_worker.py", mode, engine_name,
-                 timeout=kwargs.pop("timeout", 150), **kwargs)
+    if mode == "cuda":
+        launcher.run(engine_name, np, "hardening_engine_worker.py", mode, engine_name,
+                     timeout=150)
+    else:
+        launcher.run_case(engine_name, np, "hardening_engine_worker.py",
+                          MODES[engine_name, np], mode, engine_name, timeout=240)
 
 
 @pytest.fixture

@@ -4,19 +4,17 @@ mid-run rollback, and wrapping the same parameters twice."""
 import pytest
 
 import launcher
+import shared_launches
 
-LAUNCHES = [("local", 1), ("horovod", 2), ("torch", 2)]
-MODES = ["threads", "skipped", "rollback", "rewrap"]     # one launch per engine runs them all
+# One launch per engine runs them all, and test_misuse_optimizer.py's cases last
+# (tests/shared_launches.py).
+MODES = ["threads", "skipped", "rollback", "rewrap"]
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("engine_name, np", LAUNCHES)
+@pytest.mark.parametrize("engine_name, np", shared_launches.HARDENING_LAUNCHES)
 def test_defect_is_fixed(engine_name, np, mode):
-    if engine_name == "horovod":
-        reason = launcher.horovod_missing()
-        if reason:
-            pytest.skip(reason)
-    launcher.run_case(engine_name, np, "hardening_worker.py", MODES, mode, timeout=300)
+    shared_launches.hardening_case(engine_name, np, mode)
 
 
 def test_wrapping_a_wrapped_optimizer_is_refused():

@@ -1,22 +1,17 @@
 """Issue 31, the optimizer side: edits of `.grad` between backward and step, weight edits
 between steps, and the one-line checks of item 5, each asserted on every rank.
 
-One launch per launcher runs every case (tests/workers/misuse_optimizer_worker.py).
+Every case (tests/workers/misuse_optimizer_worker.py) runs in the launch of
+test_hardening_optimizer.py's cases of each engine, last (tests/shared_launches.py).
 """
 import pytest
 
-import launcher
-
-LAUNCHES = [("local", 1), ("horovod", 2), ("torch", 2)]
+import shared_launches
 
 
-@pytest.mark.parametrize("engine_name, np", LAUNCHES)
+@pytest.mark.parametrize("engine_name, np", shared_launches.HARDENING_LAUNCHES)
 def test_misuse_is_honoured_or_named(engine_name, np):
-    if engine_name == "horovod":
-        reason = launcher.horovod_missing()
-        if reason:
-            pytest.skip(reason)
-    launcher.run(engine_name, np, "misuse_optimizer_worker.py", timeout=240)
+    shared_launches.hardening_case(engine_name, np, "misuse")
 
 
 def test_keras_broadcast_callback_names_an_unwrapped_optimizer(monkeypatch):

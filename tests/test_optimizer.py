@@ -3,72 +3,59 @@ import pytest
 import torch
 
 import launcher
+import shared_launches
 import pipe_horovod.torch as phvd
 
-pytestmark = pytest.mark.timeout(400)
-# optimizer_worker.py's cases, one launch per engine and size (launcher.run_case). The
+pytestmark = pytest.mark.timeout(600)
+# The launches: tests/shared_launches.py (test_engine.py's engine checks share them). The
 # oracle at 2 ranks runs in test_mpi.py's launches (horovod over MPI, torch under mpirun).
-CASES = {("local", 1): ["oracle", "features", "param-group"],
-         ("horovod", 2): ["features", "param-group"],
-         ("horovod", 3): ["oracle", "features", "process-set"],
-         ("torch", 2): ["features"],
-         ("torch", 3): ["oracle", "features", "param-group", "process-set"]}
+CASES, RESUMED = shared_launches.OPTIMIZER, shared_launches.RESUMED
+run_case = shared_launches.optimizer_case
 
 
-def needs(engine_name):
-    if engine_name == "horovod":
-        pytest.importorskip("horovod.torch")
-
-
-def run_case(engine_name, np, case):
-    needs(engine_name)
-    # Horovod adds a set after init only with HOROVOD_DYNAMIC_PROCESS_SETS=1, as users must.
-    launcher.run_case(engine_name, np, "optimizer_worker.py", CASES[engine_name, np], case,
-                      timeout=360, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return shared_launches.optimizer_folder(tmp_path_factory)
 
 
 @pytest.mark.parametrize("engine_name, np, mode", [
     (e, n, mode) for (e, n), cases in CASES.items() if e != "local"
     for mode in ("oracle", "features") if mode in cases])
-def test_matches_single_process_oracle(engine_name, np, mode):
-    run_case(engine_name, np, mode)
+def test_matches_single_process_oracle(folder, engine_name, np, mode):
+    run_case(folder, engine_name, np, mode)
 
 
-@pytest.mark.parametrize("mode", CASES["local", 1])
-def test_single_process_matches_oracle(mode):
+@pytest.mark.parametrize("mode", ["oracle", "features", "param-group"])
+def test_single_process_matches_oracle(folder, mode):
     # One rank takes the no-copy path: a step's gradient is `.grad` itself.
-    run_case("local", 1, mode)
+    run_case(folder, "local", 1, mode)
 
 
 @pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("torch", 3)])
-def test_param_group_added_after_wrapping_is_reduced(engine_name, np):
-    run_case(engine_name, np, "param-group")
+def test_param_group_added_after_wrapping_is_reduced(folder, engine_name, np):
+    run_case(folder, engine_name, np, "param-group")
 
 
 @pytest.mark.parametrize("engine_name, np", [("local", 1), ("horovod", 2), ("torch", 3)])
-def test_sparse_gradients_match_the_oracle(engine_name, np):
+def test_sparse_gradients_match_the_oracle(folder, engine_name, np):
     # nn.Embedding(sparse=True): allgathered rows or sparse_as_dense, SGD and SparseAdam.
-    needs(engine_name)
-    launcher.run(engine_name, np, "sparse_worker.py", timeout=300)
+    run_case(folder, engine_name, np, "sparse")
 
 
 @pytest.mark.parametrize("engine_name", ["horovod", "torch"])
-def test_optimizer_reduces_over_a_process_set(engine_name):
-    run_case(engine_name, 3, "process-set")
+def test_optimizer_reduces_over_a_process_set(folder, engine_name):
+    run_case(folder, engine_name, 3, "process-set")
 
 
-def test_depth_one_matches_horovods_optimizer():
-    needs("horovod")
-    launcher.run("horovod", 2, "horovod_compare_worker.py")
+def test_depth_one_matches_horovods_optimizer(folder):
+    run_case(folder, "horovod", 2, "horovod-compare")
 
 
-def _resume_matches_uninterrupted(tmp_path, engine_name, np, kind, depth, resume,
-                                  compensation="none"):
-    full, ckpt, resumed = tmp_path / "full.pt", tmp_path / "ckpt.pt", tmp_path / "resumed.pt"
-    args = (kind, depth, compensation)
-    launcher.run(engine_name, np, "checkpoint_worker.py", "save", *args, ckpt, full)
-    launcher.run(engine_name, np, "checkpoint_worker.py", resume, *args, ckpt, resumed)
-    a, b = torch.load(full), torch.load(resumed)
+def _resume_matches_uninterrupted(folder, engine_name, np, mode, run):
+    """The saving launch's uninterrupted weights (`save-RUN`) against the resuming launch's."""
+    run_case(folder, engine_name, np, f"save-{run}")
+    run_case(folder, engine_name, np, f"{mode}-{run}", RESUMED)
+    a, b = torch.load(folder / f"save-{run}.pt"), torch.load(folder / f"{mode}-{run}.pt")
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs after resume"
@@ -76,31 +63,27 @@ def _resume_matches_uninterrupted(tmp_path, engine_name, np, kind, depth, resume
 
 # Each engine once, each optimizer once (test_staleness resumes every option on both too).
 @pytest.mark.parametrize("engine_name, np, kind", [("horovod", 2, "sgd"), ("torch", 3, "adam")])
-def test_checkpoint_resume_is_bit_identical(tmp_path, engine_name, np, kind):
-    needs(engine_name)
-    _resume_matches_uninterrupted(tmp_path, engine_name, np, kind, 3, "resume")
+def test_checkpoint_resume_is_bit_identical(folder, engine_name, np, kind):
+    _resume_matches_uninterrupted(folder, engine_name, np, "resume", f"{kind}-3-none")
 
 
 # K=1 has nothing in flight at a save, which the checkpoint tests above cover already.
 @pytest.mark.parametrize("engine_name, np, depth, compensation", [
     ("horovod", 2, 2, "none"), ("torch", 3, 2, "lookahead")])
-def test_rank0_loads_then_broadcasts_resumes_bit_identically(tmp_path, engine_name, np, depth,
+def test_rank0_loads_then_broadcasts_resumes_bit_identically(folder, engine_name, np, depth,
                                                               compensation):
     # Horovod's resume pattern: only rank 0 loads; broadcast_optimizer_state must
     # carry the pipeline's state (in-flight gradients, step, bucket order) too.
     # Under lookahead the other ranks resume at rank 0's predicted point
     # (checkpoint_worker.py says why): the reference run moves them there too.
-    needs(engine_name)
-    _resume_matches_uninterrupted(tmp_path, engine_name, np, "sgd", depth, "resume-rank0",
-                                  compensation)
+    _resume_matches_uninterrupted(folder, engine_name, np, "resume-rank0",
+                                  f"sgd-{depth}-{compensation}")
 
 
 @pytest.mark.parametrize("engine_name", ["horovod", "torch"])
-def test_models_that_differ_between_ranks_raise_everywhere(engine_name):
+def test_models_that_differ_between_ranks_raise_everywhere(folder, engine_name):
     """Shapes, dtypes, names and every pipeline option, each differing on rank 1 in turn."""
-    needs(engine_name)
-    launcher.run(engine_name, 2, "mismatch_worker.py", "shape", "dtype", "names", "options",
-                 timeout=120)
+    run_case(folder, engine_name, 2, "mismatch")
 
 
 # --- bad input, in one process ------------------------------------------------
@@ -333,11 +316,12 @@ def test_digits_example_runs_under_each_launcher(tmp_path, launch, np):
 
 
 @pytest.mark.parametrize("engine_name, depth", [("horovod", 2), ("horovod", 3), ("torch", 2)])
-def test_exit_without_flush_completes_reductions_and_warns(engine_name, depth):
+def test_exit_without_flush_completes_reductions_and_warns(folder, engine_name, depth):
     # Horovod scripts never call flush(): the faster rank must not leave (and
     # shut the engine down) while the slower one still needs its reductions.
-    needs(engine_name)
-    _, out = launcher.run(engine_name, 2, "no_flush_worker.py", depth, timeout=120)
+    case = f"no-flush-{depth}"
+    out = run_case(folder, engine_name, 2, case,
+                   CASES if case in CASES[engine_name, 2] else RESUMED)
     warned = [line for line in out.splitlines() if "not applied" in line]
     assert len(warned) == 1, out
     assert f"{depth - 1} computed gradient(s)" in warned[0] and "flush()" in warned[0], warned

@@ -13,13 +13,13 @@ process.
 import pytest
 import torch
 
-import launcher
+import shared_launches
 import pipe_horovod.torch as phvd
 from pipe_horovod.collectives import quantized
 from pipe_horovod.compression import Compression, check_compression, two_stage
 from pipe_horovod.compression.two_stage import WireFormat, dequantize, quantize
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.mark.parametrize("engine_name, np, scope", [
@@ -27,10 +27,9 @@ pytestmark = pytest.mark.timeout(300)
     ("torch", 2, "allreduce"), ("torch", 3, "all"), ("torch", 4, "allreduce"),
     ("local", 1, "all")])
 def test_quantized_allreduce_matches_the_reference(engine_name, np, scope):
-    if engine_name == "horovod":
-        pytest.importorskip("horovod.torch")
-    launcher.run(engine_name, np, "quantized_worker.py", engine_name, scope, timeout=240,
-                 env={"PIPE_HOROVOD_TIMEOUT": "120"})
+    # In the launches test_collectives.py shares (tests/shared_launches.py).
+    shared_launches.collectives_case(engine_name, np,
+                                     "quantized-all" if scope == "all" else "quantized")
 
 
 # --- the pure functions ---------------------------------------------------------

@@ -6,6 +6,7 @@ also run under Horovod itself); the tests copy them, switch
 run the copy under horovodrun and torchrun.
 """
 import re
+import shutil
 
 import pytest
 
@@ -79,10 +80,16 @@ def test_users_script_with_uneven_data_and_join(tmp_path):
 
 def test_users_script_gives_the_same_numbers_under_horovodrun_and_torchrun(tmp_path):
     # SyncBatchNorm, the sparse embedding's allgather, per-batch metric allreduce,
-    # allgather of predictions, join, rank-0 resume: both engines, same numbers.
+    # allgather of predictions, join, rank-0 resume: both engines, same numbers. The
+    # torchrun job resumes from the horovodrun job's checkpoint of epoch 2 (one launch
+    # fewer than two runs of all four epochs): epochs 2-3 must repeat horovodrun's.
     needs_horovod()
     script = switched(tmp_path, "horovod_users_script.py")
-    outs = {launch: run_twice(tmp_path / launch, launch, script)
-            for launch in ("horovod", "torch")}
-    assert len(metrics(outs["horovod"])) == 8, outs["horovod"]
-    assert metrics(outs["horovod"]) == metrics(outs["torch"]), outs
+    horovod = run_twice(tmp_path / "horovod", "horovod", script)
+    assert len(metrics(horovod)) == 8, horovod
+    (tmp_path / "torch").mkdir()
+    shutil.copy(tmp_path / "horovod" / "checkpoint-2.pth.tar", tmp_path / "torch")
+    _, torch_out = launcher.run("torch", 2, script, "--epochs", 4, "--checkpoint-format",
+                                tmp_path / "torch" / "checkpoint-{epoch}.pth.tar", timeout=240)
+    assert "resumed from epoch 2" in torch_out and "Traceback" not in torch_out, torch_out
+    assert metrics(torch_out) == metrics(horovod)[4:], (horovod, torch_out)

@@ -1,22 +1,22 @@
-"""Checkpoint with gradients in flight, resumed in new processes.
+"""Checkpoint with gradients in flight, resumed in new processes: optimizer_worker.py's
+cases MODE-KIND-DEPTH-COMPENSATION (KIND sgd or adam, COMPENSATION `none` or an option),
+their files in a folder: the checkpoint `save-KIND-DEPTH-COMPENSATION.ckpt`, the final
+weights `CASE.pt`.
 
-`save DEPTH CKPT OUT`: 7 steps, rank 0 alone saves model + optimizer state,
+`save`: 7 steps, rank 0 alone saves model + optimizer state,
 then the run goes on uninterrupted to 20 steps and rank 0 saves the final
 weights (saving mid-run and carrying on, as users do, must not change them).
-`resume DEPTH CKPT OUT`: new processes, every rank loads it, trains steps 7..19.
-`resume-rank0 DEPTH CKPT OUT`: Horovod's own resume pattern
+`resume`: a later launch (new processes), every rank loads it, trains steps 7..19.
+`resume-rank0`: Horovod's own resume pattern
 (pytorch_imagenet_resnet50.py): rank 0 alone loads the checkpoint, then
 every rank calls broadcast_parameters and broadcast_optimizer_state.
-The test compares the OUT files bit for bit.
+The test compares the final weights bit for bit.
 
-COMPENSATION (`none` or an option) follows DEPTH. Under `lookahead` each rank
-predicts its next point from its own gradient of the step in flight, which
-rank 0's checkpoint holds only for rank 0: there `save` gives every rank
-rank 0's optimizer state (that kept gradient) at step 7, which is exactly
+Under `lookahead` each rank predicts its next point from its own gradient of the
+step in flight, which rank 0's checkpoint holds only for rank 0: there `save` gives
+every rank rank 0's optimizer state (that kept gradient) at step 7, which is exactly
 what a resume from rank 0's checkpoint does.
 """
-import sys
-
 import torch
 
 from optimizer_worker import MLP, data_for, fresh, train
@@ -35,11 +35,10 @@ def build(kind, depth, compensation):
     return model, opt
 
 
-def main():
-    phvd.init()
-    mode, kind, depth = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    ckpt_path, out_path = sys.argv[5], sys.argv[6]
-    compensation = None if sys.argv[4] == "none" else sys.argv[4]
+def check(mode, kind, depth, compensation, folder):
+    ckpt_path = folder / f"save-{kind}-{depth}-{compensation}.ckpt"
+    out_path = folder / f"{mode}-{kind}-{depth}-{compensation}.pt"
+    compensation = None if compensation == "none" else compensation
     model, opt = build(kind, depth, compensation)
     if mode == "save":
         train(model, opt, data_for(), steps=SAVE_AT)
@@ -59,12 +58,9 @@ def main():
             phvd.broadcast_parameters(model.state_dict(), root_rank=0)
             phvd.broadcast_optimizer_state(opt, root_rank=0)
         train(model, opt, data_for(), steps=STEPS, start=SAVE_AT)
+    else:
+        raise ValueError(f"unknown checkpoint mode {mode!r}")
     opt.flush()
     if phvd.rank() == 0:
         torch.save(model.state_dict(), out_path)
-    print(f"WORKER_OK rank={phvd.rank()}", flush=True)
-    phvd.shutdown()
-
-
-if __name__ == "__main__":
-    main()
+    phvd.barrier()                               # the file is there before the case is OK

@@ -13,6 +13,7 @@ a cast and M/254 for int8, M/14 for int4 (M: the largest S of the message), so
 output dtype's roundoff. Against the engine's own allreduce: twice that.
 """
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import launcher  # noqa: E402
 import oracle  # noqa: E402
 import pipe_horovod.torch as phvd  # noqa: E402
 from pipe_horovod import collectives, engine  # noqa: E402
@@ -371,8 +373,8 @@ def ddp_hooks_match_ddp(r, steps=4, lr=0.1):
                                     f"(bound {limit:.3g})")
 
 
-def main():
-    engine_name, scope = sys.argv[1], sys.argv[2]     # scope: "all", or "collectives" only
+def check_all(engine_name, scope):
+    """Every case of `scope` ("all", or "collectives" only); exits at once on a failure."""
     eng = phvd.init(engine_name)
     r, p = eng.rank(), eng.size()
     allreduce_cases(r, p)
@@ -394,6 +396,23 @@ def main():
         print(f"rank {r}: {len(failures)} failure(s):\n  " + "\n  ".join(failures[:60]),
               flush=True)
         sys.exit(1)
+
+
+def main():
+    """CASES ENGINE_NAME: this file's checks (collectives, collectives-all) and then
+    quantized_worker.py's (quantized: the allreduce only, quantized-all), in one launch
+    (launcher.run_case). The quantized checks end by shutting the engine down: last."""
+    cases, engine_name = sys.argv[1], sys.argv[2]
+    os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # Horovod: add_process_set after init
+    r = phvd.init(engine_name).rank()
+    import quantized_worker
+
+    quantized = quantized_worker.check_all
+    launcher.worker_cases({"collectives": lambda: check_all(engine_name, "collectives"),
+                           "collectives-all": lambda: check_all(engine_name, "all"),
+                           "quantized": lambda: quantized(engine_name, "allreduce"),
+                           "quantized-all": lambda: quantized(engine_name, "all")},
+                          cases, lambda: r)
     print(f"WORKER_OK rank={r}", flush=True)
 
 

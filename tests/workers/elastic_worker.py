@@ -1,7 +1,8 @@
 """Elastic training with a pipelined optimizer, with or without a failure.
 
-`python elastic_worker.py MODE DEPTH OUT`, launched by horovodrun's elastic
-mode, torchrun or plain python:
+`python elastic_worker.py MODE DEPTH OUT [MODE DEPTH OUT ...]`, launched by
+horovodrun's elastic mode (one run), torchrun or plain python (the runs in turn, in
+the same processes: one launch for a clean run and its failing twin):
 
 * clean: train EPOCHS epochs under hvd.elastic.run; commit every COMMIT
   batches and at each epoch's end.
@@ -65,8 +66,9 @@ def model_and_optimizer(depth):
     return model, opt
 
 
-def main():
-    mode, depth, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+def run(mode, depth, out):
+    global _fired, _resets
+    _fired, _resets = False, 0
     hvd.init()
     model, opt = model_and_optimizer(depth)
     sampler = hvd.elastic.ElasticSampler(Data(), shuffle=True, seed=7)
@@ -126,10 +128,17 @@ def main():
         done = [i for e, batch in state.seen if e == epoch for i in batch]
         assert sorted(done) == list(range(N)), (
             f"epoch {epoch}: samples processed {sorted(done)} (repeated or skipped)")
-    if mode in ("fail-one", "fail-all", "crash"):
-        assert _resets == 1, f"expected one reset, saw {_resets}"
+    if mode != "scale":                  # a scale-up resets the workers Horovod already had
+        resets = 0 if mode == "clean" else 1
+        assert _resets == resets, f"{mode}: expected {resets} reset(s), saw {_resets}"
     if hvd.rank() == 0:
         torch.save({"model": model.state_dict(), "seen": state.seen}, out)
+
+
+def main():
+    runs = sys.argv[1:4] if sys.argv[1] == "scale" else sys.argv[1:]   # scale: argv[4] below
+    for at in range(0, len(runs), 3):
+        run(runs[at], int(runs[at + 1]), Path(runs[at + 2]))
     print(f"WORKER_OK rank={hvd.rank()} size={hvd.size()} resets={_resets}", flush=True)
     hvd.shutdown()
 

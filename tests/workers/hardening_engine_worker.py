@@ -1,6 +1,7 @@
 """Issue 14's engine-side defects, each checked against exact expected values.
 
-argv: MODE ENGINE_NAME
+argv: MODE[,MODE...] ENGINE_NAME (one launch runs several in turn, launcher.run_case;
+cuda alone)
   names      (defect 2) a bf16, pipeline_depth=2 DistributedOptimizer trains while
              unnamed broadcasts, allreduces, allgathers and broadcast_parameters run
              between backward and step and after step. Horovod names unnamed ops by
@@ -22,6 +23,7 @@ Each rank prints "WORKER_OK rank=N" once its checks pass.
 import copy
 import os
 import sys
+from pathlib import Path
 
 if sys.argv[1:2] == ["cuda"] and os.environ.get("RANK", "0") != "0":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""     # before anything can initialize CUDA
@@ -29,6 +31,9 @@ if sys.argv[1:2] == ["cuda"] and os.environ.get("RANK", "0") != "0":
 import torch  # noqa: E402
 
 import pipe_horovod.torch as hvd  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import launcher  # noqa: E402
 
 
 def check_equal(got, want, what):
@@ -353,9 +358,13 @@ def cuda():
 
 
 def main():
-    mode, engine_name = sys.argv[1], sys.argv[2]
-    {"names": names, "intavg": lambda: intavg(engine_name),
-     "autograd": lambda: autograd(engine_name), "optstate": optstate, "cuda": cuda}[mode]()
+    modes, engine_name = sys.argv[1], sys.argv[2]
+    if modes == "cuda":                  # it shuts the engine and torch.distributed down
+        cuda()
+    else:
+        launcher.worker_cases({"names": names, "intavg": lambda: intavg(engine_name),
+                               "autograd": lambda: autograd(engine_name),
+                               "optstate": optstate}, modes, hvd.rank)
     print(f"WORKER_OK rank={hvd.rank() if hvd.is_initialized() else os.environ.get('RANK')}",
           flush=True)
     if hvd.is_initialized():

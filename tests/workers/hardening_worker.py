@@ -6,6 +6,7 @@
   skipped   a GradScaler skips the last step's update, then flush()
   rollback  a mid-run return to an in-memory checkpoint, reductions in flight
   rewrap    a second DistributedOptimizer over the same parameters
+  misuse    misuse_optimizer_worker.py's cases (last: they leave reductions in flight)
 """
 import copy
 import gc
@@ -222,6 +223,11 @@ def check_rewrap():
         assert torch.equal(p.grad, q.grad), "a dead optimizer's hook touched .grad"
 
 
+def check_misuse():
+    import misuse_optimizer_worker        # it imports optimizer_worker, as this module does
+    misuse_optimizer_worker.check_all()
+
+
 def main():
     if "mixed" in sys.argv[1].split(",") and "WORLD_SIZE" in os.environ:
         # Two ranks share this machine's one GPU: gloo reduces the CUDA buckets
@@ -229,7 +235,8 @@ def main():
         torch.distributed.init_process_group("gloo")
     phvd.init()
     launcher.worker_cases({"threads": check_threads, "mixed": check_mixed, "skipped": check_skipped,
-                           "rollback": check_rollback, "rewrap": check_rewrap},
+                           "rollback": check_rollback, "rewrap": check_rewrap,
+                           "misuse": check_misuse},
                           sys.argv[1], phvd.rank)
     print(f"WORKER_OK rank={phvd.rank()}", flush=True)
     phvd.shutdown()

@@ -8,8 +8,8 @@ from optimizer_worker import MLP, assert_close, data_for, fresh, train
 import pipe_horovod.torch as phvd
 
 
-def main():
-    phvd.init()                                  # the horovod engine: hvd is initialized too
+def check():
+    """optimizer_worker's `horovod-compare` case; the horovod engine initialized hvd too."""
     for kind in ("sgd", "adam"):
         ours = fresh(MLP)
         theirs = copy.deepcopy(ours)
@@ -22,8 +22,3 @@ def main():
         train(theirs, hopt, data_for())
         assert len(opt._buckets) > 1, "several buckets: overlap bucket by bucket"
         assert_close(ours, theirs, f"K=1 vs hvd.DistributedOptimizer ({kind})")
-    print(f"WORKER_OK rank={phvd.rank()}", flush=True)
-
-
-if __name__ == "__main__":
-    main()

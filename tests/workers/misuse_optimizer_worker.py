@@ -1,4 +1,5 @@
-"""Launched on N ranks: issue 31's optimizer-side misuse, every case in one launch.
+"""On N ranks: issue 31's optimizer-side misuse, every case in one launch (hardening_worker.py's
+`misuse` case).
 
 Each case either matches the oracle (the use is honoured) or raises / warns with
 the message it names, on every rank. Cases that leave reductions in flight
@@ -265,16 +266,11 @@ def check_errors_inside_step():
                "on rank 1 but torch.optim.sgd.SGD on rank 0", opt.step)
 
 
-def main():
-    phvd.init()
+def check_all():
+    """hardening_worker.py's `misuse` case, the last of its launch."""
     check_grad_edits_at_depth_one()
     check_weight_edits_between_steps()
     check_options_and_models()
     check_calls()
     check_habits()
     check_errors_inside_step()
-    print(f"WORKER_OK rank={phvd.rank()}", flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,11 +1,16 @@
 """Launched on N ranks: the pipelined optimizer against the single-process oracle.
 
-`python optimizer_worker.py MODE[,MODE...]` (one launch runs several,
+`python optimizer_worker.py MODE[,MODE...] [FOLDER]` (one launch runs several,
 launcher.run_case; process-set last, as it leaves a set behind); every rank runs the same scenarios on
 its own data shard and checks its weights against the oracle, which every
 rank can compute alone because all data is derived from (rank, step).
+The cases of engine_worker, sparse_worker, staleness_worker, horovod_compare_worker (the
+horovod engine), mismatch_worker (2 ranks), checkpoint_worker (its files in FOLDER) and
+no_flush_worker (the last case: the launch then ends without shutdown()) run in the same
+launch (tests/shared_launches.py lists the launches).
 """
 import copy
+import functools
 import os
 import sys
 import warnings
@@ -351,15 +356,65 @@ def check_process_set():
     phvd.barrier()
 
 
+def check_sparse():
+    import sparse_worker                  # it imports this module: imported when run
+    sparse_worker.check_all()
+
+
+def check_staleness():
+    import staleness_worker               # every option explicitly: ORACLE_COMPENSATION aside
+    staleness_worker.check_oracle()
+    staleness_worker.check_resume()
+
+
+def check_horovod_compare():
+    import horovod_compare_worker
+    horovod_compare_worker.check()
+
+
+def check_mismatch():
+    import mismatch_worker
+    mismatch_worker.check_all()
+
+
+def argument_checks(cases, folder):
+    """The cases among `cases` that carry arguments in their names: engine_worker's
+    engine-ENGINE-SIZE (the engine and size the launch must give), checkpoint_worker's
+    save and resume runs, MODE-KIND-DEPTH-COMPENSATION (mode save, resume or
+    resume-rank0; their files go to `folder`), and no_flush_worker's no-flush-DEPTH.
+    (Those modules import this one: imported when named.)"""
+    checks = {}
+    for case in cases.split(","):
+        if case.startswith("engine-"):
+            import engine_worker
+            _, name, size = case.split("-")
+            checks[case] = functools.partial(engine_worker.check_engine, name, int(size))
+        elif case.startswith(("save-", "resume-")):
+            import checkpoint_worker
+            mode, kind, depth, compensation = case.rsplit("-", 3)
+            checks[case] = functools.partial(checkpoint_worker.check, mode, kind, int(depth),
+                                             compensation, Path(folder))
+        elif case.startswith("no-flush-"):
+            import no_flush_worker
+            checks[case] = functools.partial(no_flush_worker.check, int(case.rsplit("-", 1)[1]))
+    return checks
+
+
 def main():
     if BACKEND:
         torch.distributed.init_process_group(BACKEND)
     phvd.init()
-    launcher.worker_cases({"oracle": check_oracle, "features": check_features,
-                           "param-group": check_param_group, "process-set": check_process_set},
-                          sys.argv[1], phvd.rank)
+    cases = sys.argv[1]
+    checks = {"oracle": check_oracle, "features": check_features,
+              "param-group": check_param_group, "process-set": check_process_set,
+              "sparse": check_sparse, "staleness": check_staleness,
+              "horovod-compare": check_horovod_compare,
+              "mismatch": check_mismatch}
+    checks.update(argument_checks(cases, sys.argv[2] if len(sys.argv) > 2 else None))
+    launcher.worker_cases(checks, cases, phvd.rank)
     print(f"WORKER_OK rank={phvd.rank()}", flush=True)
-    phvd.shutdown()
+    if not cases.split(",")[-1].startswith("no-flush-"):   # that one ends as a script does
+        phvd.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Launched on N ranks (or one plain process): the two-stage quantized allreduce on the
-engine's own collectives against a single-process reference, bit for bit.
+"""collectives_worker.py's quantized cases, on N ranks (or one plain process): the
+two-stage quantized allreduce on the engine's own collectives against a single-process
+reference, bit for bit.
 
 The reference below (`reference_two_stage`) runs every rank's part of the same math in
 one process, without communication: the same chunks (two_stage.chunks) and shards, the same
@@ -12,7 +13,6 @@ Then training with the wrapped optimizer (int8_ef, no collective=) at pipeline d
 average is replaced by the reference (the bucket layouts each step used are logged
 from the step machine), and a checkpoint mid-pipeline that resumes bit-exactly.
 """
-import os
 import sys
 import time
 from pathlib import Path
@@ -414,9 +414,9 @@ def shutdown_completes_what_is_in_flight(r, p):
         failures.append(f"shutdown: the reduction in flight gave {x[:3]}, not about {mean}")
 
 
-def main():
-    engine_name, scope = sys.argv[1], sys.argv[2]    # scope: "all", or "allreduce" only
-    os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # Horovod: add_process_set after init
+def check_all(engine_name, scope):
+    """Every case of `scope` ("all", or "allreduce" only), then shutdown with a reduction
+    in flight (so last in a launch: collectives_worker.py runs it); exits on a failure."""
     eng = phvd.init(engine_name)
     r, p = eng.rank(), eng.size()
     # Chunks from 400 elements on (by default from 1 Mi): the sizes below then run in 1 to
@@ -437,8 +437,3 @@ def main():
         print(f"rank {r}: {len(failures)} failure(s):\n  " + "\n  ".join(failures[:60]),
               flush=True)
         sys.exit(1)
-    print(f"WORKER_OK rank={r}", flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,5 @@
-"""Sparse gradients (nn.Embedding(sparse=True)) on N ranks against the oracle.
+"""Sparse gradients (nn.Embedding(sparse=True)) on N ranks against the oracle
+(optimizer_worker.py's `sparse` case).
 
 Each rank looks up its own rows; rank 0 alone uses the second embedding, so
 other ranks have no gradient for it at all. Covers the allgather path and
@@ -87,14 +88,9 @@ def check(depth, sparse_as_dense, two_optimizers):
         assert all(torch.equal(a, b) for a, b in zip(theirs, weights)), f"{what}: replicas differ"
 
 
-def main():
-    phvd.init()
+def check_all():
+    """Every combination; optimizer_worker's `sparse` case."""
     for depth in (1, 2):
         for sparse_as_dense in (False, True):
             for two in (False, True):
                 check(depth, sparse_as_dense, two)
-    print(f"WORKER_OK rank={phvd.rank()}", flush=True)
-
-
-if __name__ == "__main__":
-    main()

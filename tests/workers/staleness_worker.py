@@ -1,6 +1,6 @@
 """Launched on N ranks: every staleness compensation against its single-process oracle.
 
-`python staleness_worker.py`; each rank trains every scenario on its own
+optimizer_worker.py's `staleness` case; each rank trains every scenario on its own
 shard and checks its weights against tests/oracle.py, whose compensation
 math is written out from the formulas and shares no code with the package.
 Then a checkpoint taken mid-pipeline (prediction and dc state included)
@@ -100,10 +100,3 @@ def check_resume():
             else:
                 assert_close(model3, model, f"{compensation}/{kind} resumed")
 
-
-if __name__ == "__main__":
-    phvd.init()
-    check_oracle()
-    check_resume()
-    print(f"WORKER_OK rank={phvd.rank()}", flush=True)
-    phvd.shutdown()

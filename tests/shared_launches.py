@@ -1,0 +1,83 @@
+"""Launches that several test files share (launcher.run_case): start-up is most of a small
+launch's time, so the checks of one engine and size run in one launch whichever file
+they belong to. A file run alone starts the launch itself; in one session the first test
+that needs a launch starts it and the others read its output (launcher.run_once).
+"""
+import pytest
+
+import launcher
+
+
+def _needs(engine_name):
+    """Skips where the horovod engine cannot run (asked in a subprocess, once)."""
+    if engine_name == "horovod" and launcher.horovod_missing():
+        pytest.skip(launcher.horovod_missing())
+
+
+# --- tests/workers/optimizer_worker.py: test_optimizer.py and test_engine.py ----------------
+# Beside the optimizer's own cases (oracle, features, param-group, process-set: last of
+# those, as it leaves a set behind) they run engine_worker's checks (engine-ENGINE-SIZE:
+# first, on the fresh engine), sparse_worker's, horovod_compare_worker's, mismatch_worker's,
+# checkpoint_worker's saving runs (save-KIND-DEPTH-COMPENSATION) and no_flush_worker's
+# (no-flush-DEPTH: last, the launch then ends without shutdown() as a script does); a
+# second launch per engine resumes the checkpoints (RESUMED).
+OPTIMIZER = {("local", 1): ["engine-local-1", "oracle", "features", "param-group", "sparse"],
+             ("horovod", 2): ["features", "param-group", "sparse", "horovod-compare", "mismatch",
+                              "save-sgd-3-none", "save-sgd-2-none", "no-flush-3"],
+             ("horovod", 3): ["engine-horovod-3", "oracle", "features", "process-set"],
+             ("torch", 2): ["features", "mismatch", "no-flush-2"],
+             ("torch", 3): ["engine-torch-3", "oracle", "features", "param-group", "sparse",
+                            "save-adam-3-none", "save-sgd-2-lookahead", "process-set"]}
+RESUMED = {("horovod", 2): ["resume-sgd-3-none", "resume-rank0-sgd-2-none", "no-flush-2"],
+           ("torch", 3): ["resume-adam-3-none", "resume-rank0-sgd-2-lookahead"]}
+
+
+def optimizer_folder(tmp_path_factory):
+    """Where the checkpoint cases keep their files: one for the session, as the launches
+    are (the folder is one of the launch's arguments, so every test names the same)."""
+    path = tmp_path_factory.getbasetemp() / "optimizer-launches"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def optimizer_case(folder, engine_name, np, case, launches=OPTIMIZER):
+    """Asserts `case` of its launch (OPTIMIZER or RESUMED); returns the launch's output."""
+    _needs(engine_name)
+    # Horovod adds a set after init only with HOROVOD_DYNAMIC_PROCESS_SETS=1, as users must.
+    args = ("optimizer_worker.py", launches[engine_name, np], case, folder)
+    kw = {"timeout": 480, "env": {"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}}
+    launcher.run_case(engine_name, np, *args, **kw)
+    return launcher.run_once(engine_name, np, args[0], ",".join(args[1]), folder, **kw)[1]
+
+
+# --- tests/workers/collectives_worker.py: test_collectives.py, test_quantized_allreduce.py --
+# collectives: every algorithm x op x dtype x size x codec case; collectives-all adds the
+# optimizer with collective= (and DDP's hooks on torch). quantized: the two-stage
+# allreduce against its reference (quantized_worker.py); quantized-all adds training and
+# the resume. The quantized cases end by shutting the engine down with a reduction in
+# flight, so they come last.
+COLLECTIVES = {("horovod", 2): ["collectives-all", "quantized-all"],
+               ("horovod", 3): ["collectives-all", "quantized"],
+               ("horovod", 4): ["quantized"],
+               ("torch", 2): ["collectives-all", "quantized"],
+               ("torch", 3): ["collectives", "quantized-all"],
+               ("torch", 4): ["collectives-all", "quantized"],
+               ("local", 1): ["quantized-all"]}
+
+
+def collectives_case(engine_name, np, case):
+    _needs(engine_name)
+    launcher.run_case(engine_name, np, "collectives_worker.py", COLLECTIVES[engine_name, np],
+                      case, engine_name, timeout=420, env={"PIPE_HOROVOD_TIMEOUT": "120"})
+
+
+# --- tests/workers/hardening_worker.py: test_hardening_optimizer.py, test_misuse_optimizer.py
+# Issue 14's optimizer defects, then issue 31's optimizer misuse (misuse_optimizer_worker.py:
+# last, as its errors raised inside step() leave reductions in flight).
+HARDENING_LAUNCHES = [("local", 1), ("horovod", 2), ("torch", 2)]
+HARDENING = ["threads", "skipped", "rollback", "rewrap", "misuse"]
+
+
+def hardening_case(engine_name, np, case):
+    _needs(engine_name)
+    launcher.run_case(engine_name, np, "hardening_worker.py", HARDENING, case, timeout=300)
