@@ -105,6 +105,23 @@ RUN --mount=type=secret,id=ca --mount=type=cache,target=/root/.cache/pip \
     --mount=type=bind,from=build,source=/wheels,target=/wheels \
     bash /opt/pipe_horovod/scripts/with_build_ca.sh pip install -q /wheels/horovod-*.whl
 
+# The prebuilt kernels, loaded instead of compiling on first use (this stage has no
+# compiler; without them the codec would run its slower torch form on CPU tensors).
+COPY --from=build /native/cpu_kernels.so /opt/pipe_horovod/lib/cpu_kernels.so
+ENV PIPE_HOROVOD_NATIVE_LIBRARY=/opt/pipe_horovod/lib/cpu_kernels.so
+
+# The package, installed and checked before the user options and the rest of the
+# repository, so that neither another USER_NAME nor a change outside the package
+# (tests, docs, examples) runs this again. The build fails if the kernels above do not
+# load (e.g. an ABI other than native.py's).
+WORKDIR /opt/pipe_horovod
+COPY pyproject.toml setup.py README.md /opt/pipe_horovod/
+COPY pipe_horovod /opt/pipe_horovod/pipe_horovod
+RUN pip install -q --no-deps --no-build-isolation . && pip check \
+    && pipe-horovod check --engine horovod --controller mpi --ops nccl --framework keras \
+    && python -c "import sys; from pipe_horovod.compression import native; \
+sys.exit(native.library() is None and native.status())"
+
 # Declared here, not above: a RUN after an ARG is rebuilt when the ARG changes.
 # USER_NAME=root (default) or a user created with USER_UID; sshd then listens
 # on SSH_PORT as that user, so pick a port above 1023 (e.g. 2222).
@@ -130,19 +147,9 @@ RUN if [ "${USER_NAME}" != root ]; then \
         && chown -R "${USER_NAME}" "$home" /opt/pipe_horovod; \
     fi
 
-# The prebuilt kernels, loaded instead of compiling on first use (this stage has no
-# compiler; without them the codec would run its slower torch form on CPU tensors).
-COPY --from=build /native/cpu_kernels.so /opt/pipe_horovod/lib/cpu_kernels.so
-ENV PIPE_HOROVOD_NATIVE_LIBRARY=/opt/pipe_horovod/lib/cpu_kernels.so
-
-# This repository last, so that a change to it rebuilds only this layer. The build
-# fails if the kernels above do not load (e.g. an ABI other than native.py's).
-WORKDIR /opt/pipe_horovod
+# This repository last, so that a change to it rebuilds only this layer, which runs
+# nothing.
 COPY --chown=${USER_NAME} . /opt/pipe_horovod
-RUN pip install -q --no-deps --no-build-isolation . && pip check \
-    && pipe-horovod check --engine horovod --controller mpi --ops nccl --framework keras \
-    && python -c "import sys; from pipe_horovod.compression import native; \
-sys.exit(native.library() is None and native.status())"
 USER ${USER_NAME}
 
 CMD ["pipe-horovod", "check"]

@@ -8,7 +8,10 @@
 # The machine's versions are in scripts/gpu_kit/target.env. Horovod is built against a
 # torch of exactly that version, in a virtual environment of that Python kept in the cache
 # (PyPI's torch for it is a CUDA build: about 3.5 GB once), by scripts/install_horovod.sh,
-# the project's one recipe, which caches each wheel; a second `make gpu-kit` takes seconds.
+# the project's one recipe, which caches each wheel. A kit whose inputs (these scripts, the
+# recipe, the codec's sources, target.env, the pinned wheels) are unchanged since it was
+# built, and whose files are whole, is kept: `make gpu-kit` then only rewrites its
+# manifest (the commit, the repository's size), in a second or two.
 #
 # Knobs (environment): KIT_PYTHON_BIN, an interpreter of the target's Python version (else
 # python3.X on PATH, else pyenv's); PIPE_HOROVOD_CACHE, the cache root; KIT_OUT, the kit's
@@ -41,6 +44,30 @@ find_python() {
 torch_release=${KIT_TORCH%%+*}
 env_dir="$cache_root/gpu-kit/env-py$KIT_PYTHON-torch-$KIT_TORCH"
 envpy="$env_dir/bin/python"
+
+pins=()
+for name in $KIT_WHEELS; do
+  pin=$(grep -iE "^$name==" "$repo/constraints.txt" || true)
+  [ -n "$pin" ] || die "constraints.txt pins no version of $name (scripts/gpu_kit/target.env KIT_WHEELS)"
+  pins+=("$pin")
+done
+# What the kit's files are made of (the manifest is written anew every time): this script,
+# run.sh, the target, the recipe, the codec's sources, the environment, the pins.
+inputs=$(cd "$repo" && { cat scripts/gpu_kit/build.sh scripts/gpu_kit/run.sh \
+           scripts/gpu_kit/target.env scripts/install_horovod.sh \
+           scripts/cuda_archs.sh scripts/cxx17 pipe_horovod/compression/native.py \
+           pipe_horovod/compression/cpu_kernels.c; printf '%s\n' "$envpy" "${pins[@]}"; } \
+         | sha256sum | cut -d' ' -f1)
+write_manifest() {
+  "$envpy" "$here/manifest.py" write "$out" --python "$KIT_PYTHON" --torch "$KIT_TORCH" \
+      --cc "$KIT_CUDA_CC_LIST" --repo "$repo" --max-mib "$KIT_MAX_MIB" --inputs "$inputs"
+}
+if [ -x "$envpy" ] && "$envpy" "$here/manifest.py" fresh "$out" --inputs "$inputs"; then
+  write_manifest
+  step "current: $out (its inputs unchanged since it was built; only the manifest rewritten)"
+  exit 0
+fi
+
 got=$("$envpy" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
 if [ "$got" != "$KIT_TORCH" ]; then
   python=$(find_python)
@@ -78,12 +105,6 @@ step "Horovod with CPU ops"
 build_horovod horovod-cpu HOROVOD_BUILD_CUDA_CC_LIST="$KIT_CUDA_CC_LIST"
 
 step "wheels the image lacks: $KIT_WHEELS"
-pins=()
-for name in $KIT_WHEELS; do
-  pin=$(grep -iE "^$name==" "$repo/constraints.txt" || true)
-  [ -n "$pin" ] || die "constraints.txt pins no version of $name (scripts/gpu_kit/target.env KIT_WHEELS)"
-  pins+=("$pin")
-done
 "$envpy" -m pip download -q --no-deps --only-binary=:all: -d "$out/wheels/common" "${pins[@]}"
 
 step "the codec's C kernels"
@@ -91,6 +112,5 @@ PYTHONPATH="$repo" "$envpy" -m pipe_horovod.compression.native "$out/lib/pipe_ho
 
 cp "$here/run.sh" "$out/run.sh"
 chmod +x "$out/run.sh"
-"$envpy" "$here/manifest.py" write "$out" --python "$KIT_PYTHON" --torch "$KIT_TORCH" \
-    --cc "$KIT_CUDA_CC_LIST" --repo "$repo" --max-mib "$KIT_MAX_MIB"
+write_manifest
 step "done: $out ($(du -sh "$out" | cut -f1)); on the GPU machine: bash build/gpu-kit/run.sh (docs/gpu.md)"

@@ -2,15 +2,19 @@
 makes before it installs anything.
 
     python manifest.py write KIT --python 3.12 --torch 2.11.0+cu130 --cc 90 --repo R --max-mib 60
+        [--inputs HASH]
     python manifest.py check KIT     # this machine's Python and torch are the kit's, its files whole
+    python manifest.py fresh KIT --inputs HASH   # exit 0: built from these inputs, files whole
 
 `write` records the target (Python, torch with its CUDA, compute capabilities), the
 repository's commit, every file's size and SHA-256, and fails when the kit and the
 repository's files would not fit the device call (KIT_MAX_MIB). `check` exits 2 with one
 line naming what differs: a kit built for another Python or torch than this machine's
 cannot load (Horovod's extension is built against one torch's ABI), and a file that
-changed since the build would be a check of something else. Standard library only: it
-runs before anything is installed.
+changed since the build would be a check of something else. `fresh` tells build.sh
+whether the kit can be kept: it records the hash of what it was built from (`--inputs`),
+and its files are the ones recorded. Standard library only: it runs before anything is
+installed.
 """
 import argparse
 import datetime
@@ -72,6 +76,7 @@ def write(args):
                   # the rest only what its image has, so the rehearsal runs in it
                   "python_path": sys.executable,
                   "commit": _git(args.repo, "rev-parse", "HEAD"),
+                  "inputs": args.inputs,
                   "uncommitted_changes": bool(status) if status is not None else None},
         "kit_bytes": kit_bytes, "repo_bytes": repo_bytes,
         "files": files,
@@ -86,6 +91,29 @@ def write(args):
           f"repository {(repo_bytes or 0) / 2**20:.1f} MiB")
 
 
+def _changed(kit, files):
+    """Why the kit's files are not the ones `files` (the manifest's) records, or None."""
+    for name, want in files.items():
+        file = Path(kit) / name
+        if not file.is_file():
+            return f"the kit's file {name} is missing: rebuild it (make gpu-kit)"
+        if file.stat().st_size != want["bytes"] or _sha256(file) != want["sha256"]:
+            return f"the kit's file {name} changed since it was built: rebuild it (make gpu-kit)"
+    return None
+
+
+def fresh(kit, inputs):
+    """Whether the kit was built from `inputs` (build.sh's hash) and is whole."""
+    path = Path(kit) / NAME
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    files = manifest.get("files", {})
+    return (manifest.get("built", {}).get("inputs") == inputs and _changed(kit, files) is None
+            and {str(p.relative_to(kit)) for p in _files(kit)} == set(files))
+
+
 def problem(kit):
     """Why this machine cannot use the kit, or None."""
     path = Path(kit) / NAME
@@ -98,6 +126,9 @@ def problem(kit):
         return (f"the kit is built for Python {target['python']}, this machine's python is "
                 f"{platform.python_version()} ({sys.executable}): rebuild it for this one "
                 "(scripts/gpu_kit/target.env)")
+    changed = _changed(kit, manifest["files"])       # before torch's import: seconds
+    if changed:
+        return changed
     try:
         import torch
     except ImportError as exc:
@@ -106,12 +137,6 @@ def problem(kit):
         return (f"the kit is built for torch {target['torch']}, this machine has torch "
                 f"{torch.__version__}: Horovod's extension would not load; rebuild the kit "
                 "for it (scripts/gpu_kit/target.env)")
-    for name, want in manifest["files"].items():
-        file = Path(kit) / name
-        if not file.is_file():
-            return f"the kit's file {name} is missing: rebuild it (make gpu-kit)"
-        if file.stat().st_size != want["bytes"] or _sha256(file) != want["sha256"]:
-            return f"the kit's file {name} changed since it was built: rebuild it (make gpu-kit)"
     return None
 
 
@@ -125,12 +150,18 @@ def main(argv=None):
     w.add_argument("--cc", required=True)
     w.add_argument("--repo", required=True)
     w.add_argument("--max-mib", type=float, required=True)
+    w.add_argument("--inputs", default=None, help="the hash of what the kit is built from")
     c = sub.add_parser("check")
     c.add_argument("kit")
+    f = sub.add_parser("fresh")
+    f.add_argument("kit")
+    f.add_argument("--inputs", required=True)
     args = parser.parse_args(argv)
     if args.command == "write":
         write(args)
         return 0
+    if args.command == "fresh":
+        return 0 if fresh(args.kit, args.inputs) else 1
     why = problem(args.kit)
     if why:
         print(f"run.sh: {why}", file=sys.stderr)
