@@ -700,9 +700,14 @@ class Engine:
         try:
             while time.monotonic() < deadline:
                 stall.tick(matched)
-                if wait_until(poll, min(deadline, time.monotonic() + STATUS_AFTER_S), nap):
-                    done = True
-                    return True
+                # Renewed twice a period (tick and here): another rank's look, a period
+                # after its last, finds this post renewed since (causes.deadlock).
+                for renew in (stall.renew, lambda: None):
+                    if wait_until(poll, min(deadline, time.monotonic() + STATUS_AFTER_S / 2),
+                                  nap):
+                        done = True
+                        return True
+                    renew()
             return False
         finally:
             stall.end(failed=not done)
