@@ -699,15 +699,14 @@ class Engine:
         done = False
         try:
             while time.monotonic() < deadline:
-                stall.tick(matched)
-                # Renewed twice a period (tick and here): another rank's look, a period
-                # after its last, finds this post renewed since (causes.deadlock).
-                for renew in (stall.renew, lambda: None):
+                stall.tick(matched)             # renews this rank's post, reads the others'
+                for half in (0, 1):
                     if wait_until(poll, min(deadline, time.monotonic() + STATUS_AFTER_S / 2),
                                   nap):
                         done = True
                         return True
-                    renew()
+                    if half == 0:               # renewed twice a period: another rank's next
+                        stall.renew()           # look finds it renewed (causes.deadlock)
             return False
         finally:
             stall.end(failed=not done)
