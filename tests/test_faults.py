@@ -186,6 +186,46 @@ def test_a_cause_another_rank_concluded_is_raised_only_by_the_waits_it_names():
     assert causes.raised(again, ended) is None
 
 
+def test_a_stale_waiting_post_is_not_taken_for_a_deadlock():
+    """test_tensorflow's horovod launch once raised 'rank 0 waits in allgather_object
+    'object.noname.8' ...; rank 1 waits in allreduce 'keras1.0.43.0'' while rank 0's own
+    traceback was past that allgather, launching the bucket rank 1 waited for: rank 0's
+    "running" post had not landed (one PUT to horovodrun's store, lost or overtaken on a
+    loaded machine), and its old "waiting" post read as a wait it was still in. A deadlock
+    is concluded only once every other rank has renewed its post since the first sighting."""
+    from pipe_horovod.engine import causes
+    from pipe_horovod.engine.stall import Call, Stall
+
+    class Engine:
+        _board, _closed, step = None, False, 2
+        def rank(self):
+            return 1
+        def size(self):
+            return 2
+        def names_in_flight(self):
+            return ["keras1.0.43.0"]
+        def _missing(self, call):
+            return ""
+
+    def post(beat):
+        return {0: {"state": "waiting", "what": "allgather_object 'object.noname.8'",
+                    "call": Call("allgather_object", "object.noname.8",
+                                 "object.noname.8.sz").posted(),
+                    "step": 8, "since": 100.0, "beat": beat, "names": ["object.noname.8.sz"],
+                    "partial": False}}
+
+    stale = Stall(Engine(), Call("allreduce", "keras1.0.43.0"), time.monotonic())
+    for _ in range(4):                        # ticks reading the same, unrenewed post
+        assert causes.deadlock(stale, post(3), time.time()) is None
+    live = Stall(Engine(), Call("allreduce", "keras1.0.43.0"), time.monotonic())
+    assert causes.deadlock(live, post(3), time.time()) is None      # first sighting
+    assert causes.deadlock(live, post(3), time.time()) is None      # not renewed yet
+    error = causes.deadlock(live, post(4), time.time())             # renewed: still there
+    assert type(error).__name__ == "StepMismatchError" and (
+        "rank 0 waits in allgather_object 'object.noname.8' after 8 step(s), which rank 1 has "
+        "not started; rank 1 waits in allreduce 'keras1.0.43.0'") in str(error), error
+
+
 # --- a rank killed, on real ranks -----------------------------------------------------
 def _free_port():
     with socket.socket() as s:

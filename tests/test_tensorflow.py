@@ -1,32 +1,27 @@
 """pipe_horovod.tensorflow (issue 38): Horovod's TF2 custom-loop API on today's TensorFlow.
 
-One launch per engine runs every case (tests/workers/tensorflow_worker.py says what
-each checks): horovodrun (Gloo) and torchrun on two ranks, plain python on one. The
-oracle is tests/keras_reference.py's pipelined FIFO fed with the same TensorFlow
-gradients, so the tape's cases compare bit for bit.
+The cases (tests/workers/tensorflow_worker.py says what each checks) run in the Keras fit
+launch of their engine on the TensorFlow backend (keras_launches.py: one TensorFlow start-up
+per engine): horovodrun (Gloo) and torchrun on two ranks, plain python on one. The oracle is
+tests/keras_reference.py's pipelined FIFO fed with the same TensorFlow gradients, so the
+tape's cases compare bit for bit.
 """
 import pytest
 
 import launcher
+from keras_launches import TF_CASES, fit_launch, needs
 
-CASES = ("api", "tape", "optimizer", "checkpoint", "errors", "partial", "autodiff")
 LAUNCHES = [("horovod", 2), ("torch", 2), ("local", 1)]
 
 
-@pytest.fixture(scope="session")
-def tensorflow_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("tensorflow")
-
-
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", TF_CASES)
 @pytest.mark.parametrize("engine_name,np_", LAUNCHES)
-def test_tensorflow_custom_loop(tensorflow_dir, engine_name, np_, case):
+def test_tensorflow_custom_loop(tmp_path_factory, engine_name, np_, case):
     pytest.importorskip("tensorflow")
-    if engine_name == "horovod" and launcher.horovod_missing():
-        pytest.skip(launcher.horovod_missing())
-    launcher.run_case(engine_name, np_, "tensorflow_worker.py", CASES, case,
-                      tensorflow_dir / f"{engine_name}{np_}", timeout=420,
-                      env={"KERAS_BACKEND": "tensorflow"})
+    needs(engine_name)
+    _, code, out = fit_launch(tmp_path_factory, engine_name, "tensorflow", np_)
+    launcher.assert_case(code, out, np_, f"tf.{case}",
+                         f"keras_worker.py on {engine_name} tensorflow")
 
 
 def test_check_names_the_tensorflow_adapter(capsys):

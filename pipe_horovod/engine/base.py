@@ -699,10 +699,14 @@ class Engine:
         done = False
         try:
             while time.monotonic() < deadline:
-                stall.tick(matched)
-                if wait_until(poll, min(deadline, time.monotonic() + STATUS_AFTER_S), nap):
-                    done = True
-                    return True
+                stall.tick(matched)             # renews this rank's post, reads the others'
+                for half in (0, 1):
+                    if wait_until(poll, min(deadline, time.monotonic() + STATUS_AFTER_S / 2),
+                                  nap):
+                        done = True
+                        return True
+                    if half == 0:               # renewed twice a period: another rank's next
+                        stall.renew()           # look finds it renewed (causes.deadlock)
             return False
         finally:
             stall.end(failed=not done)

@@ -16,8 +16,10 @@ reads every other rank's posts and names the first cause they show:
    own comparison would say it;
 4. every rank waits, each in a collective some other rank has not started
    (a different order of blocking calls, a call on some ranks only, a
-   barrier against an allreduce): seen at two ticks in a row, so a wait that
-   just completed is not mistaken for one.
+   barrier against an allreduce): seen at two ticks in a row, each other rank
+   having renewed its post in between (stall.Stall.renew), so neither a
+   wait that just completed nor a stale post whose "running" was lost is
+   mistaken for one.
 
 Otherwise nothing yet: the rank that has not started it may be computing.
 Every rank composes its message from the same posts, so each says the same
@@ -190,9 +192,13 @@ def deadlock(stall, others, now, confirmed=False):
     if not confirmed:
         seen = tuple((r, (others.get(r) or {}).get("since"), w) for r, (w, _) in
                      sorted(blocked.items()))
+        beats = {r: (others.get(r) or {}).get("beat") for r in blocked if r != stall.me}
         if seen != stall.seen_deadlock:
             stall.seen_deadlock = seen      # again at the next tick, or it was a passing view
+            stall.seen_beats = beats
             return None
+        if any(beats[r] == stall.seen_beats.get(r) for r in beats):
+            return None     # a post not renewed since: its rank may have left that wait
     if blocked:
         lines = []
         for rank in range(engine.size()):

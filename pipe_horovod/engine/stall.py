@@ -202,13 +202,29 @@ class Stall:
         self.since = time.time() - (time.monotonic() - start)
         self.me = engine.rank()
         self.seen_deadlock = None   # a deadlock seen at the last tick, confirmed at the next
+        self.seen_beats = {}        # the others' beats at that sighting
+        self.beat = 0               # this wait's posts so far (see renew)
         if engine._closed:          # shutting down: the board keeps saying "ended"
             self.board = None
-        if self.board is not None and post:
-            names = engine.names_in_flight()
-            self.board.post(self.me, state="waiting", what=self.what, call=call.posted(),
-                            step=engine.step, since=self.since,
-                            names=names[:POSTED_NAMES], partial=len(names) > POSTED_NAMES)
+        self.posting = self.board is not None and post
+        self.renew()
+
+    def renew(self):
+        """Post (again) that this rank waits in this call, with the next `beat`.
+
+        Why again at every tick: a post is one PUT that may be lost (the store's server
+        slow past the client's timeout on a loaded machine), so the "running" that ended
+        an earlier wait may never land, and that rank's stale "waiting" would read as a
+        wait it is no longer in. A rank that still waits renews its post; one whose beat
+        has not moved may have gone on (causes.deadlock). Called at each tick and half-way
+        between (Engine._wait_for)."""
+        if not self.posting:
+            return
+        names = self.engine.names_in_flight()
+        self.board.post(self.me, state="waiting", what=self.what, call=self.call.posted(),
+                        step=self.engine.step, since=self.since, beat=self.beat,
+                        names=names[:POSTED_NAMES], partial=len(names) > POSTED_NAMES)
+        self.beat += 1
 
     def gave_up(self, status):
         """A rank whose wait failed during this one (it raised and went on): it will not
@@ -226,6 +242,7 @@ class Stall:
         every rank has started the collective (then it is slow, not stalled)."""
         if self.board is None:
             return
+        self.renew()
         elapsed = time.monotonic() - self.start
         now = time.time()
         others = self.board.read([r for r in range(self.engine.size()) if r != self.me])

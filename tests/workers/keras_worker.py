@@ -32,6 +32,8 @@ NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
                          a model built by its first batch (broadcast after it)
   errors                 bad input: a clear error on every rank, and no hang after it
   overlap                with reductions slowed by a fixed delay, K=2 steps beat K=1's
+  tf.CASE                on TensorFlow: tensorflow_worker.py's custom-loop CASE (api, tape,
+                         optimizer, checkpoint, errors) with pipe_horovod.tensorflow
   api                    horovod.tensorflow.keras's allreduce, allgather, broadcast,
                          reducescatter, and load_model (on rank 0 alone) of a plain and a
                          pipelined checkpoint; files in $PIPE_HOROVOD_TEST_DIR. Last in a
@@ -827,6 +829,11 @@ def main():
                   "api": lambda: check_api(Path(os.environ["PIPE_HOROVOD_TEST_DIR"])),
                   "full": lambda: check_checkpoint("full", args[0], files["full"]),
                   "save": lambda: check_checkpoint("save", args[0], files["save"])}
+        if any(m.startswith("tf.") for m in modes.split(",")):
+            import tensorflow_worker     # Horovod's TF2 custom-loop API (test_tensorflow)
+            test_dir = Path(os.environ["PIPE_HOROVOD_TEST_DIR"]) / "tensorflow"
+            checks.update({f"tf.{name}": check for name, check in
+                           tensorflow_worker.checks(test_dir).items()})
         # Several in one launch (TF starts slowly); the checkpoint test reads its own
         # modes' CASE_OK lines: a later mode's failure is not its.
         launcher.worker_cases(checks, modes, phvd.rank)

@@ -1,6 +1,6 @@
-"""Launched on N ranks: pipe_horovod.tensorflow (Horovod's TF2 API) in custom loops.
-
-`python tensorflow_worker.py CASE[,CASE...] DIR` (launcher.worker_cases):
+"""pipe_horovod.tensorflow (Horovod's TF2 API) in custom loops, on N ranks: the cases that
+keras_worker.py runs as its modes tf.CASE in the Keras fit launches on the TensorFlow
+backend (tests/keras_launches.py; one TensorFlow start-up per engine):
   api         the collectives on tf.Tensor / tf.Variable / IndexedSlices, eagerly and inside
               tf.function, against values every rank computes for every rank; the object
               collectives, broadcast_variables, barrier
@@ -32,7 +32,6 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_reference as ref  # noqa: E402
-import launcher  # noqa: E402
 import pipe_horovod.tensorflow as hvd  # noqa: E402
 from tolerance import gamma, relative_error, training_rtol  # noqa: E402
 
@@ -377,15 +376,8 @@ def check_errors():
     assert hvd.allreduce(tf.constant(1.0), op=hvd.Sum).numpy() == hvd.size()
 
 
-def main():
-    hvd.init()
-    checks = {"api": check_api, "tape": check_tape, "optimizer": check_optimizer,
-              "checkpoint": lambda: check_checkpoint(sys.argv[2]), "errors": check_errors,
-              "partial": check_partial, "autodiff": check_autodiff}
-    launcher.worker_cases(checks, sys.argv[1], hvd.rank)
-    print(f"WORKER_OK rank={hvd.rank()}", flush=True)
-    hvd.shutdown()
-
-
-if __name__ == "__main__":
-    main()
+def checks(directory):
+    """The cases by name; keras_worker.py runs them as its modes tf.CASE."""
+    return {"api": check_api, "tape": check_tape, "optimizer": check_optimizer,
+            "checkpoint": lambda: check_checkpoint(directory), "errors": check_errors,
+            "partial": check_partial, "autodiff": check_autodiff}
