@@ -699,14 +699,13 @@ class Engine:
         done = False
         try:
             while time.monotonic() < deadline:
-                stall.tick(matched)             # renews this rank's post, reads the others'
-                for half in (0, 1):
+                stall.tick(matched)             # reads the others' posts
+                for _ in range(2):              # renewed twice a period: another rank's next
                     if wait_until(poll, min(deadline, time.monotonic() + STATUS_AFTER_S / 2),
-                                  nap):
+                                  nap):         # look finds it renewed (causes.deadlock)
                         done = True
                         return True
-                    if half == 0:               # renewed twice a period: another rank's next
-                        stall.renew()           # look finds it renewed (causes.deadlock)
+                    stall.renew()
             return False
         finally:
             stall.end(failed=not done)

@@ -212,12 +212,12 @@ class Stall:
     def renew(self):
         """Post (again) that this rank waits in this call, with the next `beat`.
 
-        Why again at every tick: a post is one PUT that may be lost (the store's server
+        Why again and again: a post is one PUT that may be lost (the store's server
         slow past the client's timeout on a loaded machine), so the "running" that ended
         an earlier wait may never land, and that rank's stale "waiting" would read as a
         wait it is no longer in. A rank that still waits renews its post; one whose beat
-        has not moved may have gone on (causes.deadlock). Called at each tick and half-way
-        between (Engine._wait_for)."""
+        has not moved may have gone on (causes.deadlock). Called when the wait starts and
+        every half period after (Engine._wait_for)."""
         if not self.posting:
             return
         names = self.engine.names_in_flight()
@@ -242,7 +242,6 @@ class Stall:
         every rank has started the collective (then it is slow, not stalled)."""
         if self.board is None:
             return
-        self.renew()
         elapsed = time.monotonic() - self.start
         now = time.time()
         others = self.board.read([r for r in range(self.engine.size()) if r != self.me])
