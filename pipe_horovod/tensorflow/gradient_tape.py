@@ -27,11 +27,11 @@ What `tape.gradient` returns (DESIGN.md's semantics, pipeline_depth=K):
   training so no gradient is lost.
 - A gradient that is None on this rank is sent as zeros (ranks must send
   the same buckets) and returned as None, as Horovod returns it.
+  tf.IndexedSlices gradients are reduced dense (sparse_as_dense=True).
 - A local source (`register_local_source`, or PartialDistributedGradientTape's
   `local_layers`) is not reduced: its gradient is this rank's own, divided by
   the ranks' number with scale_local_gradients (Horovod's rule), and travels
   with its step, so it is returned with the same delay as the averaged ones.
-  tf.IndexedSlices gradients are reduced dense (sparse_as_dense=True).
 
 Overlap: TensorFlow's tape.gradient hands back every gradient at once, so a
 step's reduction starts after its backward pass and overlaps the next K-1
