@@ -2,7 +2,6 @@
 and backend, each running many modes of tests/workers/keras_worker.py, since every rank pays
 7-8 s of Keras and TensorFlow imports. test_keras.py checks the fit modes and the checkpoint
 test's first half, test_tensorflow.py the custom-loop cases (tf.*) of the TensorFlow ones."""
-import pytest
 
 import launcher
 
@@ -36,13 +35,6 @@ TF_MODES = "".join(f",tf.{case}" for case in TF_CASES)
 CHECKPOINT_MODES = {("torch", "tensorflow"): ",full,save", ("horovod", "torch"): ",full,save"}
 CHECKPOINT_DEPTH = 3
 _FIT_DIRS = {}
-
-
-def needs(engine_name):
-    if engine_name == "horovod":
-        reason = launcher.horovod_missing()
-        if reason:
-            pytest.skip(reason)
 
 
 def fit_launch(tmp_path_factory, engine_name, backend, np_):

@@ -185,6 +185,16 @@ def horovod_missing():
         res.stderr.strip().splitlines() or ["?"])[-1]
 
 
+def skip_without(engine_name):
+    """Skips the calling test where `engine_name` cannot run here (the horovod engine
+    without a working horovod.torch). pytest is imported here, not at the top: workers
+    import this module too."""
+    if engine_name == "horovod" and horovod_missing():
+        import pytest
+
+        pytest.skip(horovod_missing())
+
+
 def mpirun_missing():
     """None when Open MPI's mpirun is on PATH, else why not."""
     return None if shutil.which("mpirun") else (

@@ -3,15 +3,8 @@ launch's time, so the checks of one engine and size run in one launch whichever 
 they belong to. A file run alone starts the launch itself; in one session the first test
 that needs a launch starts it and the others read its output (launcher.run_once).
 """
-import pytest
 
 import launcher
-
-
-def _needs(engine_name):
-    """Skips where the horovod engine cannot run (asked in a subprocess, once)."""
-    if engine_name == "horovod" and launcher.horovod_missing():
-        pytest.skip(launcher.horovod_missing())
 
 
 # --- tests/workers/optimizer_worker.py: test_optimizer.py and test_engine.py ----------------
@@ -42,7 +35,7 @@ def optimizer_folder(tmp_path_factory):
 
 def optimizer_case(folder, engine_name, np, case, launches=OPTIMIZER):
     """Asserts `case` of its launch (OPTIMIZER or RESUMED); returns the launch's output."""
-    _needs(engine_name)
+    launcher.skip_without(engine_name)
     # Horovod adds a set after init only with HOROVOD_DYNAMIC_PROCESS_SETS=1, as users must.
     args = ("optimizer_worker.py", launches[engine_name, np], case, folder)
     kw = {"timeout": 480, "env": {"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}}
@@ -66,7 +59,7 @@ COLLECTIVES = {("horovod", 2): ["collectives-all", "quantized-all"],
 
 
 def collectives_case(engine_name, np, case):
-    _needs(engine_name)
+    launcher.skip_without(engine_name)
     launcher.run_case(engine_name, np, "collectives_worker.py", COLLECTIVES[engine_name, np],
                       case, engine_name, timeout=420, env={"PIPE_HOROVOD_TIMEOUT": "120"})
 
@@ -79,5 +72,5 @@ HARDENING = ["threads", "skipped", "rollback", "rewrap", "misuse"]
 
 
 def hardening_case(engine_name, np, case):
-    _needs(engine_name)
+    launcher.skip_without(engine_name)
     launcher.run_case(engine_name, np, "hardening_worker.py", HARDENING, case, timeout=300)

@@ -29,8 +29,7 @@ MODES = {("horovod", 2): ["names", "intavg", "autograd", "optstate"],
 
 
 def launch(mode, engine_name, np):
-    if engine_name == "horovod" and launcher.horovod_missing():
-        pytest.skip(launcher.horovod_missing())
+    launcher.skip_without(engine_name)
     if mode == "cuda":
         launcher.run(engine_name, np, "hardening_engine_worker.py", mode, engine_name,
                      timeout=150)

@@ -23,8 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("horovod", 3), ("torch", 2),
                                              ("torch", 3), ("local", 1)])
 def test_api_against_oracle(engine_name, np, tmp_path):
-    if engine_name == "horovod" and launcher.horovod_missing():
-        pytest.skip(launcher.horovod_missing())
+    launcher.skip_without(engine_name)
     launcher.run(engine_name, np, "api_worker.py", engine_name, np, tmp_path, timeout=240)
 
 

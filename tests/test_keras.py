@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import launcher
-from keras_launches import CHECKPOINT_DEPTH, fit_launch, needs
+from keras_launches import CHECKPOINT_DEPTH, fit_launch
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
@@ -18,7 +18,7 @@ def test_fit_matches_the_reference(tmp_path_factory, backend, engine_name, np_):
     and with lookahead (on torch: the other staleness options too); the callbacks; bad input
     raising on every rank; K=2 hiding a slow reduction; Horovod's value collectives and
     load_model; on TensorFlow under horovodrun, through DLPack."""
-    needs(engine_name)
+    launcher.skip_without(engine_name)
     _, code, out = fit_launch(tmp_path_factory, engine_name, backend, np_)
     launcher.assert_finished(code, out, np_, f"keras_worker.py on {engine_name} {backend}")
 
@@ -30,7 +30,7 @@ def test_save_load_continue_is_bit_identical(tmp_path_factory, backend, engine_n
     gives the others its weights, slots and gradients in flight), with lookahead (its real
     weights and kept gradients saved too), and int8 with error feedback per ring hop and in
     two stages on the engine's collectives (each rank's residuals saved too)."""
-    needs(engine_name)
+    launcher.skip_without(engine_name)
     tmp, code, out = fit_launch(tmp_path_factory, engine_name, backend, 2)
     for mode in ("full", "save"):    # the fit test answers for the launch's other modes
         launcher.assert_case(code, out, 2, mode, f"keras_worker.py on {engine_name} {backend}")
@@ -70,7 +70,7 @@ def test_horovod_keras_script_runs_with_only_its_import_changed(tmp_path):
     Launched again for one more epoch, it resumes as Horovod's Keras ImageNet example
     does (hvd.broadcast of the epoch, hvd.load_model on rank 0 alone). (The torch engine
     runs the same TensorFlow path in test_fit_matches_the_reference.)"""
-    needs("horovod")
+    launcher.skip_without("horovod")
     pytest.importorskip("sklearn")
     env = {"KERAS_BACKEND": "tensorflow"}
     _, out = launcher.run("horovod", 2, "horovod_keras_script.py", tmp_path, 2, timeout=300,

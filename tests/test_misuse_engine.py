@@ -36,17 +36,12 @@ REFUSED = {
 }
 
 
-def _skip_without(engine_name):
-    if engine_name == "horovod" and launcher.horovod_missing():
-        pytest.skip(launcher.horovod_missing())
-
-
 def launch(engine_name):
     """(exit code, output, {(case, rank): (outcome, seconds)}) of the engine's misuse launch.
 
     Keras's uneven fit runs on TensorFlow under torchrun, on torch under horovodrun. The
     stall time is long (30 s): every case must name its cause from the posts, well before."""
-    _skip_without(engine_name)
+    launcher.skip_without(engine_name)
     backend = {"torch": "tensorflow", "horovod": "torch"}[engine_name]
     if backend == "tensorflow":
         pytest.importorskip("tensorflow")
@@ -269,7 +264,7 @@ def test_an_uncaught_error_ends_every_rank_with_status_1(engine_name):
     raised, within about a second. Both tracebacks print, and no rank dies by SIGABRT:
     rank 1 exits 1 and rank 0 exits 1 (or is stopped by the launcher once rank 1 exited,
     after printing its error)."""
-    _skip_without(engine_name)
+    launcher.skip_without(engine_name)
     code, out = launcher.run_once(engine_name, 2, "exits_worker.py", timeout=120)
     assert code not in (None, 0), out
     assert "terminate called" not in out and "SIGABRT" not in out and "signal 6" not in out, out

@@ -9,7 +9,7 @@ tape's cases compare bit for bit.
 import pytest
 
 import launcher
-from keras_launches import TF_CASES, fit_launch, needs
+from keras_launches import TF_CASES, fit_launch
 
 LAUNCHES = [("horovod", 2), ("torch", 2), ("local", 1)]
 
@@ -18,7 +18,7 @@ LAUNCHES = [("horovod", 2), ("torch", 2), ("local", 1)]
 @pytest.mark.parametrize("engine_name,np_", LAUNCHES)
 def test_tensorflow_custom_loop(tmp_path_factory, engine_name, np_, case):
     pytest.importorskip("tensorflow")
-    needs(engine_name)
+    launcher.skip_without(engine_name)
     _, code, out = fit_launch(tmp_path_factory, engine_name, "tensorflow", np_)
     launcher.assert_case(code, out, np_, f"tf.{case}",
                          f"keras_worker.py on {engine_name} tensorflow")
