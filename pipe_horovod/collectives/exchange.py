@@ -13,6 +13,8 @@ With error feedback, `residual` receives what this rank's encodes lost,
 in the units of the sum: the next reduction of the same bucket adds it back.
 """
 
+from ..compression import divide_
+
 
 class Exchange:
     def __init__(self, channel, codec, layout, work, buffers, residual=None, factor=1.0):
@@ -74,7 +76,7 @@ class Exchange:
         self.encode(self.final_wire, b0, b1)
         if self.residual is not None and self.factor not in (0.0, 1.0):
             start, stop = self.layout.span(b0, b1)
-            self.residual[start:stop].div_(self.factor)
+            divide_(self.residual[start:stop], self.factor)
 
     # --- messages -----------------------------------------------------------
     def send(self, wire, b0, b1, peer, message):

@@ -14,7 +14,7 @@ cost 6-19 ms per step where it was measured.
 """
 import torch
 
-from . import SCALE_BYTES
+from . import SCALE_BYTES, divide_
 
 
 class CastHop:
@@ -86,7 +86,7 @@ class Int8Hop:
             if residual is not None:
                 residual.copy_(src)
             return
-        torch.div(src, scale, out=scratch).round_().clamp_(-127, 127)
+        divide_(src, scale, out=scratch).round_().clamp_(-127, 127)
         values.copy_(scratch)
         if residual is not None:
             torch.sub(src, scratch.mul_(scale), out=residual)
@@ -133,7 +133,7 @@ class Int4Hop(Int8Hop):
             if residual is not None:
                 residual.copy_(src)
             return
-        torch.div(src, scale, out=scratch).round_().clamp_(-cls.QMAX, cls.QMAX)
+        divide_(src, scale, out=scratch).round_().clamp_(-cls.QMAX, cls.QMAX)
         if residual is not None:
             torch.sub(src, torch.mul(scratch, scale, out=residual), out=residual)
         # Two's complement nibbles as floats (remainder by 16 maps -7..-1 to 9..15),

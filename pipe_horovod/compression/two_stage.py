@@ -53,7 +53,7 @@ import logging
 
 import torch
 
-from . import DEFAULT_BLOCK_SIZE, SCALE_BYTES, accumulator, native
+from . import DEFAULT_BLOCK_SIZE, SCALE_BYTES, accumulator, divide_, native
 
 MIN_BLOCK_SIZE = 16           # below, the scales cost a quarter of the bytes or more
 MAX_BLOCK_SIZE = 2 ** 20
@@ -176,7 +176,7 @@ def _quantize_torch(x, fmt, wire=None):
     blocks = (x.view(nb, size) if nb * size == n
               else torch.nn.functional.pad(x, (0, nb * size - n)).view(nb, size))
     amax = torch.linalg.vector_norm(blocks, float("inf"), dim=1)      # max |x|, exactly
-    scale = amax.div_(fmt.qmax).to(torch.float32)
+    scale = divide_(amax, fmt.qmax).to(torch.float32)
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).to(x.dtype)
     q = torch.div(blocks, divisor[:, None]).clamp_(-fmt.qmax, fmt.qmax)
     head = SCALE_BYTES * nb
@@ -296,7 +296,7 @@ def _reduce_torch(received, size, numel, fmt, acc, average, prescale=1.0, postsc
             value = value * prescale
         total = value if total is None else total.add_(value)    # value: a new tensor
     if average:
-        total.div_(size)
+        divide_(total, size)
     if postscale != 1:
         total.mul_(postscale)
     if residual is not None:
