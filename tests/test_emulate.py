@@ -276,6 +276,16 @@ def test_signal_tears_down(sig):
             cleanup(prefix)
 
 
+def test_the_guard_starts_and_stops_without_a_word():
+    """Every emulated run starts a guard; `python -m` on it printed runpy's RuntimeWarning
+    (the package imports the module first) into every run's output, `make run`'s too."""
+    code = ("from pipe_horovod.tools.emulate import guard; "
+            "guard.stop(guard.start('phguardtest'))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
+
+
 def _on_two_capped_workers(tmp_path, source, label):
     """Runs `source` on 2 workers joined by 1gbit links; the float rank 0 printed after
     `label`, and worker 0's link counters. Nothing may be left behind."""

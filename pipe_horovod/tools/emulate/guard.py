@@ -17,7 +17,10 @@ CLOSED = b"closed\n"
 
 def start(prefix):
     """The guard process for `prefix`; write CLOSED to its stdin on a clean teardown."""
-    return subprocess.Popen([sys.executable, "-m", __name__, prefix], stdin=subprocess.PIPE,
+    # -c, not -m: `python -m` on a module its package already imports warns (runpy's
+    # RuntimeWarning, printed by every emulated run, `make run` included)
+    return subprocess.Popen([sys.executable, "-c", f"import sys; from {__name__} import main; "
+                             "main(sys.argv[1])", prefix], stdin=subprocess.PIPE,
                             start_new_session=True)
 
 
@@ -44,7 +47,3 @@ def main(prefix):
     print(f"pipe_horovod: the owner of emulated cluster {prefix} died without tearing it "
           f"down; removed its namespaces{'; still left: ' + ', '.join(left) if left else ''}",
           file=sys.stderr, flush=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
