@@ -226,6 +226,48 @@ def test_a_stale_waiting_post_is_not_taken_for_a_deadlock():
         "not started; rank 1 waits in allreduce 'keras1.0.43.0'") in str(error), error
 
 
+def test_a_stale_waiting_post_is_not_taken_for_a_rank_stuck_past_the_stall_time():
+    """The same lost "running" post, read past the stall time (HOROVOD_STALL_CHECK_TIME_SECONDS)
+    when the posts cannot name the blocked collectives (no names posted): a rank counts as
+    stuck only while it renews its post, as causes.deadlock's first path requires."""
+    import warnings
+
+    from pipe_horovod.engine.stall import Call, Stall
+
+    class Board:
+        beat = 3
+        def read(self, ranks):
+            return {0: {"state": "waiting", "what": "allgather_object 'object.noname.8'",
+                        "call": Call("allgather_object", "object.noname.8").posted(),
+                        "step": 8, "since": 100.0, "beat": self.beat}}
+        def raised(self, ranks):
+            return {}
+
+    class Engine:
+        _board, _closed, step = Board(), False, 2
+        def rank(self):
+            return 1
+        def size(self):
+            return 2
+        def names_in_flight(self):
+            return ["keras1.0.43.0"]
+        def _missing(self, call):
+            return ""
+        def _tell_raised(self, cause, wires):
+            pass
+
+    stall = Stall(Engine(), Call("allreduce", "keras1.0.43.0"), time.monotonic() - 100.0,
+                  post=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")           # the stall warning, once a period
+        for _ in range(4):                        # past the stall time, the post not renewed
+            stall.tick(lambda: False)
+        Engine._board.beat = 4                    # renewed: rank 0 does wait there
+        with pytest.raises(Exception, match="every rank waits for a collective that another "
+                                            "rank never starts"):
+            stall.tick(lambda: False)
+
+
 # --- a rank killed, on real ranks -----------------------------------------------------
 def _free_port():
     with socket.socket() as s:

@@ -204,6 +204,7 @@ class Stall:
         self.seen_deadlock = None   # a deadlock seen at the last tick, confirmed at the next
         self.seen_beats = {}        # the others' beats at that sighting
         self.beat = 0               # this wait's posts so far (see renew)
+        self.tick_beats = {}        # the others' beats at the last tick (see tick's stuck)
         if engine._closed:          # shutting down: the board keeps saying "ended"
             self.board = None
         self.posting = self.board is not None and post
@@ -249,14 +250,20 @@ class Stall:
             cause = self.causes.find(self, others, now)
             if cause is not None:
                 raise self._shared(cause)
+        beats, self.tick_beats = self.tick_beats, {
+            r: status.get("beat") for r, status in others.items() if status is not None}
         if self.check_s is None or elapsed < self.check_s:
             return
 
-        def stuck(status):          # waiting long enough that it is not just slow, or gave up
+        def stuck(rank, status):    # waiting long enough that it is not just slow, or gave up;
+            # waiting still: its post renewed since the last tick (a lost "running" post
+            # leaves a rank that went on "waiting", with a beat that no longer moves)
             return self.gave_up(status) or (status is not None and status["state"] == "waiting"
-                                            and now - status["since"] >= self.check_s / 2)
+                                            and now - status["since"] >= self.check_s / 2
+                                            and rank in beats
+                                            and status.get("beat") != beats[rank])
 
-        if all(stuck(status) for status in others.values()) and not matched():
+        if all(stuck(r, status) for r, status in others.items()) and not matched():
             raise self._shared(self.causes.deadlock(self, others, now, confirmed=True))
         if self.shutdown_s is not None and elapsed >= self.shutdown_s:
             raise self.causes.report(self, others, now, f"rank {self.me} stalled for "
