@@ -169,9 +169,24 @@ def test_keras_settings_and_the_sweep_design_and_report(tmp_path):
             sweep.cells_of(bad)
     parser = __import__("argparse").ArgumentParser()
     lm.add_arguments(parser)
-    for keras_only in (["--schedule", "cosine"], ["--init", "torch"]):
-        with pytest.raises(SystemExit):            # schedules, clipping, init are Keras's
+    for keras_only in (["--schedule", "cosine"], ["--clipping", "none"]):
+        with pytest.raises(SystemExit):            # schedules and clipping are Keras's
             lm.check_args(parser.parse_args(["--frameworks", "torch", *keras_only]))
+    lm.check_args(parser.parse_args(["--frameworks", "torch", "--init", "keras"]))
+    # --init keras in the PyTorch model: Keras's glorot_uniform with the fans Keras counts
+    # (a query/key/value kernel: fan_in heads x d, fan_out head_dim x d), zero biases
+    import torch
+    model = lm.torch_model(lm.Settings(d_model=128, heads=4, init="keras"))
+    bounds = {"qkv": (6 / (4 * 128 + 32 * 128)) ** 0.5, "proj": (6 / (128 + 4 * 128)) ** 0.5,
+              "fc1": (6 / (128 + 512)) ** 0.5, "fc2": (6 / (512 + 128)) ** 0.5}
+    for name, bound in bounds.items():
+        weight = getattr(model.blocks[0], name).weight
+        assert bound * 0.9 < float(weight.abs().max()) <= bound, (name, bound)
+        assert not getattr(model.blocks[0], name).bias.any()
+    assert float(model.head.weight.abs().max()) <= (6 / (128 + lm.VOCAB)) ** 0.5
+    torch.manual_seed(0)
+    own = lm.torch_model(lm.Settings(d_model=128, heads=4))
+    assert float(own.blocks[0].qkv.weight.abs().max()) > bounds["qkv"] * 2   # nn.Linear's
 
     cell = sweep.Cell("keras-tf", "cosine", "global", 0.1, 400)
     runs = [{"config": c, "seed": seed, "steps": [400], "val_loss": [v], "train_time_s": 2.0,

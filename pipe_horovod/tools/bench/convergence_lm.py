@@ -104,9 +104,10 @@ class Settings:
     # decays weights (weight_decay > 0: AdamW; 0: Adam).
     schedule: str = "warmup-cosine"
     clipping: str = "global"
-    # Keras only: the kernels' initializer (INITS: Keras's own defaults, or PyTorch's
-    # nn.Linear bound; keras_model says which).
-    init: str = "keras"
+    # The kernels' initializer (INITS): "own", the framework's library's (Keras's
+    # glorot_uniform and zero biases, torch.nn's bounds), or one library's in either model
+    # (keras_model and torch_model say how): issue 36 asks whether it decides the lag.
+    init: str = "own"
     eval_every: int = 50
     train_chars: int = 1_000_000
     val_chars: int = 100_000
@@ -197,6 +198,30 @@ def torch_model(s):
             self.blocks = nn.ModuleList(Block() for _ in range(s.layers))
             self.ln = nn.LayerNorm(s.d_model)
             self.head = nn.Linear(s.d_model, VOCAB)
+            if s.init == "keras":
+                self.keras_init()
+
+        def keras_init(self):
+            """Keras's glorot_uniform with zero biases, with the fans Keras counts for the
+            layers of keras_model: a query/key/value kernel (d_model, heads, head_dim) has
+            fan_in heads x d_model and fan_out head_dim x d_model, the attention output's
+            (heads, head_dim, d_model) d_model and heads x d_model. So the query and key
+            kernels start 2.4x smaller than nn.Linear's (d=128, 4 heads)."""
+            d, heads = s.d_model, s.heads
+
+            def glorot(weight, fan_in, fan_out):
+                bound = math.sqrt(6 / (fan_in + fan_out))
+                nn.init.uniform_(weight, -bound, bound)
+
+            for block in self.blocks:
+                glorot(block.qkv.weight, heads * d, d // heads * d)
+                glorot(block.proj.weight, d, heads * d)
+                glorot(block.fc1.weight, d, 4 * d)
+                glorot(block.fc2.weight, 4 * d, d)
+            glorot(self.head.weight, d, VOCAB)
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    nn.init.zeros_(module.bias)
 
         def forward(self, idx):
             x = self.tok(idx) + self.pos[:idx.shape[1]]
@@ -276,7 +301,7 @@ def keras_model(keras, s):
         raise ValueError(f"unknown init {s.init!r}; choose from {', '.join(INITS)}")
     # "torch": U(+-1/sqrt(fan_in)), nn.Linear's kernel bound, for every Dense and attention
     # kernel (Keras counts a 3-D query/key/value kernel's fan_in as heads x d_model); the
-    # biases stay zero. "keras": Keras's glorot_uniform.
+    # biases stay zero. "own" and "keras": Keras's glorot_uniform.
     init = ({"kernel_initializer": keras.initializers.VarianceScaling(1 / 3, "fan_in",
                                                                        "uniform")}
             if s.init == "torch" else {})
@@ -296,7 +321,7 @@ def keras_model(keras, s):
 
 SCHEDULES = ("warmup-cosine", "cosine", "exponential", "piecewise", "constant")
 CLIPPINGS = ("global", "norm", "none")
-INITS = ("keras", "torch")
+INITS = ("own", "keras", "torch")
 
 
 def keras_schedule(keras, s, size):
@@ -630,8 +655,9 @@ def add_arguments(p):
     p.add_argument("--clipping", choices=CLIPPINGS, default=Settings.clipping,
                    help="Keras: global_clipnorm, clipnorm or no clipping (default global)")
     p.add_argument("--init", choices=INITS, default=Settings.init,
-                   help="Keras: the kernels' initializer, Keras's glorot_uniform (default) or "
-                        "PyTorch's nn.Linear bound 1/sqrt(fan_in) (keras_model)")
+                   help="the kernels' initializer: each framework's own (default), Keras's "
+                        "glorot_uniform with zero biases, or PyTorch's nn.Linear bound "
+                        "1/sqrt(fan_in), in either model (keras_model, torch_model)")
     p.add_argument("--weight-decay", type=float, default=Settings.weight_decay,
                    help=f"AdamW's weight decay (default {Settings.weight_decay}); Keras: 0 "
                         "trains with Adam")
@@ -670,11 +696,10 @@ def check_args(args):
                              f"{', '.join(CONFIGS + EXTRA_CONFIGS)}")
         if config in EXTRA_CONFIGS and frameworks != ["torch"]:
             raise SystemExit(f"{config} runs in the PyTorch adapter only (--frameworks torch)")
-    if "torch" in frameworks and (args.schedule, args.clipping, args.init) != (
-            Settings.schedule, Settings.clipping, Settings.init):
-        raise SystemExit("--schedule, --clipping and --init are Keras settings; the PyTorch "
-                         "run clips the averaged gradient, warms up + cosine (lr_at) and "
-                         "initializes as torch.nn does")
+    if "torch" in frameworks and (args.schedule, args.clipping) != (
+            Settings.schedule, Settings.clipping):
+        raise SystemExit("--schedule and --clipping are Keras settings; the PyTorch "
+                         "run clips the averaged gradient and warms up + cosine (lr_at)")
     if args.engine != "torch" and frameworks != ["torch"]:
         raise SystemExit("--engine horovod runs the PyTorch adapter only (--frameworks torch)")
 
