@@ -4,6 +4,8 @@ they belong to. A file run alone starts the launch itself; in one session the fi
 that needs a launch starts it and the others read its output (launcher.run_once).
 """
 
+import sys
+
 import launcher
 
 
@@ -74,3 +76,27 @@ HARDENING = ["threads", "skipped", "rollback", "rewrap", "misuse"]
 def hardening_case(engine_name, np, case):
     launcher.skip_without(engine_name)
     launcher.run_case(engine_name, np, "hardening_worker.py", HARDENING, case, timeout=300)
+
+
+# --- examples/compare_digits.py on this machine: test_examples_keras.py, test_image.py -------
+# test_examples_keras checks the Keras comparison's output; test_image compares the image's
+# accuracies with this machine's, the same runs (2 workers, the default seed). One epoch:
+# any difference between what the two compute shows after the epoch's 23 steps as after 69.
+# --tolerance 100: a run that finishes exits 0 (1 epoch is too short for `make run`'s
+# 1-point verdict); --timeout: each run's start-up alone can pass the default 300 s on a
+# loaded machine.
+DIGITS_ARGS = ("--np", "2", "--epochs", "1", "--tolerance", "100", "--timeout", "900")
+_DIGITS = {}
+
+
+def digits_comparison(tmp_path_factory, framework):
+    """`compare_digits.py --framework FRAMEWORK` here, once per session: (exit code, output,
+    the folder of its logs and comparison.json)."""
+    if framework not in _DIGITS:
+        out = tmp_path_factory.mktemp(f"digits-{framework}")
+        cmd = [sys.executable, launcher.REPO / "examples" / "compare_digits.py",
+               "--framework", framework, *DIGITS_ARGS, "--out-dir", out,
+               "--json", out / "comparison.json"]
+        _DIGITS[framework] = (*launcher.run_command(cmd, 1, timeout=2 * 900 + 60,
+                                                    expect_ok=False), out)
+    return _DIGITS[framework]

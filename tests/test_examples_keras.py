@@ -13,6 +13,7 @@ import sys
 import pytest
 
 import launcher
+import shared_launches
 
 EXAMPLES = launcher.REPO / "examples"
 KERAS_EXAMPLE = EXAMPLES / "keras_digits.py"
@@ -68,15 +69,12 @@ def test_keras_digits_runs_and_reports(tmp_path, launch, np, backend):
 
 
 @needs_tensorflow
-def test_compare_digits_keras_output_is_clean(tmp_path):
+def test_compare_digits_keras_output_is_clean(tmp_path_factory):
     missing = _missing_horovodrun()
     if missing:
         pytest.skip(missing)
-    summary = tmp_path / "comparison.json"
-    cmd = [sys.executable, EXAMPLES / "compare_digits.py", "--framework", "keras", "--np", "2",
-           "--epochs", "1", "--tolerance", "100", "--timeout", "150", "--out-dir", tmp_path,
-           "--json", summary]
-    rc, out = launcher.run_command(cmd, 1, timeout=360, expect_ok=False)
+    # The run test_image.py compares with the image's (tests/shared_launches.py).
+    rc, out, folder = shared_launches.digits_comparison(tmp_path_factory, "keras")
     assert rc == 0, out
     # Everything compare_digits prints is ours: the workers' output went to the logs.
     assert "\r" not in out, out
@@ -88,11 +86,11 @@ def test_compare_digits_keras_output_is_clean(tmp_path):
     table = [line for line in out.splitlines() if line.startswith("|")]
     assert len(table) == 5 and "difference (pipelined - sync)" in table[-1], out
     assert "PASS" in out
-    comparison = json.loads(summary.read_text())
+    comparison = json.loads((folder / "comparison.json").read_text())
     assert comparison["framework"] == "keras"
     for run in comparison["runs"]:
         assert run["rc"] == 0 and 0.0 < run["accuracy"] <= 1.0, run
-        log = (tmp_path / f"keras_digits_depth{run['pipeline_depth']}.log").read_text()
+        log = (folder / f"keras_digits_depth{run['pipeline_depth']}.log").read_text()
         assert run["log"].endswith(f"keras_digits_depth{run['pipeline_depth']}.log")
         assert "[0]<stdout>:epoch   1/1" in log, "the full raw log is kept"
 
