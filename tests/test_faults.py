@@ -186,6 +186,29 @@ def test_a_cause_another_rank_concluded_is_raised_only_by_the_waits_it_names():
     assert causes.raised(again, ended) is None
 
 
+class _SecondOfTwo:
+    """An engine as Stall and causes read it: rank 1 of 2, waiting for 'keras1.0.43.0'."""
+    _closed, step = False, 2
+
+    def __init__(self, board=None):
+        self._board = board
+
+    def rank(self):
+        return 1
+
+    def size(self):
+        return 2
+
+    def names_in_flight(self):
+        return ["keras1.0.43.0"]
+
+    def _missing(self, call):
+        return ""
+
+    def _tell_raised(self, cause, wires):
+        pass
+
+
 def test_a_stale_waiting_post_is_not_taken_for_a_deadlock():
     """test_tensorflow's horovod launch once raised 'rank 0 waits in allgather_object
     'object.noname.8' ...; rank 1 waits in allreduce 'keras1.0.43.0'' while rank 0's own
@@ -196,17 +219,6 @@ def test_a_stale_waiting_post_is_not_taken_for_a_deadlock():
     from pipe_horovod.engine import causes
     from pipe_horovod.engine.stall import Call, Stall
 
-    class Engine:
-        _board, _closed, step = None, False, 2
-        def rank(self):
-            return 1
-        def size(self):
-            return 2
-        def names_in_flight(self):
-            return ["keras1.0.43.0"]
-        def _missing(self, call):
-            return ""
-
     def post(beat):
         return {0: {"state": "waiting", "what": "allgather_object 'object.noname.8'",
                     "call": Call("allgather_object", "object.noname.8",
@@ -214,10 +226,10 @@ def test_a_stale_waiting_post_is_not_taken_for_a_deadlock():
                     "step": 8, "since": 100.0, "beat": beat, "names": ["object.noname.8.sz"],
                     "partial": False}}
 
-    stale = Stall(Engine(), Call("allreduce", "keras1.0.43.0"), time.monotonic())
+    stale = Stall(_SecondOfTwo(), Call("allreduce", "keras1.0.43.0"), time.monotonic())
     for _ in range(4):                        # ticks reading the same, unrenewed post
         assert causes.deadlock(stale, post(3), time.time()) is None
-    live = Stall(Engine(), Call("allreduce", "keras1.0.43.0"), time.monotonic())
+    live = Stall(_SecondOfTwo(), Call("allreduce", "keras1.0.43.0"), time.monotonic())
     assert causes.deadlock(live, post(3), time.time()) is None      # first sighting
     assert causes.deadlock(live, post(3), time.time()) is None      # not renewed yet
     error = causes.deadlock(live, post(4), time.time())             # renewed: still there
@@ -243,26 +255,14 @@ def test_a_stale_waiting_post_is_not_taken_for_a_rank_stuck_past_the_stall_time(
         def raised(self, ranks):
             return {}
 
-    class Engine:
-        _board, _closed, step = Board(), False, 2
-        def rank(self):
-            return 1
-        def size(self):
-            return 2
-        def names_in_flight(self):
-            return ["keras1.0.43.0"]
-        def _missing(self, call):
-            return ""
-        def _tell_raised(self, cause, wires):
-            pass
-
-    stall = Stall(Engine(), Call("allreduce", "keras1.0.43.0"), time.monotonic() - 100.0,
-                  post=False)
+    board = Board()
+    stall = Stall(_SecondOfTwo(board), Call("allreduce", "keras1.0.43.0"),
+                  time.monotonic() - 100.0, post=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")           # the stall warning, once a period
         for _ in range(4):                        # past the stall time, the post not renewed
             stall.tick(lambda: False)
-        Engine._board.beat = 4                    # renewed: rank 0 does wait there
+        board.beat = 4                            # renewed: rank 0 does wait there
         with pytest.raises(Exception, match="every rank waits for a collective that another "
                                             "rank never starts"):
             stall.tick(lambda: False)
