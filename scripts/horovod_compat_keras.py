@@ -303,13 +303,23 @@ def _yes(value):
     return "—" if value is None else ("yes" if value else "no")
 
 
+# A section's hand-written notes: a render emits the markers empty, a re-render keeps them.
+SECTION_NOTES = ("<!-- section notes -->", "<!-- /section notes -->")
+
+
 def write_section(markdown, block, begin=KERAS_BEGIN, end=KERAS_END):
-    """Put `block` in place of the section `begin`..`end` of `markdown` (appended if none)."""
+    """Put `block` in place of the section `begin`..`end` of `markdown` (appended if none),
+    with the old section's notes (SECTION_NOTES) where `block` has the markers."""
     path = Path(markdown)
     text = path.read_text() if path.exists() else ""
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
+        old, tail = rest.split(end, 1)
+        open_, close = SECTION_NOTES
+        if open_ in old and open_ + "\n" + close in block:
+            notes = old.split(open_, 1)[1].split(close, 1)[0].strip("\n")
+            block = block.replace(open_ + "\n" + close, f"{open_}\n{notes}\n{close}")
+        text = head + block + tail
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)

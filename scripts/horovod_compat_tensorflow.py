@@ -84,7 +84,7 @@ def render_tensorflow(data, command):
            "**ours K=1**: the same with `PIPE_HOROVOD_PIPELINE_DEPTH=1`. The file runs every "
            "test twice (`run_all_in_graph_and_eager_modes`): once building a TF1 graph run in a "
            "session, once eagerly (TensorFlow 2); both halves are shown, the count is the eager "
-           "half's.", "", "Command:", "", "```", command, "```", "", "| | |", "|---|---|"]
+           "half's.", "", *hk.SECTION_NOTES, "", "Command:", "", "```", command, "```", "", "| | |", "|---|---|"]
     for key in ("horovod_ref", "horovod_commit", "tests_sha256", "tests_collected", "horovod",
                 "pipe_horovod", "tensorflow", "keras", "python", "updated"):
         if key in meta:

@@ -572,7 +572,11 @@ def test_tensorflow_section_counts_the_eager_halves(tmp_path):
                       "TensorFlowTests::test_g": {"ours-k2": half("SKIP", "SKIP")},
                       "TensorFlowTests::test_session": {"ours-k2": {"status": "SKIP"}}}}
     hk.write_section(md, ht.render_tensorflow(data, "cmd"), ht.TENSORFLOW.begin, ht.TENSORFLOW.end)
+    open_, close = hk.SECTION_NOTES
+    md.write_text(md.read_text().replace(f"{open_}\n{close}", f"{open_}\nwhy it fails\n{close}"))
+    hk.write_section(md, ht.render_tensorflow(data, "cmd"), ht.TENSORFLOW.begin, ht.TENSORFLOW.end)
     text = md.read_text()
+    assert "why it fails" in text, "a re-render keeps the section's notes"
     assert "ours K=2: 1/2 of the TF2 tests pass eagerly." in text
     assert "| `test_a` | TF2 | PASS | FAIL | PASS | PASS |" in text
     assert "| `test_session` | not Horovod's | SKIP | SKIP | — | — |" in text

@@ -18,8 +18,7 @@ runs on today's TensorFlow through the same engines as the other adapters
 (horovodrun with Gloo or MPI, torchrun, one plain process). Identity, build
 queries and process sets are pipe_horovod.torch's (one implementation);
 gradient_tape.py says what tape.gradient returns while the pipeline fills.
-Not here: TF1 sessions and graph collections (broadcast_global_variables,
-BroadcastGlobalVariablesHook), elastic.
+Not here: TF1 sessions and hooks (BroadcastGlobalVariablesHook), elastic.
 """
 from ..compression import Compression
 from ..torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
