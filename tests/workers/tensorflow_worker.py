@@ -15,7 +15,8 @@ backend (tests/keras_launches.py; one TensorFlow start-up per engine):
   errors      bad input: a clear error on every rank, and a collective still works after
   partial     PartialDistributedGradientTape at K=2 in a tf.function: the last layer local
               (this rank's own gradient / size), the others averaged, both one step late,
-              zeros first; get_local_and_global_gradients; the *_op identity ops
+              zeros first; get_local_and_global_gradients; the *_op identity ops; a local
+              source shaped differently on each rank
   autodiff    gradients through allreduce, grouped_allreduce, allgather and broadcast
               (Horovod's rules, exact values), eagerly and in a tf.function;
               SyncBatchNormalization against Keras's BatchNormalization on every rank's
@@ -291,6 +292,16 @@ def check_partial():
             want = own[i] / np.float32(n) if is_local else averaged[i]
             assert np.array_equal(got[i], want), f"partial: step {t}, variable {i}"
     assert len(hvd.flush(variables)) == 1
+    # A local source may have another shape on each rank (a model-parallel layer, as in
+    # Horovod's test_model_parallel_model): only the shared sources are compared.
+    own, shared = tf.Variable(tf.ones([r + 1])), tf.Variable(tf.ones([2]))
+    with tf.GradientTape() as tape:
+        loss = (tf.reduce_sum(own) + tf.reduce_sum(shared)) * (r + 1)
+    tape = hvd.DistributedGradientTape(tape, pipeline_depth=1)
+    tape.register_local_source(own)
+    mine, averaged = tape.gradient(loss, [own, shared])
+    assert mine.numpy().tolist() == [(r + 1) / n] * (r + 1), mine
+    assert averaged.numpy().tolist() == [(n + 1) / 2] * 2, averaged
 
 
 def check_autodiff():
