@@ -28,6 +28,11 @@ to a JSON file (resumable, as scripts/horovod_compat.py's) and, with
 
 Horovod's test file imports `parameterized` (pip install parameterized); without it
 collection fails and the harness stops, saying so.
+
+The machinery serves any of Horovod's suites described as a Suite (KERAS here;
+scripts/horovod_compat_tensorflow.py's TENSORFLOW): which file, the files beside
+it, the module map, the renames, the markdown section. --batch N runs N tests per
+launch (horovod_compat.run_batch) where one test per launch would take too long.
 """
 import argparse
 import dataclasses

@@ -22,17 +22,19 @@ from ..engine.mismatch import MismatchError
 # else aborts the process); torch allocates so aligned, but slices need not be.
 ALIGNMENT = 64
 
-# Horovod's TensorFlow ops take dtypes its torch ops, the engines here, do not: unsigned
-# 16- to 64-bit integers travel as the signed type of their width, bit for bit; 8- and
-# 16-bit integers are reduced in int32 and cast back (a sum that overflows wraps around,
-# as Horovod's does; an Average divides before the wrap, where Horovod's divides after).
-WIRE = {tf.uint16: tf.int16, tf.uint32: tf.int32, tf.uint64: tf.int64}
+# Horovod's TensorFlow ops take dtypes its torch ops and gloo, the engines here, do not:
+# 16-bit integers travel as pairs of int8 (gloo has no int16) and unsigned 32- and 64-bit
+# ones as the signed type of their width, bit for bit; 8- and 16-bit integers are reduced
+# in int32 and cast back (a sum that overflows wraps around, as Horovod's does; an
+# Average divides before the wrap, where Horovod's divides after).
+WIRE = {tf.int16: tf.int8, tf.uint16: tf.int8, tf.uint32: tf.int32, tf.uint64: tf.int64}
 WIDE = {tf.uint8: tf.int32, tf.int8: tf.int32, tf.uint16: tf.int32, tf.int16: tf.int32}
 
 
 def to_torch(tensor, reduced=False):
     """A torch tensor sharing `tensor`'s memory where DLPack allows, else a copy; in a
-    dtype the engines move (WIRE), or with `reduced`, one they reduce (WIDE)."""
+    dtype the engines move (WIRE: a 16-bit tensor gains a last dimension of 2), or with
+    `reduced`, one they reduce (WIDE)."""
     tensor = tf.convert_to_tensor(tensor)
     if reduced and tensor.dtype in WIDE:
         tensor = tf.cast(tensor, WIDE[tensor.dtype])

@@ -243,9 +243,9 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
 
     def exchange(value, rows):
         rows = [int(r) for r in rows.numpy()] if int(tf.size(rows)) else None
-        out, received = _torch.synchronize(_torch.alltoall_async(
-            handoff.to_torch(value), rows, name, process_set))
-        return [handoff.to_tf(out.reshape(int(received.sum()), *value.shape[1:]), value.dtype),
+        sent = handoff.to_torch(value)
+        out, received = _torch.synchronize(_torch.alltoall_async(sent, rows, name, process_set))
+        return [handoff.to_tf(out.reshape(int(received.sum()), *sent.shape[1:]), value.dtype),
                 tf.constant(received.numpy(), tf.int32)]
 
     def forward(value):
