@@ -111,10 +111,12 @@ def render_tensorflow(data, command):
                 for c in OURS for m in MODES) + " |")
     tf2 = [t for t in tests if kind_of[t] == "TF2"]
     for c in OURS:
-        if any(c in tests[t] for t in tf2):
-            passed = sum(_mode(tests[t].get(c), "eager_mode") == "PASS" for t in tf2)
-            out.append(f"\n{hc.CONFIG_TITLES[c]}: {passed}/{len(tf2)} of the TF2 tests pass eagerly"
-                       + (" — target met." if passed == len(tf2) else "."))
+        ran = [t for t in tf2 if c in tests[t]]
+        if ran:
+            passed = sum(_mode(tests[t][c], "eager_mode") == "PASS" for t in ran)
+            out.append(f"\n{hc.CONFIG_TITLES[c]}: {passed}/{len(ran)} of the TF2 tests run pass "
+                       f"eagerly" + (f" ({len(tf2) - len(ran)} not run at this depth)"
+                                     if len(ran) < len(tf2) else "") + ".")
     out += ["", "Categories (from the code, `classify()`): **GPU-only** skip without a GPU (both "
             "halves SKIP on this CPU machine); **TF1-only** skip or return when eager (graph "
             "collections such as `broadcast_global_variables`, `tf.compat.v1.train.Optimizer`): "

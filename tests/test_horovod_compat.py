@@ -577,7 +577,8 @@ def test_tensorflow_section_counts_the_eager_halves(tmp_path):
     hk.write_section(md, ht.render_tensorflow(data, "cmd"), ht.TENSORFLOW.begin, ht.TENSORFLOW.end)
     text = md.read_text()
     assert "why it fails" in text, "a re-render keeps the section's notes"
-    assert "ours K=2: 1/2 of the TF2 tests pass eagerly." in text
+    assert "ours K=2: 1/2 of the TF2 tests run pass eagerly." in text
+    assert "ours K=1: 1/1 of the TF2 tests run pass eagerly (1 not run at this depth)." in text
     assert "| `test_a` | TF2 | PASS | FAIL | PASS | PASS |" in text
     assert "| `test_session` | not Horovod's | SKIP | SKIP | — | — |" in text
     out = tmp_path / "r.json"
