@@ -43,8 +43,11 @@ CONFIG_TITLES = {"horovod": "Horovod", "ours-k2": "ours K=2", "ours-k1": "ours K
 DEPTH_ENV = "PIPE_HOROVOD_PIPELINE_DEPTH"
 STATUSES = ("PASS", "FAIL", "SKIP", "TIMEOUT")
 NOTES_BEGIN, NOTES_END = "<!-- notes -->", "<!-- /notes -->"
-# The Keras suite's section (scripts/horovod_compat_keras.py writes it; kept here).
+# The Keras and TensorFlow suites' sections (scripts/horovod_compat_keras.py and
+# scripts/horovod_compat_tensorflow.py write them; a render here keeps them).
 KERAS_BEGIN, KERAS_END = "<!-- keras -->", "<!-- /keras -->"
+TENSORFLOW_BEGIN, TENSORFLOW_END = "<!-- tensorflow -->", "<!-- /tensorflow -->"
+SECTIONS = ((KERAS_BEGIN, KERAS_END), (TENSORFLOW_BEGIN, TENSORFLOW_END))
 
 # Tests whose result differs by the design of pipelining at K=2 (they must
 # pass with PIPE_HOROVOD_PIPELINE_DEPTH=1): test id -> why.
@@ -232,9 +235,14 @@ def parse_run(output, returncode, np=2, timed_out=False, timeout=None):
 # Running
 
 def horovodrun_command(horovodrun, python, test_id, np=2):
+    """One test (`test_id`: a string), stopping at its failure; or a batch (a list of test
+    ids), every test run and each one's outcome printed as it ends (`-v -s`: pytest's
+    live lines, subtests' included, not swallowed by output capture) for parse_batch."""
+    run = (["-x", "-q", "-rfEs", "-p", "no:cacheprovider", "-c", "pytest.ini", test_id]
+           if isinstance(test_id, str) else
+           ["-v", "-s", "-rfE", "-p", "no:cacheprovider", "-c", "pytest.ini", *test_id])
     return [horovodrun, "-np", str(np), "-H", f"localhost:{np}", "--gloo",
-            python, "-m", "pytest", "-x", "-q", "-rfEs", "-p", "no:cacheprovider",
-            "-c", "pytest.ini", test_id]
+            python, "-m", "pytest", *run]
 
 
 def config_env(config, base=None):
@@ -312,6 +320,112 @@ def run_one(workdir, test_id, config, horovodrun, python, timeout, np=2, log_dir
     status, error = parse_run(output, rc, np=np, timed_out=timed_out, timeout=timeout)
     write_log(log_dir, config, test_id.split("::")[-1], cmd, workdir, rc, output)
     return {"status": status, "error": error, "rc": rc, "seconds": seconds}
+
+
+# --------------------------------------------------------------------------
+# Several tests in one launch (--batch): TensorFlow's start-up is most of a run
+
+_LIVE = re.compile(r"^(?P<id>\S+\.py::\S+) (?P<sub>SUB)?(?P<outcome>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
+                   r"(?:\[(?P<mode>[^\]]+)\])?")
+_FAILURE_HEADER = re.compile(r"^_{3,} (?:ERROR at \w+ of )?(?P<name>[\w.]+)(?: \[(?P<mode>[^\]]+)\])? _{3,}$")
+_OUTCOME = {"PASSED": "PASS", "XFAIL": "PASS", "XPASS": "PASS", "SKIPPED": "SKIP",
+            "FAILED": "FAIL", "ERROR": "FAIL"}
+
+
+def _combine(statuses):
+    """Several ranks' (or modes') statuses as one: any failure fails; all skipped skips."""
+    statuses = list(statuses)
+    if any(s == "FAIL" for s in statuses):
+        return "FAIL"
+    return "SKIP" if statuses and all(s == "SKIP" for s in statuses) else "PASS"
+
+
+def parse_batch(output, test_ids, np=2, timed_out=False, timeout=None):
+    """Per-test results of one launch of several tests (horovodrun_command with a list):
+    {test key: {"status", "error", "modes"}}, from each rank's live `-v` lines. `modes`
+    holds the subtests' outcomes ({"graph_mode": {...}, "eager_mode": {...}} for a
+    TensorFlow test under `run_all_in_graph_and_eager_modes`), each with its first `E`
+    line from the failures section. A test some rank never finished is left out (a later
+    run does it), except the one that was running at a timeout: TIMEOUT, with where it hung."""
+    per_rank = split_ranks(output)
+    seen = {}          # key -> {rank: {"outcome": status, "modes": {mode: status}}}
+    errors = {}        # (Class.test, mode or None) -> first E line
+    for rank in range(np):
+        failure = None
+        for text in per_rank.get(rank, []):
+            m = _LIVE.match(text.strip())
+            if m:
+                entry = seen.setdefault(test_key(m["id"]), {}).setdefault(rank, {"modes": {}})
+                status = _OUTCOME[m["outcome"]]
+                if m["sub"]:
+                    entry["modes"][m["mode"]] = _combine([entry["modes"].get(m["mode"], status), status])
+                else:
+                    entry["outcome"] = status
+                continue
+            m = _FAILURE_HEADER.match(text.strip())
+            if m:
+                failure = (m["name"].replace(".", "::"), m["mode"])
+            elif failure and text.startswith("E   ") and text[4:].strip() and failure not in errors:
+                errors[failure] = text[4:].strip()
+    results = {}
+    for tid in test_ids:
+        key = test_key(tid)
+        ranks = seen.get(key, {})
+        if len(ranks) < np or any("outcome" not in r for r in ranks.values()):
+            continue
+        modes = {}
+        for mode in sorted({m for r in ranks.values() for m in r["modes"]}):
+            status = _combine(r["modes"].get(mode, "SKIP") for r in ranks.values())
+            modes[mode] = {"status": status, "error": errors.get((key, mode)) if status == "FAIL" else None}
+        outcome = _combine(r["outcome"] for r in ranks.values())
+        if modes:   # the test's own outcome only says it ran; its subtests say how
+            outcome = _combine([m["status"] for m in modes.values()] + ([outcome] if outcome == "FAIL" else []))
+        error = None
+        if outcome == "FAIL":
+            error = errors.get((key, None)) or next((m["error"] for m in modes.values() if m["error"]), None)
+        results[key] = {"status": outcome, "error": error, **({"modes": modes} if modes else {})}
+    if timed_out:
+        running = next((test_key(t) for t in test_ids if test_key(t) not in results), None)
+        if running:
+            where = hang_location(per_rank)
+            results[running] = {"status": "TIMEOUT", "error": f"no result after {timeout:g} s"
+                                + (f"; {where}" if where else "")}
+    return results
+
+
+def run_batch(workdir, test_ids, config, horovodrun, python, timeout, np=2, log_dir=None):
+    """Several tests in one launch: {test key: result}, as run_one's per test, plus the
+    batch's size; parse_batch says what a crash or a timeout leaves out."""
+    cmd = horovodrun_command(horovodrun, python, list(test_ids), np)
+    output, rc, timed_out, seconds = launch(cmd, workdir, config_env(config), timeout)
+    write_log(log_dir, config, f"batch_{test_key(test_ids[0]).split('::')[-1]}_{len(test_ids)}",
+              cmd, workdir, rc, output)
+    results = parse_batch(output, test_ids, np=np, timed_out=timed_out, timeout=timeout)
+    return {key: {**res, "rc": rc, "seconds": seconds, "batch": len(test_ids)}
+            for key, res in results.items()}
+
+
+def common_helpers(common_source, test_source):
+    """Horovod's `test/utils/common.py` cut to the functions the test file imports
+    (`from common import a, b`) and the standard-library imports: the whole module
+    imports `mock`, `cloudpickle` and Horovod's runner, which a test of ours needs not."""
+    import ast
+
+    wanted = set()
+    for node in ast.walk(ast.parse(test_source)):
+        if isinstance(node, ast.ImportFrom) and node.module == "common":
+            wanted |= {a.name for a in node.names}
+    keep = []
+    for node in ast.parse(common_source).body:
+        if isinstance(node, ast.Import) and all(a.name.split(".")[0] in sys.stdlib_module_names
+                                                for a in node.names):
+            keep.append(ast.get_source_segment(common_source, node))
+        elif isinstance(node, ast.FunctionDef) and node.name in wanted:
+            keep.append(ast.get_source_segment(common_source, node))
+            wanted.discard(node.name)
+    if wanted:
+        raise ValueError(f"common.py has no {sorted(wanted)}")
+    return "\n\n".join(keep) + "\n"
 
 
 def pytest_ini(timeout):
@@ -573,9 +687,10 @@ def main(argv=None):
     if args.markdown:
         cmds = data["meta"].get("commands") or [command]
         text = render_markdown(data, "\n".join(cmds), notes=read_notes(args.markdown))
-        keras = read_section(args.markdown, KERAS_BEGIN, KERAS_END)
-        if keras is not None:
-            text = text.rstrip("\n") + f"\n\n{KERAS_BEGIN}\n{keras}\n{KERAS_END}\n"
+        for begin, end in SECTIONS:
+            section = read_section(args.markdown, begin, end)
+            if section is not None:
+                text = text.rstrip("\n") + f"\n\n{begin}\n{section}\n{end}\n"
         Path(args.markdown).write_text(text)
         print(f"wrote {args.markdown}")
     summary = Counter()

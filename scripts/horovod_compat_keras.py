@@ -28,8 +28,14 @@ to a JSON file (resumable, as scripts/horovod_compat.py's) and, with
 
 Horovod's test file imports `parameterized` (pip install parameterized); without it
 collection fails and the harness stops, saying so.
+
+The machinery serves any of Horovod's suites described as a Suite (KERAS here;
+scripts/horovod_compat_tensorflow.py's TENSORFLOW): which file, the files beside
+it, the module map, the renames, the markdown section. --batch N runs N tests per
+launch (horovod_compat.run_batch) where one test per launch would take too long.
 """
 import argparse
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -110,22 +116,49 @@ NOT_HOROVODS = {
 }
 KERAS_BEGIN, KERAS_END = hc.KERAS_BEGIN, hc.KERAS_END
 CONFIGS = hc.CONFIGS
+COMMON = "test/utils/common.py"
 
 
-def convert(source):
-    """The imports rewritten, then RENAMES: (new source, [(what, count)])."""
-    source, imports = hc.rewrite_imports(source, KERAS_MODULES)
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    """One of Horovod's test files with what this harness needs to run it against ours:
+    the module map for the imports, the files beside it (converted as it is; COMMON cut
+    to the helpers it imports), the examples, the renames, and the markdown section."""
+    name: str
+    modules: dict
+    tests: str
+    support: tuple = ()
+    examples: dict = dataclasses.field(default_factory=dict)
+    renames: list = dataclasses.field(default_factory=list)
+    begin: str = KERAS_BEGIN
+    end: str = KERAS_END
+    render: object = None          # (data, command) -> the section, begin to end
+    classify: object = None        # test file's source -> {test: category}, kept in meta
+
+    def files(self):
+        return [self.tests, *self.support] + [path for path, _ in self.examples.values()]
+
+
+def convert(source, suite=None):
+    """The imports rewritten, then the suite's renames: (new source, [(what, count)]).
+    A file with no import to rewrite (a helper module beside the tests) is left as is."""
+    suite = suite or KERAS
+    try:
+        source, imports = hc.rewrite_imports(source, suite.modules)
+    except ValueError as err:
+        if not str(err).startswith("no "):
+            raise
+        imports = []
     changes = [(f"import: {old.strip()} -> {new.strip()}", 1) for _, old, new in imports]
-    for pattern, replacement, _ in RENAMES:
+    for pattern, replacement, _ in suite.renames:
         source, count = re.subn(pattern, replacement, source, flags=re.MULTILINE)
         if count:
             changes.append((pattern, count))
     return source, changes
 
 
-def read_sources(git_dir, ref, dest):
-    """Horovod's test file and examples at `ref`, written under `dest` by their paths."""
-    paths = [TESTS] + [path for path, _ in EXAMPLES.values()]
+def read_sources(git_dir, ref, dest, paths):
+    """Horovod's files `paths` at `ref`, written under `dest` by their paths."""
     for path in paths:
         text = subprocess.run(["git", "-C", str(git_dir), "show", f"{ref}:{path}"],
                               capture_output=True, text=True, check=True).stdout
@@ -165,8 +198,8 @@ def parse_example(output, returncode, np=2, timed_out=False, timeout=None):
     return {**result, "status": "FAIL", "error": error}
 
 
-def run_example(name, work, config, args, data_env):
-    path, example_args = EXAMPLES[name]
+def run_example(name, work, config, args, data_env, examples=EXAMPLES):
+    path, example_args = examples[name]
     script = work / ("horovod" if config == "horovod" else "ours") / path
     cmd = [args.horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo",
            args.python, str(RUNNER), str(script), *example_args]
@@ -275,13 +308,23 @@ def _yes(value):
     return "—" if value is None else ("yes" if value else "no")
 
 
-def write_section(markdown, block):
-    """Put `block` in place of the Keras section of `markdown` (appended if none)."""
+# A section's hand-written notes: a render emits the markers empty, a re-render keeps them.
+SECTION_NOTES = ("<!-- section notes -->", "<!-- /section notes -->")
+
+
+def write_section(markdown, block, begin=KERAS_BEGIN, end=KERAS_END):
+    """Put `block` in place of the section `begin`..`end` of `markdown` (appended if none),
+    with the old section's notes (SECTION_NOTES) where `block` has the markers."""
     path = Path(markdown)
     text = path.read_text() if path.exists() else ""
-    if KERAS_BEGIN in text and KERAS_END in text:
-        head, rest = text.split(KERAS_BEGIN, 1)
-        text = head + block + rest.split(KERAS_END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        old, tail = rest.split(end, 1)
+        open_, close = SECTION_NOTES
+        if open_ in old and open_ + "\n" + close in block:
+            notes = old.split(open_, 1)[1].split(close, 1)[0].strip("\n")
+            block = block.replace(open_ + "\n" + close, f"{open_}\n{notes}\n{close}")
+        text = head + block + tail
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
@@ -289,15 +332,23 @@ def write_section(markdown, block):
 
 # --------------------------------------------------------------------------
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+KERAS = Suite("Keras", KERAS_MODULES, TESTS, examples=EXAMPLES, renames=RENAMES,
+              render=render_keras)
+
+
+def main(argv=None, suite=None, script="scripts/horovod_compat_keras.py", doc=__doc__):
+    suite = suite or KERAS
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--horovod-git", help="git directory of a horovod/horovod clone")
     p.add_argument("--ref", default="v0.28.1", help="Horovod tag or commit (default v0.28.1)")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--only", choices=("tests", "examples"), help="run one half only")
     p.add_argument("-k", dest="keyword", help="pytest -k expression, or an example's name part")
-    p.add_argument("--timeout", type=float, default=240, help="seconds per test (default 240)")
+    p.add_argument("--timeout", type=float, default=240,
+                   help="seconds per launch (default 240)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="tests per launch (default 1: each alone, stopping at its failure)")
     p.add_argument("--example-timeout", type=float, default=3600,
                    help="seconds per example run (default 3600)")
     p.add_argument("--max-epochs", type=int,
@@ -320,17 +371,17 @@ def main(argv=None):
     data.setdefault("tests", {})
     data.setdefault("examples", {})
     data.pop("results", None)
-    command = "python scripts/horovod_compat_keras.py " + " ".join(
+    command = f"python {script} " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     if not args.render_only:
         if not args.horovod_git:
             p.error("--horovod-git is required unless --render-only")
         data["meta"]["commands"] = (data["meta"].get("commands", []) + [command])[-10:]
-        run_all(args, configs, data)
+        run_all(args, configs, data, suite)
     if args.markdown:
-        write_section(args.markdown, render_keras(
-            data, "\n".join(data["meta"].get("commands") or [command])))
-        print(f"wrote the Keras section of {args.markdown}")
+        write_section(args.markdown, suite.render(
+            data, "\n".join(data["meta"].get("commands") or [command])), suite.begin, suite.end)
+        print(f"wrote the {suite.name} section of {args.markdown}")
     for kind in ("tests", "examples"):
         for c in configs:
             counts = _counts(data[kind], c)
@@ -338,7 +389,7 @@ def main(argv=None):
     return 0
 
 
-def run_all(args, configs, data):
+def run_all(args, configs, data, suite):
     import keras
     import tensorflow as tf
     from tqdm import tqdm
@@ -352,13 +403,17 @@ def run_all(args, configs, data):
     with tempfile.TemporaryDirectory(prefix="horovod_compat_keras_") as root:
         work = Path(root)
         src = work / "src"
-        commit = read_sources(args.horovod_git, args.ref, src)
+        commit = read_sources(args.horovod_git, args.ref, src, suite.files())
+        if suite.classify:
+            meta["categories"] = suite.classify((src / suite.tests).read_text())
         applied = {}
         for kind in ("horovod", "ours"):
-            for path in [TESTS] + [path for path, _ in EXAMPLES.values()]:
+            for path in suite.files():
                 text = (src / path).read_text()
-                if kind == "ours":
-                    text, changes = convert(text)
+                if path == COMMON:
+                    text = hc.common_helpers(text, (src / suite.tests).read_text())
+                elif kind == "ours":
+                    text, changes = convert(text, suite)
                     for what, count in changes:
                         applied.setdefault(what, {})[Path(path).name] = count
                 (work / kind / path).parent.mkdir(parents=True, exist_ok=True)
@@ -369,7 +424,7 @@ def run_all(args, configs, data):
         except ImportError:
             meta["horovod"] = "not installed"
         meta.update(horovod_ref=args.ref, horovod_commit=commit, applied=applied,
-                    tests_sha256=hashlib.sha256((src / TESTS).read_bytes()).hexdigest(),
+                    tests_sha256=hashlib.sha256((src / suite.tests).read_bytes()).hexdigest(),
                     pipe_horovod=hc.repo_state(), tensorflow=tf.__version__,
                     keras=keras.__version__, python=sys.version.split()[0],
                     updated=datetime.datetime.now().isoformat(timespec="seconds"))
@@ -378,38 +433,55 @@ def run_all(args, configs, data):
         todo = []
         if args.only != "examples":
             for kind in ("horovod", "ours"):
-                (work / kind / TESTS).parent.joinpath("pytest.ini").write_text(
+                (work / kind / suite.tests).parent.joinpath("pytest.ini").write_text(
                     hc.pytest_ini(args.timeout))
             # Collected from ours: Horovod's own file cannot import horovod.tensorflow.keras
             # on TensorFlow >= 2.16 (its extension does not build), so it collects nothing.
-            ids = hc.collect(work / "ours" / TESTS, args.python, args.keyword)
+            ids = hc.collect(work / "ours" / suite.tests, args.python, args.keyword)
             if not args.keyword:
                 meta["tests_collected"] = len(ids)
             todo += [("tests", hc.test_key(t), c) for t in ids for c in configs]
         if args.only != "tests":
-            todo += [("examples", name, c) for name in EXAMPLES for c in configs
+            todo += [("examples", name, c) for name in suite.examples for c in configs
                      if not args.keyword or args.keyword in name]
         todo = [(kind, key, c) for kind, key, c in todo
                 if args.rerun or c not in data[kind].get(key, {})]
         print(f"{len(todo)} runs to do")
+        # Tests of one configuration go --batch at a time into one launch.
+        units, batch = [], max(1, args.batch)
+        for c in configs:
+            keys = [key for kind, key, cc in todo if kind == "tests" and cc == c]
+            units += [("tests", keys[i:i + batch], c) for i in range(0, len(keys), batch)]
+        units += [(kind, [key], c) for kind, key, c in todo if kind == "examples"]
         with tqdm(total=len(todo), unit="run", dynamic_ncols=True) as bar:
-            for kind, key, c in todo:
+            for kind, keys, c in units:
                 if kind == "tests":
-                    test_file = work / ("horovod" if c == "horovod" else "ours") / TESTS
-                    res = hc.run_one(test_file.parent, f"{test_file.name}::{key}", c,
-                                     args.horovodrun, args.python, args.timeout, np=args.np,
-                                     log_dir=args.logs)
+                    test_file = work / ("horovod" if c == "horovod" else "ours") / suite.tests
+                    ids = [f"{test_file.name}::{key}" for key in keys]
+                    if len(ids) == 1:
+                        results = {keys[0]: hc.run_one(test_file.parent, ids[0], c, args.horovodrun,
+                                                       args.python, args.timeout, np=args.np,
+                                                       log_dir=args.logs)}
+                    else:
+                        results = hc.run_batch(test_file.parent, ids, c, args.horovodrun,
+                                               args.python, args.timeout, np=args.np,
+                                               log_dir=args.logs)
                 else:
-                    res = run_example(key, work, c, args, data_env)
-                if c != "horovod":
-                    res["pipe_horovod"] = meta["pipe_horovod"]
-                data[kind].setdefault(key, {})[c] = res
+                    results = {keys[0]: run_example(keys[0], work, c, args, data_env, suite.examples)}
+                for key in keys:
+                    res = results.get(key)
+                    if res is None:
+                        tqdm.write(f"{'—':7} {c:8} {key}: not finished in its batch (run again)")
+                        continue
+                    if c != "horovod":
+                        res["pipe_horovod"] = meta["pipe_horovod"]
+                    data[kind].setdefault(key, {})[c] = res
+                    bar.update(1)
+                    line = f"{res['status']:7} {c:8} {key} ({res['seconds']} s)"
+                    if res["status"] not in ("PASS", "SKIP") and res.get("error"):
+                        line += f": {res['error'][:200]}"
+                    tqdm.write(line)
                 hc.save_results(data, args.out)
-                bar.update(1)
-                line = f"{res['status']:7} {c:8} {key} ({res['seconds']} s)"
-                if res["status"] not in ("PASS", "SKIP") and res.get("error"):
-                    line += f": {res['error'][:200]}"
-                tqdm.write(line)
     meta["updated"] = datetime.datetime.now().isoformat(timespec="seconds")
     hc.save_results(data, args.out)
 

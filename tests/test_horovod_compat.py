@@ -468,3 +468,121 @@ def test_keras_section_replaces_itself_and_survives_the_torch_render(tmp_path):
     hc.save_results(_results(), out)
     hc.main(["--render-only", "--out", str(out), "--markdown", str(md)])
     assert "| `test_a` | FAIL | PASS | PASS |" in md.read_text(), "the torch render kept it"
+
+
+# ---------------------------------------------------------------- several tests a launch
+
+# Trimmed from a real `horovodrun ... python -m pytest -v -s -rfE A B C` run of Horovod's
+# test_tensorflow.py (run_all_in_graph_and_eager_modes: each test's halves are subtests).
+BATCH = """\
+[1]<stdout>:test_tensorflow.py::TensorFlowTests::test_a SUBPASSED[graph_mode]
+[0]<stdout>:test_tensorflow.py::TensorFlowTests::test_a SUBPASSED[graph_mode]
+[0]<stdout>:test_tensorflow.py::TensorFlowTests::test_a SUBFAILED[eager_mode]
+[0]<stdout>:test_tensorflow.py::TensorFlowTests::test_a PASSED                    [ 33%]
+[1]<stdout>:test_tensorflow.py::TensorFlowTests::test_a SUBPASSED[eager_mode]
+[1]<stdout>:test_tensorflow.py::TensorFlowTests::test_a PASSED                    [ 33%]
+[0]<stdout>:test_tensorflow.py::TensorFlowTests::test_gpu SUBSKIPPED[graph_mode]
+[0]<stdout>:test_tensorflow.py::TensorFlowTests::test_gpu SUBSKIPPED[eager_mode]
+[0]<stdout>:test_tensorflow.py::TensorFlowTests::test_gpu PASSED                  [ 66%]
+[1]<stdout>:test_tensorflow.py::TensorFlowTests::test_gpu SUBSKIPPED[graph_mode]
+[1]<stdout>:test_tensorflow.py::TensorFlowTests::test_gpu SUBSKIPPED[eager_mode]
+[1]<stdout>:test_tensorflow.py::TensorFlowTests::test_gpu PASSED                  [ 66%]
+[0]<stdout>:test_tensorflow.py::TensorFlowTests::test_c I0000 a log line
+[0]<stdout>:test_tensorflow.py::TensorFlowTests::test_c SUBPASSED[graph_mode]
+[0]<stdout>:=================================== FAILURES ===================================
+[0]<stdout>:___________________ TensorFlowTests.test_a [eager_mode] ___________________
+[0]<stdout>:>           state = hvd.elastic.TensorFlowState(vars1)
+[0]<stdout>:E           AttributeError: module 'pipe_horovod.tensorflow' has no attribute 'elastic'
+"""
+BATCH_IDS = [f"test_tensorflow.py::TensorFlowTests::{t}" for t in ("test_a", "test_gpu", "test_c")]
+
+
+def test_batch_reads_each_tests_halves_on_every_rank():
+    got = hc.parse_batch(BATCH, BATCH_IDS)
+    elastic = "AttributeError: module 'pipe_horovod.tensorflow' has no attribute 'elastic'"
+    assert got == {
+        "TensorFlowTests::test_a": {
+            "status": "FAIL", "error": elastic,
+            "modes": {"eager_mode": {"status": "FAIL", "error": elastic},
+                      "graph_mode": {"status": "PASS", "error": None}}},
+        "TensorFlowTests::test_gpu": {
+            "status": "SKIP", "error": None,
+            "modes": {"eager_mode": {"status": "SKIP", "error": None},
+                      "graph_mode": {"status": "SKIP", "error": None}}}}, \
+        "test_c, unfinished on both ranks, is left for a later run"
+    timed_out = hc.parse_batch(BATCH, BATCH_IDS, timed_out=True, timeout=300)
+    assert timed_out["TensorFlowTests::test_c"]["status"] == "TIMEOUT"
+
+
+def test_batch_command_runs_every_test_and_shows_live_outcomes():
+    cmd = hc.horovodrun_command("horovodrun", "python", BATCH_IDS)
+    assert cmd[-3:] == BATCH_IDS and "-x" not in cmd and {"-v", "-s"} <= set(cmd)
+
+
+def test_common_is_cut_to_the_imported_helpers():
+    common = ("import os\nimport mock\nfrom horovod.runner.util.threads import in_thread\n\n"
+              "def wanted():\n    return os.sep\n\ndef other():\n    return mock\n")
+    cut = hc.common_helpers(common, "from common import wanted\n")
+    assert cut == "import os\n\ndef wanted():\n    return os.sep\n"
+    with pytest.raises(ValueError, match="missing"):
+        hc.common_helpers(common, "from common import missing\n")
+
+
+# ---------------------------------------------------------------- the TensorFlow suite
+
+ht = _load_script("horovod_compat_tensorflow")
+
+
+def test_tensorflow_conversion_is_the_imports_only():
+    src = ("from horovod.tensorflow.util import _executing_eagerly\n"
+           "import horovod.tensorflow as hvd\n"
+           "from base_test_tensorflow import *\n")
+    new, changes = hk.convert(src, ht.TENSORFLOW)
+    assert new == src.replace("horovod.tensorflow", "pipe_horovod.tensorflow")
+    assert len(changes) == 2
+    assert hk.convert("import os\n", ht.TENSORFLOW) == ("import os\n", []), "a helper module"
+
+
+def test_tensorflow_categories_come_from_the_code():
+    src = ("class T:\n"
+           "    def test_gpu(self):\n"
+           "        if not tf.test.is_gpu_available(cuda_only=True):\n"
+           "            self.skipTest('No GPUs available')\n"
+           "    def test_tf1(self):\n"
+           "        if hvd.util._executing_eagerly():\n"
+           "            self.skipTest('Not in eager execution mode')\n"
+           "    def test_elastic(self):\n"
+           "        if not hvd._executing_eagerly() and _IS_TF2:\n"
+           "            return\n"
+           "    def test_plain(self):\n"
+           "        pass\n")
+    assert ht.classify(src) == {"test_gpu": "GPU-only", "test_tf1": "TF1-only",
+                                "test_elastic": "TF2", "test_plain": "TF2"}
+
+
+def test_tensorflow_section_counts_the_eager_halves(tmp_path):
+    md = tmp_path / "compat.md"
+    md.write_text(hc.render_markdown(_results(), "cmd"))
+    half = lambda e, g: {"status": hc._combine([e, g]), "modes": {  # noqa: E731
+        "eager_mode": {"status": e}, "graph_mode": {"status": g}}}
+    data = {"meta": {"categories": {"test_a": "TF2", "test_b": "TF2", "test_g": "GPU-only"}},
+            "tests": {"TensorFlowTests::test_a": {"ours-k2": half("PASS", "FAIL"),
+                                                  "ours-k1": half("PASS", "PASS")},
+                      "TensorFlowTests::test_b": {"ours-k2": half("FAIL", "PASS")},
+                      "TensorFlowTests::test_g": {"ours-k2": half("SKIP", "SKIP")},
+                      "TensorFlowTests::test_session": {"ours-k2": {"status": "SKIP"}}}}
+    hk.write_section(md, ht.render_tensorflow(data, "cmd"), ht.TENSORFLOW.begin, ht.TENSORFLOW.end)
+    open_, close = hk.SECTION_NOTES
+    md.write_text(md.read_text().replace(f"{open_}\n{close}", f"{open_}\nwhy it fails\n{close}"))
+    hk.write_section(md, ht.render_tensorflow(data, "cmd"), ht.TENSORFLOW.begin, ht.TENSORFLOW.end)
+    text = md.read_text()
+    assert "why it fails" in text, "a re-render keeps the section's notes"
+    assert "ours K=2: 1/2 of the TF2 tests run pass eagerly." in text
+    assert "ours K=1: 1/1 of the TF2 tests run pass eagerly (1 not run at this depth)." in text
+    assert "| `test_a` | TF2 | PASS | FAIL | PASS | PASS |" in text
+    assert "| `test_session` | not Horovod's | SKIP | SKIP | — | — |" in text
+    out = tmp_path / "r.json"
+    hc.save_results(_results(), out)
+    hc.main(["--render-only", "--out", str(out), "--markdown", str(md)])
+    assert text.count(hc.TENSORFLOW_BEGIN) == 1 and "| `test_a` | TF2 |" in md.read_text(), \
+        "the torch render kept it"

@@ -66,16 +66,29 @@ class _Truncate(Compressor):
 
     @classmethod
     def compress(cls, tensor):
-        import torch
+        if not hasattr(tensor, "is_floating_point"):   # a tf.Tensor (pipe_horovod.tensorflow)
+            import tensorflow as tf
 
-        wire_dtype = getattr(torch, cls.dtype_name)
-        if not tensor.is_floating_point() or tensor.dtype == wire_dtype:
+            wire_dtype, floating = getattr(tf, cls.dtype_name), tensor.dtype.is_floating
+            cast = tf.cast
+        else:
+            import torch
+
+            wire_dtype, floating = getattr(torch, cls.dtype_name), tensor.is_floating_point()
+            cast = torch.Tensor.to
+        if not floating or tensor.dtype == wire_dtype:
             return tensor, None
-        return tensor.to(wire_dtype), tensor.dtype
+        return cast(tensor, wire_dtype), tensor.dtype
 
     @staticmethod
     def decompress(tensor, ctx):
-        return tensor if ctx is None else tensor.to(ctx)
+        if ctx is None:
+            return tensor
+        if not hasattr(tensor, "is_floating_point"):
+            import tensorflow as tf
+
+            return tf.cast(tensor, ctx)
+        return tensor.to(ctx)
 
     @classmethod
     def hop(cls, dtype):

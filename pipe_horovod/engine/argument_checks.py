@@ -7,9 +7,10 @@ silently wrong result; so every engine runs these same checks first.
 from .ops import ReduceOp
 
 
-class UnsupportedOperation(ValueError, RuntimeError):
+class UnsupportedOperation(ValueError, NotImplementedError):
     """An op a collective does not support: a ValueError here, and the
-    RuntimeError Horovod raises for it, which Horovod's callers catch."""
+    RuntimeError Horovod raises for it, which Horovod's callers catch (its
+    TensorFlow module raises NotImplementedError, a RuntimeError)."""
 
 
 def check_tensor(tensor, what="allreduce_async"):

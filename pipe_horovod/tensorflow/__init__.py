@@ -18,8 +18,7 @@ runs on today's TensorFlow through the same engines as the other adapters
 (horovodrun with Gloo or MPI, torchrun, one plain process). Identity, build
 queries and process sets are pipe_horovod.torch's (one implementation);
 gradient_tape.py says what tape.gradient returns while the pipeline fills.
-Not here: TF1 sessions and graph collections (broadcast_global_variables,
-BroadcastGlobalVariablesHook), elastic.
+Not here: TF1 sessions and hooks (BroadcastGlobalVariablesHook), elastic.
 """
 from ..compression import Compression
 from ..torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
@@ -29,8 +28,8 @@ from ..torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum
                              mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
                              remove_process_set, rocm_built, shutdown, size, start_timeline,
                              stop_timeline)
-from .functions import (allgather_object, broadcast_object, broadcast_object_fn,
-                        broadcast_variables)
+from .functions import (allgather_object, broadcast_global_variables, broadcast_object,
+                        broadcast_object_fn, broadcast_variables)
 from .gradient_tape import (DistributedGradientTape, GradientsInFlight,
                             PartialDistributedGradientTape, flush)
 from .identity_ops import (local_rank_op, local_size_op, process_set_included_op, rank_op,
@@ -39,6 +38,7 @@ from .mpi_ops import (allgather, allreduce, alltoall, broadcast, broadcast_, gro
                       grouped_allreduce, grouped_reducescatter, join, reducescatter)
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNormalization
+from .util import _executing_eagerly
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer",

@@ -37,6 +37,24 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
         variable.assign(broadcast(variable, root_rank, process_set=process_set))
 
 
+def broadcast_global_variables(root_rank):
+    """Horovod's TF1 helper: root's values into every global variable of the graph.
+
+    Eagerly (TensorFlow 2) there are no global variables: a RuntimeError, Horovod's,
+    pointing to broadcast_variables. In a TF1 graph, one op running the assignments one
+    after the other (ranks match collectives by their order, which a graph fixes only
+    through control dependencies)."""
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. "
+                           "Please use `hvd.broadcast_variables(<model/optimizer variables>)` "
+                           "instead.")
+    last = []
+    for variable in tf.compat.v1.global_variables():
+        with tf.control_dependencies(last):
+            last = [variable.assign(broadcast(variable, root_rank))]
+    return tf.group(*last)
+
+
 def _no_session(session, what):
     if session is not None:
         raise ValueError(f"{what}(session=...) is TensorFlow 1's; pipe_horovod.tensorflow runs "

@@ -109,8 +109,10 @@ class _Pipeline:
                                self.names, self.shapes, self.dtypes))) if name not in self.local])
         self.local_scale = (1.0 / self.machine.size if options["scale_local_gradients"]
                             else 1.0)
+        # A local source is this rank's own (never sent): its shape may differ between
+        # ranks, as a model-parallel layer's does (Horovod's test_model_parallel_model).
         description = {f"source {i} ({n.split('.', 1)[1]})":
-                       f"shape {s} {d.name}{' local' if n in self.local else ''}"
+                       "local" if n in self.local else f"shape {s} {d.name}"
                        for i, (n, s, d) in enumerate(zip(self.names, self.shapes, self.dtypes))}
         description.update({f"option {k}": repr(v) for k, v in options.items()
                             if k not in ("process_set", "groups", "local_sources")})

@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from ..compression import Compression
 from ..engine import Adasum, Average, ReduceOp, Sum, global_process_set
+from ..engine.argument_checks import UnsupportedOperation
 from ..torch import mpi_ops as _torch
 from . import handoff
 
@@ -93,7 +94,8 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     and Average apply and the scale factors are refused.
 
     Raises:
-        ValueError: an op that cannot reduce IndexedSlices, average= with op=, a
+        ValueError: an op that cannot reduce IndexedSlices, or scale factors with one
+            (also the NotImplementedError Horovod raises), average= with op=, a
             collective under XLA.
         TypeError: not a tensor.
     """
@@ -101,12 +103,12 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     op = _op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         if op not in (Average, Sum):
-            raise ValueError(f"allreduce of tf.IndexedSlices (a sparse gradient) supports op=Sum "
+            raise UnsupportedOperation(f"allreduce of tf.IndexedSlices (a sparse gradient) supports op=Sum "
                              f"and op=Average only (it allgathers values and indices), got "
                              f"{op}: pass sparse_as_dense=True, or convert it with "
                              "tf.convert_to_tensor")
         if prescale_factor != 1.0 or postscale_factor != 1.0:
-            raise ValueError("prescale_factor/postscale_factor are not supported with "
+            raise UnsupportedOperation("prescale_factor/postscale_factor are not supported with "
                              "tf.IndexedSlices (as in Horovod)")
         values = allgather(tensor.values, process_set=process_set)
         indices = allgather(tensor.indices, process_set=process_set)
@@ -117,7 +119,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
 
     def reduce(value):
         return [handoff.to_tf(_torch.allreduce(
-            handoff.to_torch(value), None, name, compression, op, prescale_factor,
+            handoff.to_torch(value, reduced=True), None, name, compression, op, prescale_factor,
             postscale_factor, process_set), value.dtype)]
     return _with_gradient(
         lambda value: _static(handoff.run(reduce, [value], [value.dtype],
@@ -146,7 +148,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     dense = [_dense(t, "grouped_allreduce") for t in tensors]
 
     def reduce(*values):
-        out = _torch.grouped_allreduce([handoff.to_torch(v) for v in values], None, name,
+        out = _torch.grouped_allreduce([handoff.to_torch(v, reduced=True) for v in values],
+                                       None, name,
                                        compression, op, prescale_factor, postscale_factor,
                                        process_set)
         return [handoff.to_tf(t, v.dtype) for t, v in zip(out, values)]
@@ -240,12 +243,29 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
 
     def exchange(value, rows):
         rows = [int(r) for r in rows.numpy()] if int(tf.size(rows)) else None
-        out, received = _torch.alltoall(handoff.to_torch(value), rows, name, process_set)
-        return [handoff.to_tf(out, value.dtype), tf.constant(received.numpy(), tf.int32)]
-    out, received = handoff.run(exchange, [tensor, splits], [tensor.dtype, tf.int32],
-                                "pipe_horovod_alltoall")
-    out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
-    received.set_shape([None])
+        sent = handoff.to_torch(value)
+        out, received = _torch.synchronize(_torch.alltoall_async(sent, rows, name, process_set))
+        return [handoff.to_tf(out.reshape(int(received.sum()), *sent.shape[1:]), value.dtype),
+                tf.constant(received.numpy(), tf.int32)]
+
+    def forward(value):
+        out, received = handoff.run(exchange, [value, splits], [value.dtype, tf.int32],
+                                    "pipe_horovod_alltoall")
+        out.set_shape(tf.TensorShape([None]).concatenate(value.shape[1:]))
+        received.set_shape([None])
+        return out, received
+
+    if not (tensor.dtype.is_floating or tensor.dtype.is_complex):
+        out, received = forward(tensor)
+    else:
+        @tf.custom_gradient
+        def differentiable(value):
+            out, received = forward(value)
+
+            def grad(upstream, _received):   # back along the received splits (Horovod's)
+                return alltoall(upstream, splits=received, process_set=process_set)[0]
+            return (out, received), grad
+        out, received = differentiable(tensor)
     return (out, received) if given else out
 
 
@@ -261,14 +281,22 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     tensor = _dense(tensor, "reducescatter")
 
     def scatter(value):
-        wire, ctx = compression.compress(handoff.to_torch(value))
+        wire, ctx = compression.compress(handoff.to_torch(value, reduced=True))
         out = _torch.reducescatter(wire, name, op=op, process_set=process_set,
                                    prescale_factor=prescale_factor,
                                    postscale_factor=postscale_factor)
         return [handoff.to_tf(compression.decompress(out, ctx), value.dtype)]
-    out = handoff.run(scatter, [tensor], [tensor.dtype], "pipe_horovod_reducescatter")[0]
-    out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
-    return out
+
+    def forward(value):
+        out = handoff.run(scatter, [value], [value.dtype], "pipe_horovod_reducescatter")[0]
+        out.set_shape(tf.TensorShape([None]).concatenate(value.shape[1:]))
+        return out
+
+    def backward(grad):                  # Horovod's scaling, then every rank's part
+        factor = _torch.reducescatter_grad_factor(op, process_set, prescale_factor,
+                                                  postscale_factor)
+        return allgather(grad * tf.cast(factor, grad.dtype), process_set=process_set)
+    return _with_gradient(forward, backward, [tensor])
 
 
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,

@@ -854,11 +854,16 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
+def reducescatter_grad_factor(op: ReduceOp, process_set: ProcessSet, prescale_factor: float,
+                              postscale_factor: float) -> float:
+    """Horovod's reducescatter backward scaling, before the allgather (every adapter's):
+    the set's size for Sum, 1 for Average, times both scale factors."""
+    return ((process_set.size() if op is Sum else 1) * prescale_factor * postscale_factor)
+
+
 def _scatter_grad(grad, ctx):
-    """Horovod's reducescatter backward scaling, before the allgather."""
-    if ctx.op is Sum:
-        grad = grad * ctx.process_set.size()
-    return grad * (ctx.prescale_factor * ctx.postscale_factor)
+    return grad * reducescatter_grad_factor(ctx.op, ctx.process_set, ctx.prescale_factor,
+                                            ctx.postscale_factor)
 
 
 class _Reducescatter(torch.autograd.Function):

@@ -15,7 +15,8 @@ backend (tests/keras_launches.py; one TensorFlow start-up per engine):
   errors      bad input: a clear error on every rank, and a collective still works after
   partial     PartialDistributedGradientTape at K=2 in a tf.function: the last layer local
               (this rank's own gradient / size), the others averaged, both one step late,
-              zeros first; get_local_and_global_gradients; the *_op identity ops
+              zeros first; get_local_and_global_gradients; the *_op identity ops; a local
+              source shaped differently on each rank
   autodiff    gradients through allreduce, grouped_allreduce, allgather and broadcast
               (Horovod's rules, exact values), eagerly and in a tf.function;
               SyncBatchNormalization against Keras's BatchNormalization on every rank's
@@ -135,6 +136,33 @@ def check_api():
     hvd.barrier()
     compressed = hvd.allreduce(tf.constant([1.0, 2.0]), compression=hvd.Compression.fp16)
     assert compressed.dtype == tf.float32 and np.array_equal(compressed.numpy(), [1.0, 2.0])
+    # Horovod's TF Compression on tf tensors: floats to float16 and back, the rest as is.
+    for dtype, wire in ((tf.float64, tf.float16), (tf.int32, tf.int32)):
+        wired, ctx = hvd.Compression.fp16.compress(tf.ones(3, dtype))
+        assert wired.dtype == wire and hvd.Compression.fp16.decompress(wired, ctx).dtype == dtype
+    check_horovod_dtypes(r, n)
+    assert hvd._executing_eagerly() and not tf.function(hvd.util._executing_eagerly)()
+
+
+def check_horovod_dtypes(r, n):
+    """What Horovod's TensorFlow ops take beyond its torch ops (the engines here): 8- and
+    16-bit integer reductions, in int32, cast back (a Sum that overflows wraps as
+    Horovod's); unsigned 16-bit tensors moved bit for bit; alltoall in equal parts,
+    empty ones included. Eagerly and in a tf.function."""
+    for mode, run in (("eager", lambda f: f()), ("tf.function", lambda f: tf.function(f)())):
+        summed = run(lambda: hvd.allreduce(tf.constant([200, 3 + r], tf.uint8), op=hvd.Sum))
+        assert summed.dtype == tf.uint8 and summed.numpy().tolist() == [
+            (200 * n) % 256, sum(3 + k for k in range(n)) % 256], (mode, summed)
+        low = run(lambda: hvd.allreduce(tf.constant([-r, r], tf.int8), op=hvd.Min))
+        assert low.dtype == tf.int8 and low.numpy().tolist() == [-(n - 1), 0], mode
+        top = tf.constant([65535 - r, r], tf.uint16)
+        assert run(lambda: hvd.allgather(top)).numpy().tolist() == [
+            v for k in range(n) for v in (65535 - k, k)], mode
+        assert run(lambda: hvd.broadcast(top, 0)).numpy().tolist() == [65535, 0], mode
+        parts = run(lambda: hvd.alltoall(tf.repeat(tf.cast(tf.range(n) + 10 * r, tf.int16), 2)))
+        assert parts.numpy().tolist() == [10 * k + r for k in range(n) for _ in (0, 1)], mode
+        empty = run(lambda: hvd.alltoall(tf.zeros([n, 0], tf.float32)))
+        assert empty.shape == (n, 0), (mode, empty.shape)   # a row of nothing from each
 
 
 # --- the tape against the pipelined reference ----------------------------------------------
@@ -264,6 +292,16 @@ def check_partial():
             want = own[i] / np.float32(n) if is_local else averaged[i]
             assert np.array_equal(got[i], want), f"partial: step {t}, variable {i}"
     assert len(hvd.flush(variables)) == 1
+    # A local source may have another shape on each rank (a model-parallel layer, as in
+    # Horovod's test_model_parallel_model): only the shared sources are compared.
+    own, shared = tf.Variable(tf.ones([r + 1])), tf.Variable(tf.ones([2]))
+    with tf.GradientTape() as tape:
+        loss = (tf.reduce_sum(own) + tf.reduce_sum(shared)) * (r + 1)
+    tape = hvd.DistributedGradientTape(tape, pipeline_depth=1)
+    tape.register_local_source(own)
+    mine, averaged = tape.gradient(loss, [own, shared])
+    assert mine.numpy().tolist() == [(r + 1) / n] * (r + 1), mine
+    assert averaged.numpy().tolist() == [(n + 1) / 2] * 2, averaged
 
 
 def check_autodiff():
@@ -282,11 +320,22 @@ def check_autodiff():
         "broadcast": (lambda: tf.reduce_sum(hvd.broadcast(x * (r + 1), 0) * c),
                       c if r == 0 else tf.zeros(3)),
     }
+    z = tf.Variable(tf.ones(2 * n))
+    w = tf.range(2 * n, dtype=tf.float32)
+    cases.update({    # z's gradient: Horovod's reducescatter (Sum: times the set's size) and
+                      # alltoall (back along the received splits) rules
+        "reducescatter Sum": (lambda: tf.reduce_sum(hvd.reducescatter(z * (r + 1), op=hvd.Sum)),
+                              tf.fill([2 * n], float(n * (r + 1)))),
+        "reducescatter Average": (lambda: tf.reduce_sum(hvd.reducescatter(z * (r + 1))),
+                                  tf.fill([2 * n], float(r + 1))),
+        "alltoall": (lambda: tf.reduce_sum(hvd.alltoall(z * (r + 1)) * w),
+                     (r + 1) * tf.tile(w[2 * r:2 * r + 2], [n])),
+    })
     for what, (loss, want) in cases.items():
-        def grad(loss=loss):
+        def grad(loss=loss, what=what):
             with tf.GradientTape() as tape:
                 value = loss()
-            return tape.gradient(value, x)
+            return tape.gradient(value, z if what.startswith(("reducescatter", "alltoall")) else x)
         for mode, got in (("eager", grad()), ("tf.function", tf.function(grad)())):
             assert np.array_equal(got.numpy(), want.numpy()), (what, mode, got, want)
     # SyncBatchNormalization: this rank's rows of Keras's BatchNormalization of every rank's.
@@ -358,8 +407,16 @@ def check_errors():
     expect_error(ValueError, "jit_compile=True", lambda: compiled(tf.ones(2)))
     expect_error(ValueError, "op must be", lambda: hvd.DistributedGradientTape(
         tf.GradientTape(), op=hvd.Adasum))
-    expect_error(ValueError, "IndexedSlices", lambda: hvd.allreduce(
-        tf.IndexedSlices(tf.ones((1, 2)), tf.constant([0])), op=hvd.Max))
+    for kind in (ValueError, NotImplementedError):     # ours, and Horovod's TF error
+        expect_error(kind, "IndexedSlices", lambda: hvd.allreduce(
+            tf.IndexedSlices(tf.ones((1, 2)), tf.constant([0])), op=hvd.Max))
+    # Eagerly, the engine's errors are also the TensorFlow errors Horovod's ops raise.
+    if hvd.size() > 1:
+        for kind in (ValueError, tf.errors.InvalidArgumentError):
+            expect_error(kind, "equally", lambda: hvd.alltoall(tf.ones([hvd.size() + 1])))
+        for kind in (ValueError, tf.errors.FailedPreconditionError):
+            expect_error(kind, "Mismatched", lambda: hvd.allreduce(tf.ones([2 + r])))
+    expect_error(RuntimeError, "broadcast_variables", lambda: hvd.broadcast_global_variables(0))
     expect_error(ValueError, "pipeline_depth", lambda: hvd.DistributedGradientTape(
         tf.GradientTape(), pipeline_depth=0))
     expect_error(TypeError, "tf.GradientTape", lambda: hvd.DistributedGradientTape(model))
