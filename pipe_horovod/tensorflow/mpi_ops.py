@@ -103,13 +103,13 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     op = _op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         if op not in (Average, Sum):
-            raise UnsupportedOperation(f"allreduce of tf.IndexedSlices (a sparse gradient) supports op=Sum "
-                             f"and op=Average only (it allgathers values and indices), got "
-                             f"{op}: pass sparse_as_dense=True, or convert it with "
-                             "tf.convert_to_tensor")
+            raise UnsupportedOperation(
+                f"allreduce of tf.IndexedSlices (a sparse gradient) supports op=Sum and "
+                f"op=Average only (it allgathers values and indices), got {op}: pass "
+                "sparse_as_dense=True, or convert it with tf.convert_to_tensor")
         if prescale_factor != 1.0 or postscale_factor != 1.0:
-            raise UnsupportedOperation("prescale_factor/postscale_factor are not supported with "
-                             "tf.IndexedSlices (as in Horovod)")
+            raise UnsupportedOperation("prescale_factor/postscale_factor are not supported "
+                                       "with tf.IndexedSlices (as in Horovod)")
         values = allgather(tensor.values, process_set=process_set)
         indices = allgather(tensor.indices, process_set=process_set)
         if op is Average:
@@ -119,8 +119,8 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
 
     def reduce(value):
         return [handoff.to_tf(_torch.allreduce(
-            handoff.to_torch(value, reduced=True), None, name, compression, op, prescale_factor,
-            postscale_factor, process_set), value.dtype)]
+            handoff.to_torch(value, reduced=True), None, name, compression, op,
+            prescale_factor, postscale_factor, process_set), value.dtype)]
     return _with_gradient(
         lambda value: _static(handoff.run(reduce, [value], [value.dtype],
                                           "pipe_horovod_allreduce")[0], value),
@@ -149,9 +149,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
 
     def reduce(*values):
         out = _torch.grouped_allreduce([handoff.to_torch(v, reduced=True) for v in values],
-                                       None, name,
-                                       compression, op, prescale_factor, postscale_factor,
-                                       process_set)
+                                       None, name, compression, op, prescale_factor,
+                                       postscale_factor, process_set)
         return [handoff.to_tf(t, v.dtype) for t, v in zip(out, values)]
 
     def forward(*values):
