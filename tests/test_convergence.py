@@ -194,5 +194,6 @@ def test_codec_suffix_reduces_on_the_engines_two_stage_path():
     assert [cw.config_compression(c) for c in ("k2", "k2-int8_ef")] == ["none", "int8_ef"]
     assert cw.bench_config("k2-lookahead-int8_ef") == "ours-k2-int8eng-lookahead"
     assert cw.bench_config("sync-int8_ef") == "ours-k1-int8eng"
+    assert cw.bench_config("k2-lookahead-int4_ef") == "ours-k2-int4eng-lookahead"
     with pytest.raises(ValueError, match="unknown configuration"):
         cw.parse_configs("k2-int4")

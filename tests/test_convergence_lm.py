@@ -49,12 +49,15 @@ def test_data_schedule_and_report(tmp_path):
     lm.plot([raw], tmp_path / "lm.png")
     assert (tmp_path / "lm.png").stat().st_size > 0
 
-    # The int8_ef configuration (issue 28's engine path) and --engine horovod: PyTorch only.
+    # The codec configurations (the engine's two-stage path) in every adapter; --engine
+    # horovod: PyTorch only.
     parser = __import__("argparse").ArgumentParser()
     lm.add_arguments(parser)
     lm.check_args(parser.parse_args(["--configs", "sync,k2-lookahead-int8_ef", "--engine",
                                      "horovod"]))
-    for argv in (["--frameworks", "keras-tf", "--configs", "k2-lookahead-int8_ef"],
+    lm.check_args(parser.parse_args(["--frameworks", "keras-tf,keras-torch", "--configs",
+                                     "k2-lookahead-int8_ef,k2-lookahead-int4_ef"]))
+    for argv in (["--configs", "k2-lookahead-int2_ef"],
                  ["--frameworks", "torch,keras-torch", "--engine", "horovod"],
                  ["--configs", "k3"]):
         with pytest.raises(SystemExit):
@@ -64,7 +67,7 @@ def test_data_schedule_and_report(tmp_path):
 
 
 @pytest.mark.parametrize("framework,configs", [("torch", "sync,k2-lookahead,k2,k2-lookahead-int8_ef"),
-                                               ("keras-torch", "k2-lookahead")])
+                                               ("keras-torch", "k2-lookahead,k2-lookahead-int4_ef")])
 def test_worker_runs_a_few_steps(tmp_path, framework, configs):
     out = tmp_path / "raw.json"
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}

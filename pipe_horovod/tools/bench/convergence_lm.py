@@ -7,10 +7,11 @@ optimizer train transformers with AdamW, warm-up + cosine and gradient
 clipping, where a plain K=2 delay hurts (issue 24: 1.82 vs 1.49 validation
 loss) and the default staleness compensation ("lookahead") has to make up
 for it. This study shows, in each adapter, sync (pipeline_depth=1) vs the
-default (K=2, lookahead) vs plain K=2 (staleness_compensation=None); in
-PyTorch also the default with compression=int8_ef on the engine's own
-collectives (`k2-lookahead-int8_ef`, issue 28), under torch.distributed.run or
-(`--engine horovod`) horovodrun.
+default (K=2, lookahead) vs plain K=2 (staleness_compensation=None); on
+request also the default with compression=int8_ef or int4_ef on the engine's
+own collectives (`k2-lookahead-int8_ef`, issue 28; `k2-lookahead-int4_ef`,
+issue 40), under torch.distributed.run or (`--engine horovod`, PyTorch only)
+horovodrun.
 
 Everything is CPU-sized (a 2-core machine runs the whole PyTorch study in
 minutes) and ships with Python: the text is the standard library's own
@@ -75,10 +76,11 @@ FORMAT = "pipe_horovod.convergence_lm/1"
 CONFIGS = ("sync", "k2-lookahead", "k2")
 LABELS = {"sync": "sync (K=1)", "k2-lookahead": "default (K=2, lookahead)",
           "k2": "plain K=2 (staleness_compensation=None)",
-          "k2-lookahead-int8_ef": "default + int8_ef (engine path, no collective=)"}
-# Not in the default list: the default with compression=Compression.int8_ef on the
-# engine's own collectives (issue 28's two-stage quantized allreduce), PyTorch only.
-EXTRA_CONFIGS = ("k2-lookahead-int8_ef",)
+          "k2-lookahead-int8_ef": "default + int8_ef (engine path, no collective=)",
+          "k2-lookahead-int4_ef": "default + int4_ef (engine path, no collective=)"}
+# Not in the default list: the default with compression=Compression.int8_ef or int4_ef
+# on the engine's own collectives (issue 28's two-stage quantized allreduce; issue 40).
+EXTRA_CONFIGS = ("k2-lookahead-int8_ef", "k2-lookahead-int4_ef")
 ENGINES = ("torch", "horovod")    # torch.distributed.run / horovodrun --gloo (PyTorch only)
 FRAMEWORKS = ("torch", "keras-tf", "keras-torch")
 TARGET = 0.02          # issue 24: the default ends within 0.02 validation loss of sync
@@ -385,7 +387,7 @@ def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True,
     import keras
 
     import pipe_horovod.keras as hvd
-    from pipe_horovod.tools.bench.convergence_worker import config_settings
+    from pipe_horovod.tools.bench.convergence_worker import config_compression, config_settings
 
     depth, option = config_settings(config)
     keras.utils.set_random_seed(seed)
@@ -393,7 +395,8 @@ def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True,
 
     opt = hvd.DistributedOptimizer(keras_optimizer(keras, s, size),
                                    pipeline_depth=depth, staleness_compensation=option,
-                                   flush_in_fit=flush)
+                                   flush_in_fit=flush,
+                                   compression=hvd.Compression.by_name(config_compression(config)))
     if unclipped:
         predict_unclipped(opt)
     model.compile(optimizer=opt,
@@ -642,8 +645,8 @@ def add_arguments(p):
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma-separated (default {','.join(CONFIGS)}): sync = pipeline_depth 1, "
                         "k2 = pipeline_depth 2 without compensation, k2-lookahead = the default; "
-                        "also k2-lookahead-int8_ef = the default with compression=int8_ef on the "
-                        "engine's own collectives (PyTorch only)")
+                        "also k2-lookahead-int8_ef / -int4_ef = the default with that compression "
+                        "on the engine's own collectives")
     p.add_argument("--seeds", type=int, default=3, help="seeds 1..N per configuration (default 3)")
     p.add_argument("--first-seed", type=int, default=1)
     p.add_argument("--steps", type=int, default=Settings.steps,
@@ -694,8 +697,6 @@ def check_args(args):
         if config not in CONFIGS + EXTRA_CONFIGS:
             raise SystemExit(f"unknown configuration {config!r}; choose from "
                              f"{', '.join(CONFIGS + EXTRA_CONFIGS)}")
-        if config in EXTRA_CONFIGS and frameworks != ["torch"]:
-            raise SystemExit(f"{config} runs in the PyTorch adapter only (--frameworks torch)")
     if "torch" in frameworks and (args.schedule, args.clipping) != (
             Settings.schedule, Settings.clipping):
         raise SystemExit("--schedule and --clipping are Keras settings; the PyTorch "

@@ -28,10 +28,10 @@ import time
 
 DEFAULT_CONFIGS = ("sync", "k2", "k2-momentum", "k2-dc", "k2-predict", "k2-lookahead")
 STALENESS_OPTIONS = ("momentum", "dc", "predict", "lookahead")
-# A codec suffix (-int8_ef) reduces with that codec on the engine's own
+# A codec suffix (-int8_ef, -int4_ef) reduces with that codec on the engine's own
 # collectives (the two-stage quantized allreduce, no collective=): sync-int8_ef,
-# k2-lookahead-int8_ef.
-CODECS = ("int8_ef",)
+# k2-lookahead-int4_ef. Each maps to the bench configuration that times it.
+CODECS = {"int8_ef": "-int8eng", "int4_ef": "-int4eng"}
 _CONFIG = re.compile(r"^(?:sync|k([2-9])(?:-(" + "|".join(STALENESS_OPTIONS) + r"))?)"
                      r"(?:-(" + "|".join(CODECS) + r"))?$")
 FORMAT = "pipe_horovod.convergence/1"
@@ -79,7 +79,7 @@ def config_compression(name):
 def bench_config(name):
     """The `pipe-horovod bench` configuration that times this one's step."""
     depth, option = config_settings(name)
-    codec = "-int8eng" if config_compression(name) != "none" else ""
+    codec = CODECS.get(config_compression(name), "")
     if depth == 1:
         return f"ours-k1{codec}"
     return f"ours-k{depth}{codec}-{option or 'none'}"

@@ -49,7 +49,7 @@ def add_arguments(parser):
                         help="comma-separated configurations (default "
                              f"{','.join(cw.DEFAULT_CONFIGS)}): sync = pipeline_depth 1; kK = pipeline_depth K, no staleness "
                              "compensation; kK-OPTION = staleness_compensation=OPTION; any of them "
-                             "-int8_ef: compression=int8_ef on the engine's own collectives "
+                             "-CODEC (int8_ef, int4_ef): compression=CODEC on the engine's own collectives "
                              "(the two-stage quantized allreduce, no collective=)")
     parser.add_argument("--seeds", type=_positive_int, default=5,
                         help="seeds per configuration: --first-seed .. +N-1 (default 5)")
