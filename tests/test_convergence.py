@@ -195,5 +195,6 @@ def test_codec_suffix_reduces_on_the_engines_two_stage_path():
     assert cw.bench_config("k2-lookahead-int8_ef") == "ours-k2-int8eng-lookahead"
     assert cw.bench_config("sync-int8_ef") == "ours-k1-int8eng"
     assert cw.bench_config("k2-lookahead-int4_ef") == "ours-k2-int4eng-lookahead"
+    assert cw.config_compression("k2-lookahead-int4_ef:64") == "int4_ef:64"
     with pytest.raises(ValueError, match="unknown configuration"):
         cw.parse_configs("k2-int4")

@@ -56,8 +56,10 @@ def test_data_schedule_and_report(tmp_path):
     lm.check_args(parser.parse_args(["--configs", "sync,k2-lookahead-int8_ef", "--engine",
                                      "horovod"]))
     lm.check_args(parser.parse_args(["--frameworks", "keras-tf,keras-torch", "--configs",
-                                     "k2-lookahead-int8_ef,k2-lookahead-int4_ef"]))
-    for argv in (["--configs", "k2-lookahead-int2_ef"],
+                                     "k2-lookahead-int8_ef,k2-lookahead-int4_ef:64"]))
+    assert lm.label("k2-lookahead-int4_ef:64") == (
+        "default + int4_ef:64 (engine path, no collective=)")
+    for argv in (["--configs", "k2-lookahead-int2_ef"], ["--configs", "k2-lookahead-int4_ef:"],
                  ["--frameworks", "torch,keras-torch", "--engine", "horovod"],
                  ["--configs", "k3"]):
         with pytest.raises(SystemExit):

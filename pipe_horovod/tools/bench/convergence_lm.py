@@ -75,15 +75,22 @@ REPO = Path(__file__).resolve().parents[3]
 FORMAT = "pipe_horovod.convergence_lm/1"
 CONFIGS = ("sync", "k2-lookahead", "k2")
 LABELS = {"sync": "sync (K=1)", "k2-lookahead": "default (K=2, lookahead)",
-          "k2": "plain K=2 (staleness_compensation=None)",
-          "k2-lookahead-int8_ef": "default + int8_ef (engine path, no collective=)",
-          "k2-lookahead-int4_ef": "default + int4_ef (engine path, no collective=)"}
-# Not in the default list: the default with compression=Compression.int8_ef or int4_ef
-# on the engine's own collectives (issue 28's two-stage quantized allreduce; issue 40).
-EXTRA_CONFIGS = ("k2-lookahead-int8_ef", "k2-lookahead-int4_ef")
+          "k2": "plain K=2 (staleness_compensation=None)"}
+# Not in the default list: the default with a codec on the engine's own collectives
+# (issue 28's two-stage quantized allreduce; int4_ef: issue 40), the codec's block size
+# after a colon if not the default's: k2-lookahead-int8_ef, k2-lookahead-int4_ef:64.
+CODEC_CONFIG = "k2-lookahead-"
+
 ENGINES = ("torch", "horovod")    # torch.distributed.run / horovodrun --gloo (PyTorch only)
 FRAMEWORKS = ("torch", "keras-tf", "keras-torch")
 TARGET = 0.02          # issue 24: the default ends within 0.02 validation loss of sync
+
+
+def label(config):
+    """A configuration's words in the reports."""
+    if config.startswith(CODEC_CONFIG):
+        return f"default + {config[len(CODEC_CONFIG):]} (engine path, no collective=)"
+    return LABELS[config]
 
 
 @dataclass
@@ -553,11 +560,11 @@ def markdown(raws, command):
             " (prediction unclipped)" if raw.get("predict_unclipped") else "")
         for config, r in rows.items():
             delta = "" if sync is None or config == "sync" else f"{r['final_mean'] - sync:+.4f}"
-            lines.append(f"| {name} | {LABELS[config]} | {r['final_mean']:.4f} ± "
+            lines.append(f"| {name} | {label(config)} | {r['final_mean']:.4f} ± "
                          f"{r['final_std']:.4f} | {' / '.join(f'{v:.4f}' for v in r['finals'])}"
                          f" | {delta} | {r['train_time_s']:.0f} |")
             if r["flushed_mean"] is not None:
-                lines.append(f"| {name} | {LABELS[config]}, after fit + flush() | "
+                lines.append(f"| {name} | {label(config)}, after fit + flush() | "
                              f"{r['flushed_mean']:.4f} | | | |")
     return "\n".join(lines)
 
@@ -570,7 +577,7 @@ def plot(raws, path):
     fig, axes = plt.subplots(1, len(raws), figsize=(5.5 * len(raws), 4.2), squeeze=False)
     for ax, raw in zip(axes[0], raws):
         for config, r in summarize(raw).items():
-            ax.plot(r["steps"], r["curve"], marker=".", label=LABELS[config])
+            ax.plot(r["steps"], r["curve"], marker=".", label=label(config))
         ax.set_title(f"{raw['framework']}: char transformer, AdamW, {raw['workers']} ranks")
         ax.set_xlabel("step")
         ax.set_ylabel(f"validation loss (mean of {len(raw['seeds'])} seeds)")
@@ -687,6 +694,15 @@ def add_arguments(p):
                    help="rebuild <name>.md/.png from <out>/<name>-<framework>-raw.json")
 
 
+def _codec_config(config):
+    from pipe_horovod.tools.bench.convergence_worker import parse_configs
+
+    try:
+        return config.startswith(CODEC_CONFIG) and bool(parse_configs(config))
+    except ValueError:
+        return False
+
+
 def check_args(args):
     """Raises SystemExit for configurations or an engine a framework cannot run."""
     frameworks = args.frameworks.split(",")
@@ -694,9 +710,10 @@ def check_args(args):
         if framework not in FRAMEWORKS:
             raise SystemExit(f"unknown framework {framework!r}; choose from {', '.join(FRAMEWORKS)}")
     for config in args.configs.split(","):
-        if config not in CONFIGS + EXTRA_CONFIGS:
+        if config not in CONFIGS and not _codec_config(config):
             raise SystemExit(f"unknown configuration {config!r}; choose from "
-                             f"{', '.join(CONFIGS + EXTRA_CONFIGS)}")
+                             f"{', '.join(CONFIGS)}, or {CODEC_CONFIG}CODEC[:BLOCK] with CODEC "
+                             "int8_ef or int4_ef")
     if "torch" in frameworks and (args.schedule, args.clipping) != (
             Settings.schedule, Settings.clipping):
         raise SystemExit("--schedule and --clipping are Keras settings; the PyTorch "

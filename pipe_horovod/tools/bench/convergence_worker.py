@@ -30,10 +30,11 @@ DEFAULT_CONFIGS = ("sync", "k2", "k2-momentum", "k2-dc", "k2-predict", "k2-looka
 STALENESS_OPTIONS = ("momentum", "dc", "predict", "lookahead")
 # A codec suffix (-int8_ef, -int4_ef) reduces with that codec on the engine's own
 # collectives (the two-stage quantized allreduce, no collective=): sync-int8_ef,
-# k2-lookahead-int4_ef. Each maps to the bench configuration that times it.
+# k2-lookahead-int4_ef; ":N" after the codec sets its block size (k2-lookahead-int4_ef:64).
+# Each maps to the bench configuration that times it (at the bench's block size).
 CODECS = {"int8_ef": "-int8eng", "int4_ef": "-int4eng"}
 _CONFIG = re.compile(r"^(?:sync|k([2-9])(?:-(" + "|".join(STALENESS_OPTIONS) + r"))?)"
-                     r"(?:-(" + "|".join(CODECS) + r"))?$")
+                     r"(?:-((?:" + "|".join(CODECS) + r")(?::[0-9]+)?))?$")
 FORMAT = "pipe_horovod.convergence/1"
 
 
@@ -79,7 +80,7 @@ def config_compression(name):
 def bench_config(name):
     """The `pipe-horovod bench` configuration that times this one's step."""
     depth, option = config_settings(name)
-    codec = CODECS.get(config_compression(name), "")
+    codec = CODECS.get(config_compression(name).split(":")[0], "")
     if depth == 1:
         return f"ours-k1{codec}"
     return f"ours-k{depth}{codec}-{option or 'none'}"
