@@ -213,7 +213,7 @@ def test_a_failure_inside_the_graph_comes_out_as_the_engine_raised_it(hvd):
         raise HorovodInternalError("a peer left")
 
     step = tf.function(lambda x: tf.numpy_function(
-        tensorflow_path._keeping_failures(collective), [x], tf.float32))
+        tensorflow_path.keeping_failures(collective), [x], tf.float32))
     calls = []
 
     @hvd.elastic.run
