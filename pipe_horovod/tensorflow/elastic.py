@@ -172,7 +172,7 @@ class TensorFlowState(ObjectState):
                                 f"{type(variable).__name__}, not a tf.Variable or Keras "
                                 "variable")
         self._tapes = _TapesInFlight(self.variables)
-        self._values = self._snapshot_variables()
+        self._saved_values = self._snapshot_variables()
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
 
     def _snapshot_variables(self):
@@ -184,18 +184,18 @@ class TensorFlowState(ObjectState):
         tapes = self._tapes.snapshot()
         values = self._snapshot_variables()
         super().save()
-        self._tapes.saved, self._values = tapes, values
+        self._tapes.saved, self._saved_values = tapes, values
 
     def restore(self):
         self._tapes.restore()
-        for variable, value in zip(self.variables, self._values):
+        for variable, value in zip(self.variables, self._saved_values):
             variable.assign(value)
         super().restore()
 
     def sync(self):
         broadcast_variables(self.variables, root_rank=0)
         self._tapes.sync()
-        self._tapes.saved, self._values = self._tapes.snapshot(), self._snapshot_variables()
+        self._tapes.saved, self._saved_values = self._tapes.snapshot(), self._snapshot_variables()
         super().sync()
 
     def reset(self):
