@@ -1,20 +1,18 @@
-"""The synchronous baseline TensorFlow users have today: legacy tf-keras 2 with
+"""The synchronous baselines TensorFlow users have today, with
 `tf.distribute.MultiWorkerMirroredStrategy`, on the Keras benchmark's model and data.
 
-Neither Horovod nor MultiWorkerMirroredStrategy runs Keras 3, so this is
-what a TensorFlow user falls back to. Run with TF_USE_LEGACY_KERAS=1 (so
-`tf.keras` is tf-keras) in processes of its own; the launcher gives each
-worker its index in $RANK and every worker's host:port in
-$PIPE_HOROVOD_BENCH_TF_WORKERS, and this builds TF_CONFIG from them (on the
-emulated cluster: the namespaces' addresses, so gRPC and the ring
-all-reduce cross the capped links).
+Horovod does not run Keras 3 and MultiWorkerMirroredStrategy fails in Keras 3's
+`fit` (tests/test_keras_mwms.py), so a `fit` user falls back to legacy tf-keras 2:
+NAME, run with TF_USE_LEGACY_KERAS=1 (so `tf.keras` is tf-keras), the Keras
+benchmark's baseline. In a custom loop the strategy does run Keras 3: LOOP_NAME, the
+TensorFlow custom loop's baseline (`pipe-horovod bench --framework tf-loop`; it needs
+no tf-keras). In processes of their own: the launcher gives each worker its index in
+$RANK and every worker's host:port in $PIPE_HOROVOD_BENCH_TF_WORKERS, and this builds
+TF_CONFIG from them (on the emulated cluster: the namespaces' addresses, so gRPC and
+the ring all-reduce cross the capped links).
 
 Every worker feeds its own batch (auto-sharding off; global batch = batch
 x workers, so each replica steps on --batch-size samples, like ours).
-Two configurations: NAME trains tf-keras with model.fit (the Keras
-benchmark's baseline), LOOP_NAME Keras 3 with the strategy's custom loop
-(the TensorFlow custom loop's baseline, `pipe-horovod bench --framework
-tf-loop`; it needs no tf-keras).
 """
 import argparse
 import json
