@@ -184,16 +184,15 @@ def _loop_lines(loop, heading):
     """The custom loops' ratios side by side, when both kinds of loop ran."""
     if not any(v is not None for v in loop.values()):
         return []
-    num = report._num
+    rows = [(f"{MWMS_LOOP} step / loop-k2 step", "k2_speedup_vs_mwms_loop"),
+            (f"{MWMS_LOOP} step / loop-k1 step", "k1_speedup_vs_mwms_loop"),
+            ("loop-k1 step / loop-k2 step", "k2_speedup_vs_k1"),
+            ("loop-k2 step / max(compute, comm)", "k2_vs_ideal"),
+            ("communication hidden by loop-k2, 1 − exposed wait / comm", "k2_hidden")]
     return [f"{heading}# TensorFlow custom loop: DistributedGradientTape vs "
             "MultiWorkerMirroredStrategy's loop (issue 38)", "",
             "| ratio | measured |", "|---|---:|",
-            f"| {MWMS_LOOP} step / loop-k2 step | {num(loop['k2_speedup_vs_mwms_loop'], '{:.3f}')} |",
-            f"| {MWMS_LOOP} step / loop-k1 step | {num(loop['k1_speedup_vs_mwms_loop'], '{:.3f}')} |",
-            f"| loop-k1 step / loop-k2 step | {num(loop['k2_speedup_vs_k1'], '{:.3f}')} |",
-            f"| loop-k2 step / max(compute, comm) | {num(loop['k2_vs_ideal'], '{:.3f}')} |",
-            f"| communication hidden by loop-k2, 1 − exposed wait / comm "
-            f"| {num(loop['k2_hidden'], '{:.3f}')} |", ""]
+            *(f"| {what} | {report._num(loop[key], '{:.3f}')} |" for what, key in rows), ""]
 
 
 def write_report(raw_path, out_dir, name):

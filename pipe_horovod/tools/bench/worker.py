@@ -72,7 +72,8 @@ DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours
 _CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|contention(?:-int8|-int4|-bf16hop)?"
                      r"|allreduce(?:-fp16|-bf16)?"
                      r"|tf-keras-mwms|tf-mwms-loop"
-                     r"|(?:ours|loop)-k([1-9][0-9]*)(?:-(?:fp16|bf16|bf16hop|int8|int8eng|int4|int4eng))?"
+                     r"|(?:ours|loop)-k([1-9][0-9]*)"
+                     r"(?:-(?:fp16|bf16|bf16hop|int8|int8eng|int4|int4eng))?"
                      r"(?:-(none|momentum|dc|predict|lookahead))?)$")
 DDP_ADDR_ENV = "PIPE_HOROVOD_BENCH_DDP_ADDR"
 DDP_PORT_ENV = "PIPE_HOROVOD_BENCH_DDP_PORT"
