@@ -115,9 +115,13 @@ def import_diff(source, new_source, name="test_torch.py"):
 # Reading horovodrun + pytest output
 
 _RANK_LINE = re.compile(r"^\[(?P<rank>\d+)\]<(?:stdout|stderr)>:(?P<text>.*)$")
-_SUMMARY = re.compile(r"^=*\s*(?P<body>(?:\d+ [a-z]+(?:, )?)+) in [\d.]+s(?: \([\d:]+\))?\s*=*\s*$")
+# pytest-subtests adds "N subtests passed" (TensorFlow's graph/eager halves): a failed
+# subtest fails the test.
+_SUMMARY = re.compile(r"^=*\s*(?P<body>(?:\d+ (?:subtests )?[a-z]+(?:, )?)+) in [\d.]+s"
+                      r"(?: \([\d:]+\))?\s*=*\s*$")
 _NO_TESTS = re.compile(r"^=*\s*no tests ran in [\d.]+s")
-_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
+_COUNT = re.compile(r"(\d+) (?:subtests )?(passed|failed|skipped|errors?|xfailed|xpassed|"
+                    r"deselected)")
 _SHORT = re.compile(r"^(?:FAILED|ERROR) \S+(?: - (?P<msg>.*))?$")
 _EXC_LINE = re.compile(r"\b(?:[A-Z]\w*(?:Error|Exception|Exit)|FatalError)\b(?::|$)")
 

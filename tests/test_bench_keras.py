@@ -1,4 +1,5 @@
-"""`pipe-horovod bench --framework keras`: a tiny real run over loopback reports every row.
+"""`pipe-horovod bench --framework keras` (and `tf-loop`): a tiny real run over loopback
+reports every row.
 
 No speed assertions (shared, small machines): every row ran, the report
 has its Keras sections, the outputs exist. No root needed.
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
                                 reason="needs the keras extra (tensorflow-cpu)")
 
 
-def _bench(out, *args, timeout=170):
+def _bench(out, *args, timeout=400):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     for key in ("PIPE_HOROVOD_ENGINE", "KERAS_BACKEND", "TF_USE_LEGACY_KERAS"):
@@ -28,9 +29,12 @@ def _bench(out, *args, timeout=170):
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(430)
 def test_tiny_keras_run_reports_every_row(tmp_path):
-    configs = ["ours-k1", "ours-k2", "compute", "allreduce"]
+    # The TensorFlow custom loops' rows (issue 38: loop-kK in our worker's launch, the
+    # MultiWorkerMirroredStrategy loop in the baseline's) ride in the same run.
+    configs = ["ours-k1", "ours-k2", "compute", "allreduce", "loop-k1", "loop-k2",
+               "tf-mwms-loop"]
     if HAS_TF_KERAS:
         configs.append("tf-keras-mwms")
     res = _bench(tmp_path, "--engine", "torch", "--workers", "2", "--model-mb", "0.05",
@@ -66,6 +70,14 @@ def test_tiny_keras_run_reports_every_row(tmp_path):
         b = keras["breakdown"][name]
         assert b["handoffs"] == 1 and b["fill_s"] > 0 and b["launch_s"] > 0, b
         assert b["wait_s"] is not None and b["handoff_python_s"] is not None, b
+    # The custom loops: against their own kind, and their ratios side by side.
+    for name in ("loop-k1", "loop-k2"):
+        b = keras["breakdown"][name]
+        assert b["launch_s"] > 0 and b["wait_s"] is not None and b["handoffs"] is None, b
+    assert keras["rows"]["tf-mwms-loop"]["speedup_vs_mwms"] == 1.0
+    assert keras["rows"]["loop-k1"]["speedup_vs_k1"] == 1.0
+    assert all(v is not None for v in keras["loop"].values()), keras["loop"]
+    assert "## TensorFlow custom loop: DistributedGradientTape vs" in table
     raw = json.loads((tmp_path / "bench-raw.json").read_text())
     assert raw["launch"]["command"].startswith("pipe-horovod bench --framework keras")
     assert raw["meta"]["framework"] == "keras" and raw["meta"]["workers"] == 2

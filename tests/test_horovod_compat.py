@@ -183,6 +183,10 @@ def test_rank_outcome_reads_verbose_summary_lines_too():
     assert hc.rank_outcome(["==== 1 passed, 1 warning in 2.50s ===="]) == "passed"
     assert hc.rank_outcome(["==== 1 failed in 2.50s (0:00:02) ===="]) == "failed"
     assert hc.rank_outcome(["nothing here"]) is None
+    # One test of test_tensorflow.py alone: its TF1 and eager halves are subtests.
+    assert hc.rank_outcome(["1 passed, 2 subtests passed in 44.82s"]) == "passed"
+    assert hc.rank_outcome(["1 passed, 1 subtests failed, 1 subtests passed in 4.1s"]) \
+        == "failed"
 
 
 # ---------------------------------------------------------------- environment

@@ -37,10 +37,11 @@ def _horovodrun_elastic(tmp_path, cases, backend):
                                 expect_ok=False)
 
 
-# The TensorFlow launch also kills a worker's process afterwards (its own launch cost
-# ~30 s of start-up); the torch backend's failure surfaces outside any graph, so its
-# launch checks the restore alone.
-@pytest.mark.parametrize("backend,cases", [("tensorflow", "fail-one,crash"),
+# The TensorFlow launch also runs the TensorFlow custom loop's case (pipe_horovod.tensorflow
+# .elastic with a DistributedGradientTape, issue 38) and then kills a worker's process
+# (each its own launch would cost ~30 s of start-up); the torch backend's failure surfaces
+# outside any graph, so its launch checks the restore alone.
+@pytest.mark.parametrize("backend,cases", [("tensorflow", "fail-one,tf-loop,crash"),
                                            ("torch", "fail-one")])
 def test_horovodrun_elastic_failure_mid_epoch_restores_bit_exactly(tmp_path, backend, cases):
     if launcher.horovod_missing():
@@ -51,6 +52,9 @@ def test_horovodrun_elastic_failure_mid_epoch_restores_bit_exactly(tmp_path, bac
     # Both ranks went through the reset (rank 0 by its failed collectives), and both
     # runs ended alike on both ranks.
     launcher.assert_case(code, out, 2, "fail-one", what)
+    if "tf-loop" in cases:           # the custom loop restored bit for bit as well
+        launcher.assert_case(code, out, 2, "tf-loop", what)
+        assert out.count("INJECTED_FAILURE rank=1") == 2, out
     assert "ELASTIC_RESET rank=0 size=2" in out and "ELASTIC_RESET rank=1 size=2" in out, out
     if "crash" in cases:
         assert "INJECTED_CRASH rank=1" in out and "ELASTIC_RESET rank=0 size=1" in out, out
@@ -213,7 +217,7 @@ def test_a_failure_inside_the_graph_comes_out_as_the_engine_raised_it(hvd):
         raise HorovodInternalError("a peer left")
 
     step = tf.function(lambda x: tf.numpy_function(
-        tensorflow_path._keeping_failures(collective), [x], tf.float32))
+        tensorflow_path.keeping_failures(collective), [x], tf.float32))
     calls = []
 
     @hvd.elastic.run

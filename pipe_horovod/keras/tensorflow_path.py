@@ -105,7 +105,7 @@ class TensorFlowPath:
         token = tf.constant(0, tf.int64)
         for bucket in self.machine.buckets:
             members = [grads[index[name]] for name in bucket.names]
-            token = self.transfer.op(_keeping_failures(self._handoff_for(bucket)),
+            token = self.transfer.op(keeping_failures(self._handoff_for(bucket)),
                                      [token, *members], tf.int64,
                                      f"pipe_horovod_bucket_{bucket.index}")
         if self.local:
@@ -113,7 +113,7 @@ class TensorFlowPath:
                                                                     for name in self.local)],
                                      tf.int64, "pipe_horovod_local")
         types = [tf.as_dtype(v.dtype) for v in variables]
-        out = self.transfer.op(_keeping_failures(self._finish), [token],
+        out = self.transfer.op(keeping_failures(self._finish), [token],
                                types + [tf.bool] + types * self.older + [tf.int64] * self.lookahead,
                                "pipe_horovod_finish")
         n = len(variables)
@@ -318,11 +318,12 @@ class TensorFlowPath:
 _failures = []          # the last engine failure raised inside a hand-off
 
 
-def _keeping_failures(fn):
+def keeping_failures(fn):
     """`fn` (a hand-off the graph calls back), keeping the engine failure it raises:
-    TensorFlow reports an exception inside a numpy_function as its own UnknownError, and
-    elastic training must see the HorovodInternalError or HostsUpdatedInterrupt behind it
-    (failure_behind)."""
+    TensorFlow reports an exception inside a numpy_function (or py_function) as its own
+    UnknownError, and elastic training must see the HorovodInternalError or
+    HostsUpdatedInterrupt behind it (failure_behind). pipe_horovod.tensorflow's graph
+    ops keep theirs too."""
     @functools.wraps(fn)
     def call(*args):
         try:

@@ -18,7 +18,9 @@ runs on today's TensorFlow through the same engines as the other adapters
 (horovodrun with Gloo or MPI, torchrun, one plain process). Identity, build
 queries and process sets are pipe_horovod.torch's (one implementation);
 gradient_tape.py says what tape.gradient returns while the pipeline fills.
-Not here: TF1 sessions and hooks (BroadcastGlobalVariablesHook), elastic.
+Elastic training: `hvd.elastic` (TensorFlowState, TensorFlowKerasState, run),
+whose commits carry the tapes' gradients in flight. Not here: TF1 sessions and
+hooks (BroadcastGlobalVariablesHook).
 """
 from ..compression import Compression
 from ..torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
@@ -28,6 +30,7 @@ from ..torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum
                              mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
                              remove_process_set, rocm_built, shutdown, size, start_timeline,
                              stop_timeline)
+from . import elastic
 from .functions import (allgather_object, broadcast_global_variables, broadcast_object,
                         broadcast_object_fn, broadcast_variables)
 from .gradient_tape import (DistributedGradientTape, GradientsInFlight,
@@ -46,8 +49,8 @@ __all__ = [
     "Product", "Sum", "SyncBatchNormalization", "add_process_set", "allgather",
     "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
     "broadcast_object", "broadcast_object_fn", "broadcast_variables", "ccl_built",
-    "cross_rank", "cross_size", "cuda_built", "ddl_built", "flush", "global_process_set",
-    "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
+    "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic", "flush",
+    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
     "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
     "local_rank_op", "local_size", "local_size_op", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "process_set_included_op", "rank", "rank_op",

@@ -188,6 +188,55 @@ class _Pipeline:
              for entry in in_flight], [None] * len(in_flight), state["steps"])
 
 
+    # --- elastic (pipe_horovod.tensorflow.elastic) ----------------------------------
+    def drop_in_flight(self):
+        """Forget, without waiting, the gradients in flight and this step's progress: after
+        a failed collective they never land. A committed state is restored next."""
+        self.machine.forget()
+        self._arrays = {}
+
+    def release_engine(self):
+        """Leave the engine before elastic resets it: its shutdown would report the
+        gradients in flight as never applied, and the committed ones will be, after it."""
+        _built.discard(self)
+
+    def rebind_engine(self):
+        """Use the engine running now (a new one after an elastic reset: rank and size may
+        differ). The buckets stay as planned: a traced step holds this pipeline."""
+        self.machine.attach()
+        self.local_scale = (1.0 / self.machine.size if self.options["scale_local_gradients"]
+                            else 1.0)
+        _built.add(self)
+        engine.current().before_shutdown(__name__, _report_unapplied)
+
+
+def pipelines_over(variables):
+    """The tape pipelines whose sources are all among `variables`, by their sources'
+    positions there: {(i, j, ...): pipeline}. What an elastic state carries with them.
+
+    Raises:
+        RuntimeError: such a pipeline reduces over a process set, which does not survive
+            an elastic reset.
+    """
+    position = {_ref(v): i for i, v in enumerate(variables)}
+    found = {}
+    for (key, process_set), pipe in _pipelines.items():
+        if not all(ref in position for ref in key):
+            continue
+        if process_set is not None:
+            raise RuntimeError("a DistributedGradientTape over a process set cannot be part of "
+                               "an elastic state: process sets do not survive a reset")
+        found[tuple(position[ref] for ref in key)] = pipe
+    return found
+
+
+def restore_when_built(sources, state):
+    """Have the pipeline of `sources` start from `state` (a pipeline's state()) when the
+    first gradient() for them builds it: a worker that joined an elastic job receives
+    rank 0's gradients in flight before its step is traced."""
+    _pending[_key(sources)] = state
+
+
 def _pipeline_for(sources, options):
     key = (_key(sources), options["process_set"])
     pipe = _pipelines.get(key)

@@ -71,14 +71,19 @@ def run(func, inputs, types, name):
     between ranks is also a tf.errors.FailedPreconditionError, and a ValueError or
     TypeError from the collective also a tf.errors.InvalidArgumentError (what
     TensorFlow makes of those in a graph, where every other Python exception,
-    a mismatch included, becomes its UnknownError: py_function's rule).
+    a mismatch included, becomes its UnknownError: py_function's rule; an engine
+    failure is kept for elastic `run`, keeping_failures).
     """
     if tf.executing_eagerly():
         try:
             return list(func(*inputs))
         except (ValueError, TypeError) as exc:
             raise as_tf_error(exc) from exc
-    return tf.py_function(func, list(inputs), list(types), name=name)
+    from pipe_horovod.keras.tensorflow_path import keeping_failures
+
+    # An engine failure (a peer left) surfaces as TensorFlow's UnknownError; elastic `run`
+    # finds the HorovodInternalError behind it.
+    return tf.py_function(keeping_failures(func), list(inputs), list(types), name=name)
 
 
 def as_tf_error(exc):

@@ -12,6 +12,13 @@ by horovodrun's elastic mode on two "hosts" (localhost:1, 127.0.0.1:1):
   restores the commit, Horovod re-forms the job in the same processes, the state is
   synchronized from rank 0 and fit resumes at the committed batch. Every rank checks
   that both runs end with the same weights and optimizer state, bit for bit.
+* tf-loop (TensorFlow backend): the same twice with a TensorFlow custom loop instead of
+  fit: pipe_horovod.tensorflow's DistributedGradientTape at its default depth (K=2) in a
+  tf.function step feeding a plain Keras Adam, under hvd.elastic.run with a
+  TensorFlowKerasState committed every COMMIT steps. Rank 1 fails after step FAIL_BATCH
+  of FAIL_EPOCH (a gradient in flight in the tape's pipeline since the commit); rank 0's
+  collective fails inside its tf.function step (TensorFlow's UnknownError, the engine
+  failure behind it); both restore, and both runs end alike, bit for bit.
 * crash (last in a launch): rank 1's process dies (os._exit) at that point; Horovod
   blacklists its host, rank 0's collectives fail, it restores the commit and finishes
   alone.
@@ -119,6 +126,74 @@ def check_fail_one():
     _resets.clear()
 
 
+def train_loop_once(mode):
+    """The tf-loop case's training (module docstring); returns weights and Adam's state."""
+    import tensorflow as tf
+
+    import pipe_horovod.tensorflow as tf_hvd
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(OUT)])
+    opt = keras.optimizers.Adam(0.01)
+    opt.build(model.trainable_variables)
+    variables = model.trainable_variables
+    state = tf_hvd.elastic.TensorFlowKerasState(model, optimizer=opt, epoch=0, batch=0,
+                                                trained=[])
+    state.register_reset_callbacks([lambda: _resets.append(hvd.size()) or print(
+        f"ELASTIC_RESET rank={hvd.rank()} size={hvd.size()}", flush=True)])
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        tape = tf_hvd.DistributedGradientTape(tape)           # the default: K=2
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    fired = []
+
+    @tf_hvd.elastic.run
+    def train(state):
+        while state.epoch < EPOCHS:
+            x, y = epoch_data(hvd.rank(), state.epoch, 0)
+            while state.batch < BATCHES:
+                b = state.batch
+                step(x[b * BATCH:(b + 1) * BATCH], y[b * BATCH:(b + 1) * BATCH])
+                state.batch += 1
+                state.trained = state.trained + [(state.epoch, state.batch)]
+                if (mode == "fail-one" and not fired and hvd.rank() == 1
+                        and (state.epoch, state.batch) == (FAIL_EPOCH, FAIL_BATCH)):
+                    fired.append(1)
+                    print(f"INJECTED_FAILURE rank={hvd.rank()}", flush=True)
+                    raise HorovodInternalError("injected failure after a step, before the "
+                                               "commit")
+                if state.batch % COMMIT == 0:
+                    state.commit()
+            state.epoch, state.batch = state.epoch + 1, 0
+            state.commit()
+        for grads in tf_hvd.flush(variables):
+            opt.apply_gradients(zip(grads, variables))
+
+    train(state)
+    for epoch in range(EPOCHS):
+        done = sorted(b for e, b in state.trained if e == epoch)
+        assert done == list(range(1, BATCHES + 1)), f"epoch {epoch} trained batches {done}"
+    return ([np.asarray(keras.ops.convert_to_numpy(v)) for v in model.variables],
+            [np.asarray(keras.ops.convert_to_numpy(v)) for v in opt.variables])
+
+
+def check_tf_loop():
+    want = train_loop_once("clean")
+    assert not _resets, _resets
+    got = train_loop_once("fail-one")
+    assert _resets == [2], f"expected one reset to two ranks, saw sizes {_resets}"
+    for kind, a, b in (("weight", want[0], got[0]), ("optimizer variable", want[1], got[1])):
+        assert len(a) == len(b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert np.array_equal(x, y), f"tf-loop: {kind} {i} differs after the restore"
+    _resets.clear()
+
+
 def check_crash():
     train_once("crash")
     assert _resets == [1], f"expected one reset to one rank, saw sizes {_resets}"
@@ -126,8 +201,8 @@ def check_crash():
 
 def main():
     hvd.init()
-    launcher.worker_cases({"fail-one": check_fail_one, "crash": check_crash}, sys.argv[1],
-                          hvd.rank)
+    launcher.worker_cases({"fail-one": check_fail_one, "tf-loop": check_tf_loop,
+                           "crash": check_crash}, sys.argv[1], hvd.rank)
     print(f"WORKER_OK rank={hvd.rank()} size={hvd.size()}", flush=True)
     hvd.shutdown()
 

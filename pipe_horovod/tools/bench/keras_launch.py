@@ -1,4 +1,4 @@
-"""`pipe-horovod bench --framework keras`: launch the Keras workers, merge, report.
+"""`pipe-horovod bench --framework keras` (and `tf-loop`): launch the workers, merge, report.
 
 Each round launches, one after the other on the same workers (the same
 emulated cluster under --emulate): our Keras 3 worker (`keras_worker`,
@@ -9,6 +9,12 @@ on the Keras torch backend (rows torch-*). Rounds alternate the jobs
 (A B C A B C ...), so a noisy minute hits every row alike, as in the
 PyTorch benchmark; the raw results are merged into one raw JSON and
 reported by `keras_report`.
+
+`--framework tf-loop` is the same machinery on TensorFlow custom loops
+(issue 38): our worker's loop-kK rows (a tf.function step with
+pipe_horovod.tensorflow's DistributedGradientTape) against the MWMS
+worker's custom loop (strategy.run + strategy.reduce), beside compute and
+allreduce. Both sets of names may be mixed in one run.
 """
 import importlib.util
 import json
@@ -25,6 +31,7 @@ from pipe_horovod.tools.launch import UsageError, horovodrun, worker_env
 from pipe_horovod.tools.validators import bucket_cap_flag
 
 DEFAULT_CONFIGS = ["ours-k1", "ours-k2", "compute", "allreduce", mwms_worker.NAME]
+LOOP_CONFIGS = ["loop-k1", "loop-k2", "compute", "allreduce", mwms_worker.LOOP_NAME]
 _OURS = ("compute", "allreduce")
 _POLL = 0.5
 
@@ -47,13 +54,14 @@ def check(args, configs):
     if args.workers < 2:
         raise UsageError("--framework keras needs --workers >= 2")
     for name in configs:
-        if name == mwms_worker.NAME or name in _OURS:
+        if name in mwms_worker.NAMES or name in _OURS:
             continue
-        if (name.startswith("ours-k") and bench_worker.compression_of(name) == "none"
+        if (name.startswith(("ours-k", "loop-k")) and bench_worker.compression_of(name) == "none"
                 and not bench_worker.staleness_of(name)[0]):
             continue
         raise UsageError(f"configuration {name!r} is not part of the Keras benchmark; choose "
-                         f"from ours-kK, compute, allreduce, {mwms_worker.NAME}")
+                         f"from ours-kK, loop-kK, compute, allreduce, "
+                         f"{', '.join(mwms_worker.NAMES)}")
     if importlib.util.find_spec("keras") is None:
         raise UsageError("--framework keras needs Keras 3: pip install 'pipe_horovod[keras]'")
     if importlib.util.find_spec("tensorflow") is None:
@@ -67,7 +75,7 @@ def check(args, configs):
 
 
 def command_line(args, configs):
-    parts = ["pipe-horovod", "bench", "--framework", "keras"]
+    parts = ["pipe-horovod", "bench", "--framework", args.framework]
     if args.emulate:
         parts += ["--emulate", args.emulate]
     parts += ["--workers", str(args.workers), "--engine", args.engine,
@@ -98,17 +106,20 @@ class _Job:
 
 
 def _jobs(args, configs):
-    ours = [c for c in configs if c != mwms_worker.NAME]
+    ours = [c for c in configs if c not in mwms_worker.NAMES]
+    baselines = [c for c in configs if c in mwms_worker.NAMES]
     quiet = {"TF_CPP_MIN_LOG_LEVEL": "2"}
     jobs = []
     if ours:
         jobs.append(_Job("tf", "pipe_horovod.tools.bench.keras_worker", ours,
                          {**quiet, "KERAS_BACKEND": "tensorflow"}, 2 * len(ours)))
-    if mwms_worker.NAME in configs:
-        jobs.append(_Job("mwms", "pipe_horovod.tools.bench.mwms_worker", [],
-                         {**quiet, "TF_USE_LEGACY_KERAS": "1"}, 2))
+    if baselines:
+        legacy = {"TF_USE_LEGACY_KERAS": "1"} if mwms_worker.NAME in baselines else {}
+        jobs.append(_Job("mwms", "pipe_horovod.tools.bench.mwms_worker", baselines,
+                         {**quiet, **legacy}, 2 * len(baselines)))
     if args.keras_torch:
-        torch_ours = [c for c in ours if c != "allreduce"]
+        # (loop-kK rows are TensorFlow custom loops: not on the Keras torch backend)
+        torch_ours = [c for c in ours if c != "allreduce" and not c.startswith("loop-k")]
         if torch_ours:
             jobs.append(_Job("torch", "pipe_horovod.tools.bench.keras_worker", torch_ours,
                              {**quiet, "KERAS_BACKEND": "torch"}, 2 * len(torch_ours)))
@@ -121,8 +132,9 @@ def _argv(args, job, rnd, raw, progress):
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", "1",
             "--round-offset", str(rnd), "--threads", str(args.threads), "--seed", str(args.seed),
             "--idle-probe-s", repr(args.idle_probe_s), "--out", raw, "--progress", progress]
-    if job.configs:
-        argv += ["--configs", ",".join(job.configs), "--bucket-cap-mb", bucket_cap_flag(args.bucket_cap_mb)]
+    argv += ["--configs", ",".join(job.configs)]
+    if job.key != "mwms":
+        argv += ["--bucket-cap-mb", bucket_cap_flag(args.bucket_cap_mb)]
     return argv
 
 
@@ -246,9 +258,10 @@ def _load(raw, workers, key):
         for r in range(1, workers):
             with open(f"{raw}.rank{r}") as f:
                 ranks.append(json.load(f))
-        for i, block in enumerate(data["configs"][mwms_worker.NAME]["rounds"]):
-            block["per_rank"] = [d["configs"][mwms_worker.NAME]["rounds"][i]["per_rank"][0]
-                                 for d in ranks]
+        for name, cfg in data["configs"].items():
+            for i, block in enumerate(cfg["rounds"]):
+                block["per_rank"] = [d["configs"][name]["rounds"][i]["per_rank"][0]
+                                     for d in ranks]
         data["process"] = [d["process"][0] for d in ranks]
     return data
 
@@ -268,8 +281,11 @@ def merge(parts, rounds):
                 configs[label] = {k: v for k, v in cfg.items() if k != "rounds"}
                 configs[label]["rounds"] = []
                 if key == "mwms":
-                    backends[label] = ("tf-keras " + versions.get("tf_keras", "") +
-                                       " MultiWorkerMirroredStrategy (TF collective ring)")
+                    backends[label] = (
+                        f"Keras {versions.get('keras', '')} MultiWorkerMirroredStrategy custom "
+                        "loop (TF collective ring)" if name == mwms_worker.LOOP_NAME else
+                        f"tf-keras {versions.get('tf_keras', '')} MultiWorkerMirroredStrategy "
+                        "(TF collective ring)")
                 elif key == "torch":
                     inner = data["meta"]["config_backends"][name]
                     backends[label] = None if inner is None else f"Keras torch backend, {inner}"
@@ -285,7 +301,8 @@ def merge(parts, rounds):
 # ---------------------------------------------------------------------- run
 
 def run(args):
-    configs = (list(DEFAULT_CONFIGS) if args.configs is None
+    default = LOOP_CONFIGS if args.framework == "tf-loop" else DEFAULT_CONFIGS
+    configs = (list(default) if args.configs is None
                else bench_worker.flatten_configs(args.configs))
     out = os.path.abspath(args.out)
     raw_path = os.path.join(out, f"{args.name}-raw.json")
@@ -307,7 +324,7 @@ def run(args):
     jobs = _jobs(args, configs)
     where = f"emulated {args.emulate}" if args.emulate else "local"
     bar = _Bar(args.rounds * sum(j.total for j in jobs), not args.no_progress,
-               f"bench keras {args.engine} x{args.workers} ({where})")
+               f"bench {args.framework} {args.engine} x{args.workers} ({where})")
     started = time.time()
     deadline = time.monotonic() + args.timeout
     env = _base_env(args)

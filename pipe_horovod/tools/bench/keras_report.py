@@ -4,7 +4,10 @@
 (medians, IQR, comm, exposed wait, hidden = 1 − exposed/comm, the plot).
 This adds what issue 9 asks of the Keras benchmark: each row against
 tf-keras + MultiWorkerMirroredStrategy and against our K=1, the three
-targets, and the per-step time breakdown of our TensorFlow path.
+targets, and the per-step time breakdown of our TensorFlow path. Rows of
+TensorFlow custom loops (`--framework tf-loop`, issue 38: loop-kK, and
+MWMS's loop tf-mwms-loop) compare against their own kind: loop-k1 and
+tf-mwms-loop are their "K=1" and "MWMS" columns.
 
 Definitions (as docs/bench/log.md for PyTorch): comm = the allreduce of a
 model-sized float32 buffer alone; compute = the plain Keras step (no
@@ -17,6 +20,7 @@ import os
 
 from . import report
 from .keras_worker import TIMERS
+from .mwms_worker import LOOP_NAME as MWMS_LOOP
 from .mwms_worker import NAME as MWMS
 
 KERAS_TARGETS = {
@@ -37,10 +41,10 @@ def breakdown(raw):
     """Per ours row: median seconds per step of each timer, and derived figures."""
     out = {}
     for name in raw["configs"]:
-        if not (name.startswith("ours-k") or name.startswith("torch-ours-k")):
+        if not name.startswith(("ours-k", "torch-ours-k", "loop-k")):
             continue
         row = {k: report._median(_pooled(raw, name, k)) for k in TIMERS + ("handoffs", "step_s")}
-        if name.startswith("torch-"):        # no numpy_function hand-offs on the torch backend
+        if name.startswith(("torch-", "loop-k")):   # no Keras hand-offs: engine timers only
             row.update(fill_s=None, handoff_s=None, finish_s=None, handoffs=None)
         elif row["handoff_s"] is not None and row["finish_s"] is not None:
             # Python time in the hand-offs other than blocking on the network.
@@ -59,13 +63,17 @@ def keras_summary(raw, summary):
     ideal = max(compute, comm) if compute and comm else None
     ideal_ratio = (compute + comm) / ideal if ideal else None
     mwms, k1, k2 = step(MWMS), step("ours-k1"), step("ours-k2")
+    loop_mwms, loop_k1, loop_k2 = step(MWMS_LOOP), step("loop-k1"), step("loop-k2")
     rows = {}
     for name, s in cs.items():
         if s["kind"] != "train":
             continue
+        # Each kind against its own baselines; compute against fit's when there is one.
+        loop = _is_loop(name) or (name == "compute" and not (mwms or k1))
+        base, base_k1 = (loop_mwms, loop_k1) if loop else (mwms, k1)
         rows[name] = {"step_s": s["step_s"], "q1_s": s["q1_s"], "q3_s": s["q3_s"],
-                      "speedup_vs_mwms": mwms / s["step_s"] if mwms and s["step_s"] else None,
-                      "speedup_vs_k1": k1 / s["step_s"] if k1 and s["step_s"] else None,
+                      "speedup_vs_mwms": base / s["step_s"] if base and s["step_s"] else None,
+                      "speedup_vs_k1": base_k1 / s["step_s"] if base_k1 and s["step_s"] else None,
                       "exposed_wait_s": s["exposed_wait_s"],
                       "hidden_fraction": s["hidden_fraction"],
                       "hidden_fraction_step": s["hidden_fraction_step"],
@@ -90,17 +98,33 @@ def keras_summary(raw, summary):
             "k2_speedup_vs_mwms": mwms / k2 if mwms and k2 else None,
             "k2_vs_ideal": k2 / ideal if k2 and ideal else None,
             "mwms_over_ideal": mwms / ideal if mwms and ideal else None,
-            "targets": targets, "breakdown": breakdown(raw)}
+            "targets": targets, "breakdown": breakdown(raw),
+            "loop": {"k2_speedup_vs_mwms_loop": (loop_mwms / loop_k2
+                                                 if loop_mwms and loop_k2 else None),
+                     "k1_speedup_vs_mwms_loop": (loop_mwms / loop_k1
+                                                 if loop_mwms and loop_k1 else None),
+                     "k2_speedup_vs_k1": loop_k1 / loop_k2 if loop_k1 and loop_k2 else None,
+                     "k2_vs_ideal": loop_k2 / ideal if loop_k2 and ideal else None,
+                     "k2_hidden": (cs["loop-k2"]["hidden_fraction"] if "loop-k2" in cs
+                                   else None)}}
+
+
+def _is_loop(name):
+    """A TensorFlow custom loop's row (ours or MWMS's)."""
+    return name.startswith("loop-k") or name == MWMS_LOOP
 
 
 def markdown(summary, keras, heading="#"):
     ms, num = report._ms, report._num
-    lines = [f"{heading} Keras: ours vs tf-keras + MultiWorkerMirroredStrategy", "",
+    fit = any(name.startswith("ours-k") or name == MWMS for name in keras["rows"])
+    title = ("Keras: ours vs tf-keras + MultiWorkerMirroredStrategy" if fit else
+             "TensorFlow custom loops: ours vs MultiWorkerMirroredStrategy")
+    lines = [f"{heading} {title}", "",
              f"compute {ms(keras['compute_s'])} ms, comm {ms(keras['comm_s'])} ms "
              f"(comm/compute {num(keras['comm_over_compute'])}), ideal pipelined step "
              f"max(compute, comm) {ms(keras['ideal_s'])} ms, ideal pipelining ratio "
              f"(compute + comm)/max {num(keras['ideal_pipelining_ratio'])}.", "",
-             "| config | step ms | IQR ms | speedup vs tf-keras+MWMS | speedup vs ours-k1 "
+             "| config | step ms | IQR ms | speedup vs MWMS | speedup vs K=1 "
              "| exposed wait ms | hidden | step − compute ms | communication by |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in keras["rows"].items():
@@ -110,18 +134,14 @@ def markdown(summary, keras, heading="#"):
                      f"| {ms(r['exposed_wait_s'])} | {hidden} | {ms(r['step_minus_compute_s'])} "
                      f"| {r['backend'] or 'none'} |")
     lines += ["", "hidden = 1 − exposed wait/comm (in brackets 1 − (step − compute)/comm). "
-              "tf-keras+MWMS waits inside its graph, so no wait is shown for it.", "",
-              f"{heading}# Keras targets (issue 9)", "",
-              "| target | measured | threshold | met? |", "|---|---:|---:|---|"]
-    for t in keras["targets"]:
-        lines.append(f"| {t['what']} | {t['value']:.3f} | {t['target']} "
-                     f"| {'yes' if t['met'] else '**no**'} |")
-    three = "{:.3f}"
-    lines += [f"| tf-keras+MWMS step / ours-k2 step | {num(keras['k2_speedup_vs_mwms'], three)} "
-              "| | |",
-              f"| ours-k2 step / max(compute, comm) | {num(keras['k2_vs_ideal'], three)} | | |",
-              f"| tf-keras+MWMS step / max(compute, comm) (the most K=2 could gain on it) "
-              f"| {num(keras['mwms_over_ideal'], three)} | | |", ""]
+              "tf-keras+MWMS waits inside its graph, so no wait is shown for it."
+              + (" TensorFlow custom loops (loop-kK: DistributedGradientTape in a "
+                 "tf.function step, plain SGD; tf-mwms-loop: strategy.run + strategy.reduce) "
+                 "are compared with their own kind: their speedups are against "
+                 f"{MWMS_LOOP} and loop-k1." if any(map(_is_loop, keras["rows"])) else ""),
+              "", *_loop_lines(keras["loop"], heading)]
+    if fit:
+        lines += _fit_target_lines(keras, heading)
     ratio = keras["comm_over_compute"]
     if ratio is not None and not 0.67 <= ratio <= 1.5:
         lines += [f"Note: comm/compute is {ratio:.2f} here, not ≈ 1: the hidden-fraction "
@@ -140,9 +160,39 @@ def markdown(summary, keras, heading="#"):
         lines += ["", "TensorFlow rows: timers wrapped around the engine's allreduce_async/wait "
                   "and the TensorFlowPath's numpy_function bodies (bench-only). The hand-offs "
                   "run on TF's inter-op threads, partly in parallel with the rest of the graph, "
-                  "so the columns do not add up to the step. torch-* rows: only the engine "
-                  "timers apply.", ""]
+                  "so the columns do not add up to the step. torch-* and loop-* rows: only the "
+                  "engine timers apply.", ""]
     return "\n".join(lines)
+
+
+def _fit_target_lines(keras, heading):
+    """Issue 9's targets for the Keras fit rows."""
+    num, three = report._num, "{:.3f}"
+    lines = [f"{heading}# Keras targets (issue 9)", "",
+             "| target | measured | threshold | met? |", "|---|---:|---:|---|"]
+    for t in keras["targets"]:
+        lines.append(f"| {t['what']} | {t['value']:.3f} | {t['target']} "
+                     f"| {'yes' if t['met'] else '**no**'} |")
+    return lines + [
+        f"| tf-keras+MWMS step / ours-k2 step | {num(keras['k2_speedup_vs_mwms'], three)} | | |",
+        f"| ours-k2 step / max(compute, comm) | {num(keras['k2_vs_ideal'], three)} | | |",
+        f"| tf-keras+MWMS step / max(compute, comm) (the most K=2 could gain on it) "
+        f"| {num(keras['mwms_over_ideal'], three)} | | |", ""]
+
+
+def _loop_lines(loop, heading):
+    """The custom loops' ratios side by side, when both kinds of loop ran."""
+    if not any(v is not None for v in loop.values()):
+        return []
+    rows = [(f"{MWMS_LOOP} step / loop-k2 step", "k2_speedup_vs_mwms_loop"),
+            (f"{MWMS_LOOP} step / loop-k1 step", "k1_speedup_vs_mwms_loop"),
+            ("loop-k1 step / loop-k2 step", "k2_speedup_vs_k1"),
+            ("loop-k2 step / max(compute, comm)", "k2_vs_ideal"),
+            ("communication hidden by loop-k2, 1 − exposed wait / comm", "k2_hidden")]
+    return [f"{heading}# TensorFlow custom loop: DistributedGradientTape vs "
+            "MultiWorkerMirroredStrategy's loop (issue 38)", "",
+            "| ratio | measured |", "|---|---:|",
+            *(f"| {what} | {report._num(loop[key], '{:.3f}')} |" for what, key in rows), ""]
 
 
 def write_report(raw_path, out_dir, name):

@@ -5,6 +5,9 @@ Configurations (each its own model and optimizer, same seed, same data):
   ours-kK      pipe_horovod.keras.DistributedOptimizer(SGD), pipeline_depth=K
   compute      the plain Keras SGD: forward, backward, update, no communication
   allreduce    one engine allreduce of a model-sized float32 buffer (comm alone)
+  loop-kK      a TensorFlow custom loop (`--framework tf-loop`): a tf.function step
+               whose pipe_horovod.tensorflow.DistributedGradientTape(pipeline_depth=K)
+               averages the gradients for the plain Keras SGD (TensorFlow backend only)
 
 The backend is $KERAS_BACKEND (tensorflow: the default `tf.function` graph,
 jit_compile=False; or torch). Launched by `pipe-horovod bench --framework
@@ -107,6 +110,62 @@ class FitRunner:
             self.opt.flush()            # the block leaves nothing in flight
 
 
+class LoopRunner:
+    """A TensorFlow custom loop, as Horovod's TF2 examples write it: a tf.function step
+    (jit_compile=False) with a DistributedGradientTape and the plain Keras SGD, on the fit
+    rows' model and data. The tape has no optimizer to compensate staleness with
+    (docs/tensorflow.md): at K >= 2 it hands SGD the average of K-1 steps earlier."""
+
+    kind = "train"
+
+    def __init__(self, name, args, rank, timers, depth):
+        import keras
+        import tensorflow as tf
+
+        import pipe_horovod.tensorflow as hvd
+
+        self.hvd = hvd
+        self.model = common.build_mlp(keras, args.model_mb, args.layers, args.seed)
+        self.opt = keras.optimizers.SGD(common.LR)
+        loss = common.loss(keras)
+        x, y = common.batch(rank, args.batch_size, args.seed)
+        self.data = iter(common.repeated_dataset(x, y, args.batch_size))
+        self.timers = timers
+        model, opt = self.model, self.opt
+        variables = model.trainable_variables
+        options = {"pipeline_depth": depth, "bucket_cap_mb": args.bucket_cap_mb}
+
+        @tf.function(jit_compile=False)
+        def step(data):
+            x, y = next(data)
+            with tf.GradientTape() as tape:
+                value = loss(y, model(x, training=True))
+            tape = hvd.DistributedGradientTape(tape, **options)
+            opt.apply_gradients(zip(tape.gradient(value, variables), variables))
+            return value
+
+        self.step = step
+        opt.build(variables)
+
+    def block(self, warmup, steps):
+        self.timers.step()                       # drop what earlier blocks left
+        marks = [time.perf_counter()]
+        recs = []
+        for i in range(warmup + steps):
+            float(self.step(self.data))          # the step's result: its work is done
+            marks.append(time.perf_counter())
+            extra = self.timers.step()
+            if i >= warmup:
+                recs.append({"step_s": marks[-1] - marks[-2], "exposed_s": extra["wait_s"],
+                             "launch_s": extra["launch_s"], "wait_s": extra["wait_s"]})
+        return recs
+
+    def end_block(self):
+        variables = self.model.trainable_variables
+        for grads in self.hvd.flush(variables):   # the block leaves nothing in flight
+            self.opt.apply_gradients(zip(grads, variables))
+
+
 def _repeat(x, y):
     def gen():
         while True:
@@ -158,6 +217,9 @@ def run(args):
             runners[name] = AllreduceBlock(name, eng, numel)
         elif name == "compute":
             runners[name] = FitRunner(name, args, rank, timers)
+        elif name.startswith("loop-k"):
+            runners[name] = LoopRunner(name, args, rank, timers,
+                                       torch_worker.pipeline_depth_of(name))
         else:
             depth = torch_worker.pipeline_depth_of(name)
             # flush_in_fit=False: each block's fit would drain the pipeline inside its last
@@ -211,7 +273,9 @@ def run(args):
             "threads": args.threads, "configs": configs, "requested": configs, "skipped": {},
             "cpu_count": os.cpu_count(), "versions": versions,
             "config_backends": {n: (None if n == "compute" else
-                                    f"pipe_horovod engine {eng.name}") for n in configs},
+                                    f"pipe_horovod engine {eng.name}"
+                                    + (" (DistributedGradientTape)" if n.startswith("loop-k")
+                                       else "")) for n in configs},
             "background_busy_cores": [b for b in background if b is not None],
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },

@@ -71,8 +71,9 @@ DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours
                    "compute", "contention", "allreduce"]
 _CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|contention(?:-int8|-int4|-bf16hop)?"
                      r"|allreduce(?:-fp16|-bf16)?"
-                     r"|tf-keras-mwms"
-                     r"|ours-k([1-9][0-9]*)(?:-(?:fp16|bf16|bf16hop|int8|int8eng|int4|int4eng))?"
+                     r"|tf-keras-mwms|tf-mwms-loop"
+                     r"|(?:ours|loop)-k([1-9][0-9]*)"
+                     r"(?:-(?:fp16|bf16|bf16hop|int8|int8eng|int4|int4eng))?"
                      r"(?:-(none|momentum|dc|predict|lookahead))?)$")
 DDP_ADDR_ENV = "PIPE_HOROVOD_BENCH_DDP_ADDR"
 DDP_PORT_ENV = "PIPE_HOROVOD_BENCH_DDP_PORT"
@@ -99,7 +100,7 @@ def parse_configs(value):
                     "them -none, -momentum, -dc, -predict, -lookahead: that "
                     "staleness_compensation), compute, contention, contention-int8, "
                     "contention-int4, contention-bf16hop, allreduce, tf-keras-mwms "
-                    "(--framework keras)")
+                    "(--framework keras), loop-kK, tf-mwms-loop (--framework tf-loop)")
             if name not in names:
                 names.append(name)
     if not names:
@@ -134,7 +135,7 @@ def _staleness_supported():
 
 
 def pipeline_depth_of(name):
-    m = re.match(r"^ours-k(\d+)", name)
+    m = re.match(r"^(?:ours|loop)-k(\d+)", name)
     return int(m.group(1)) if m else None
 
 
@@ -163,6 +164,8 @@ def skip_reason(name, engine_name, size):
     """
     if name == "tf-keras-mwms":
         return "the Keras benchmark's baseline (pipe-horovod bench --framework keras)"
+    if name == "tf-mwms-loop" or name.startswith("loop-k"):
+        return "the TensorFlow custom loop's (pipe-horovod bench --framework tf-loop)"
     explicit, option = staleness_of(name)
     if explicit and option is not None and not _staleness_supported():
         return "this pipe_horovod's DistributedOptimizer has no staleness_compensation argument"

@@ -46,10 +46,11 @@ def add_arguments(parser):
                         help="run the workers in an emulated cluster whose links are capped at "
                              "RATE (e.g. 1gbit, 4gbit); needs root")
     parser.add_argument("--workers", type=_workers, default=2, help="worker processes (default 2)")
-    parser.add_argument("--framework", choices=("torch", "keras"), default="torch",
+    parser.add_argument("--framework", choices=("torch", "keras", "tf-loop"), default="torch",
                         help="torch: PyTorch, ours vs Horovod vs DDP; keras: Keras 3, ours vs "
-                             "tf-keras + MultiWorkerMirroredStrategy "
-                             "(pipe_horovod.tools.bench.keras_launch) (default torch)")
+                             "tf-keras + MultiWorkerMirroredStrategy; tf-loop: TensorFlow "
+                             "custom loops, DistributedGradientTape vs the strategy's loop "
+                             "(both pipe_horovod.tools.bench.keras_launch) (default torch)")
     parser.add_argument("--engine", choices=ENGINES, default="horovod",
                         help="communication engine and launcher: horovod (horovodrun / Horovod "
                              "env), torch (torch.distributed.run), local (one plain process) "
@@ -304,7 +305,7 @@ def run_workers(args, out, worker_argv, command, module=WORKER, prog="bench"):
 def run(args):
     from pipe_horovod.tools.bench import report
 
-    if args.framework == "keras":
+    if args.framework in ("keras", "tf-loop"):
         if args.device != "cpu":
             return _error("--device cuda is the PyTorch benchmark's (--framework torch); the "
                           "Keras one runs on CPU")
