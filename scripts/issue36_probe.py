@@ -152,7 +152,7 @@ class Probe:
                     for k, e in ests.items():
                         err = step_size * (1 - beta1) * r(e - avg) / r(denom)
                         acc["err2_" + k] = acc.get("err2_" + k, 0.0) + float(err.pow(2).sum())
-                if self.estimate != "own":
+                if self.estimate != "own" and self.estimate in ests:
                     locals_[p].copy_(ests[self.estimate])
                 own2, avg2 = float(own.pow(2).sum()), float(avg.pow(2).sum())
                 self.prev[p] = (own2, avg2)
