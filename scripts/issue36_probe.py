@@ -75,19 +75,27 @@ class Probe:
         return wrapped
 
     def estimates(self, p, own, m_hat):
+        """Each estimate of the step's averaged gradient, for parameter p: "own" (the
+        default's), "oracle" (the true average), "oracle-qk" / "oracle-q" / "oracle-noqk"
+        (the true average on the q and k rows of an attention kernel / the q rows / all
+        but q and k), "landed" (the average applied at this step, clipped), "mean" (Adam's
+        bias-corrected first moment m_hat), the halves of own with those, "half-own",
+        "zero", "rho" / "rho-ema" (own x min(1, |avg|^2/|own|^2) measured on the previous
+        step / running means: what a rank can measure for free) and "spread-half" (the
+        ranks' points half as far from the true one, about it)."""
         avg, landed = self.avg[p], self.landed.get(p, torch.zeros_like(own))
         qk = self.name_of[p].endswith(("qkv.weight", "qkv.bias"))
         own2, avg2 = self.prev.get(p, (1.0, 1.0))
         e_own2, e_avg2 = self.ema.get(p, (1.0, 1.0))
         rho = min(1.0, avg2 / own2) if own2 > 0 else 1.0
         rho_ema = min(1.0, e_avg2 / e_own2) if e_own2 > 0 else 1.0
-        return {"own": own, "oracle": avg, "rho": own * rho, "rho-ema": own * rho_ema, "landed": landed, "mean": m_hat,
+        return {"own": own, "oracle": avg, "landed": landed, "mean": m_hat,
                 "half-mean": (own + m_hat) / 2, "half-landed": (own + landed) / 2,
                 "half-own": own / 2, "zero": torch.zeros_like(own),
+                "rho": own * rho, "rho-ema": own * rho_ema,
                 "oracle-qk": self._rows(own, avg, qk), "oracle-noqk": self._rows(avg, own, qk),
-                # the ranks' points spread half as far about the true one (its centroid)
-                "spread-half": avg + (own - avg) / 2,
-                "oracle-q": self._rows(own, avg, qk, rows=self.d)}
+                "oracle-q": self._rows(own, avg, qk, rows=self.d),
+                "spread-half": avg + (own - avg) / 2}
 
     def _rows(self, base, qk_value, qk, rows=None):
         """base with the q and k rows (or the first `rows`) of an attention kernel taken
