@@ -18,6 +18,7 @@ update from the same state. Run (2 ranks):
         --estimate own --seed 1 --out docs/convergence/issue36/probe-own-s1.json
 """
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -55,9 +56,9 @@ def groups_of(name, d):
 
 
 class Probe:
-    def __init__(self, model, estimate, size, d):
+    def __init__(self, model, estimate, d):
         self.name_of = {p: n for n, p in model.named_parameters()}
-        self.estimate, self.size, self.d = estimate, size, d
+        self.estimate, self.d = estimate, d
         self.avg, self.landed, self.prev_avg = {}, {}, {}
         self.log = []
         self.step = 0
@@ -226,7 +227,7 @@ def main():
     depth, option = config_settings(args.config)
     torch.manual_seed(args.seed)
     model = lm.torch_model(s)
-    probe = Probe(model, args.estimate, size, s.d_model)
+    probe = Probe(model, args.estimate, s.d_model)
     lookahead.predict = probe.wrap(lookahead.predict)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr * size, betas=(s.beta1, s.beta2),
                             weight_decay=s.weight_decay)
@@ -263,7 +264,7 @@ def main():
                       f"({time.perf_counter() - start:.0f} s)", flush=True)
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "settings": vars(s) if hasattr(s, "__dict__") else {},
+            json.dump({"args": vars(args), "settings": dataclasses.asdict(s),
                        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **hist,
                        "log": compact(probe.log)}, f)
     phvd.shutdown()
