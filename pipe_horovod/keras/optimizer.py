@@ -138,7 +138,7 @@ class _PipelinedKeras(_Keras2Gradients):
     def _build_for(self, variables):
         if not self.built:
             from keras.src import backend as keras_backend
-            with keras_backend.name_scope(self.name, caller=self):
+            with _outside_the_trace(), keras_backend.name_scope(self.name, caller=self):
                 self.build(variables)
             self.built = True
 
@@ -413,6 +413,19 @@ def _user_class(cls):
 def _registered_name(cls):
     import keras
     return keras.saving.get_registered_name(cls)
+
+
+def _outside_the_trace():
+    """Where build() creates the optimizer's variables (its slots, the lookahead's real
+    weights) when Keras first builds it inside the traced train step, as fit does without
+    a distribution strategy: on TensorFlow, eagerly and unseen by the tf.function being
+    traced (tensorflow_path.eager_variables), so that it is traced once, not twice (a
+    tf.function that created variables on its first trace traces again: half of a fit's
+    tracing)."""
+    if _backend() != "tensorflow":
+        return contextlib.nullcontext()
+    from .tensorflow_path import eager_variables
+    return eager_variables()
 
 
 def _backend():

@@ -30,6 +30,7 @@ still in the graph; older ones (K >= 3) come back from the Python side,
 which keeps them with their step. Local variables (register_local_var) are
 not reduced and not predicted: their gradient travels with its step.
 """
+import contextlib
 import functools
 import os
 import time
@@ -347,6 +348,20 @@ def failure_behind(error):
     if not _failures or not isinstance(error, tf.errors.OpError):
         return None
     return _failures.pop()
+
+
+@contextlib.contextmanager
+def eager_variables():
+    """Variables made in this context are made eagerly, initialized at once, and not
+    reported to a tf.function being traced: it traces its function again when that
+    function made variables on its first trace, and a train step's trace is most of a
+    short fit (the optimizer is Keras's to build inside it). Only for variables that
+    exist once per Python object, as an optimizer's do: a later trace finds them built."""
+    def made_here(next_creator, **kwargs):
+        kwargs["experimental_enable_variable_lifting"] = False
+        return next_creator(**kwargs)
+    with tf.init_scope(), tf.variable_creator_scope(made_here):
+        yield
 
 
 def in_xla_context():

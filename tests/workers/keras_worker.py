@@ -155,6 +155,23 @@ class AtLastBatch(keras.callbacks.Callback):
             self.result = self.call()
 
 
+TRACES = {}                # TensorFlow: the data path -> times its apply() was traced
+
+
+def count_traces():
+    """Count, per optimizer, the traces of the train step's apply on TensorFlow: a fit
+    traces its train step once (the optimizer's variables are made outside the trace;
+    made inside it, TensorFlow traced the whole step twice)."""
+    from pipe_horovod.keras.tensorflow_path import TensorFlowPath
+
+    traced = TensorFlowPath.apply
+
+    def apply(self, *args):
+        TRACES[self] = TRACES.get(self, 0) + 1
+        return traced(self, *args)
+    TensorFlowPath.apply = apply
+
+
 def check_case(kind, depth, warmup, compensation=None, eagerly=False, predivide=1.0,
                collective=None, passes=1, average=False, local=()):
     """fit STEPS steps against the reference, then flush against it again (flush_in_fit off:
@@ -182,6 +199,8 @@ def check_case(kind, depth, warmup, compensation=None, eagerly=False, predivide=
     start = weights_of(model)
     last = AtLastBatch(lambda: weights_of(model))
     fit(model, 0, STEPS, [last])
+    if keras.backend.backend() == "tensorflow" and not eagerly:
+        assert TRACES.get(opt._path) == 1, f"{what}: traced {TRACES.get(opt._path)} times"
     options = {"steps": STEPS, "size": phvd.size(), "compensation": compensation,
                "passes": passes, "average_passes": average, "local": local}
     expected = ref.reference(start, gradients, ref_opt, depth, warmup, flush=False, **options)
@@ -812,6 +831,8 @@ def check_load_model(tmp):
 
 def main():
     phvd.init()
+    if keras.backend.backend() == "tensorflow":
+        count_traces()
     # Where Keras keeps the variables (the GPU kit checks that they are on the GPU).
     print(f"KERAS_DEVICE {keras.backend.backend()} {keras.Variable(0.0).value.device}",
           flush=True)
