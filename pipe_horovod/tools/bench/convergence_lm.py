@@ -80,7 +80,6 @@ LABELS = {"sync": "sync (K=1)", "k2-lookahead": "default (K=2, lookahead)",
 # (issue 28's two-stage quantized allreduce; int4_ef: issue 40), the codec's block size
 # after a colon if not the default's: k2-lookahead-int8_ef, k2-lookahead-int4_ef:64.
 CODEC_CONFIG = "k2-lookahead-"
-
 ENGINES = ("torch", "horovod")    # torch.distributed.run / horovodrun --gloo (PyTorch only)
 FRAMEWORKS = ("torch", "keras-tf", "keras-torch")
 TARGET = 0.02          # issue 24: the default ends within 0.02 validation loss of sync
@@ -652,8 +651,8 @@ def add_arguments(p):
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma-separated (default {','.join(CONFIGS)}): sync = pipeline_depth 1, "
                         "k2 = pipeline_depth 2 without compensation, k2-lookahead = the default; "
-                        "also k2-lookahead-int8_ef / -int4_ef = the default with that compression "
-                        "on the engine's own collectives")
+                        "also k2-lookahead-int8_ef / -int4_ef[:BLOCK] = the default with that "
+                        "compression (and block size) on the engine's own collectives")
     p.add_argument("--seeds", type=int, default=3, help="seeds 1..N per configuration (default 3)")
     p.add_argument("--first-seed", type=int, default=1)
     p.add_argument("--steps", type=int, default=Settings.steps,
