@@ -107,8 +107,6 @@ class _Pipeline:
                             (_torch_dtype(dtype), self.devices[name]))
                            for name, shape, dtype in reversed(list(zip(
                                self.names, self.shapes, self.dtypes))) if name not in self.local])
-        self.local_scale = (1.0 / self.machine.size if options["scale_local_gradients"]
-                            else 1.0)
         # A local source is this rank's own (never sent): its shape may differ between
         # ranks, as a model-parallel layer's does (Horovod's test_model_parallel_model).
         description = {f"source {i} ({n.split('.', 1)[1]})":
@@ -125,6 +123,12 @@ class _Pipeline:
         if pending is not None:
             self.restore(pending)
         _built.add(self)
+
+    @property
+    def local_scale(self):
+        """What a local source's gradient is multiplied by: 1/size with
+        scale_local_gradients, of the engine running now (elastic resets change it)."""
+        return 1.0 / self.machine.size if self.options["scale_local_gradients"] else 1.0
 
     # --- a step (Python side: eagerly, or a py_function inside a tf.function) -------
     def step(self, *grads):
@@ -187,7 +191,6 @@ class _Pipeline:
               for n, a in entry.items()}
              for entry in in_flight], [None] * len(in_flight), state["steps"])
 
-
     # --- elastic (pipe_horovod.tensorflow.elastic) ----------------------------------
     def drop_in_flight(self):
         """Forget, without waiting, the gradients in flight and this step's progress: after
@@ -204,8 +207,6 @@ class _Pipeline:
         """Use the engine running now (a new one after an elastic reset: rank and size may
         differ). The buckets stay as planned: a traced step holds this pipeline."""
         self.machine.attach()
-        self.local_scale = (1.0 / self.machine.size if self.options["scale_local_gradients"]
-                            else 1.0)
         _built.add(self)
         engine.current().before_shutdown(__name__, _report_unapplied)
 

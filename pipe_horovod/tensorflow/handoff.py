@@ -81,8 +81,6 @@ def run(func, inputs, types, name):
             raise as_tf_error(exc) from exc
     from pipe_horovod.keras.tensorflow_path import keeping_failures
 
-    # An engine failure (a peer left) surfaces as TensorFlow's UnknownError; elastic `run`
-    # finds the HorovodInternalError behind it.
     return tf.py_function(keeping_failures(func), list(inputs), list(types), name=name)
 
 
