@@ -83,15 +83,47 @@ class Count(keras.callbacks.Callback):
         self.state.trained = self.state.trained + [(self.state.epoch, self.state.batch)]
 
 
-def train_once(mode):
+def _model():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(16, activation="tanh"),
-                              keras.layers.Dense(OUT)])
+    return keras.Sequential([keras.Input((IN,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.Dense(OUT)])
+
+
+def _record_resets(state):
+    state.register_reset_callbacks([lambda: _resets.append(hvd.size()) or print(
+        f"ELASTIC_RESET rank={hvd.rank()} size={hvd.size()}", flush=True)])
+
+
+def _trained(state, model, opt):
+    """After a run: every batch of every epoch trained exactly once (the restore undid
+    the ones after the commit); the weights and the optimizer's variables."""
+    for epoch in range(EPOCHS):
+        done = sorted(b for e, b in state.trained if e == epoch)
+        assert done == list(range(1, BATCHES + 1)), f"epoch {epoch} trained batches {done}"
+    return ([np.asarray(keras.ops.convert_to_numpy(v)) for v in model.variables],
+            [np.asarray(keras.ops.convert_to_numpy(v)) for v in opt.variables])
+
+
+def _restores_bit_exactly(train, what=""):
+    """`train("fail-one")` (one reset to two ranks) ends with `train("clean")`'s weights
+    and optimizer variables, bit for bit."""
+    want = train("clean")
+    assert not _resets, _resets
+    got = train("fail-one")
+    assert _resets == [2], f"expected one reset to two ranks, saw sizes {_resets}"
+    for kind, a, b in (("weight", want[0], got[0]), ("optimizer variable", want[1], got[1])):
+        assert len(a) == len(b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert np.array_equal(x, y), f"{what}{kind} {i} differs after the restore"
+    _resets.clear()
+
+
+def train_once(mode):
+    model = _model()
     opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01))   # the default: K=2, lookahead
     model.compile(optimizer=opt, loss="mse")
     state = hvd.elastic.KerasState(model, epoch=0, batch=0, trained=[])
-    state.register_reset_callbacks([lambda: _resets.append(hvd.size()) or print(
-        f"ELASTIC_RESET rank={hvd.rank()} size={hvd.size()}", flush=True)])
+    _record_resets(state)
     # Order matters as in Horovod: the state is updated before it is committed.
     callbacks = [hvd.elastic.UpdateEpochStateCallback(state),
                  hvd.elastic.UpdateBatchStateCallback(state), Count(state),
@@ -106,24 +138,11 @@ def train_once(mode):
         opt.flush()
 
     train(state)
-    for epoch in range(EPOCHS):
-        done = sorted(b for e, b in state.trained if e == epoch)
-        assert done == list(range(1, BATCHES + 1)), f"epoch {epoch} trained batches {done}"
-    weights = [np.asarray(keras.ops.convert_to_numpy(v)) for v in model.variables]
-    slots = [np.asarray(keras.ops.convert_to_numpy(v)) for v in opt.variables]
-    return weights, slots
+    return _trained(state, model, opt)
 
 
 def check_fail_one():
-    want = train_once("clean")
-    assert not _resets, _resets
-    got = train_once("fail-one")
-    assert _resets == [2], f"expected one reset to two ranks, saw sizes {_resets}"
-    for kind, a, b in (("weight", want[0], got[0]), ("optimizer variable", want[1], got[1])):
-        assert len(a) == len(b)
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert np.array_equal(x, y), f"{kind} {i} differs after the restore"
-    _resets.clear()
+    _restores_bit_exactly(train_once)
 
 
 def train_loop_once(mode):
@@ -132,16 +151,13 @@ def train_loop_once(mode):
 
     import pipe_horovod.tensorflow as tf_hvd
 
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(16, activation="tanh"),
-                              keras.layers.Dense(OUT)])
+    model = _model()
     opt = keras.optimizers.Adam(0.01)
     opt.build(model.trainable_variables)
     variables = model.trainable_variables
     state = tf_hvd.elastic.TensorFlowKerasState(model, optimizer=opt, epoch=0, batch=0,
                                                 trained=[])
-    state.register_reset_callbacks([lambda: _resets.append(hvd.size()) or print(
-        f"ELASTIC_RESET rank={hvd.rank()} size={hvd.size()}", flush=True)])
+    _record_resets(state)
 
     @tf.function
     def step(x, y):
@@ -175,23 +191,11 @@ def train_loop_once(mode):
             opt.apply_gradients(zip(grads, variables))
 
     train(state)
-    for epoch in range(EPOCHS):
-        done = sorted(b for e, b in state.trained if e == epoch)
-        assert done == list(range(1, BATCHES + 1)), f"epoch {epoch} trained batches {done}"
-    return ([np.asarray(keras.ops.convert_to_numpy(v)) for v in model.variables],
-            [np.asarray(keras.ops.convert_to_numpy(v)) for v in opt.variables])
+    return _trained(state, model, opt)
 
 
 def check_tf_loop():
-    want = train_loop_once("clean")
-    assert not _resets, _resets
-    got = train_loop_once("fail-one")
-    assert _resets == [2], f"expected one reset to two ranks, saw sizes {_resets}"
-    for kind, a, b in (("weight", want[0], got[0]), ("optimizer variable", want[1], got[1])):
-        assert len(a) == len(b)
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert np.array_equal(x, y), f"tf-loop: {kind} {i} differs after the restore"
-    _resets.clear()
+    _restores_bit_exactly(train_loop_once, "tf-loop: ")
 
 
 def check_crash():
