@@ -75,7 +75,7 @@ class TensorFlowPath:
                            for name, v in reversed(list(zip(self.names, variables)))
                            if name not in self.local])
         self._arrays = {}                        # this step's gradients (torch views), by name
-        self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0}
+        self.timings = self.machine.timings      # steps, waits and the measured run
         depth = options["pipeline_depth"]
         self.lookahead = options["staleness_compensation"] == "lookahead" and depth > 1
         # "lookahead": how many in-flight steps older than this one a prediction may use,
@@ -258,6 +258,9 @@ class TensorFlowPath:
         self._set_depth()
 
     # --- elastic training (pipe_horovod.keras.elastic) ----------------------------
+    def write_run_summary(self, path):
+        return self.machine.write_run_summary(path)
+
     def drop_in_flight(self):
         """Forget, without waiting, the gradients in flight and this step's hand-offs
         (after a failed collective they never land); a committed state is loaded next."""
