@@ -218,3 +218,53 @@ def test_a_faster_refused_codec_is_named(tmp_path, capsys):
     assert "Recommended: K=2, compression=int4_ef:32" in out
     assert f"Skipped, though predicted faster ({fastest * 1e3:.2f} ms, K=2, int4_ef" in out
     assert "int4_ef at blocks of 256 missed the transformer target" in out
+
+
+def test_the_record_stays_bounded_and_plain():
+    # no engine: RunRecord fed as the step machine feeds it, for 5 x RECENT_STEPS steps
+    import torch
+    from types import SimpleNamespace
+
+    from pipe_horovod.pipeline import run_record
+    from pipe_horovod.pipeline.buckets import Bucket
+
+    timings = {"steps": 0, "wait_s": 0.0}
+    record = run_record.RunRecord(timings, lambda: {"buckets": [[8], [4]]})
+    buckets = [Bucket(0, (torch.float32, "cpu"), ["a"], [2]), Bucket(1, (torch.float64, "cpu"),
+                                                                     ["b"], [1])]
+    n = 5 * run_record.RECENT_STEPS
+    for step in range(n):
+        for bucket in buckets:
+            reduction = SimpleNamespace(bucket=bucket, record=None)
+            record.launched(reduction, step)
+            record.landed(reduction.record[1], 0.0, 0.0)
+        record.finished(step)
+    assert run_record.RECENT_STEPS <= len(timings["recent_steps"]) < 2 * run_record.RECENT_STEPS
+    assert len(timings["reductions"]) <= 2 * 2 * run_record.RECENT_STEPS
+    assert [r["bytes"] for r in timings["reductions"][:2]] == [8, 8]
+    summary = record.summary()
+    assert [s["step"] for s in summary["steps"]] == list(range(n - run_record.RECENT_STEPS, n))
+    assert {r["step"] for r in summary["reductions"]} == set(
+        range(n - run_record.RECENT_STEPS - 1, n))
+    assert json.loads(json.dumps(timings)) == timings     # users json.dump their timings
+
+
+def test_an_unwritable_summary_path_is_logged_at_exit(tmp_path, monkeypatch, caplog):
+    import torch
+    from types import SimpleNamespace
+
+    from pipe_horovod.pipeline import run_record
+    from pipe_horovod.pipeline.buckets import Bucket
+
+    record = run_record.RunRecord({}, lambda: {})
+    reduction = SimpleNamespace(bucket=Bucket(0, (torch.float32, "cpu"), ["a"], [1]))
+    record.launched(reduction, 0)
+    record.finished(0)
+    target = tmp_path / "no-such-folder" / "run.json"
+    monkeypatch.setenv(run_record.SUMMARY_VARIABLE, str(target))
+    assert run_record.write_at_exit(1) is None and not target.parent.exists()   # rank 1
+    with caplog.at_level("WARNING", logger="pipe_horovod"):
+        assert run_record.write_at_exit(0) is None
+    assert f"cannot write the run summary to PIPE_HOROVOD_RUN_SUMMARY={target}" in caplog.text
+    monkeypatch.setenv(run_record.SUMMARY_VARIABLE, str(tmp_path / "run.json"))
+    assert run_record.write_at_exit(0) == str(tmp_path / "run.json")

@@ -10,13 +10,14 @@ for it returned) and an exposed wait (how long that wait blocked). Everything is
 off `time.perf_counter()` on this rank at points the step passes anyway: no
 synchronisation, no communication, no tensor touched, so recording cannot change what
 a run computes. Times are seconds since the record began, one clock for all. Only the
-last RECENT_STEPS steps are kept (bounded memory), with running totals.
+last RECENT_STEPS steps are kept (between RECENT_STEPS and twice that: bounded memory,
+trimmed now and then), with running totals.
 
 `PIPE_HOROVOD_RUN_SUMMARY=path` has rank 0 write the summary (`summary()`, JSON) when
 the engine shuts down (at exit); `optimizer.write_run_summary(path)` writes it on demand.
 """
-import collections
 import json
+import logging
 import os
 import time
 import weakref
@@ -24,6 +25,7 @@ import weakref
 RECENT_STEPS = 100
 FORMAT = "pipe_horovod.run_summary/1"
 SUMMARY_VARIABLE = "PIPE_HOROVOD_RUN_SUMMARY"
+_log = logging.getLogger("pipe_horovod")
 
 _records = weakref.WeakSet()                  # the live records, for the at-exit summary
 
@@ -40,8 +42,9 @@ class RunRecord:
         self.last_step_at = None              # the same, on perf_counter's own clock
         self._blocked = 0.0                   # blocked on reductions since then
         timings["compute_s"] = 0.0
-        timings["recent_steps"] = collections.deque(maxlen=RECENT_STEPS)
-        timings["reductions"] = collections.deque()
+        # Plain lists (users json.dump their timings), trimmed to the last RECENT_STEPS.
+        timings["recent_steps"] = []
+        timings["reductions"] = []
         self.config = config                  # () -> what produced the run (StepMachine.run_config)
         _records.add(self)
 
@@ -57,9 +60,8 @@ class RunRecord:
         reduction.record = (self, entry)
         reductions = self.timings["reductions"]
         reductions.append(entry)
-        oldest = step - RECENT_STEPS
-        while reductions and reductions[0]["step"] <= oldest:
-            reductions.popleft()
+        if reductions[0]["step"] <= step - 2 * RECENT_STEPS:     # trimmed now and then
+            reductions[:] = [r for r in reductions if r["step"] > step - RECENT_STEPS]
 
     def landed(self, entry, called, returned):
         """The wait for `entry`'s reduction, called at `called`, returned at `returned`
@@ -74,15 +76,17 @@ class RunRecord:
         if self._last_finish is not None:     # the first step's start is not known
             compute = max(0.0, now - self._last_finish - self._blocked)
             self.timings["compute_s"] += compute
-            self.timings["recent_steps"].append(
-                {"step": step, "finished_s": now, "compute_s": compute,
-                 "wait_s": self._blocked})
+            recent = self.timings["recent_steps"]
+            recent.append({"step": step, "finished_s": now, "compute_s": compute,
+                           "wait_s": self._blocked})
+            if len(recent) >= 2 * RECENT_STEPS:
+                del recent[:-RECENT_STEPS]
         self._last_finish, self._blocked = now, 0.0
         self.last_step_at = now + self._origin
 
     def summary(self):
-        """The measured run as plain data (what write() saves)."""
-        steps = list(self.timings["recent_steps"])
+        """The measured run as plain data (what write() saves): its last RECENT_STEPS steps."""
+        steps = self.timings["recent_steps"][-RECENT_STEPS:]
         first = steps[0]["step"] if steps else None
         return {"format": FORMAT, "config": self.config(),
                 "totals": {"steps": self.timings.get("steps", 0),
@@ -101,9 +105,16 @@ class RunRecord:
 
 def write_at_exit(rank):
     """At engine shutdown: with PIPE_HOROVOD_RUN_SUMMARY set, rank 0 writes the summary
-    of the optimizer that took the last step (the one training the model)."""
+    of the optimizer that took the last step (the one training the model). A path it
+    cannot write is logged, not raised: the run has trained, and shutdown must still
+    complete the reductions other ranks wait for."""
     path = os.environ.get(SUMMARY_VARIABLE)
     stepped = [r for r in _records if r.last_step_at is not None]
     if not path or rank != 0 or not stepped:
         return None
-    return max(stepped, key=lambda r: r.last_step_at).write(path)
+    try:
+        return max(stepped, key=lambda r: r.last_step_at).write(path)
+    except OSError as exc:
+        _log.warning("pipe_horovod: cannot write the run summary to %s=%s: %s",
+                     SUMMARY_VARIABLE, path, exc.strerror or exc)
+        return None

@@ -137,6 +137,7 @@ class Measured:
     launch_s: tuple            # per bucket: launch after the step's compute began
     landed_s: tuple            # per bucket: landing after its launch (when waited for)
     exposed_s: tuple           # per bucket: what waiting for it blocked
+    steps: int                 # how many steps the medians are of
 
     @property
     def step_s(self):
@@ -163,7 +164,7 @@ def measure(summary):
     return Measured(statistics.median(s["compute_s"] for s in steady),
                     statistics.median(s["wait_s"] for s in steady),
                     tuple(map(median, launch)), tuple(map(median, landed)),
-                    tuple(map(median, exposed)))
+                    tuple(map(median, exposed)), len(steady))
 
 
 def workloads(summary, measured):
@@ -297,7 +298,8 @@ def report(summary, latency_s=0.0, path="the run"):
         f"{config['compression']}{collective}, {len(config['buckets'])} buckets (cap "
         f"{config['bucket_cap_bytes'] / MIB:g} MiB), {config['workers']} workers, "
         f"{config['model_bytes'] / 1e6:.2f} MB of gradients",
-        f"Per step (median of {len(summary['steps'])} recorded): compute "
+        f"Per step (median of {measured.steps} steady steps of {len(summary['steps'])} "
+        f"recorded): compute "
         f"{measured.compute_s * 1e3:.2f} ms, exposed wait {measured.wait_s * 1e3:.2f} ms, "
         f"step {measured.step_s * 1e3:.2f} ms",
         f"Link that reproduces it: {1 / network.beta / 1e6 if network.beta else math.inf:.1f} "

@@ -30,7 +30,7 @@ MODEL_ARGUMENTS = ("--model", "--batch-size", "--device-tflops", "--workers", "-
 
 
 def add_arguments(parser):
-    parser.add_argument("--from-run", metavar="SUMMARY", type=checked(run_advice.load),
+    parser.add_argument("--from-run", metavar="SUMMARY", type=checked(_run_summary),
                         help="advise from a measured run instead: the JSON summary rank 0 wrote "
                              "(PIPE_HOROVOD_RUN_SUMMARY=path, or optimizer.write_run_summary); "
                              "prints the K, compression and bucket size that the planner "
@@ -59,6 +59,11 @@ def add_arguments(parser):
                              "in two stages on the engine's alltoall and allgather (no "
                              "collective=), beside int8 and int4 per ring hop")
     parser.add_argument("--plot", metavar="PNG", help="also draw the table as a bar chart")
+
+
+def _run_summary(path):
+    """(path, the run summary it holds, checked: run_advice.load)."""
+    return path, run_advice.load(path)
 
 
 def _list_of(convert):
@@ -270,7 +275,7 @@ def run(args):
     _check_arguments(args)
     if args.from_run is not None:
         try:
-            print(run_advice.report(args.from_run, args.latency, "--from-run"))
+            print(run_advice.report(args.from_run[1], args.latency, args.from_run[0]))
         except ValueError as exc:
             args.parser.error(str(exc))
         return 0
