@@ -154,6 +154,8 @@ def _edited(tmp_path, edit):
     (lambda s: s.update(steps=s["steps"][:1]), "1 measured step"),
     (lambda s: s["reductions"][0].update(bytes=3), "does not match the config's buckets"),
     (lambda s: s["config"].update(compression="zip"), "unknown compression 'zip'"),
+    (lambda s: s["steps"][1].pop("compute_s"), "malformed \\(no 'compute_s'\\)"),
+    (lambda s: s["reductions"][2].update(launched_s=None), "malformed"),
 ])
 def test_bad_summaries_name_the_problem(tmp_path, edit, message):
     path = _edited(tmp_path, edit)

@@ -257,10 +257,10 @@ class TensorFlowPath:
             self.timings["applied"] += 1
         self._set_depth()
 
-    # --- elastic training (pipe_horovod.keras.elastic) ----------------------------
     def write_run_summary(self, path):
         return self.machine.write_run_summary(path)
 
+    # --- elastic training (pipe_horovod.keras.elastic) ----------------------------
     def drop_in_flight(self):
         """Forget, without waiting, the gradients in flight and this step's hand-offs
         (after a failed collective they never land); a committed state is loaded next."""

@@ -120,11 +120,18 @@ def check(summary, path="run summary"):
                          f"(the first has no start to measure from)")
     if not config["buckets"] or not summary.get("reductions"):
         raise ValueError(f"{path}: no bucket reduction recorded")
-    sizes = [sum(b) for b in config["buckets"]]
-    for r in summary["reductions"]:
-        if not 0 <= r["bucket"] < len(sizes) or r["bytes"] != sizes[r["bucket"]]:
-            raise ValueError(f"{path}: reduction {r} does not match the config's buckets "
-                             f"(bytes {sizes})")
+    try:
+        for s in steps:
+            float(s["step"]) + s["finished_s"] + s["compute_s"] + s["wait_s"]
+        sizes = [sum(b) for b in config["buckets"]]
+        for r in summary["reductions"]:
+            if not 0 <= r["bucket"] < len(sizes) or r["bytes"] != sizes[r["bucket"]]:
+                raise ValueError(f"{path}: reduction {r} does not match the config's buckets "
+                                 f"(bytes {sizes})")
+            float(r["step"]) + r["launched_s"]
+    except (KeyError, TypeError) as exc:
+        what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise ValueError(f"{path}: a recorded step or reduction is malformed ({what})") from None
     wire_ratio(config["compression"], config["collective"])   # a codec this knows
 
 
@@ -244,10 +251,9 @@ def candidates(summary, measured, latency_s=0.0):
     p = config["workers"]
     per_param, per_bucket = workloads(summary, measured)
     network = calibrate(summary, measured, per_bucket, latency_s)
-    codecs = [c for c in CONVERGENCE if c != "none"] + ["none"]
     out = []
     for depth in DEPTHS:
-        for codec in codecs:
+        for codec in CONVERGENCE:
             for cap, work, bucketing in (("as run", per_bucket, AS_MEASURED), *(
                     (f"{mb} MiB", per_param, planner.Bucketing("cap", mb * MIB))
                     for mb in CAPS_MB)):
