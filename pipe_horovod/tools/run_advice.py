@@ -22,12 +22,12 @@ landing, and the configuration (K, codec, bucket cap, workers, buckets). From it
 Codecs' CPU time is not modelled (as in `plan`: on an accelerator they run beside
 backward); every codec is priced at the measured link's rate per wire byte.
 """
-import json
 import math
 import statistics
 from dataclasses import dataclass
 
 from pipe_horovod.tools import planner
+from pipe_horovod.tools.validators import read_json
 
 FORMAT = "pipe_horovod.run_summary/1"       # pipeline/run_record.py writes it
 MIB = planner.MIB
@@ -87,15 +87,7 @@ def wire_ratio(codec, collective=None):
 
 def load(path):
     """The run summary at `path`, checked: ValueError naming the file and the problem."""
-    try:
-        with open(path) as f:
-            summary = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"cannot read run summary {path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"run summary {path} is not JSON ({exc.msg} at line {exc.lineno}): "
-                         f"write it with optimizer.write_run_summary() or "
-                         f"PIPE_HOROVOD_RUN_SUMMARY") from None
+    summary = read_json(path, "run summary")
     check(summary, path)
     return summary
 
