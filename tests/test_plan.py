@@ -167,3 +167,7 @@ def test_plan_shows_the_two_stage_row_on_request(monkeypatch, capsys):
     # bytes = 12.09 ms of link time, below 21 ms of compute: compute-bound as int8 per hop.
     assert ("| ours-k2-int8-2stage (ours, K=2, int8 in two stages on the engine's collectives) "
             "| 2 | 6.1 | 12.09 | 21.00 | 762 | 1.76x | compute |") in out
+    # int4_ef at blocks of 32 (the block that meets the convergence rule): 24 MB *
+    # (0.5 + 4/32) / 4 = 3.75 MB; 6 ms of latency + 3.75 ms of bytes, compute-bound
+    assert ("| ours-k2-int4-2stage (ours, K=2, int4_ef:32 in two stages on the engine's "
+            "collectives) | 2 | 3.8 | 9.75 | 21.00 | 762 | 1.76x | compute |") in out

@@ -201,6 +201,11 @@ class _PipelinedKeras(_Keras2Gradients):
             return {"steps": 0, "wait_s": 0.0, "applied": 0}
         return self._path.timings
 
+    def write_run_summary(self, path):
+        """Write what this run measured to `path` as JSON on rank 0 (see the PyTorch
+        DistributedOptimizer's write_run_summary); None before the first step."""
+        return None if self._path is None else self._path.write_run_summary(path)
+
     @property
     def in_flight(self):
         """How many computed gradients are not applied yet."""

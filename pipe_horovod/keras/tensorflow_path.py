@@ -75,7 +75,7 @@ class TensorFlowPath:
                            for name, v in reversed(list(zip(self.names, variables)))
                            if name not in self.local])
         self._arrays = {}                        # this step's gradients (torch views), by name
-        self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0}
+        self.timings = self.machine.timings      # steps, waits and the measured run
         depth = options["pipeline_depth"]
         self.lookahead = options["staleness_compensation"] == "lookahead" and depth > 1
         # "lookahead": how many in-flight steps older than this one a prediction may use,
@@ -256,6 +256,9 @@ class TensorFlowPath:
             self.machine.release(entry)
             self.timings["applied"] += 1
         self._set_depth()
+
+    def write_run_summary(self, path):
+        return self.machine.write_run_summary(path)
 
     # --- elastic training (pipe_horovod.keras.elastic) ----------------------------
     def drop_in_flight(self):

@@ -154,6 +154,9 @@ class TorchPath:
         self.torch_optimizer.follow_keras()
         self.torch_optimizer.flush()
 
+    def write_run_summary(self, path):
+        return self.torch_optimizer.write_run_summary(path)
+
     def drop_in_flight(self):
         self.torch_optimizer.drop_in_flight()
 

@@ -14,31 +14,38 @@ writes the bucket's gradients into the flat buffer the machine owns.
 """
 import functools
 import threading
+import time
 
 from .. import collectives, engine
 from ..collectives import quantized
-from ..compression import Compression, two_stage, wire_format
+from ..compression import Compression, config_name, two_stage, wire_format
 from ..compression.feedback import ErrorFeedback
 from .buckets import plan_buckets
 from .fifo import GradientFifo
+from .run_record import RunRecord, write_at_exit
 
 
 class BucketReduction:
     """One bucket of one step: its flat tensor on the wire, or the landed result."""
 
-    __slots__ = ("bucket", "step", "handle", "ctx", "compression", "result")
+    __slots__ = ("bucket", "step", "handle", "ctx", "compression", "result", "record")
 
     def __init__(self, bucket, step, handle, ctx, compression):
         self.bucket, self.step, self.handle = bucket, step, handle
         self.ctx, self.compression = ctx, compression
         self.result = None
+        self.record = None                     # (RunRecord, its entry) once recorded
 
     def wait(self):
         if self.result is None:
+            called = time.perf_counter()
             try:
                 landed = engine.wait(self.handle)
             except engine.WaitError as exc:    # say which bucket of which step never landed
                 raise type(exc)(f"waiting for {self.describe()}: {exc}") from exc
+            if self.record is not None:
+                record, entry = self.record
+                record.landed(entry, called, time.perf_counter())
             self.result = self.compression.decompress(landed, self.ctx)
             self.handle = None
         return self.result
@@ -111,6 +118,10 @@ class StepMachine:
         self._lock = threading.Lock()
         self.buckets, self.bucket_of = [], {}
         self._buffers = {}
+        # The adapter's `timings` (it adds its own keys); the record keeps the measured
+        # step in it (pipeline/run_record.py). None: nothing recorded.
+        self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0}
+        self.record = RunRecord(self.timings, self.run_config)
         self.attach()
         self.begin_step()
 
@@ -131,6 +142,8 @@ class StepMachine:
         # (The two-stage codecs quantize nothing with one rank.)
         self.solo = not included or (self.size == 1 and self.predivide == 1.0 and (
             self.compression is Compression.none or self.wire is not None))
+        rank = self.engine.rank()
+        self.engine.before_shutdown("pipe_horovod.run_summary", lambda: write_at_exit(rank))
 
     # --- buckets ----------------------------------------------------------
     def plan(self, members):
@@ -189,12 +202,14 @@ class StepMachine:
             while (not self.solo and len(self.launched) < len(self.buckets)
                    and self._waiting[len(self.launched)] == 0):
                 self._launch(self.buckets[len(self.launched)], fill)
+                self._recorded_launch()
 
     def launch_rest(self, fill):
         """Send every bucket backward did not complete (unused parameters send zeros)."""
         with self._lock:
             while not self.solo and len(self.launched) < len(self.buckets):
                 self._launch(self.buckets[len(self.launched)], fill)
+                self._recorded_launch()
 
     def _launch(self, bucket, fill):
         flat = self.buffer(bucket)
@@ -235,11 +250,37 @@ class StepMachine:
         self.launched.append(BucketReduction(bucket, self.fifo.steps, handle, ctx,
                                              self.compression))
 
+    # --- the measured run (pipeline/run_record.py) --------------------------
+    def _recorded_launch(self):
+        """Record the reduction _launch just appended (its launch time, its bytes)."""
+        if self.record is not None:
+            self.record.launched(self.launched[-1], self.fifo.steps)
+
+    def run_config(self):
+        """What produced the recorded run: a run summary's "config"."""
+        def nbytes(bucket):
+            return [n * bucket.kind[0].itemsize for n in bucket.numels]
+        return {"pipeline_depth": self.fifo.pipeline_depth,
+                "compression": _codec_name(self.compression),
+                "collective": getattr(self.collective, "algorithm", None),
+                "bucket_cap_bytes": int(self.cap_bytes), "workers": self.size,
+                "model_bytes": sum(sum(nbytes(b)) for b in self.buckets),
+                "buckets": [nbytes(b) for b in self.buckets]}
+
+    def write_run_summary(self, path):
+        """Rank 0 writes the measured run (RunRecord.summary) to `path`; returns `path`
+        there, None on the other ranks (nothing is exchanged)."""
+        if self.record is None or self.engine.rank() != 0:
+            return None
+        return self.record.write(path)
+
     def finish_step(self, entry):
         """Push this step's `entry` (a StepGradient); return the entries to apply now,
         oldest first."""
         ready = self.fifo.push(entry)
         self.engine.step = self.fifo.steps      # for the stall reports (engine/stall.py)
+        if self.record is not None:
+            self.record.finished(self.fifo.steps - 1)
         self.begin_step()
         return ready
 
@@ -292,6 +333,14 @@ def opens_group(collective, compression):
     codec's two stages point to point), which every rank must open at one point: the
     adapters open it where they wrap (the first reduction would open it otherwise)."""
     return collective is not None or wire_format(compression) is not None
+
+
+def _codec_name(compression):
+    """The name Compression.by_name reads back; a user's own compressor by its name."""
+    try:
+        return config_name(compression)
+    except (AttributeError, ValueError):
+        return getattr(compression, "name", type(compression).__name__)
 
 
 def _alone(obj):

@@ -111,3 +111,17 @@ def names(choices, what):
         return list(dict.fromkeys(given))
     convert.__name__ = what
     return checked(convert)
+
+
+def read_json(path, what):
+    """The JSON file at `path` (a run summary, a profile: `what`); ValueError saying it
+    cannot be read or is not JSON, naming `what` and `path`."""
+    import json
+
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} {path} is not JSON ({exc.msg} at line {exc.lineno})") from None

@@ -92,7 +92,8 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
         # "pending" while the synchronize() that ended a backward awaits its step();
         # "discarded" once zero_grad() dropped it (torch/edits.py).
         self._auto_synced = None
-        self.timings = {"steps": 0, "wait_s": 0.0, "applied": 0, "compensation_s": 0.0}
+        self.timings = self._machine.timings     # steps, waits and the measured run
+        self.timings["compensation_s"] = 0.0
         self._pipeline_depth = pipeline_depth
         self._setup_compensation(compensation, pipeline_depth, _user_class(type(self)))
         _live.add(self)
@@ -457,6 +458,14 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
         """Returns: the number of averaged gradients computed and not applied yet
         (at most pipeline_depth - 1; flush() applies them)."""
         return len(self._machine.fifo)
+
+    def write_run_summary(self, path):
+        """Write what this run measured (per step compute, per bucket bytes, launch,
+        landing and exposed wait; the configuration) to `path` as JSON, on rank 0, for
+        `pipe-horovod plan --from-run path`. Returns `path` on rank 0, None elsewhere.
+        Nothing is exchanged: call it on rank 0 alone if you like. (Or set
+        PIPE_HOROVOD_RUN_SUMMARY=path to have it written at exit.)"""
+        return self._machine.write_run_summary(path)
 
     # --- for elastic training (pipe_horovod.torch.elastic) ----------------------
     # Elastic's state handlers call these on a pipelined optimizer around a failure

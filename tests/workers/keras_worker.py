@@ -220,6 +220,7 @@ def check_case(kind, depth, warmup, compensation=None, eagerly=False, predivide=
     assert int(opt.iterations.numpy()) == STEPS, what
     assert opt.timings["applied"] == STEPS // passes, what
     assert opt.timings["steps"] == STEPS // passes, what
+    _check_run_record(opt, STEPS // passes, what, reduced=phvd.size() > 1 and not local)
     assert_close(weights_of(model), expected.rank_weights[phvd.rank()], what + " after flush",
                  rtol)
     # The bound still tells the pipelines apart: one step more or less of delay moves the
@@ -827,6 +828,20 @@ def check_load_model(tmp):
         assert all(np.array_equal(a, b) for a, b in zip(weights_of(loaded), weights_of(plain)))
     expect_error(ValueError, "saved with compression none", lambda: phvd.load_model(
         tmp / "pipelined.keras", custom_optimizers=[MySGD], compression=phvd.Compression.fp16))
+
+
+def _check_run_record(opt, steps, what, reduced):
+    """The measured run (pipeline/run_record.py) as the PyTorch adapter keeps it: every
+    step after the first timed, every step's buckets recorded and landed, and the summary
+    written by rank 0 alone."""
+    timings = opt.timings
+    assert [s["step"] for s in timings["recent_steps"]] == list(range(1, steps)), what
+    assert timings["compute_s"] > 0, what
+    if reduced:
+        assert {r["step"] for r in timings["reductions"]} == set(range(steps)), what
+        assert all(r["landed_s"] >= r["launched_s"] for r in timings["reductions"]), what
+    path = str(Path(os.environ["PIPE_HOROVOD_TEST_DIR"]) / "run-summary.json")
+    assert opt.write_run_summary(path) == (path if phvd.rank() == 0 else None), what
 
 
 def main():

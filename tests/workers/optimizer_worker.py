@@ -382,7 +382,8 @@ def argument_checks(cases, folder):
     """The cases among `cases` that carry arguments in their names: engine_worker's
     engine-ENGINE-SIZE (the engine and size the launch must give), checkpoint_worker's
     save and resume runs, MODE-KIND-DEPTH-COMPENSATION (mode save, resume or
-    resume-rank0; their files go to `folder`), and no_flush_worker's no-flush-DEPTH.
+    resume-rank0; their files go to `folder`), run_summary_worker's run-summary (its
+    files too) and no_flush_worker's no-flush-DEPTH.
     (Those modules import this one: imported when named.)"""
     checks = {}
     for case in cases.split(","):
@@ -395,6 +396,9 @@ def argument_checks(cases, folder):
             mode, kind, depth, compensation = case.rsplit("-", 3)
             checks[case] = functools.partial(checkpoint_worker.check, mode, kind, int(depth),
                                              compensation, Path(folder))
+        elif case == "run-summary":
+            import run_summary_worker
+            checks[case] = functools.partial(run_summary_worker.check, Path(folder))
         elif case.startswith("no-flush-"):
             import no_flush_worker
             checks[case] = functools.partial(no_flush_worker.check, int(case.rsplit("-", 1)[1]))

@@ -11,7 +11,7 @@ parses, picks the rows, formats and plots.
 import dataclasses
 import math
 
-from pipe_horovod.tools import planner
+from pipe_horovod.tools import planner, run_advice
 from pipe_horovod.tools.commands.model import add_cluster_arguments
 from pipe_horovod.tools.validators import checked, number
 
@@ -25,16 +25,28 @@ def _model(text):
     return text
 
 
+# Required unless --from-run, which takes the model, the workers and the link from a run.
+MODEL_ARGUMENTS = ("--model", "--batch-size", "--device-tflops", "--workers", "--bandwidth")
+
+
 def add_arguments(parser):
-    parser.add_argument("--model", type=checked(_model), required=True,
+    parser.add_argument("--from-run", metavar="SUMMARY", type=checked(_run_summary),
+                        help="advise from a measured run instead: the JSON summary rank 0 wrote "
+                             "(PIPE_HOROVOD_RUN_SUMMARY=path, or optimizer.write_run_summary); "
+                             "prints the K, compression and bucket size that the planner "
+                             "predicts fastest among those that meet the convergence rule "
+                             "(docs/convergence.md), with the gain over the measured step")
+    parser.add_argument("--model", type=checked(_model),
                         help="resnet50, vgg16, bert-base (sequence 128), or the bench's mlp / cnn")
-    parser.add_argument("--batch-size", type=number(1, kind=int, what="batch size"), required=True,
+    parser.add_argument("--batch-size", type=number(1, kind=int, what="batch size"),
                         help="samples per worker per step")
     parser.add_argument("--device-tflops", type=number(0, what="device throughput", strict=True),
-                        required=True, help="sustained TFLOP/s of one worker's accelerator")
+                        help="sustained TFLOP/s of one worker's accelerator")
     add_cluster_arguments(parser)
+    parser.set_defaults(parser=parser)
     for action in parser._actions:       # plan also takes lists: one table per model, a sweep
         if action.dest in ("workers", "bandwidth"):
+            action.required = False          # (MODEL_ARGUMENTS: checked in run)
             action.type = _list_of(action.type)
             action.help += "; a comma-separated list prints the sweep table of ours vs Horovod"
     parser.add_argument("--bucket-cap-mb", type=number(0, what="bucket cap", strict=True), default=None,
@@ -42,9 +54,16 @@ def add_arguments(parser):
                              "auto, ours as DistributedOptimizer(bucket_cap_mb=None) picks it for "
                              "the workers and link, DDP at its 25)")
     parser.add_argument("--int8-two-stage", action="store_true",
-                        help="add a row for int8 in two stages on the engine's alltoall and "
-                             "allgather (compression=int8 with no collective=), beside int8 per ring hop")
+                        help="add rows for int8 and for int4_ef:32 (blocks of 32: the block size "
+                             "that meets the transformer convergence target, docs/convergence.md) "
+                             "in two stages on the engine's alltoall and allgather (no "
+                             "collective=), beside int8 and int4 per ring hop")
     parser.add_argument("--plot", metavar="PNG", help="also draw the table as a bar chart")
+
+
+def _run_summary(path):
+    """(path, the run summary it holds, checked: run_advice.load)."""
+    return path, run_advice.load(path)
 
 
 def _list_of(convert):
@@ -67,6 +86,8 @@ def _codecs(two_stage=False):
     codecs = {"fp16": (0.5, 0.0), **{name: (wire_ratio(name), 0.0) for name in PER_HOP}}
     if two_stage:                 # int8 values, the runtime's default block of scales
         codecs["int8-2stage"] = (planner.two_stage_wire_ratio(), 0.0)
+        # int4 values at blocks of 32 (run_advice.wire_ratio("int4_ef:32"))
+        codecs["int4-2stage"] = (run_advice.wire_ratio(INT4_TWO_STAGE), 0.0)
     return codecs
 
 
@@ -81,8 +102,12 @@ ROWS = (
     ("ours-k2-int8", "ours, K=2, int8 per ring hop", "ours", "pipelined+int8"),
     ("ours-k2-int4", "ours, K=2, int4 per ring hop", "ours", "pipelined+int4"),
 )
-TWO_STAGE_ROW = ("ours-k2-int8-2stage", "ours, K=2, int8 in two stages on the engine's collectives",
-                 "ours", "pipelined+int8-2stage")
+INT4_TWO_STAGE = "int4_ef:32"    # int4_ef's block size that meets the convergence rule
+TWO_STAGE_ROWS = (
+    ("ours-k2-int8-2stage", "ours, K=2, int8 in two stages on the engine's collectives",
+     "ours", "pipelined+int8-2stage"),
+    ("ours-k2-int4-2stage", f"ours, K=2, {INT4_TWO_STAGE} in two stages on the engine's "
+     "collectives", "ours", "pipelined+int4-2stage"))
 
 
 def workload(layers, device_tflops):
@@ -97,8 +122,8 @@ def workload(layers, device_tflops):
 
 
 def rows_of(two_stage=False):
-    """ROWS, and the two-stage int8 row when asked for."""
-    return ROWS + ((TWO_STAGE_ROW,) if two_stage else ())
+    """ROWS, and the two-stage rows when asked for."""
+    return ROWS + (TWO_STAGE_ROWS if two_stage else ())
 
 
 def plan(layers, device_tflops, workers, network, bucket_cap_bytes=None, work=None,
@@ -231,8 +256,29 @@ def format_sweep(args, work, results):
     return "\n".join(lines)
 
 
+def _check_arguments(args):
+    """--from-run, or every one of MODEL_ARGUMENTS (argparse's error, exit 2)."""
+    given = [flag for flag in MODEL_ARGUMENTS
+             if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if args.from_run is not None and given:
+        args.parser.error(f"--from-run takes the model, workers and link from the run; "
+                          f"drop {', '.join(given)}")
+    missing = [flag for flag in MODEL_ARGUMENTS if flag not in given]
+    if args.from_run is None and missing:
+        args.parser.error(f"the following arguments are required: {', '.join(missing)} "
+                          f"(or --from-run SUMMARY)")
+
+
 def run(args):
     from pipe_horovod.tools.workloads.architectures import layer_table
+
+    _check_arguments(args)
+    if args.from_run is not None:
+        try:
+            print(run_advice.report(args.from_run[1], args.latency, args.from_run[0]))
+        except ValueError as exc:
+            args.parser.error(str(exc))
+        return 0
 
     layers = layer_table(args.model, args.batch_size)
     cap_bytes = None if args.bucket_cap_mb is None else args.bucket_cap_mb * planner.MIB

@@ -33,13 +33,13 @@ configured total rather than that plus a hundred overshoots. The time to
 fill a layer's gradients counts inside that layer's backward time.
 """
 import dataclasses
-import json
 import math
 import time
 
 import torch
 import torch.nn as nn
 
+from pipe_horovod.tools.validators import read_json
 from pipe_horovod.tools.workloads import architectures
 
 PROFILE_FORMAT = "pipe_horovod.replay-profile/1"
@@ -67,13 +67,7 @@ def layer_times(table, device_tflops):
 def load_profile(path, table, model, batch_size, seq_len=architectures.DEFAULT_SEQ_LEN):
     """Per-layer times of `table` (`model`'s at `batch_size`) from a profile file (format
     in the module doc); ValueError says what is wrong with it."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"cannot read profile {path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"profile {path} is not JSON: {exc}") from None
+    data = read_json(path, "profile")
     where = f"profile {path}"
     if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
         raise ValueError(f"{where}: expected an object with \"format\": \"{PROFILE_FORMAT}\"")
