@@ -5,7 +5,8 @@ launcher.run_case; process-set last, as it leaves a set behind); every rank runs
 its own data shard and checks its weights against the oracle, which every
 rank can compute alone because all data is derived from (rank, step).
 The cases of engine_worker, sparse_worker, staleness_worker, horovod_compare_worker (the
-horovod engine), mismatch_worker (2 ranks), checkpoint_worker (its files in FOLDER) and
+horovod engine), hardening_engine_worker, mismatch_worker (2 ranks), checkpoint_worker (its
+files in FOLDER) and
 no_flush_worker (the last case: the launch then ends without shutdown()) run in the same
 launch (tests/shared_launches.py lists the launches).
 """
@@ -382,7 +383,8 @@ def argument_checks(cases, folder):
     """The cases among `cases` that carry arguments in their names: engine_worker's
     engine-ENGINE-SIZE (the engine and size the launch must give), checkpoint_worker's
     save and resume runs, MODE-KIND-DEPTH-COMPENSATION (mode save, resume or
-    resume-rank0; their files go to `folder`), and no_flush_worker's no-flush-DEPTH.
+    resume-rank0; their files go to `folder`), hardening_engine_worker's hardening-MODE
+    and no_flush_worker's no-flush-DEPTH.
     (Those modules import this one: imported when named.)"""
     checks = {}
     for case in cases.split(","):
@@ -395,6 +397,11 @@ def argument_checks(cases, folder):
             mode, kind, depth, compensation = case.rsplit("-", 3)
             checks[case] = functools.partial(checkpoint_worker.check, mode, kind, int(depth),
                                              compensation, Path(folder))
+        elif case.startswith("hardening-"):
+            import hardening_engine_worker
+            from pipe_horovod import engine
+            mode = case.split("-", 1)[1]
+            checks[case] = hardening_engine_worker.checks(engine.current().name)[mode]
         elif case.startswith("no-flush-"):
             import no_flush_worker
             checks[case] = functools.partial(no_flush_worker.check, int(case.rsplit("-", 1)[1]))
