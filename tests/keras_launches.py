@@ -1,7 +1,8 @@
 """The Keras fit launches that several test files read (launcher.run_once): one per engine
 and backend, each running many modes of tests/workers/keras_worker.py, since every rank pays
 7-8 s of Keras and TensorFlow imports. test_keras.py checks the fit modes and the checkpoint
-test's first half, test_tensorflow.py the custom-loop cases (tf.*) of the TensorFlow ones."""
+test's first half, test_tensorflow.py the custom-loop cases (tf.*) of the TensorFlow ones,
+test_memory.py the Keras adapter's memory (memory) in the one-process TensorFlow launch."""
 
 import launcher
 
@@ -18,7 +19,14 @@ MODES = {"local": "oracle,staleness,errors,callbacks,overlap",
          "torch": "oracle,staleness,errors,callbacks,aggregation",
          "horovod": "oracle,callbacks,metrics"}
 EXTRA_MODES = {("horovod", "torch"): ",staleness", ("torch", "tensorflow"): ",overlap"}
-ONLY_MODES = {("local", "tensorflow"): "oracle"}
+ONLY_MODES = {("local", "tensorflow"): "memory,oracle"}
+# test_memory's measurement of the Keras adapter on TensorFlow (keras_memory_worker with
+# these arguments) needs one fresh TensorFlow process started with the BFC allocator: the
+# one-process TensorFlow launch, first (a TensorFlow start-up of its own spared; the
+# allocator does not change what the oracle computes).
+MEMORY_ARGS = ("--widths", "1024", "--steps", "3", "--optimizers", "sgd-momentum",
+               "--predivide", "2", "--configs", "keras,ours-k2,ours-k2-default")
+MEMORY_LAUNCH = ("local", "tensorflow")
 LAST_MODE = ",api"           # rank 0 alone builds optimizers there: nothing may follow
 # The path GPU tensors take on TensorFlow (tf.py_function + DLPack) is forced on CPU in the
 # horovodrun launch; the others take NumPy's (a launch of its own cost 19 s).
@@ -50,6 +58,8 @@ def fit_launch(tmp_path_factory, engine_name, backend, np_):
     args = (CHECKPOINT_DEPTH, tmp / "full.npz", tmp / "m.keras") if key in CHECKPOINT_MODES \
         else ()
     env = {"KERAS_BACKEND": backend, "PIPE_HOROVOD_TEST_DIR": str(tmp)}
+    if key == MEMORY_LAUNCH:
+        env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"    # counts its bytes only as BFC
     if key == DLPACK_LAUNCH:
         env["PIPE_HOROVOD_KERAS_TRANSFER"] = "dlpack"
     return (tmp, *launcher.run_once(engine_name, np_, "keras_worker.py", modes, *args,

@@ -13,15 +13,21 @@ import launcher
 # Beside the optimizer's own cases (oracle, features, param-group, process-set: last of
 # those, as it leaves a set behind) they run engine_worker's checks (engine-ENGINE-SIZE:
 # first, on the fresh engine), sparse_worker's, horovod_compare_worker's, mismatch_worker's,
+# hardening_engine_worker's (test_hardening_engine: hardening-MODE, before the mismatches),
 # checkpoint_worker's saving runs (save-KIND-DEPTH-COMPENSATION) and no_flush_worker's
 # (no-flush-DEPTH: last, the launch then ends without shutdown() as a script does),
 # run_summary_worker's (run-summary: the measured-run record, test_plan_from_run.py); a
 # second launch per engine resumes the checkpoints (RESUMED).
-OPTIMIZER = {("local", 1): ["engine-local-1", "oracle", "features", "param-group", "sparse"],
-             ("horovod", 2): ["features", "param-group", "sparse", "horovod-compare", "mismatch",
-                              "save-sgd-3-none", "save-sgd-2-none", "no-flush-3"],
+HARDENING_ENGINE = ["hardening-names", "hardening-intavg", "hardening-autograd",
+                    "hardening-optstate"]
+OPTIMIZER = {("local", 1): ["engine-local-1", "oracle", "features", "param-group", "sparse",
+                            *HARDENING_ENGINE],
+             ("horovod", 2): ["features", "param-group", "sparse", "horovod-compare",
+                              *HARDENING_ENGINE, "mismatch", "save-sgd-3-none",
+                              "save-sgd-2-none", "no-flush-3"],
              ("horovod", 3): ["engine-horovod-3", "oracle", "features", "process-set"],
-             ("torch", 2): ["features", "mismatch", "run-summary", "no-flush-2"],
+             ("torch", 2): ["features", "hardening-intavg", "hardening-optstate", "mismatch",
+                            "run-summary", "no-flush-2"],
              ("torch", 3): ["engine-torch-3", "oracle", "features", "param-group", "sparse",
                             "save-adam-3-none", "save-sgd-2-lookahead", "process-set"]}
 RESUMED = {("horovod", 2): ["resume-sgd-3-none", "resume-rank0-sgd-2-none", "no-flush-2"],

@@ -1,7 +1,8 @@
 """Issue 14, engine side: regression tests for defects 2, 5 and 6.
 
 The multi-rank checks run tests/workers/hardening_engine_worker.py under the
-launchers users use; each worker compares with exact expected values. The
+launchers users use, inside optimizer_worker's launch of each engine and size
+(tests/shared_launches.py); each worker compares with exact expected values. The
 unit tests run on the local engine in this process.
 
 - defect 2: unnamed collectives next to a bf16, pipeline_depth=2 optimizer
@@ -16,26 +17,26 @@ import pytest
 import torch
 
 import launcher
+import shared_launches
 import pipe_horovod.torch as hvd
 from pipe_horovod.torch import functions
 
 pytestmark = pytest.mark.timeout(300)
 
 ENGINES = [("horovod", 2), ("torch", 2), ("local", 1)]
-# The modes each engine's one launch runs (launcher.run_case); cuda runs alone.
-MODES = {("horovod", 2): ["names", "intavg", "autograd", "optstate"],
-         ("torch", 2): ["intavg", "optstate"],
-         ("local", 1): ["names", "intavg", "autograd", "optstate"]}
 
 
-def launch(mode, engine_name, np):
+def launch(tmp_path_factory, mode, engine_name, np):
+    """The mode's case of optimizer_worker's launch of this engine and size
+    (tests/shared_launches.py: one start-up for test_optimizer's, test_engine's and these
+    cases); cuda runs alone."""
     launcher.skip_without(engine_name)
     if mode == "cuda":
         launcher.run(engine_name, np, "hardening_engine_worker.py", mode, engine_name,
                      timeout=150)
     else:
-        launcher.run_case(engine_name, np, "hardening_engine_worker.py",
-                          MODES[engine_name, np], mode, engine_name, timeout=240)
+        shared_launches.optimizer_case(shared_launches.optimizer_folder(tmp_path_factory),
+                                       engine_name, np, f"hardening-{mode}")
 
 
 @pytest.fixture
@@ -48,16 +49,16 @@ def local():
 
 # --- defect 2 --------------------------------------------------------------------
 @pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("local", 1)])
-def test_unnamed_collectives_beside_bf16_pipeline(engine_name, np):
+def test_unnamed_collectives_beside_bf16_pipeline(tmp_path_factory, engine_name, np):
     """A hang shows as the launcher's timeout; weights and every collective's
     result are checked exactly at each step."""
-    launch("names", engine_name, np)
+    launch(tmp_path_factory, "names", engine_name, np)
 
 
 # --- defect 5 --------------------------------------------------------------------
 @pytest.mark.parametrize("engine_name, np", ENGINES)
-def test_integer_reductions_match_horovod(engine_name, np):
-    launch("intavg", engine_name, np)
+def test_integer_reductions_match_horovod(tmp_path_factory, engine_name, np):
+    launch(tmp_path_factory, "intavg", engine_name, np)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.bool,
@@ -71,21 +72,21 @@ def test_dtypes_horovod_cannot_reduce_are_refused(local, dtype):
 
 # --- the autograd note --------------------------------------------------------------
 @pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("local", 1)])
-def test_gradients_through_collectives_match_horovod(engine_name, np):
-    launch("autograd", engine_name, np)
+def test_gradients_through_collectives_match_horovod(tmp_path_factory, engine_name, np):
+    launch(tmp_path_factory, "autograd", engine_name, np)
 
 
 # --- defect 6 --------------------------------------------------------------------
 @pytest.mark.parametrize("engine_name, np", ENGINES)
-def test_broadcast_optimizer_state_after_rank0_rollback(engine_name, np):
-    launch("optstate", engine_name, np)
+def test_broadcast_optimizer_state_after_rank0_rollback(tmp_path_factory, engine_name, np):
+    launch(tmp_path_factory, "optstate", engine_name, np)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_broadcast_optimizer_state_cuda_root_to_cpu_only_rank():
     """Rank 0's state on cuda:0; rank 1 sees no GPU: it must receive the state on
     CPU without initializing CUDA (pickled CUDA storages would need cuda:0)."""
-    launch("cuda", "torch", 2)
+    launch(None, "cuda", "torch", 2)
 
 
 def pipelined_optimizer(steps=3):

@@ -1,21 +1,19 @@
 """`pipe-horovod memory`: its tables, and the Keras adapter's live memory at the floor.
 
-The Keras measurement runs in a subprocess: TensorFlow's CPU allocator counts its
-bytes only when $TF_CPU_ALLOCATOR_USE_BFC is set before TensorFlow starts. One process
+The Keras measurement runs in another process: TensorFlow's CPU allocator counts its
+bytes only when $TF_CPU_ALLOCATOR_USE_BFC is set before TensorFlow starts; the process is
+test_keras's one-process TensorFlow fit launch (tests/keras_launches.py), which measures
+first and then runs its fits (a TensorFlow start-up spared). One process
 with a gradient predivide factor of 2 sends the gradients through the pipeline (the
 FIFO, the slot buffers, the lookahead's shadow weights) as on many ranks.
 """
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+import launcher
+from keras_launches import MEMORY_LAUNCH, fit_launch
 from pipe_horovod.tools.commands import memory
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_tables_show_every_column():
@@ -39,28 +37,22 @@ def test_the_tables_show_every_column():
     assert "| 2.10 | adam | torch | torch | keras | 4.00 | 0.00 | 4.00 | – |" in text
 
 
-def test_keras_on_tensorflow_default_is_the_unwrapped_optimizer_plus_two_copies():
+def test_keras_on_tensorflow_default_is_the_unwrapped_optimizer_plus_two_copies(
+        tmp_path_factory):
     # Between steps the default holds, beyond the unwrapped Keras optimizer, the averaged
     # gradient in flight (one slot buffer: the slot applied at this step is let go, since
     # TensorFlow keeps no gradient between steps) and the real weights (the shadow
     # variables), as the PyTorch adapter does (issue 36 item 6; + 3 before). Plain K=2:
     # the gradient in flight alone. No cached zeros for the steps that fill the pipeline
     # (a whole copy until 2026-11-25), no saved optimizer state.
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPU_ALLOCATOR_USE_BFC="true",
-               TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
-                                                        os.environ.get("PYTHONPATH")])))
-    for key in ("RANK", "WORLD_SIZE", "HOROVOD_RANK", "HOROVOD_SIZE", "PIPE_HOROVOD_ENGINE"):
-        env.pop(key, None)
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("keras")
+    _, code, out = fit_launch(tmp_path_factory, *MEMORY_LAUNCH, 1)
+    launcher.assert_case(code, out, 1, "memory", "keras_worker.py on local tensorflow")
     configs = ("keras", "ours-k2", "ours-k2-default")
-    out = subprocess.run(
-        [sys.executable, "-m", "pipe_horovod.tools.bench.keras_memory_worker", "--widths", "1024",
-         "--steps", "3", "--optimizers", "sgd-momentum", "--predivide", "2",
-         "--configs", ",".join(configs)],
-        env=env, capture_output=True, text=True, timeout=300)
     rows = {r["config"]: r for r in (json.loads(line.split("MEMORY ", 1)[1])
-                                     for line in out.stdout.splitlines() if "MEMORY " in line)}
-    assert set(rows) == set(configs), out.stdout[-2000:] + out.stderr[-2000:]
+                                     for line in out.splitlines() if "MEMORY " in line)}
+    assert set(rows) == set(configs), out[-4000:]
     # (2.1 M parameters: on small models TensorFlow's own allocations of ~100 kB come and go
     # between measurements.)
     unwrapped = rows["keras"]["live"]

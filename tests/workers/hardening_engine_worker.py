@@ -357,14 +357,19 @@ def cuda():
     dist.destroy_process_group()
 
 
+def checks(engine_name):
+    """The modes but cuda, by name (optimizer_worker's launches run them as hardening-MODE:
+    tests/shared_launches.py)."""
+    return {"names": names, "intavg": lambda: intavg(engine_name),
+            "autograd": lambda: autograd(engine_name), "optstate": optstate}
+
+
 def main():
     modes, engine_name = sys.argv[1], sys.argv[2]
     if modes == "cuda":                  # it shuts the engine and torch.distributed down
         cuda()
     else:
-        launcher.worker_cases({"names": names, "intavg": lambda: intavg(engine_name),
-                               "autograd": lambda: autograd(engine_name),
-                               "optstate": optstate}, modes, hvd.rank)
+        launcher.worker_cases(checks(engine_name), modes, hvd.rank)
     print(f"WORKER_OK rank={hvd.rank() if hvd.is_initialized() else os.environ.get('RANK')}",
           flush=True)
     if hvd.is_initialized():

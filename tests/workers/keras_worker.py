@@ -2,6 +2,8 @@
 NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
 
 `python keras_worker.py MODE[,MODE...] [ARGS]`:
+  memory                 test_memory's: keras_memory_worker with keras_launches.MEMORY_ARGS
+                         (one process on TensorFlow, TF_CPU_ALLOCATOR_USE_BFC=true); first
   oracle                 SGD+momentum and Adam, K = 1, 2, 3, warm-up 0 and 2 (plain Pipe-SGD);
                          on several ranks also reduced by collective="ring"
   staleness              the same with staleness_compensation="lookahead", K = 2, 3 (with one
@@ -233,6 +235,15 @@ def check_case(kind, depth, warmup, compensation=None, eagerly=False, predivide=
 
 
 SYNC = {}                  # kind -> weights after fit and flush at K=1 (check_oracle's)
+
+
+def check_memory():
+    """The Keras adapter's live memory, as `pipe-horovod memory --framework keras` measures
+    it: MEMORY lines for test_memory.py, which asserts them."""
+    from keras_launches import MEMORY_ARGS
+    from pipe_horovod.tools.bench import keras_memory_worker
+
+    keras_memory_worker.run(keras_memory_worker.parse_args(MEMORY_ARGS))
 
 
 def check_oracle():
@@ -857,7 +868,7 @@ def main():
     else:
         # K, then one file for each of full and save that the launch runs, in that order.
         files = dict(zip([m for m in modes.split(",") if m in ("full", "save")], args[1:]))
-        checks = {"oracle": check_oracle, "staleness": check_staleness,
+        checks = {"memory": check_memory, "oracle": check_oracle, "staleness": check_staleness,
                   "settings": check_settings, "callbacks": check_callbacks,
                   "errors": check_errors, "overlap": check_overlap,
                   "aggregation": check_aggregation,

@@ -5,7 +5,8 @@ launcher.run_case; process-set last, as it leaves a set behind); every rank runs
 its own data shard and checks its weights against the oracle, which every
 rank can compute alone because all data is derived from (rank, step).
 The cases of engine_worker, sparse_worker, staleness_worker, horovod_compare_worker (the
-horovod engine), mismatch_worker (2 ranks), checkpoint_worker (its files in FOLDER) and
+horovod engine), hardening_engine_worker, mismatch_worker (2 ranks), checkpoint_worker (its
+files in FOLDER) and
 no_flush_worker (the last case: the launch then ends without shutdown()) run in the same
 launch (tests/shared_launches.py lists the launches).
 """
@@ -383,7 +384,8 @@ def argument_checks(cases, folder):
     engine-ENGINE-SIZE (the engine and size the launch must give), checkpoint_worker's
     save and resume runs, MODE-KIND-DEPTH-COMPENSATION (mode save, resume or
     resume-rank0; their files go to `folder`), run_summary_worker's run-summary (its
-    files too) and no_flush_worker's no-flush-DEPTH.
+    files too), hardening_engine_worker's hardening-MODE and no_flush_worker's
+    no-flush-DEPTH.
     (Those modules import this one: imported when named.)"""
     checks = {}
     for case in cases.split(","):
@@ -399,6 +401,11 @@ def argument_checks(cases, folder):
         elif case == "run-summary":
             import run_summary_worker
             checks[case] = functools.partial(run_summary_worker.check, Path(folder))
+        elif case.startswith("hardening-"):
+            import hardening_engine_worker
+            from pipe_horovod import engine
+            mode = case.split("-", 1)[1]
+            checks[case] = hardening_engine_worker.checks(engine.current().name)[mode]
         elif case.startswith("no-flush-"):
             import no_flush_worker
             checks[case] = functools.partial(no_flush_worker.check, int(case.rsplit("-", 1)[1]))

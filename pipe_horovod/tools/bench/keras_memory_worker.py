@@ -100,7 +100,7 @@ def measure(config, kind, width, steps, rank, backend, predivide=1.0):
     return row
 
 
-def main(argv=None):
+def parse_args(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--widths", default="1024", help="comma-separated MLP widths")
     parser.add_argument("--steps", type=int, default=8)
@@ -109,16 +109,21 @@ def main(argv=None):
     parser.add_argument("--predivide", type=float, default=1.0,
                         help="gradient_predivide_factor: 2 sends one process's gradients "
                              "through the pipeline as on many ranks (exact in floating point)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def run(args):
+    """Every (width, optimizer, configuration) on the engine initialised already; rank 0
+    prints one MEMORY line each. (The test suite runs it inside another launch of one
+    TensorFlow process, tests/workers/keras_worker.py, to spare a TensorFlow start-up.)"""
     import keras
 
     import pipe_horovod.keras as hvd
+    from pipe_horovod import engine
     backend = keras.backend.backend()
     if backend == "tensorflow" and os.environ.get("TF_CPU_ALLOCATOR_USE_BFC") != "true":
         raise SystemExit("set TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow starts: "
                          "without it the CPU allocator counts nothing")
-    hvd.init()
-    from pipe_horovod import engine
     for width in [int(w) for w in args.widths.split(",")]:
         for kind in args.optimizers.split(","):
             for config in args.configs.split(","):
@@ -128,6 +133,13 @@ def main(argv=None):
                 row["workers"] = hvd.size()
                 if hvd.rank() == 0:
                     print("MEMORY " + json.dumps(row), flush=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import pipe_horovod.keras as hvd
+    hvd.init()
+    run(args)
     hvd.shutdown()
 
 
