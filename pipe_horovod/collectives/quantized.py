@@ -57,17 +57,23 @@ TRANSPORTS = ("engine", "p2p")
 TRANSPORT_VARIABLE = "PIPE_HOROVOD_TWO_STAGE_TRANSPORT"
 
 
+def check_transport(transport, tensor, what="transport"):
+    """`transport` if it can carry `tensor` (p2p: CPU tensors only; it stages nothing
+    through host buffers), else a ValueError naming `what` asked for it."""
+    if transport not in TRANSPORTS or (transport == "p2p" and tensor.device.type != "cpu"):
+        raise ValueError(f"{what}={transport!r}: choose one of {', '.join(TRANSPORTS)} (p2p "
+                         f"for CPU tensors only; this tensor is on {tensor.device})")
+    return transport
+
+
 def bucket_transport(tensor):
     """The optimizer's buckets: "p2p" for CPU tensors, "engine" for others (NCCL keeps a
     GPU's bytes on the device); PIPE_HOROVOD_TWO_STAGE_TRANSPORT=engine|p2p decides for
-    every device (p2p stages a GPU tensor through no host buffer: CPU only)."""
+    every device."""
     chosen = os.environ.get(TRANSPORT_VARIABLE)
     if chosen is None:
         return "p2p" if tensor.device.type == "cpu" else "engine"
-    if chosen not in TRANSPORTS or (chosen == "p2p" and tensor.device.type != "cpu"):
-        raise ValueError(f"{TRANSPORT_VARIABLE}={chosen!r}: choose engine or p2p (p2p for "
-                         f"CPU tensors only; this bucket is on {tensor.device})")
-    return chosen
+    return check_transport(chosen, tensor, TRANSPORT_VARIABLE)
 
 
 def allreduce_async(tensor, name=None, op=None, *, fmt, residuals=None, process_set=None,
@@ -87,9 +93,7 @@ def allreduce_async(tensor, name=None, op=None, *, fmt, residuals=None, process_
     if not tensor.is_floating_point():
         raise ValueError(f"a quantized allreduce reduces floating-point tensors, got "
                          f"{tensor.dtype}")
-    if transport not in TRANSPORTS or (transport == "p2p" and tensor.device.type != "cpu"):
-        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)} (p2p for CPU "
-                         f"tensors), got {transport!r} for a tensor on {tensor.device}")
+    check_transport(transport, tensor)
     acc = accumulator(tensor.dtype)
     eng = _engine.current()
     ps = eng.resolve_process_set(process_set)
