@@ -166,11 +166,39 @@ def test_horovods_functional_allreduce_takes_int8(local):
         phvd.allreduce(t, compression=Compression.int8, op=phvd.Max)
 
 
-def test_a_lone_rank_quantizes_nothing(local):
+@pytest.mark.parametrize("transport", quantized.TRANSPORTS)
+def test_a_lone_rank_quantizes_nothing_on_either_transport(local, transport):
     t = torch.randn(300)
     want = t.clone()
-    out = phvd.synchronize(quantized.allreduce_async(t, "solo", fmt=WireFormat("int8")))
+    out = phvd.synchronize(quantized.allreduce_async(t, "solo", fmt=WireFormat("int8"),
+                                                     transport=transport))
     assert out is t and torch.equal(t, want)
+
+
+def test_buckets_go_point_to_point_on_a_cpu_and_on_the_engine_elsewhere(monkeypatch):
+    monkeypatch.delenv(quantized.TRANSPORT_VARIABLE, raising=False)
+    cpu, other = torch.ones(4), torch.ones(4, device="meta")     # meta: a non-CPU device
+    assert quantized.bucket_transport(cpu) == "p2p"
+    assert quantized.bucket_transport(other) == "engine"
+    monkeypatch.setenv(quantized.TRANSPORT_VARIABLE, "engine")
+    assert quantized.bucket_transport(cpu) == "engine"
+    monkeypatch.setenv(quantized.TRANSPORT_VARIABLE, "p2p")
+    assert quantized.bucket_transport(cpu) == "p2p"
+    with pytest.raises(ValueError, match="PIPE_HOROVOD_TWO_STAGE_TRANSPORT='p2p': choose "
+                                         "one of engine, p2p .p2p for CPU tensors only; this "
+                                         "tensor is on meta"):
+        quantized.bucket_transport(other)
+    monkeypatch.setenv(quantized.TRANSPORT_VARIABLE, "ring")
+    with pytest.raises(ValueError, match="TRANSPORT='ring': choose one of engine, p2p"):
+        quantized.bucket_transport(cpu)
+
+
+def test_a_transport_that_cannot_carry_the_tensor_is_refused(local):
+    for transport, t in (("ring", torch.ones(3)), ("p2p", torch.ones(3, device="meta"))):
+        with pytest.raises(ValueError, match=f"^transport='{transport}': choose one of "
+                                             "engine, p2p .p2p for CPU tensors only; this "
+                                             f"tensor is on {t.device}"):
+            quantized.allreduce_async(t, "bad", fmt=WireFormat("int8"), transport=transport)
 
 
 # --- chunks (the stages pipelined) --------------------------------------------------

@@ -35,6 +35,11 @@ def communicator(eng):
     return found
 
 
+def opened(eng):
+    """The engine's communicator if one was created, else None (creates nothing)."""
+    return _communicators.get(eng)
+
+
 class _Running(Work):
     def __init__(self, future):
         self.future = future
@@ -79,6 +84,38 @@ class Job:
         return (tensor.dtype == self.acc_dtype and tensor.device.type == "cpu"
                 and self.kind != "reduce")
 
+    def instead(self):
+        """None: run here. A job that another way completed returns its result."""
+        return None
+
+    def run(self, channel, pool):
+        """The algorithm, on the communicator's thread, over `channel`; the result."""
+        import torch
+
+        tensor, codec = self.tensor, self.codec
+        flat = tensor.view(-1)
+        algorithm = self.spec.module
+        nbytes = flat.numel() * torch.empty(0, dtype=codec.wire_dtype).element_size()
+        layout = Layout(algorithm.blocks(self.kind, flat.numel(), self.p, nbytes, self.spec),
+                        codec)
+        buffers = pool.get(flat.numel(), self.acc_dtype, layout.wire_numel, codec.wire_dtype,
+                           not codec.elementwise, not self.in_place)
+        work = flat if self.in_place else buffers.work.copy_(flat)
+        if self.prescale != 1.0:
+            work.mul_(self.prescale)
+        if self.residual is not None:
+            work.add_(self.residual)
+            self.residual.zero_()
+        x = Exchange(channel, codec, layout, work, buffers, self.residual, self.factor)
+        if self.kind == "allreduce":
+            algorithm.allreduce(x, self.me, self.p)
+        else:
+            getattr(algorithm, self.kind)(x, self.me, self.p, self.root)
+        x.finish()
+        if not self.in_place and (self.kind != "reduce" or self.me == self.root):
+            flat.copy_(work)
+        return tensor
+
 
 class Communicator:
     def __init__(self, eng):
@@ -96,11 +133,9 @@ class Communicator:
         """Run `job` (nothing to send: at once) and return its engine Work."""
         if job.p == 1:
             return Done(self._alone(job))
-        sequence = self._sequence[job.set_id]
-        self._sequence[job.set_id] += 1
         if self.closed:
             raise RuntimeError("pipe_horovod.collectives: the engine is shutting down")
-        return _Running(self._thread.submit(self._run, job, sequence))
+        return _Running(self._thread.submit(self._run, job))
 
     @staticmethod
     def _alone(job):
@@ -115,34 +150,24 @@ class Communicator:
                 job.tensor.mul_(factor)
         return job.tensor
 
-    def _run(self, job, sequence):
+    def _run(self, job):
+        """On the thread, in start order. The call number counts only the jobs that
+        communicate here (`job.instead()` None): every rank that runs a job runs the same
+        ones before it, so the numbers, and the tags made from them, agree."""
         import torch
 
+        done = job.instead()
+        if done is not None:
+            return done
+        sequence = self._sequence[job.set_id]
+        self._sequence[job.set_id] += 1
         checking = Channel(torch.distributed, self.group, job.ranks,
                            tag_base(sequence, job.set_id))
         verified = self.agreement.check(job, checking, sequence)
         channel = Channel(torch.distributed, self.group, job.ranks,
                           tag_base(sequence, job.set_id, verified))
-        tensor, codec = job.tensor, job.codec
-        flat = tensor.view(-1)
-        algorithm = job.spec.module
-        nbytes = flat.numel() * torch.empty(0, dtype=codec.wire_dtype).element_size()
-        layout = Layout(algorithm.blocks(job.kind, flat.numel(), job.p, nbytes, job.spec), codec)
-        buffers = self.pool.get(flat.numel(), job.acc_dtype, layout.wire_numel, codec.wire_dtype,
-                                not codec.elementwise, not job.in_place)
-        work = flat if job.in_place else buffers.work.copy_(flat)
-        if job.prescale != 1.0:
-            work.mul_(job.prescale)
-        if job.residual is not None:
-            work.add_(job.residual)
-            job.residual.zero_()
-        x = Exchange(channel, codec, layout, work, buffers, job.residual, job.factor)
         try:
-            if job.kind == "allreduce":
-                algorithm.allreduce(x, job.me, job.p)
-            else:
-                getattr(algorithm, job.kind)(x, job.me, job.p, job.root)
-            x.finish()
+            return job.run(channel, self.pool)
         except RuntimeError as exc:
             if "timed out" not in str(exc).lower():
                 raise
@@ -151,9 +176,6 @@ class Communicator:
                 f"{dict(signature(job))}) got no message from a peer within the timeout: "
                 f"the ranks may have called it with different arguments (each a call "
                 f"verified before), or a peer stopped") from exc
-        if not job.in_place and (job.kind != "reduce" or job.me == job.root):
-            flat.copy_(work)
-        return tensor
 
     def close(self):
         """Before the engine stops: let every started collective finish (the other

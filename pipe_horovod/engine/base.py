@@ -534,6 +534,55 @@ class Engine:
 
         return self.adopt_async(kind, tensor, name, op, start, process_set=process_set)
 
+    def gated_async(self, kind, tensor, name, op, start, joined, *, process_set=None):
+        """An operation on a transport a joined rank does not answer (pipe_horovod's own
+        point-to-point group: collectives/quantized.py), tracked as one under `name`.
+
+        A joined rank (hvd.join: uneven data) runs none of our code, so a send to it
+        would wait until the timeout. Every rank therefore first allreduces a one under
+        `<name>.probe`, for which a joined rank stands in with zero: `start(ps, gate)`
+        returns the operation's Work, whose thread calls `gate()` before it sends
+        anything. `gate()` is True when every rank of the set is present; else it runs
+        the way on after a join that two_stage_async's `joined` describes (the library's
+        allreduce of what `joined()` gives, under `<name>.join`, its result to `finish`)
+        and returns False once that completed, and the operation sends nothing. Every
+        rank still training gets the same answer, so they all take the same way."""
+        def begin(ps):
+            one = tensor.new_ones(1).float()      # float32: any engine sums it plainly
+            probe = _Started(self, self._start_allreduce(one, f"{name}.probe", Sum, ps, 1.0,
+                                                         1.0))
+
+            def gate():
+                present = self._settled(probe, f"allreduce {name + '.probe'!r}").wait()
+                if int(present.item()) == len(ps.ranks):
+                    return True
+                tensor_, prescale, postscale, finish = joined()
+                finish(self._settled(self._join_allreduce(tensor_, name, op, ps, prescale,
+                                                          postscale), f"allreduce {name + '.join'!r}").wait())
+                return False
+            return start(ps, gate)
+
+        if name is None:
+            name = self._claim(kind, None, self.resolve_process_set(process_set))
+        return self.adopt_async(kind, tensor, name, op, begin, process_set=process_set)
+
+    def _settled(self, work, what):
+        """`work` (`what`: the collective, for messages) once complete, waited for off the
+        caller's thread, with no stall report (the caller's own wait gives that): past the
+        timeout, or at a shutdown that lets go of the library, it raises."""
+        if not wait_until(lambda: self._releasing or work.poll(),
+                          time.monotonic() + self.timeout_s):
+            raise WaitTimeoutError(f"{what} did not complete within {self.timeout_s:g} s: "
+                                   "a rank has not started it")
+        if self._releasing and not work.poll():
+            raise EngineError(f"the engine shut down while {what} was in flight")
+        return work
+
+    def _join_allreduce(self, tensor, name, op, ps, prescale, postscale):
+        """The library's allreduce that stands in for `name` once a rank joined."""
+        return _Started(self, self._start_allreduce(tensor, f"{name}.join", op, ps, prescale,
+                                                    postscale))
+
     @staticmethod
     def _chunk_name(name, what, index):
         return f"{name}.{what}" if index == 0 else f"{name}.{what}.{index}"
@@ -593,9 +642,8 @@ class Engine:
                 raise EngineError(f"{name!r}: chunk 0's alltoall was refused for a joined "
                                   f"rank, chunk {index}'s was not") from refused
         tensor, prescale, postscale, finish = joined()
-        allreduce = _Started(self, self._start_allreduce(tensor, f"{name}.join", op, ps,
-                                                         prescale, postscale))
-        work.pending.append((allreduce, finish))
+        work.pending.append((self._join_allreduce(tensor, name, op, ps, prescale, postscale),
+                             finish))
 
     def _next_chunk(self, started, index, count, name):
         """Pool thread: chunk `index`'s (alltoall, reduce, finish), its alltoall complete."""
@@ -603,15 +651,8 @@ class Engine:
         if item is None:
             raise EngineError(f"{name!r}: the first stage of chunk {index} of {count} "
                               "failed on this rank (the caller got its error)")
-        a2a = item[0]
-        a2a_name = self._chunk_name(name, "a2a", index)
         # Not `_closed`: shutdown first completes what is in flight, these included.
-        if not wait_until(lambda: self._releasing or a2a.poll(),
-                          time.monotonic() + self.timeout_s):
-            raise WaitTimeoutError(f"alltoall {a2a_name!r} did not complete within "
-                                   f"{self.timeout_s:g} s: a rank has not started it")
-        if self._releasing and not a2a.poll():
-            raise EngineError(f"the engine shut down while {name!r} waited for its alltoall")
+        self._settled(item[0], f"alltoall {self._chunk_name(name, 'a2a', index)!r}")
         return item
 
     def _known(self, handle):

@@ -29,7 +29,8 @@ from ..collectives.communicator import communicator
 from ..compression import Compression, config_name
 from ..pipeline.buckets import AutoBucketCap, resolve_bucket_cap_mb
 from ..pipeline import (announce_depth, check_options, check_reduction, check_staleness,
-                        compare_across_ranks, report_unapplied, resolve_depth, staleness)
+                        compare_across_ranks, opens_group, report_unapplied, resolve_depth,
+                        staleness)
 from .keras2_gradients import _Keras2Gradients
 from .naming import momentum_attribute, next_prefix
 
@@ -113,7 +114,7 @@ class _PipelinedKeras(_Keras2Gradients):
         if ps is None or ps.included():
             compare_across_ranks(lambda obj: engine.current().allgather_object(
                 obj, process_set=ps), description)
-        if options["collective"] is not None:
+        if opens_group(options["collective"], options["compression"]):
             communicator(engine.current())
 
     def _base_apply(self, grads, variables):

@@ -230,7 +230,9 @@ class StepMachine:
                              self.feedback.residual(self.slot, bucket, stage=2, part=(
                                  two_stage.own_shard(bucket.numel, self.size, index))))
             handle = quantized.allreduce_async(flat, name, self.op, fmt=self.wire,
-                                               residuals=residuals, **scaling)
+                                               residuals=residuals,
+                                               transport=quantized.bucket_transport(flat),
+                                               **scaling)
             self.launched.append(BucketReduction(bucket, self.fifo.steps, handle, None,
                                                  Compression.none))
             return
@@ -324,6 +326,13 @@ class StepMachine:
         """Drop, without waiting, everything in flight (after a failed collective)."""
         self.fifo.replace([], self.fifo.steps)
         self.begin_step()
+
+
+def opens_group(collective, compression):
+    """Whether the buckets may send on pipe_horovod's own gloo group (per hop, or a
+    codec's two stages point to point), which every rank must open at one point: the
+    adapters open it where they wrap (the first reduction would open it otherwise)."""
+    return collective is not None or wire_format(compression) is not None
 
 
 def _codec_name(compression):

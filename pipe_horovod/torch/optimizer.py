@@ -41,7 +41,7 @@ from ..compression import describe as describe_compression
 from ..pipeline.buckets import BucketCapBytes, bucket_cap_bytes, resolve_bucket_cap_mb
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
                         check_reduction, check_staleness, compare_across_ranks,
-                        report_unapplied, resolve_depth, staleness)
+                        opens_group, report_unapplied, resolve_depth, staleness)
 from . import edits, lookahead
 from .checkpoint import _PipelineCheckpoint
 from .compensation import _Compensation, _momentum_key, _values
@@ -859,7 +859,7 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
                             bool(sparse_as_dense), process_set, compensation, collective)
     if join_ranks is not None:
         wrapped._join_ranks = join_ranks
-    elif collective is not None:
+    elif opens_group(collective, compression):
         communicator(eng)            # collective: every rank is here, after the comparison
     return wrapped
 

@@ -45,6 +45,8 @@ if importlib.util.find_spec("triton") is not None:
 import torch
 
 import pipe_horovod.torch as hvd
+from pipe_horovod import engine
+from pipe_horovod.collectives import quantized
 from pipe_horovod.compression import two_stage
 
 
@@ -101,7 +103,8 @@ def joined_int8():
     """int8 in two stages (an alltoall, which a joined rank cannot stand in for) with
     the other rank joined: the engine's allreduce of this rank's first stage instead,
     the joined rank adding zeros: this rank's quantized values, halved (Average). In
-    one chunk, and in four (all of whose alltoalls are refused)."""
+    one chunk, and in four (all of whose alltoalls are refused); then the same on the
+    point-to-point transport."""
     fmt, same = two_stage.WireFormat(hvd.Compression.int8.wire), []
     for numel in (1000, 4 * two_stage.CHUNK_NUMEL):
         x, at, want = torch.linspace(-3, 5, numel), 0, []
@@ -109,6 +112,11 @@ def joined_int8():
             want.append(two_stage.quantize(x[at:at + shard], fmt)[1] / hvd.size())
             at += shard
         got = hvd.allreduce(x, name=f"j.int8.{numel}", compression=hvd.Compression.int8)
+        same.append(torch.equal(got, torch.cat(want)))
+        # The optimizer's buckets on a CPU: point to point, which first learns that a
+        # rank joined (before this rank ever opened the group: it opens none then).
+        got = engine.current().wait(quantized.allreduce_async(
+            x.clone(), f"j.p2p.{numel}", fmt=fmt, transport="p2p"))
         same.append(torch.equal(got, torch.cat(want)))
     return same
 

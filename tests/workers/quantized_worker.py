@@ -1,6 +1,6 @@
 """collectives_worker.py's quantized cases, on N ranks (or one plain process): the
-two-stage quantized allreduce on the engine's own collectives against a single-process
-reference, bit for bit.
+two-stage quantized allreduce, on the engine's own collectives and point to point,
+against a single-process reference, bit for bit.
 
 The reference below (`reference_two_stage`) runs every rank's part of the same math in
 one process, without communication: the same chunks (two_stage.chunks) and shards, the same
@@ -8,7 +8,8 @@ quantize/dequantize of each shard, the sum in rank order in the accumulator's ty
 and both residuals per rank. It is exact by construction, so every comparison is
 `torch.equal` (no tolerance): outputs on every rank and every rank's residuals.
 
-Then training with the wrapped optimizer (int8_ef, no collective=) at pipeline depth
+Then training with the wrapped optimizer (int8_ef, no collective=: point to point, the
+buckets being on the CPU) at pipeline depth
 1, 2 and 3, plain Pipe-SGD and the default compensation, against tests/oracle.py whose
 average is replaced by the reference (the bucket layouts each step used are logged
 from the step machine), and a checkpoint mid-pipeline that resumes bit-exactly.
@@ -93,9 +94,16 @@ def formats():
 
 
 def allreduce_cases(r, p):
-    """Formats x dtypes x sizes x ops, scaling, several in flight, residuals over steps."""
-    eng = engine.current()
+    """Formats x dtypes x sizes x ops, scaling, several in flight, residuals over steps,
+    on both transports (the engine's collectives, point to point)."""
     seed = 0
+    for transport in quantized.TRANSPORTS:
+        seed = transport_cases(r, p, transport, seed)
+    uneven_sizes(r, p)
+
+
+def transport_cases(r, p, transport, seed):
+    eng = engine.current()
     sizes = sorted({1, max(1, p - 1), 7, 300, 1001, 4099})
     for fmt in formats():
         # int8/256 (the default) every dtype, size and op; the other formats float32,
@@ -110,9 +118,10 @@ def allreduce_cases(r, p):
                     xs = inputs(p, numel, dtype, seed)
                     mine = xs[r].clone()
                     op = engine.Average if average else engine.Sum
-                    handles.append((quantized.allreduce_async(mine, f"q.{seed}", op, fmt=fmt),
+                    handles.append((quantized.allreduce_async(mine, f"q.{seed}", op, fmt=fmt,
+                                                              transport=transport),
                                     mine, reference_two_stage(xs, fmt, average),
-                                    f"{fmt.describe()} {dtype} n={numel} {op}"))
+                                    f"{transport} {fmt.describe()} {dtype} n={numel} {op}"))
             for handle, mine, want, what in reversed(handles):   # waited out of order
                 got = eng.wait(handle)
                 if got is not mine or not torch.equal(got, want):
@@ -123,14 +132,17 @@ def allreduce_cases(r, p):
     xs = inputs(p, 1001, torch.float32, 999)
     mine = xs[r].clone()
     got = eng.wait(quantized.allreduce_async(mine, None, engine.Average, fmt=fmt,
-                                             prescale_factor=0.25, postscale_factor=4.0))
+                                             prescale_factor=0.25, postscale_factor=4.0,
+                                             transport=transport))
     if not torch.equal(got, reference_two_stage(xs, fmt, True, 0.25, 4.0)):
-        failures.append("allreduce with prescale/postscale differs from the reference")
-    # Horovod's functional allreduce with an int8 codec: the same two stages.
-    xs = inputs(p, 1001, torch.float32, 998)
-    got = phvd.allreduce(xs[r], name="functional", compression=Compression.int8_ef)
-    if not torch.equal(got, reference_two_stage(xs, WireFormat("int8"))):
-        failures.append("hvd.allreduce(compression=int8_ef) differs from the reference")
+        failures.append(f"{transport}: allreduce with prescale/postscale differs from the "
+                        "reference")
+    if transport == "engine":
+        # Horovod's functional allreduce with an int8 codec: the same two stages.
+        xs = inputs(p, 1001, torch.float32, 998)
+        got = phvd.allreduce(xs[r], name="functional", compression=Compression.int8_ef)
+        if not torch.equal(got, reference_two_stage(xs, WireFormat("int8"))):
+            failures.append("hvd.allreduce(compression=int8_ef) differs from the reference")
     # Error feedback over steps, both residuals, every rank's own.
     for fmt in (WireFormat("int8"), WireFormat("int8", 64), WireFormat("int4", 64),
                 WireFormat("bfloat16")):
@@ -146,9 +158,10 @@ def allreduce_cases(r, p):
                 xs = inputs(p, n, dtype, seed)
                 mine = xs[r].clone()
                 got = eng.wait(quantized.allreduce_async(mine, f"ef.{seed}", fmt=fmt,
-                                                         residuals=(first, second)))
+                                                         residuals=(first, second),
+                                                         transport=transport))
                 want = reference_two_stage(xs, fmt, True, first=ref_first, second=ref_second)
-                what = f"error feedback {fmt.describe()} {dtype} step {step}"
+                what = f"{transport}: error feedback {fmt.describe()} {dtype} step {step}"
                 if not torch.equal(got, want):
                     failures.append(f"{what}: result differs from the reference")
                 if not (torch.equal(first, ref_first[r])
@@ -156,15 +169,34 @@ def allreduce_cases(r, p):
                     failures.append(f"{what}: residuals differ from the reference")
                 if p > 1 and not (first.any() and second.any()):
                     failures.append(f"{what}: a residual stayed zero")
-    # A size that differs across ranks: on the torch engine an EngineError on every rank,
-    # not a hang, when a chunk's wire sizes differ (the negotiated records show every
-    # rank's; here, from 2 to 4 ranks, the same chunk count on every rank and the sizes
-    # of the second chunk or the only one differ; a rank with more chunks than the others
-    # would leave its extra alltoall unmatched). Sizes a few
-    # elements apart can give the same bytes (values padded to 4) and are not detected;
-    # Horovod's alltoall shows each rank only what it received, so there only the ranks
-    # that received unexpected sizes raise, as in Horovod's bf16 path.
-    if p > 1 and eng.name == "torch":
+    return seed
+
+
+def uneven_sizes(r, p):
+    """A size that differs across ranks: an error on every rank, not a hang.
+
+    Point to point, the communicator's agreement check compares every rank's size
+    before a byte moves: a ValueError naming each rank's (collectives/agreement.py: a
+    size one rank used before stops at the timeout instead). On the engine's collectives
+    (the torch engine) an EngineError on every rank when a chunk's wire sizes differ (the
+    negotiated records show every rank's; here, from 2 to 4 ranks, the same chunk count
+    on every rank and the sizes of the second chunk or the only one differ; a rank with
+    more chunks than the others would leave its extra alltoall unmatched). Sizes a few
+    elements apart can give the same bytes (values padded to 4) and are not detected
+    there; Horovod's alltoall shows each rank only what it received, so there only the
+    ranks that received unexpected sizes raise, as in Horovod's bf16 path."""
+    eng = engine.current()
+    if p == 1:
+        return
+    try:         # sizes no rank used before (a verified one would meet a timeout instead)
+        eng.wait(quantized.allreduce_async(torch.ones(2001 + 4 * r), "uneven.p2p",
+                                           fmt=WireFormat("int8"), transport="p2p"))
+        failures.append("p2p: sizes that differ across ranks were reduced without an error")
+    except ValueError as exc:
+        listed = ", ".join(f"rank {i} {2001 + 4 * i}" for i in range(p))
+        if f"disagree on numel: {listed}" not in str(exc):
+            failures.append(f"p2p: sizes that differ across ranks: unclear error {exc}")
+    if eng.name == "torch":
         try:
             eng.wait(quantized.allreduce_async(torch.ones(1001 + 4 * r), "uneven",
                                                fmt=WireFormat("int8")))
@@ -176,7 +208,7 @@ def allreduce_cases(r, p):
 
 def process_set_case(r, p):
     """Ranks 0 and 2 of 3 or more reduce on their own process set (shards, residuals and
-    Average follow the set, not the world)."""
+    Average follow the set, not the world), on the engine, then point to point."""
     eng = engine.current()
     ps = eng.add_process_set([0, 2])             # collective: every rank
     if r in ps.ranks:
@@ -188,9 +220,9 @@ def process_set_case(r, p):
         for step in range(2):
             xs = inputs(2, n, torch.float32, 5000 + step)
             mine = xs[index].clone()
-            got = eng.wait(quantized.allreduce_async(mine, f"set.{step}", fmt=fmt,
-                                                     residuals=(first, second),
-                                                     process_set=ps))
+            got = eng.wait(quantized.allreduce_async(
+                mine, f"set.{step}", fmt=fmt, residuals=(first, second), process_set=ps,
+                transport=quantized.TRANSPORTS[step % 2]))
             want = reference_two_stage(xs, fmt, True, first=ref_first, second=ref_second)
             if not (torch.equal(got, want) and torch.equal(first, ref_first[index])
                     and torch.equal(second, ref_second[index][start:start + own])):

@@ -22,7 +22,7 @@ markdown (printed and saved), a JSON summary, a PNG of bus bandwidth against siz
 import json
 
 from pipe_horovod.tools import planner
-from pipe_horovod.tools.bench.collectives_worker import FORMAT, IN_FLIGHT, NATIVE, TWO_STAGE, \
+from pipe_horovod.tools.bench.collectives_worker import FORMAT, IN_FLIGHT, NATIVE, TWO_STAGES, \
     UNMATCHED, in_flight
 from pipe_horovod.tools.bench.report import _median, _num, _pct, _quartiles, save_outputs
 
@@ -49,7 +49,7 @@ def bus_bandwidth(nbytes, seconds, p):
 def wire_bytes(nbytes, codec, algorithm=None):
     """Bytes an uncompressed float32 message of `nbytes` puts on the wire under `codec`
     (in the two-stage reduction: one byte per value plus a float32 scale per block)."""
-    if algorithm == TWO_STAGE:
+    if algorithm in TWO_STAGES:
         return nbytes * planner.two_stage_wire_ratio()
     return nbytes * (1.0 if codec == "none" else planner.DEFAULT_COMPRESSIONS[codec][0])
 
@@ -73,7 +73,7 @@ def predicted_seconds(network, p, nbytes, config, codec_costs=None, message_s=No
     decode-add, decode) s per byte, one triple or {block bytes: triple}. None where
     the planner does not model the algorithm on `topology`."""
     algorithm, codec = config.split("/")
-    if algorithm == TWO_STAGE:     # the engine's alltoall + allgather at the fitted rates
+    if algorithm in TWO_STAGES:    # an alltoall + an allgather at the fitted rates
         return planner.two_stage_allreduce(network, p, nbytes) if topology == "star" else None
     wire = wire_bytes(nbytes, codec)
     if algorithm == NATIVE:
@@ -223,7 +223,7 @@ def targets(summary):
                 add(f"{algorithm}/none time / {algorithm}/{codec} time >= {bound}", value,
                     value >= bound, note)
     for config in summary["meta"]["configs"]:
-        if config.startswith(f"{TWO_STAGE}/") and codec_size:
+        if config.split("/")[0] in TWO_STAGES and codec_size:
             value = _ratio(rows, f"{NATIVE}/none", config, codec_size)
             if value is not None:
                 add(f"{NATIVE}/none time / {config} time >= 3.0", value, value >= 3.0, note)
@@ -263,8 +263,9 @@ def markdown(summary, heading="#"):
     if summary["launch"].get("command"):
         lines += ["```", summary["launch"]["command"], "```", ""]
     lines += [f"busbw (MB/s) = bytes / time × 2(p−1)/p; `{NATIVE}/none` is the engine's own "
-              f"allreduce; codecs are per hop, except in `{TWO_STAGE}/…` (the engine's "
-              "two-stage quantized allreduce: once per stage).", ""]
+              f"allreduce; codecs are per hop, except in `{TWO_STAGES[0]}/…` (the two-stage "
+              f"quantized allreduce on the engine's collectives: once per stage) and "
+              f"`{TWO_STAGES[1]}/…` (the same, point to point).", ""]
     lines.append("| size | " + " | ".join(f"`{c}`" for c in configs) + " |")
     lines.append("|---" * (len(configs) + 1) + "|")
     for nbytes in sizes:
@@ -290,7 +291,7 @@ def markdown(summary, heading="#"):
         lines.append(f"- model: alpha {net['alpha_s'] * 1e6:.0f} us, 1/beta "
                      f"{_num(rate, '{:.1f}')} MB/s ({net['source']}, R² {net['r2']:.3f})")
     unmodelled = sorted({r["algorithm"] for r in rows
-                         if r["algorithm"] not in (NATIVE, TWO_STAGE)
+                         if r["algorithm"] not in (NATIVE, *TWO_STAGES)
                          and r["algorithm"] not in YARDSTICKS
                          and r["algorithm"] not in planner.MODELLED[summary["topology"]]})
     if unmodelled:
@@ -369,7 +370,8 @@ def plot(summary, path):
 
     colours = {NATIVE: "black", UNMATCHED: "#937860", in_flight(NATIVE): "#666666",
                in_flight(UNMATCHED): "#da8bc3", "lp": "#c44e52", "ring": "#4c72b0",
-               "mst": "#55a868", "be": "#8172b2", TWO_STAGE: "#dd8452"}
+               "mst": "#55a868", "be": "#8172b2", TWO_STAGES[0]: "#dd8452",
+               TWO_STAGES[1]: "#937860"}
     styles = {"none": "-", "bf16": "--", "int8": ":", "fp8_e4m3": "-.", "fp8_e5m2": "-."}
     fig, ax = plt.subplots(figsize=(10, 6))
     for config in summary["meta"]["configs"]:

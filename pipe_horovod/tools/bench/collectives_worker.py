@@ -18,10 +18,11 @@ calibration), and the one-way time of a small point-to-point message on the
 collectives' own group, every pair of ranks at once (the per-message cost of
 our collectives: planner.with_message_cost).
 
-`--algorithms ...,two-stage` adds the engine's two-stage quantized allreduce
+`--algorithms ...,two-stage,two-stage-p2p` adds the two-stage quantized allreduce
 (`two-stage/int8`, `two-stage/fp8_e4m3`: collectives/quantized.py on the
-engine's own alltoall and allgather, what the optimizer runs for
-compression=int8/int8_ef/fp8 with no collective=), beside the per-hop codecs.
+engine's own alltoall and allgather, what the optimizer runs for GPU buckets with
+compression=int8/int8_ef/fp8 and no collective=; `two-stage-p2p/...`: the same
+point to point, what it runs for CPU buckets), beside the per-hop codecs.
 
 With --unmatched (torch engine only) a configuration `unmatched/none` is
 timed beside the others: a plain `torch.distributed.all_reduce` of the same
@@ -55,7 +56,9 @@ CODECS = ("none", "bf16", "int8")
 # quantize, the engine's allgather), which runs only the codecs with a wire format; and the
 # fp8 codecs, which have no per-hop form (they run only in "two-stage").
 TWO_STAGE = "two-stage"
-ALL_ALGORITHMS = ALGORITHMS + (TWO_STAGE,)
+TWO_STAGE_P2P = "two-stage-p2p"     # the same, point to point: what CPU buckets run
+TWO_STAGES = (TWO_STAGE, TWO_STAGE_P2P)
+ALL_ALGORITHMS = ALGORITHMS + TWO_STAGES
 FP8_CODECS = ("fp8_e4m3", "fp8_e5m2")
 ALL_CODECS = CODECS + FP8_CODECS
 # Messages up to this size are timed as INNER calls in a row (one call is too short to time).
@@ -74,7 +77,7 @@ def in_flight(algorithm):
 def runs(algorithm, codec):
     """Whether `algorithm` carries `codec`: two-stage only the codecs with a wire format
     (int8, fp8), our per-hop collectives every codec but fp8."""
-    if algorithm == TWO_STAGE:
+    if algorithm in TWO_STAGES:
         return codec not in ("none", "bf16")
     return codec not in FP8_CODECS
 
@@ -127,12 +130,13 @@ def _allreduce(eng, config, buf, name, burst=()):
             work.wait()
             t.div_(eng.size())
         return burst
-    if algorithm == TWO_STAGE:
+    if algorithm in TWO_STAGES:
         from pipe_horovod.collectives import quantized
         from pipe_horovod.compression import wire_format
 
         return quantized.allreduce(buf, name, engine.Average,
-                                   fmt=wire_format(Compression.by_name(codec)))
+                                   fmt=wire_format(Compression.by_name(codec)),
+                                   transport="p2p" if algorithm == TWO_STAGE_P2P else "engine")
     return collectives.allreduce(buf, name, engine.Average, collective=algorithm,
                                  compression=Compression.by_name(codec))
 
@@ -281,13 +285,15 @@ def add_arguments(parser):
     parser.add_argument("--algorithms", type=names(ALL_ALGORITHMS, "algorithm"),
                         default=list(ALGORITHMS),
                         help="comma-separated algorithms (default lp,ring,mst,be); "
-                             f"{TWO_STAGE}: the engine's two-stage quantized allreduce "
-                             "(compression=int8/fp8 with no collective=), run with the "
-                             "codecs among --codecs that have a wire format")
+                             f"{TWO_STAGE}: the two-stage quantized allreduce on the engine's "
+                             f"alltoall and allgather, {TWO_STAGE_P2P}: point to point (what "
+                             "the optimizer runs for CPU buckets with compression=int8/fp8 "
+                             "and no collective=), both run with the codecs among --codecs "
+                             "that have a wire format")
     parser.add_argument("--codecs", type=names(ALL_CODECS, "codec"), default=list(CODECS),
                         help="comma-separated codecs (default none,bf16,int8): per hop in "
-                             f"lp/ring/mst/be, once per stage in {TWO_STAGE}; "
-                             f"{', '.join(FP8_CODECS)} run in {TWO_STAGE} only")
+                             f"lp/ring/mst/be, once per stage in {'/'.join(TWO_STAGES)}; "
+                             f"{', '.join(FP8_CODECS)} run in those only")
     parser.add_argument("--reps", type=positive_int("reps"), default=5,
                         help="timed repetitions per size, configurations interleaved "
                              "(default 5)")

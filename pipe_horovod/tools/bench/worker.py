@@ -15,8 +15,9 @@ C ..., so a slow minute on a shared machine hits every configuration alike:
   ours-kK-int8|-int4|-bf16hop  the same, reduced by collective="ring" with the codec per
                          hop (int8, int4: with error feedback; bf16hop: bfloat16 at every hop)
   ours-kK-int8eng|-int4eng  the same with compression=int8_ef (int4_ef) and no
-                         collective=: the two-stage quantized allreduce on the engine's own
-                         alltoall and allgather (collectives/quantized.py)
+                         collective=: the two-stage quantized allreduce (collectives/
+                         quantized.py; point to point for CPU buckets, the engine's
+                         alltoall and allgather for GPU ones)
   compute                forward + backward + local SGD step, no communication
   contention             compute while a model-sized allreduce runs: how much the
                          communication slows compute on shared cores (timing model input)
