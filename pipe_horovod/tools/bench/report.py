@@ -231,7 +231,7 @@ def summarize(raw):
             hop_source[name] = f"contention-{name}"
     # The two-stage rows' CPU floor: every rank's CPU per step (compute's, the allreduce's
     # scaled to the codec's bytes, the codec's) over the cores the run had.
-    cores_free = _cores_free(meta)
+    cores_had = _cores_had(meta, p)
     cpu_floor = {}
     if compute and cpu_per_step.get("compute") is not None:
         for name, two in two_stage.items():
@@ -242,7 +242,7 @@ def summarize(raw):
                      "codec": two["cpu_s_per_byte"] * model_bytes}
             need = sum(parts.values())
             cpu_floor[name] = {"cpu_s_per_step": need, **{f"{k}_cpu_s": v for k, v in parts.items()},
-                               "cores": cores_free, "floor_s": planner.cpu_floor(need, p, cores_free)}
+                               "cores": cores_had, "floor_s": planner.cpu_floor(need, p, cores_had)}
     if network is not None and compute:
         compressions = {"fp16": (0.5, codec.get("fp16", 0.0) / model_bytes),
                         "bf16": (bf16_ratio, codec.get("bf16", 0.0) / model_bytes),
@@ -452,12 +452,14 @@ def _two_stage_codecs(raw, stats):
     return out
 
 
-def _cores_free(meta):
-    """The cores this run had: the machine's, less what everything else kept busy while
-    every worker slept (the median of the worker's idle probes), at least one."""
+def _cores_had(meta, p):
+    """The cores this run's `p` ranks had: the machine's cpu_count, shared fairly (as
+    the kernel's scheduler shares them among runnable threads) with the load everything
+    else kept busy while every worker slept (b: the median of the worker's idle probes),
+    cpu_count * p / max(p + b, cpu_count); with no other load, cpu_count (p >= cores)."""
     cores = meta.get("cpu_count") or 1
-    background = _median(meta.get("background_busy_cores") or [])
-    return max(1.0, cores - (background or 0.0))
+    background = _median(meta.get("background_busy_cores") or []) or 0.0
+    return cores * p / max(p + background, cores)
 
 
 # ------------------------------------------------------------------- markdown
@@ -692,7 +694,8 @@ def _two_stage_lines(summary):
             text += (f"; CPU floor {p} rank(s) x ({_ms(floor['compute_cpu_s'])} compute + "
                      f"{_ms(floor['communication_cpu_s'])} communication (the allreduce's CPU "
                      f"x the wire ratio) + {_ms(floor['codec_cpu_s'])} codec ms CPU a step) / "
-                     f"{floor['cores']:.2f} cores (the machine's less its background load) = "
+                     f"{floor['cores']:.2f} cores (the machine's, shared with its background "
+                     f"load) = "
                      f"{_ms(floor['floor_s'])} ms")
         rows = [f"{n} {_ms(s['predicted_s'])} ms, bound: {s['prediction_bound']}"
                 + (f" (planner {_ms(s['planner_step_s'])} ms)" if "planner_step_s" in s else "")
