@@ -241,8 +241,10 @@ def summarize(raw):
                      "communication": (cpu_per_step.get("allreduce") or 0.0) * two["wire_ratio"],
                      "codec": two["cpu_s_per_byte"] * model_bytes}
             need = sum(parts.values())
-            cpu_floor[name] = {"cpu_s_per_step": need, **{f"{k}_cpu_s": v for k, v in parts.items()},
-                               "cores": cores_had, "floor_s": planner.cpu_floor(need, p, cores_had)}
+            cpu_floor[name] = {"cpu_s_per_step": need,
+                               **{f"{k}_cpu_s": v for k, v in parts.items()},
+                               "cores": cores_had,
+                               "floor_s": planner.cpu_floor(need, p, cores_had)}
     if network is not None and compute:
         compressions = {"fp16": (0.5, codec.get("fp16", 0.0) / model_bytes),
                         "bf16": (bf16_ratio, codec.get("bf16", 0.0) / model_bytes),
@@ -685,18 +687,18 @@ def _two_stage_lines(summary):
         model_bytes = summary["meta"]["model_bytes"]
         stages = ", ".join(f"{stage} {_ms(x * model_bytes)}" for stage, x in zip(
             ("first_stage", "reduce_shard", "decode"), two["stages_cpu_s_per_byte"]))
-        text += (f"its codec runs on the communicator's thread beside compute, "
+        text += ("its codec runs on the communicator's thread beside compute, "
                  f"{_ms(two['wall_s_per_byte'] * model_bytes)} ms a step (measured at the "
-                 f"bucket size by every rank at once; CPU {_ms(two['cpu_s_per_byte'] * model_bytes)}"
-                 f" ms: {stages}), a bucket's link time no shorter than its share")
+                 "bucket size by every rank at once; CPU "
+                 f"{_ms(two['cpu_s_per_byte'] * model_bytes)} ms: {stages}), a bucket's link "
+                 "time no shorter than its share")
         floor = two.get("cpu_floor")
         if floor:
             text += (f"; CPU floor {p} rank(s) x ({_ms(floor['compute_cpu_s'])} compute + "
                      f"{_ms(floor['communication_cpu_s'])} communication (the allreduce's CPU "
                      f"x the wire ratio) + {_ms(floor['codec_cpu_s'])} codec ms CPU a step) / "
                      f"{floor['cores']:.2f} cores (the machine's, shared with its background "
-                     f"load) = "
-                     f"{_ms(floor['floor_s'])} ms")
+                     f"load) = {_ms(floor['floor_s'])} ms")
         rows = [f"{n} {_ms(s['predicted_s'])} ms, bound: {s['prediction_bound']}"
                 + (f" (planner {_ms(s['planner_step_s'])} ms)" if "planner_step_s" in s else "")
                 for n, s in summary["configs"].items()
