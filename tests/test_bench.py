@@ -84,7 +84,7 @@ def test_local_torch_run_reports_every_configuration(torch_run):
     for key in ("k2_vs_ideal", "k1_vs_ddp", "bf16_speedup_vs_horovod"):
         assert key in summary["ratios"]
     assert summary["ratios"]["k1_vs_ddp"] is not None
-    # (the quantized configurations have no prediction)
+    # (the quantized ones: test_ours_int8eng_and_int4_train_on_both_quantized_paths)
     assert all(summary["configs"][name]["predicted_s"] is not None for name in measured
                if name != "contention")
     assert summary["timing_model"]["comm_cpu_s_per_byte"] >= 0
@@ -484,3 +484,13 @@ def test_ours_int8eng_and_int4_train_on_both_quantized_paths(torch_run):
         "ours-k2-int8eng": "int8eng", "ours-k2-int4eng": "int4eng",
         "ours-k2-int8-none": "int8", "ours-k2-int4": "int4"}
     assert set(raw["hop_codec_s_per_byte"]) == {"int8", "int4"}
+    # the two-stage codec's stages measured at the bucket size, and the rows predicted
+    costs = raw["two_stage_codec_s_per_byte"]
+    assert {n: c["compression"] for n, c in costs.items()} == {"int8eng": "int8_ef",
+                                                               "int4eng": "int4_ef"}
+    assert all(len(c[key]) == 3 and min(c[key]) > 0 for c in costs.values()
+               for key in ("wall_s_per_byte", "cpu_s_per_byte"))
+    for name in configs[:2]:
+        row = summary["configs"][name]
+        assert row["predicted_s"] > 0 and row["prediction_bound"], (name, row)
+    assert "bound: " in stdout
