@@ -12,8 +12,7 @@ import pytest
 
 import launcher
 
-from pipe_horovod.tools import emulate
-from pipe_horovod.tools import cli
+from pipe_horovod.tools import cli, emulate, planner
 from pipe_horovod.tools.bench import report, worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,7 +84,7 @@ def test_local_torch_run_reports_every_configuration(torch_run):
     for key in ("k2_vs_ideal", "k1_vs_ddp", "bf16_speedup_vs_horovod"):
         assert key in summary["ratios"]
     assert summary["ratios"]["k1_vs_ddp"] is not None
-    # (the quantized configurations have no prediction)
+    # (the quantized ones: test_ours_int8eng_and_int4_train_on_both_quantized_paths)
     assert all(summary["configs"][name]["predicted_s"] is not None for name in measured
                if name != "contention")
     assert summary["timing_model"]["comm_cpu_s_per_byte"] >= 0
@@ -335,6 +334,67 @@ def test_report_predicts_per_hop_codecs_with_their_measured_codec_work(tmp_path)
 
 
 @pytest.mark.timeout(60)
+def test_report_predicts_two_stage_codecs_with_the_planner_and_the_cpu_floor():
+    # ours-k2-int8eng (int8_ef in two stages) on 4 ranks of a 2-core machine, a 50 MB model
+    # in one bucket: the wire is the two-stage ratio of the model, a ring allreduce of it;
+    # the codec runs beside compute, so the bucket holds the link for max(bytes, codec
+    # wall); and all 4 ranks' CPU (compute's, the allreduce's scaled to the wire, the
+    # codec's) over the cores the run had is a floor under the step.
+    model_bytes, p = 50e6, 4
+    costs = {"compression": "int8_ef", "bucket_bytes": model_bytes,
+             "wall_s_per_byte": [2e-9, 1e-9, 1e-9], "cpu_s_per_byte": [0.2e-9, 0.1e-9, 0.1e-9]}
+    raw = {"format": "pipe_horovod.bench/1",
+           "meta": {"engine": "horovod", "workers": p, "model": "mlp", "model_bytes": model_bytes,
+                    "params": 12_500_000, "batch_size": 32, "steps": 4, "warmup": 1,
+                    "rounds": 1, "threads": 1, "cpu_count": 2, "versions": {},
+                    "background_busy_cores": [0.5, 0.4, 0.6]},
+           "configs": {
+               "ours-k2-int8eng": _cfg("train", [_block(0.40, 0.0, 0.07, 0.01)], "int8eng", 2),
+               "compute": _cfg("train", [_block(0.080, None, 0.07, 0.01, cores=0.5)]),
+               "allreduce": _cfg("allreduce", [_block(0.300, 0.300, cores=0.4)]),
+           },
+           "sweep": None, "codec_s": None, "process": [],
+           "two_stage_codec_s_per_byte": {"int8eng": costs}}
+
+    def summarize():                              # the report's text, without its plot
+        summary = report.summarize(json.loads(json.dumps(raw)))
+        return report.markdown(summary), summary
+
+    # the oracle, from the planner's functions: beta from the model-sized allreduce
+    net = planner.Network(0.0, 0.300 / planner.ring_allreduce(planner.Network(0.0, 1.0), p,
+                                                                 model_bytes))
+    ratio = planner.two_stage_wire_ratio(256, 1)
+    link = planner.ring_allreduce(net, p, model_bytes * ratio)
+    codec_wall = 4e-9 * model_bytes                               # 200 ms > the bytes' 76 ms
+    planned = planner.step_time(0.07, 0.01, max(link, codec_wall), pipeline_depth=2)
+    need = 0.5 * 0.080 + 0.4 * 0.300 * ratio + 0.4e-9 * model_bytes   # CPU a rank, a step
+    floor = planner.cpu_floor(need, p, 2 - 0.5)                   # the median background
+    assert floor > planned
+    text, summary = summarize()
+    row = summary["configs"]["ours-k2-int8eng"]
+    assert summary["timing_model"]["compressions"]["int8eng"]["wire_ratio"] == pytest.approx(
+        0.2539, abs=1e-4)
+    assert row["planner_step_s"] == pytest.approx(planned)
+    assert row["predicted_s"] == pytest.approx(floor) and row["prediction_bound"] == "CPU"
+    assert row["prediction_error"] == pytest.approx(abs(floor - 0.40) / 0.40)
+    assert f"ours-k2-int8eng {floor * 1e3:.1f} ms, bound: CPU" in text
+    # an idle machine: the floor is below the codec's hold on the link
+    raw["meta"]["background_busy_cores"] = [0.0]
+    text, summary = summarize()
+    row = summary["configs"]["ours-k2-int8eng"]
+    assert planner.cpu_floor(need, p, 2) < planned
+    assert row["predicted_s"] == pytest.approx(planned) and row["prediction_bound"] == "codec"
+    # int4_ef, its codec not measured (a raw from before the measurement): the bytes alone
+    raw["configs"]["ours-k2-int4eng"] = _cfg("train", [_block(0.1, 0.0, 0.07, 0.01)],
+                                             "int4eng", 2)
+    text, summary = summarize()
+    assert summary["configs"]["ours-k2-int4eng"]["predicted_s"] == pytest.approx(
+        planner.step_time(0.07, 0.01, planner.ring_allreduce(
+            net, p, model_bytes * planner.two_stage_wire_ratio(256, 0.5)), pipeline_depth=2))
+    assert "int4eng (int4_ef): wire x0.1289" in text and "not measured in this run" in text
+
+
+@pytest.mark.timeout(60)
 def test_report_takes_alternating_k2_steps_by_period_and_charges_compensation(tmp_path):
     # A comm-bound K=2 run alternates fast and slow steps: their median (0.05) is below
     # the link's bound; the mean of each 2-step period is not. Lookahead's 50 ms a step
@@ -424,3 +484,13 @@ def test_ours_int8eng_and_int4_train_on_both_quantized_paths(torch_run):
         "ours-k2-int8eng": "int8eng", "ours-k2-int4eng": "int4eng",
         "ours-k2-int8-none": "int8", "ours-k2-int4": "int4"}
     assert set(raw["hop_codec_s_per_byte"]) == {"int8", "int4"}
+    # the two-stage codec's stages measured at the bucket size, and the rows predicted
+    costs = raw["two_stage_codec_s_per_byte"]
+    assert {n: c["compression"] for n, c in costs.items()} == {"int8eng": "int8_ef",
+                                                               "int4eng": "int4_ef"}
+    assert all(len(c[key]) == 3 and min(c[key]) > 0 for c in costs.values()
+               for key in ("wall_s_per_byte", "cpu_s_per_byte"))
+    for name in configs[:2]:
+        row = summary["configs"][name]
+        assert row["predicted_s"] > 0 and row["prediction_bound"], (name, row)
+    assert "bound: " in stdout

@@ -331,6 +331,26 @@ def test_predict_per_layer_workload(beta, sync, pipelined, bottleneck):
         timing.predict(work, 2, Network(0.0, beta), overlap=0.5)
 
 
+def test_a_codec_beside_compute_holds_the_link_not_compute():
+    # the two-stage codec on the communicator's thread: 0 s on the training thread, each
+    # bucket's link time max(its bytes, its codec work); 2-worker ring of 33 MB x 0.25
+    work = timing.Workload.from_layers(LAYERS, update_s=0.005)
+    net = Network(0.0, 1e-9)
+    quick, slow = (timing.predict(work, 2, net, compressions={"q": (0.25, 0.0, codec)},
+                                  bucketing=timing.Bucketing("cap", 10e6)).rows["pipelined+q"]
+                   for codec in (1e-10, 2e-8))
+    assert quick.comm_s == pytest.approx(33e6 * 0.25 * 1e-9) and quick.bottleneck == "compute"
+    assert quick.compute_s == pytest.approx(0.185)               # nothing on the training thread
+    assert slow.comm_s == pytest.approx(33e6 * 2e-8) and slow.bottleneck == "codec"
+    assert slow.step_s == pytest.approx(33e6 * 2e-8)
+    # the CPU floor: all ranks' CPU a step over the cores they share
+    assert timing.cpu_floor(0.2, 4, 2) == pytest.approx(0.4)
+    for bad, match in (((-1, 4, 2), "cpu_s_per_step"), ((0.2, 0, 2), "workers"),
+                       ((0.2, 4, 0), "cores")):
+        with pytest.raises(ValueError, match=match):
+            timing.cpu_floor(*bad)
+
+
 def test_latency_bottleneck():
     pred = timing.predict(timing.Workload.aggregate(1e-4, 0.0, 1e3), 64, Network(1e-5, 1e-10))
     assert pred.rows["pipelined"].bottleneck == "latency"   # 126 alphas vs 2 KB of bytes

@@ -605,7 +605,8 @@ class Row:
     (uncompressed sync). compute_s: the compute side's busy time per step
     (codec and comm CPU included); comm_s: the link's (C); bottleneck: the
     busier of the two, the link's split into "network" (bytes) and
-    "latency" (per-message terms) by which part of C is larger."""
+    "latency" (per-message terms) by which part of C is larger, or "codec"
+    where a codec beside compute holds the link longer than its bytes."""
 
     name: str
     pipeline_depth: int
@@ -652,6 +653,12 @@ def predict(workload, workers, network, algorithm="ring", compressions=None, pip
     `comm_cpu_per_byte`: CPU seconds per byte on the wire that
     communication takes from compute when they overlap (Schedule's X);
     measure it as the slowdown of compute while an allreduce runs, over its bytes.
+    A compression may carry a third number, codec seconds per gradient byte spent
+    beside compute rather than on the training thread: the two-stage codec on CPU
+    buckets runs on the communicator's thread (collectives/quantized.py, point to
+    point) while its chunks' bytes are on the wire, so a bucket holds the link for
+    the longer of its allreduce and its codec work (bottleneck "codec" where that
+    work is the longer); what that CPU takes from other ranks is `cpu_floor`'s.
     """
     if pipeline_depth < 2:
         raise ValueError(f"pipeline_depth must be >= 2 for the pipelined rows, got {pipeline_depth}")
@@ -663,12 +670,16 @@ def predict(workload, workers, network, algorithm="ring", compressions=None, pip
     compressions = {"none": (1.0, 0.0), **(DEFAULT_COMPRESSIONS if compressions is None else compressions)}
     bytes_only = Network(0.0, network.beta, network.gamma)
     rows, base = {}, None
-    for comp, (ratio, codec_per_byte) in compressions.items():
+    for comp, (ratio, codec_per_byte, *beside) in compressions.items():
         alone = workers == 1  # nothing to send, so nothing to compress
         work = workload if alone else workload.with_codec(codec_per_byte)
+        beside = 0.0 if alone or not beside else beside[0]
+
+        def transfer(nbytes, net=network):
+            return allreduce_time(net, workers, nbytes * ratio, algorithm)
 
         def cost(nbytes, net=network):
-            return allreduce_time(net, workers, nbytes * ratio, algorithm)
+            return max(transfer(nbytes, net), nbytes * beside)
 
         groups = bucketing.buckets(work.gradients, cost)
         buckets = [(ready, cost(n)) for ready, n in groups]
@@ -682,8 +693,10 @@ def predict(workload, workers, network, algorithm="ring", compressions=None, pip
         compute, comm = schedule.compute_s + cpu_s, schedule.comm_s
         bottleneck = "compute"
         if comm > compute:
-            bandwidth = sum(cost(n, bytes_only) for _, n in groups)
-            bottleneck = "latency" if comm - bandwidth > bandwidth else "network"
+            bandwidth = sum(transfer(n, bytes_only) for _, n in groups)
+            bottleneck = ("codec" if sum(n * beside for _, n in groups)
+                          > sum(transfer(n) for _, n in groups)
+                          else "latency" if comm - bandwidth > bandwidth else "network")
         for mode, depth in (("sync", 1), ("pipelined", pipeline_depth)):
             name = mode if comp == "none" else f"{mode}+{comp}"
             step = schedule.step_s(depth, cpu_s)
@@ -691,6 +704,21 @@ def predict(workload, workers, network, algorithm="ring", compressions=None, pip
             speedup = base / step if step > 0 else 1.0
             rows[name] = Row(name, depth, comp, wire, comm, step, speedup, compute, bottleneck)
     return Prediction(algorithm, workers, workload.model_bytes, network, rows)
+
+
+def cpu_floor(cpu_s_per_step, workers, cores):
+    """The shortest step `workers` ranks can take when each needs `cpu_s_per_step` CPU
+    seconds a step (compute's, communication's, a codec's) and all of them share
+    `cores` cores (one machine, as the emulated cluster): their CPU over the cores.
+    Replayed compute sleeps, so there the floor binds only once the ranks' codec and
+    communication work exceeds the cores (4 workers on 2 cores)."""
+    if not cpu_s_per_step >= 0:
+        raise ValueError(f"cpu_s_per_step must be >= 0, got {cpu_s_per_step!r}")
+    if workers != int(workers) or workers < 1:
+        raise ValueError(f"number of workers must be an integer >= 1, got {workers!r}")
+    if not cores > 0:
+        raise ValueError(f"cores must be > 0, got {cores!r}")
+    return cpu_s_per_step * workers / cores
 
 
 # ----------------------------------------------------------------------- fit

@@ -210,6 +210,8 @@ def summarize(raw):
     if hop_codec:
         from pipe_horovod.tools import hop_codecs
         wire_ratio.update({name: hop_codecs.wire_ratio(name) for name in hop_codec})
+    two_stage = _two_stage_codecs(raw, stats)
+    wire_ratio.update({name: codec["wire_ratio"] for name, codec in two_stage.items()})
     # What communication takes from compute on shared cores: the `contention`
     # configuration's compute time (while a model-sized allreduce runs) minus the
     # `compute` configuration's, per byte on the wire; scaled to each codec's bytes.
@@ -227,11 +229,31 @@ def summarize(raw):
             slowdown = hop_cont["fwdbwd_s"] - compute_s - comm_cpu.get(name, 0.0)
             hop_codec[name] = max(0.0, slowdown) / model_bytes
             hop_source[name] = f"contention-{name}"
+    # The two-stage rows' CPU floor: every rank's CPU per step (compute's, the allreduce's
+    # scaled to the codec's bytes, the codec's) over the cores the run had.
+    cores_had = _cores_had(meta, p)
+    cpu_floor = {}
+    if compute and cpu_per_step.get("compute") is not None:
+        for name, two in two_stage.items():
+            if two["cpu_s_per_byte"] is None:
+                continue
+            parts = {"compute": cpu_per_step["compute"],
+                     "communication": (cpu_per_step.get("allreduce") or 0.0) * two["wire_ratio"],
+                     "codec": two["cpu_s_per_byte"] * model_bytes}
+            need = sum(parts.values())
+            cpu_floor[name] = {"cpu_s_per_step": need,
+                               **{f"{k}_cpu_s": v for k, v in parts.items()},
+                               "cores": cores_had,
+                               "floor_s": planner.cpu_floor(need, p, cores_had)}
     if network is not None and compute:
         compressions = {"fp16": (0.5, codec.get("fp16", 0.0) / model_bytes),
                         "bf16": (bf16_ratio, codec.get("bf16", 0.0) / model_bytes),
                         **{name: (wire_ratio[name], per_byte)
-                           for name, per_byte in hop_codec.items()}}
+                           for name, per_byte in hop_codec.items()},
+                        # beside compute, on the communicator's thread: 0 s on the training
+                        # thread, a bucket's link no shorter than its codec work
+                        **{name: (two["wire_ratio"], 0.0, two["wall_s_per_byte"] or 0.0)
+                           for name, two in two_stage.items()}}
         depths = sorted({s["pipeline_depth"] for s in stats.values()
                          if (s["pipeline_depth"] or 0) >= 2}) or [2]
         workload = planner.Workload.aggregate(compute["fwdbwd_s"], compute["opt_s"], model_bytes)
@@ -255,8 +277,13 @@ def summarize(raw):
         model_info["comm_cpu_s_per_byte"] = cpu_per_byte
         model_info["compressions"] = {k: {"wire_ratio": v[0], "codec_s": v[1] * model_bytes,
                                           **({"source": hop_source[k]} if k in hop_source
-                                             else {})}
+                                             else {}),
+                                          **({"beside_codec_s": v[2] * model_bytes}
+                                             if len(v) > 2 else {})}
                                       for k, v in compressions.items()}
+    model_info["two_stage"] = {name: {**two, **({"cpu_floor": cpu_floor[name]}
+                                                if name in cpu_floor else {})}
+                               for name, two in two_stage.items()}
 
     for name, s in stats.items():
         s["samples_per_s"] = (batch * p / s["step_s"]
@@ -276,8 +303,16 @@ def summarize(raw):
             else None
         system = "horovod" if name.startswith("horovod") else "ddp" if name == "ddp" else "ours"
         charged = (s["compensation_s"] or 0.0) if (s["pipeline_depth"] or 1) > 1 else 0.0
-        s["predicted_s"] = _predicted(name, s, predictions and predictions(system, charged),
-                                      network, p, model_bytes, compute, wire_ratio)
+        prediction = predictions and predictions(system, charged)
+        s["predicted_s"] = _predicted(name, s, prediction, network, p, model_bytes, compute,
+                                      wire_ratio)
+        row = _planner_row(prediction, s) if s["predicted_s"] is not None else None
+        s["prediction_bound"] = row.bottleneck if row is not None else None
+        floor = cpu_floor.get(c, {}).get("floor_s")
+        if row is not None and floor is not None:
+            s["planner_step_s"] = row.step_s
+            if floor > row.step_s:
+                s["predicted_s"], s["prediction_bound"] = floor, "CPU"
         s["prediction_error"] = (abs(s["predicted_s"] - s["step_s"]) / s["step_s"]
                                  if s["predicted_s"] is not None and s["step_s"] else None)
         # The same step model fed the measured communication instead of the fitted network:
@@ -379,14 +414,54 @@ def _predicted(name, s, prediction, network, p, model_bytes, compute, wire_ratio
         if network is None:
             return None
         return planner.allreduce_time(network, p, model_bytes * wire_ratio[s["compression"]])
-    if prediction is None:
+    row = _planner_row(prediction, s)
+    return None if row is None else row.step_s
+
+
+def _planner_row(prediction, s):
+    """The planner.Row that predicts training configuration `s` ({depth: Prediction}
+    of its system), or None."""
+    if not prediction or s["kind"] != "train" or s["name"] == "compute":
         return None
     depth = s["pipeline_depth"] or 1
     pred = prediction.get(depth) or next(iter(prediction.values()))
     row = "sync" if depth == 1 else "pipelined"
     if s["compression"] != "none":
         row += "+" + s["compression"]
-    return pred.rows[row].step_s if row in pred.rows else None
+    return pred.rows.get(row)
+
+
+def _two_stage_codecs(raw, stats):
+    """{two-stage codec of this run ('int8eng', 'int4eng'): what the planner needs of it}:
+    its compression, the wire bytes per gradient byte (run_advice.wire_ratio, i.e.
+    planner.two_stage_wire_ratio of its block size and value bytes), and, where the worker
+    measured the codec (two_stage_codec_s_per_byte), the sums of its stages' wall and
+    CPU seconds per gradient byte (None where not)."""
+    from pipe_horovod.tools import run_advice
+    from pipe_horovod.tools.bench.worker import two_stage_compression
+
+    measured = raw.get("two_stage_codec_s_per_byte") or {}
+    out = {}
+    for name in sorted({s["compression"] for s in stats.values()
+                        if s["kind"] == "train" and s["compression"].endswith("eng")}):
+        costs = measured.get(name) or {}
+        compression = costs.get("compression") or two_stage_compression(name)
+        out[name] = {"compression": compression,
+                     "wire_ratio": run_advice.wire_ratio(compression),
+                     **{key: sum(costs[key]) if key in costs else None
+                        for key in ("wall_s_per_byte", "cpu_s_per_byte")},
+                     "stages_cpu_s_per_byte": costs.get("cpu_s_per_byte")}
+    return out
+
+
+def _cores_had(meta, p):
+    """The cores this run's `p` ranks had: the machine's cpu_count, shared fairly (as
+    the kernel's scheduler shares them among runnable threads) with the load everything
+    else kept busy while every worker slept (b: the median of the worker's idle probes),
+    cpu_count * p / max(p + b, cpu_count); with no other load, cpu_count (p >= cores)."""
+    cores = meta.get("cpu_count") or 1
+    background = _median(meta.get("background_busy_cores") or []) or 0.0
+    return cores * p / max(p + background, cores)
 
 
 # ------------------------------------------------------------------- markdown
@@ -528,7 +603,8 @@ def markdown(summary, heading="##"):
                       "charged to compute): " +
                       ", ".join(f"{k} {v['codec_s'] * 1e3:.1f} ms (wire x{v['wire_ratio']:.3g}"
                                 f"{', from ' + v['source'] if 'source' in v else ''})"
-                                for k, v in model["compressions"].items()))
+                                for k, v in model["compressions"].items()
+                                if "beside_codec_s" not in v))
         if model.get("workload"):
             lines.append("- step prediction: `planner.predict` (ring allreduce, overlap-aware) "
                          "of a per-layer `Workload`: " + model["workload"] + codecs)
@@ -536,6 +612,7 @@ def markdown(summary, heading="##"):
             lines.append("- step prediction: `planner.predict(compute_s=fwd+bwd, update_s=local "
                          "step, ...)` of the `compute` configuration, ring allreduce, overlap = 0 "
                          "for sync rows" + codecs)
+        lines += _two_stage_lines(summary)
         charged = {n: s["compensation_s"] for n, s in summary["configs"].items()
                    if s["compensation_s"] and (s["pipeline_depth"] or 1) > 1}
         if charged:
@@ -594,6 +671,40 @@ def markdown(summary, heading="##"):
                      + ", ".join(f"{b:.2f}" for b in background) + " cores busy")
     lines.append("")
     return "\n".join(lines)
+
+
+def _two_stage_lines(summary):
+    """The timing model's account of each two-stage codec (ours-kK-int8eng / -int4eng):
+    its bytes, its codec's work, the CPU floor and which bound each row's prediction took."""
+    lines = []
+    p = summary["meta"]["workers"]
+    for name, two in summary["timing_model"].get("two_stage", {}).items():
+        text = (f"- two stages, {name} ({two['compression']}): wire x{two['wire_ratio']:.4f} "
+                "(planner.two_stage_wire_ratio), reduced like a ring allreduce of those bytes; ")
+        if two["wall_s_per_byte"] is None:
+            lines.append(text + "its codec was not measured in this run: the bytes alone")
+            continue
+        model_bytes = summary["meta"]["model_bytes"]
+        stages = ", ".join(f"{stage} {_ms(x * model_bytes)}" for stage, x in zip(
+            ("first_stage", "reduce_shard", "decode"), two["stages_cpu_s_per_byte"]))
+        text += ("its codec runs on the communicator's thread beside compute, "
+                 f"{_ms(two['wall_s_per_byte'] * model_bytes)} ms a step (measured at the "
+                 "bucket size by every rank at once; CPU "
+                 f"{_ms(two['cpu_s_per_byte'] * model_bytes)} ms: {stages}), a bucket's link "
+                 "time no shorter than its share")
+        floor = two.get("cpu_floor")
+        if floor:
+            text += (f"; CPU floor {p} rank(s) x ({_ms(floor['compute_cpu_s'])} compute + "
+                     f"{_ms(floor['communication_cpu_s'])} communication (the allreduce's CPU "
+                     f"x the wire ratio) + {_ms(floor['codec_cpu_s'])} codec ms CPU a step) / "
+                     f"{floor['cores']:.2f} cores (the machine's, shared with its background "
+                     f"load) = {_ms(floor['floor_s'])} ms")
+        rows = [f"{n} {_ms(s['predicted_s'])} ms, bound: {s['prediction_bound']}"
+                + (f" (planner {_ms(s['planner_step_s'])} ms)" if "planner_step_s" in s else "")
+                for n, s in summary["configs"].items()
+                if s["compression"] == name and s["predicted_s"] is not None]
+        lines.append(text + (": " + "; ".join(rows) if rows else ""))
+    return lines
 
 
 def _size(n):

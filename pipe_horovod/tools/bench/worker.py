@@ -118,6 +118,14 @@ def compression_of(name):
     return "none"
 
 
+def two_stage_compression(codec):
+    """'int8eng' / 'int4eng' -> the Compression name ('int8_ef' / 'int4_ef') that an
+    ours-kK-<codec> configuration trains with, no collective=: the two-stage path."""
+    if not codec.endswith("eng"):
+        raise ValueError(f"{codec!r} is not a two-stage codec (int8eng, int4eng)")
+    return codec.removesuffix("eng") + "_ef"
+
+
 def staleness_of(name):
     """ours-kK[-codec]-OPTION -> (True, OPTION or None for -none); else (False, None):
     the optimizer's default staleness_compensation."""
@@ -408,8 +416,8 @@ def make_runner(name, args, eng):
     codec, collective = compression_of(name), None
     if codec in PER_HOP:                  # per-hop codecs ride collectives' ring (issue 10)
         codec, collective = PER_HOP[codec][0], "ring"
-    elif codec.endswith("eng"):           # two-stage on the engine's collectives (issue 28)
-        codec = codec.removesuffix("eng") + "_ef"
+    elif codec.endswith("eng"):           # two stages (issue 28; CPU buckets point to point)
+        codec = two_stage_compression(codec)
     compression = phvd.Compression.by_name(codec)
     explicit, option = staleness_of(name)
     extra = ({"staleness_compensation": option}
@@ -496,6 +504,60 @@ def hop_codec_costs(names):
 
     return {name: measure_costs(Compression.by_name(PER_HOP[name][0]).hop(torch.float32),
                                 PIECE_BYTES // 4) for name in names}
+
+
+def two_stage_codec_costs(names, bucket_numel, size, me, reps=5):
+    """{two-stage codec ('int8eng', ...): {"compression", "bucket_bytes", "wall_s_per_byte",
+    "cpu_s_per_byte"}}: the codec work of one bucket of `bucket_numel` float32 values on
+    `size` ranks as the two-stage reduction does it on rank `me`, chunk by chunk
+    (compression.two_stage.chunks): (first_stage of every chunk with the first residual,
+    reduce_shard of this rank's part from `size` copies with the second residual, decode of
+    every rank's reduced part), each in seconds per float32 byte of the bucket, the median
+    of `reps` passes, as wall time (perf_counter) and as this thread's CPU time. Every rank
+    measures at once, as hop_codec_costs does, so the wall times include their contention
+    for the cores; the CPU times are what the report's CPU floor adds up over the ranks."""
+    import statistics
+
+    import torch
+
+    from pipe_horovod.compression import Compression, config_name, wire_format
+    from pipe_horovod.compression.two_stage import (chunks, decode_chunk, first_stage_chunk,
+                                                    reduce_shard)
+
+    clocks = (time.perf_counter, time.thread_time)
+    out = {}
+    for name in names:
+        compression = Compression.by_name(two_stage_compression(name))
+        fmt = wire_format(compression)
+        flat = torch.randn(bucket_numel, generator=torch.Generator().manual_seed(me))
+        result, first = torch.empty_like(flat), torch.zeros_like(flat)
+        parts = chunks(bucket_numel, size, fmt)
+        seconds = [torch.zeros(ranges[me][1]) for ranges in parts]
+        passes = []
+        for _ in range(reps):
+            times = []
+            t0 = [clock() for clock in clocks]
+            sends = [first_stage_chunk(flat, ranges, fmt, first) for ranges in parts]
+            times.append([clock() - t for clock, t in zip(clocks, t0)])
+            # what the peers send this rank: its own part, `size` times
+            boxes = [send[sum(splits[:me]):sum(splits[:me + 1])].repeat(size)
+                     for send, splits in sends]
+            t0 = [clock() for clock in clocks]
+            for box, ranges, second in zip(boxes, parts, seconds):
+                reduce_shard(box, size, ranges[me][1], fmt, torch.float32, True,
+                             residual=second)
+            times.append([clock() - t for clock, t in zip(clocks, t0)])
+            t0 = [clock() for clock in clocks]
+            for (send, _), ranges in zip(sends, parts):   # a send buffer is laid out as
+                decode_chunk(send, ranges, fmt, result)   # the gathered reduced parts
+            times.append([clock() - t for clock, t in zip(clocks, t0)])
+            passes.append(times)
+        nbytes = bucket_numel * 4
+        out[name] = {"compression": config_name(compression), "bucket_bytes": nbytes,
+                     **{key: [statistics.median(p[stage][i] for p in passes) / nbytes
+                              for stage in range(3)]
+                        for i, key in enumerate(("wall_s_per_byte", "cpu_s_per_byte"))}}
+    return out
 
 
 def sweep_sizes(max_bytes, min_bytes=1024):
@@ -648,6 +710,10 @@ def run_benchmark(args):
         codecs = codec_seconds(numel, auto_cap or args.bucket_cap_mb)
     per_hop = sorted({compression_of(n) for n in configs} & set(PER_HOP))
     hop_costs = hop_codec_costs(per_hop) if per_hop else None
+    two_stage = sorted({compression_of(n) for n in configs if compression_of(n).endswith("eng")})
+    two_stage_costs = (two_stage_codec_costs(
+        two_stage, min(numel, int((auto_cap or args.bucket_cap_mb) * 2**20 // 4)), size, rank)
+        if two_stage and size > 1 else None)
 
     raw = {
         "format": "pipe_horovod.bench/1",
@@ -674,6 +740,7 @@ def run_benchmark(args):
         "sweep": sweep,
         "codec_s": codecs,
         "hop_codec_s_per_byte": hop_costs,
+        "two_stage_codec_s_per_byte": two_stage_costs,
         "process": eng.allgather_object({"cpu_s": _cpu_s(), "threads": _threads()}),
     }
     for runner in runners.values():
