@@ -476,6 +476,14 @@ def test_ours_int8eng_and_int4_train_on_both_quantized_paths(torch_run):
     assert worker.compression_of("ours-k2-int4-lookahead") == "int4"
     assert worker.parse_configs("ours-k2-int8eng ours-k2-int8eng-none ours-k2-int4eng") == [
         "ours-k2-int8eng", "ours-k2-int8eng-none", "ours-k2-int4eng"]
+    # A block size after a colon, as Compression.by_name reads it.
+    assert worker.compression_of("ours-k2-int4eng:32-lookahead") == "int4eng:32"
+    assert worker.two_stage_compression("int4eng:32") == "int4_ef:32"
+    assert worker.two_stage_compression("int8eng") == "int8_ef"
+    with pytest.raises(ValueError, match="'int4' is not a two-stage codec"):
+        worker.two_stage_compression("int4")
+    with pytest.raises(ValueError, match="unknown configuration 'ours-k2-int4:32'"):
+        worker.parse_configs("ours-k2-int4:32")
     out, stdout = torch_run                       # the run above, with these configurations
     summary = json.loads((out / "bench.json").read_text())
     raw = json.loads((out / "bench-raw.json").read_text())

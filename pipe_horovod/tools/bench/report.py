@@ -438,12 +438,12 @@ def _two_stage_codecs(raw, stats):
     measured the codec (two_stage_codec_s_per_byte), the sums of its stages' wall and
     CPU seconds per gradient byte (None where not)."""
     from pipe_horovod.tools import run_advice
-    from pipe_horovod.tools.bench.worker import two_stage_compression
+    from pipe_horovod.tools.bench.worker import is_two_stage, two_stage_compression
 
     measured = raw.get("two_stage_codec_s_per_byte") or {}
     out = {}
     for name in sorted({s["compression"] for s in stats.values()
-                        if s["kind"] == "train" and s["compression"].endswith("eng")}):
+                        if s["kind"] == "train" and is_two_stage(s["compression"])}):
         costs = measured.get(name) or {}
         compression = costs.get("compression") or two_stage_compression(name)
         out[name] = {"compression": compression,

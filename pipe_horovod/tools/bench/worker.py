@@ -14,7 +14,7 @@ C ..., so a slow minute on a shared machine hits every configuration alike:
   ours-kK[-fp16|-bf16]   pipe_horovod's DistributedOptimizer, pipeline_depth=K
   ours-kK-int8|-int4|-bf16hop  the same, reduced by collective="ring" with the codec per
                          hop (int8, int4: with error feedback; bf16hop: bfloat16 at every hop)
-  ours-kK-int8eng|-int4eng  the same with compression=int8_ef (int4_ef) and no
+  ours-kK-int8eng|-int4eng[:B]  the same with compression=int8_ef (int4_ef[:B]) and no
                          collective=: the two-stage quantized allreduce (collectives/
                          quantized.py; point to point for CPU buckets, the engine's
                          alltoall and allgather for GPU ones)
@@ -74,7 +74,7 @@ _CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|contention(?:-int8|-int
                      r"|allreduce(?:-fp16|-bf16)?"
                      r"|tf-keras-mwms|tf-mwms-loop"
                      r"|(?:ours|loop)-k([1-9][0-9]*)"
-                     r"(?:-(?:fp16|bf16|bf16hop|int8|int8eng|int4|int4eng))?"
+                     r"(?:-(?:fp16|bf16|bf16hop|int8|int4|(?:int8|int4)eng(?::[0-9]+)?))?"
                      r"(?:-(none|momentum|dc|predict|lookahead))?)$")
 DDP_ADDR_ENV = "PIPE_HOROVOD_BENCH_DDP_ADDR"
 DDP_PORT_ENV = "PIPE_HOROVOD_BENCH_DDP_PORT"
@@ -96,7 +96,8 @@ def parse_configs(value):
                 raise ValueError(
                     f"unknown configuration {name!r}; choose from horovod, horovod-fp16, ddp, "
                     "ours-kK, ours-kK-fp16, ours-kK-bf16, ours-kK-int8, ours-kK-int4, "
-                    "ours-kK-bf16hop, ours-kK-int8eng, ours-kK-int4eng "
+                    "ours-kK-bf16hop, ours-kK-int8eng, ours-kK-int4eng (a block size: "
+                    "ours-kK-int4eng:32) "
                     "(K = pipeline depth 1..16; any of "
                     "them -none, -momentum, -dc, -predict, -lookahead: that "
                     "staleness_compensation), compute, contention, contention-int8, "
@@ -110,20 +111,28 @@ def parse_configs(value):
 
 
 def compression_of(name):
-    """'fp16' / 'bf16' / 'bf16hop' / 'int8' / 'int4' / 'int8eng' / 'int4eng' / 'none' for
-    a configuration name."""
-    for codec in ("fp16", "bf16", "bf16hop", "int8", "int8eng", "int4", "int4eng"):
-        if re.search(rf"-{codec}(?:-(?:none|momentum|dc|predict|lookahead))?$", name):
-            return codec
+    """'fp16' / 'bf16' / 'bf16hop' / 'int8' / 'int4' / 'int8eng' / 'int4eng' (with a block
+    size: 'int4eng:32') / 'none' for a configuration name."""
+    for codec in ("fp16", "bf16", "bf16hop", "int8", "int4", r"int[48]eng(?::[0-9]+)?"):
+        found = re.search(rf"-({codec})(?:-(?:none|momentum|dc|predict|lookahead))?$", name)
+        if found:
+            return found.group(1)
     return "none"
 
 
+def is_two_stage(codec):
+    """Whether a compression_of() codec trains in two stages ('int8eng', 'int4eng:32')."""
+    return codec.partition(":")[0].endswith("eng")
+
+
 def two_stage_compression(codec):
-    """'int8eng' / 'int4eng' -> the Compression name ('int8_ef' / 'int4_ef') that an
-    ours-kK-<codec> configuration trains with, no collective=: the two-stage path."""
-    if not codec.endswith("eng"):
-        raise ValueError(f"{codec!r} is not a two-stage codec (int8eng, int4eng)")
-    return codec.removesuffix("eng") + "_ef"
+    """'int8eng' / 'int4eng' / 'int4eng:32' -> the Compression name ('int8_ef' /
+    'int4_ef' / 'int4_ef:32') that an ours-kK-<codec> configuration trains with, no
+    collective=: the two-stage path."""
+    if not is_two_stage(codec):
+        raise ValueError(f"{codec!r} is not a two-stage codec (int8eng, int4eng[:BLOCK])")
+    family, colon, block = codec.partition(":")
+    return family.removesuffix("eng") + "_ef" + colon + block
 
 
 def staleness_of(name):
@@ -416,7 +425,7 @@ def make_runner(name, args, eng):
     codec, collective = compression_of(name), None
     if codec in PER_HOP:                  # per-hop codecs ride collectives' ring (issue 10)
         codec, collective = PER_HOP[codec][0], "ring"
-    elif codec.endswith("eng"):           # two stages (issue 28; CPU buckets point to point)
+    elif is_two_stage(codec):             # two stages (issue 28; CPU buckets point to point)
         codec = two_stage_compression(codec)
     compression = phvd.Compression.by_name(codec)
     explicit, option = staleness_of(name)
@@ -710,7 +719,7 @@ def run_benchmark(args):
         codecs = codec_seconds(numel, auto_cap or args.bucket_cap_mb)
     per_hop = sorted({compression_of(n) for n in configs} & set(PER_HOP))
     hop_costs = hop_codec_costs(per_hop) if per_hop else None
-    two_stage = sorted({compression_of(n) for n in configs if compression_of(n).endswith("eng")})
+    two_stage = sorted({compression_of(n) for n in configs if is_two_stage(compression_of(n))})
     two_stage_costs = (two_stage_codec_costs(
         two_stage, min(numel, int((auto_cap or args.bucket_cap_mb) * 2**20 // 4)), size, rank)
         if two_stage and size > 1 else None)
