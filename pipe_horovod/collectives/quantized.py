@@ -28,6 +28,7 @@ The optimizer's buckets take "p2p" on the CPU and "engine" on a GPU
 any-order rule on the engine.
 """
 import functools
+import itertools
 import os
 
 from .. import engine as _engine
@@ -169,6 +170,11 @@ def allreduce_async(tensor, name=None, op=None, *, fmt, residuals=None, process_
                                lambda: tensor, process_set=process_set, joined=joined)
 
 
+def _laid_out(sizes):
+    """Where each of `sizes` starts laid end to end, then where the last ends."""
+    return list(itertools.accumulate(sizes, initial=0))
+
+
 class _TwoStage:
     """The point-to-point path as the communicator's agreement check names it."""
 
@@ -197,17 +203,24 @@ class _PointToPoint(Job):
 
         flat, fmt, p, me = self.tensor.view(-1), self.fmt, self.p, self.me
         peers = [(me + k) % p for k in range(1, p)]     # a different first peer per rank
+        # Persistent buffers (buffers.py: fresh ones page-fault on every call): the
+        # copies of this rank's parts, every rank's reduced part, this rank's first stage.
+        sizes = [[fmt.shard_bytes(n) for _, n in ranges] for ranges in self.parts]
+        whole = sum(map(sum, sizes))
+        boxes_at = _laid_out([p * part[me] for part in sizes])
+        chunks_at = _laid_out([sum(part) for part in sizes])
+        boxes, outs, sent = pool.get(0, self.acc_dtype, max(whole, boxes_at[-1]), torch.uint8,
+                                     False, False).wires
         received, gathered, at = [], [], []
-        for c, ranges in enumerate(self.parts):
-            mine = fmt.shard_bytes(ranges[me][1])
-            box = torch.empty(p * mine, dtype=torch.uint8)
-            sizes = [fmt.shard_bytes(n) for _, n in ranges]
-            offsets = [sum(sizes[:r]) for r in range(p)]
-            out = torch.empty(sum(sizes), dtype=torch.uint8)
+        for c, part in enumerate(sizes):
+            mine = part[me]
+            box = boxes[boxes_at[c]:boxes_at[c + 1]]
+            offsets = _laid_out(part)
+            out = outs[chunks_at[c]:chunks_at[c + 1]]
             received.append((box, [channel.recv(box[r * mine:(r + 1) * mine], r, 2 * c)
                                    for r in peers if mine]))
-            gathered.append((out, [channel.recv(out[offsets[r]:offsets[r] + sizes[r]], r,
-                                                2 * c + 1) for r in peers if sizes[r]]))
+            gathered.append((out, [channel.recv(out[offsets[r]:offsets[r + 1]], r, 2 * c + 1)
+                                   for r in peers if part[r]]))
             at.append(offsets)
         sends, decoded = [], 0
 
@@ -232,12 +245,13 @@ class _PointToPoint(Job):
             return True
 
         for c, ranges in enumerate(self.parts):
-            send, splits = first_stage_chunk(flat, ranges, fmt, self.first)
-            offsets = [sum(splits[:r]) for r in range(p)]
-            sends.extend(channel.send(send[offsets[r]:offsets[r] + splits[r]], r, 2 * c)
+            send, splits = first_stage_chunk(flat, ranges, fmt, self.first,
+                                             sent[chunks_at[c]:chunks_at[c + 1]])
+            offsets = at[c]
+            sends.extend(channel.send(send[offsets[r]:offsets[r + 1]], r, 2 * c)
                          for r in peers if splits[r])
             mine = splits[me]
-            received[c][0][me * mine:(me + 1) * mine] = send[offsets[me]:offsets[me] + mine]
+            received[c][0][me * mine:(me + 1) * mine] = send[offsets[me]:offsets[me + 1]]
             if c:
                 reduce(c - 1)
             while decoded < c - 1 and decode(decoded, block=False):    # landed meanwhile

@@ -334,34 +334,39 @@ def decode(gathered, sizes, fmt, out):
     return out
 
 
-def first_stage(flat, sizes, fmt, residual=None):
-    """`flat` in the accumulator's type plus `residual`, encoded (see `encode`); the
-    residual then holds what the quantization lost."""
+def first_stage(flat, sizes, fmt, residual=None, out=None):
+    """`flat` in the accumulator's type plus `residual`, encoded (see `encode`) into
+    `out` (uint8, the wire's bytes; allocated when None); the residual then holds what
+    the quantization lost."""
     acc = accumulator(flat.dtype)
     kernels = _kernels(fmt, residual, dtype=acc) if flat.device.type == "cpu" else None
     if kernels:
-        return _first_stage_native(kernels, flat.to(acc).contiguous(), sizes, fmt, residual)
+        return _first_stage_native(kernels, flat.to(acc).contiguous(), sizes, fmt, residual,
+                                   out)
     x = flat.to(acc, copy=True)
-    if residual is None:
+    if residual is None and out is None:
         send, splits, _ = encode(x, sizes, fmt)
         return send, splits
-    x.add_(residual)
+    if residual is not None:
+        x.add_(residual)
     splits = [fmt.shard_bytes(s) for s in sizes]
-    send = torch.empty(sum(splits), dtype=torch.uint8, device=x.device)
+    send = (torch.empty(sum(splits), dtype=torch.uint8, device=x.device) if out is None
+            else out)
     at = pos = 0
     for numel, nbytes in zip(sizes, splits):    # encode's loop, the loss written directly
         shard = x[pos:pos + numel]
         _, back = quantize(shard, fmt, send[at:at + nbytes])
-        torch.sub(shard, back, out=residual[pos:pos + numel])
+        if residual is not None:
+            torch.sub(shard, back, out=residual[pos:pos + numel])
         at, pos = at + nbytes, pos + numel
     return send, splits
 
 
-def _first_stage_native(kernels, x, sizes, fmt, residual):
+def _first_stage_native(kernels, x, sizes, fmt, residual, out=None):
     """`first_stage` in one pass per shard (x: flat in the accumulator's type, not
     changed); a shard's blocks from the first that is not finite on in torch."""
     splits = [fmt.shard_bytes(s) for s in sizes]
-    send = torch.empty(sum(splits), dtype=torch.uint8)
+    send = torch.empty(sum(splits), dtype=torch.uint8) if out is None else out
     size, item = fmt.block_size, x.element_size()
     at = pos = 0
     for numel, nbytes in zip(sizes, splits):
@@ -514,17 +519,23 @@ def chunks(numel, size, fmt, min_numel=None):
     return out
 
 
-def first_stage_chunk(flat, ranges, fmt, residual=None):
+def first_stage_chunk(flat, ranges, fmt, residual=None, out=None):
     """Stage 1 of one chunk (`ranges`: one entry of `chunks`): `first_stage` of each range
     of `flat` (with the first residual's same range, which then holds what was lost),
-    for its rank, in one send buffer. Returns (send bytes, bytes per destination)."""
+    for its rank, in one send buffer (`out`, uint8 of the chunk's wire bytes, or a new
+    one). Returns (send bytes, bytes per destination)."""
     if len(ranges) == 1 or all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:])):
         start, end = ranges[0][0], ranges[-1][0] + ranges[-1][1]     # one chunk: the shards
         return first_stage(flat[start:end], [n for _, n in ranges], fmt,
-                           None if residual is None else residual[start:end])
-    sends = [first_stage(flat[a:a + n], [n], fmt, None if residual is None
-                         else residual[a:a + n])[0] for a, n in ranges]
-    return torch.cat(sends), [send.numel() for send in sends]
+                           None if residual is None else residual[start:end], out)
+    splits = [fmt.shard_bytes(n) for _, n in ranges]
+    send = torch.empty(sum(splits), dtype=torch.uint8, device=flat.device) if out is None else out
+    at = 0
+    for (a, n), nbytes in zip(ranges, splits):
+        first_stage(flat[a:a + n], [n], fmt, None if residual is None else residual[a:a + n],
+                    send[at:at + nbytes])
+        at += nbytes
+    return send, splits
 
 
 def decode_chunk(gathered, ranges, fmt, out):
