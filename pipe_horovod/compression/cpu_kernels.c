@@ -87,6 +87,29 @@ static inline float fp8_round(float f, int kind, uint8_t *byte)
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* int4 runs int8's loops on pieces of PIECE values (even: a piece starts on a byte),
+   packed or unpacked apart: loops with no pair logic left in them vectorize. */
+#define PIECE 256
+
+/* Two's complement nibbles: q[2k] into the low four bits of byte k, q[2k+1] into the
+   high four; an odd count's last byte has zero high bits. */
+INLINE void pack4(uint8_t *out, const int8_t *q, int64_t n)
+{
+    for (int64_t k = 0; k < n / 2; k++)
+        out[k] = (uint8_t)((q[2 * k] & 0x0F) | ((q[2 * k + 1] & 0x0F) << 4));
+    if (n & 1) out[n / 2] = (uint8_t)(q[n - 1] & 0x0F);
+}
+
+INLINE void unpack4(int8_t *q, const uint8_t *in, int64_t n)
+{
+    for (int64_t k = 0; k < n / 2; k++) {
+        int8_t b = (int8_t)in[k];
+        q[2 * k] = (int8_t)((int8_t)(b << 4) >> 4);
+        q[2 * k + 1] = (int8_t)(b >> 4);
+    }
+    if (n & 1) q[n - 1] = (int8_t)((int8_t)(in[n / 2] << 4) >> 4);
+}
+
 /* x86-64: each exported function also in an AVX2 copy, chosen at load time from the
    CPU's features (so a cache shared by machines stays valid). The same IEEE
    operations, wider; -ffp-contract=off keeps FMA out. */
@@ -123,24 +146,23 @@ INLINE int block_##S(const T *x, const T *add, T *res, T *back, int64_t m,      
     T sc = (T)scale;                                                                    \
     T div = scale > 0.0f ? sc : (T)1;                                                   \
     *scale_out = scale;                                                                 \
-    if (kind == 3) {                /* int4: a pair of values a byte, a lone last one */ \
+    if (kind == 3) {   /* int4: int8's loop on a piece into q4, then two values a byte */ \
         uint8_t *pv = (uint8_t *)vals;                                                  \
-        for (int64_t k = 0; k < (m + 1) / 2; k++) {                                     \
-            int64_t i = 2 * k, two = i + 1 < m;                                         \
-            T v0 = add ? x[i] + add[i] : x[i];                                          \
-            T v1 = two ? (add ? x[i + 1] + add[i + 1] : x[i + 1]) : (T)0;               \
-            T q0 = v0 / div, q1 = v1 / div;                                             \
-            q0 = q0 < -qmax ? -qmax : q0;                                               \
-            q0 = q0 > qmax ? qmax : q0;                                                 \
-            q1 = q1 < -qmax ? -qmax : q1;                                               \
-            q1 = q1 > qmax ? qmax : q1;                                                 \
-            T r0 = round_even_##S(q0), r1 = round_even_##S(q1);                         \
-            pv[k] = (uint8_t)(((int)r0 & 0x0F) | (((int)r1 & 0x0F) << 4));              \
-            T d0 = r0 * sc, d1 = r1 * sc;                                               \
-            if (back) back[i] = d0;                                                     \
-            if (res) res[i] = v0 - d0;                                                  \
-            if (two && back) back[i + 1] = d1;                                          \
-            if (two && res) res[i + 1] = v1 - d1;                                       \
+        int8_t q4[PIECE];                                                               \
+        for (int64_t lo = 0; lo < m; lo += PIECE) {                                     \
+            int64_t n = m - lo < PIECE ? m - lo : PIECE;                                \
+            for (int64_t i = lo; i < lo + n; i++) {                                     \
+                T v = add ? x[i] + add[i] : x[i];                                       \
+                T q = v / div;                                                          \
+                q = q < -qmax ? -qmax : q;                                              \
+                q = q > qmax ? qmax : q;                                                \
+                T r = round_even_##S(q);                                                \
+                q4[i - lo] = (int8_t)r;                                                 \
+                T d = r * sc;                                                           \
+                if (back) back[i] = d;                                                  \
+                if (res) res[i] = v - d;                                                \
+            }                                                                           \
+            pack4(pv + lo / 2, q4, n);                                                  \
         }                                                                               \
         return 0;                                                                       \
     }                                                                                   \
@@ -207,16 +229,19 @@ CLONES int64_t phv_encode_##S(const T *x, T *res, T *back, int64_t n, int64_t bs
     return encode_##S(x, NULL, NULL, n, bs, scales, vals, 2, qmax, table);              \
 }                                                                                       \
                                                                                         \
-/* int4's load: the pairs of a byte as the loop's unit, a lone last value. */          \
+/* int4's load: a piece's nibbles unpacked into int8 (unpack4), then int8's loop. */   \
 INLINE void load4_##S(T *t, const int8_t *q, int64_t m, T sc, int first, int has_pre,   \
                       T pre)                                                            \
 {                                                                                       \
-    for (int64_t k = 0; k < (m + 1) / 2; k++) {                                         \
-        int8_t b = q[k];                                                                \
-        T v0 = (T)(int8_t)((int8_t)(b << 4) >> 4) * sc, v1 = (T)(int8_t)(b >> 4) * sc;  \
-        if (has_pre) { v0 = v0 * pre; v1 = v1 * pre; }                                  \
-        t[2 * k] = first ? v0 : t[2 * k] + v0;                                          \
-        if (2 * k + 1 < m) t[2 * k + 1] = first ? v1 : t[2 * k + 1] + v1;              \
+    int8_t q4[PIECE];                                                                   \
+    for (int64_t lo = 0; lo < m; lo += PIECE) {                                         \
+        int64_t n = m - lo < PIECE ? m - lo : PIECE;                                    \
+        unpack4(q4, (const uint8_t *)q + lo / 2, n);                                    \
+        for (int64_t i = 0; i < n; i++) {                                               \
+            T v = (T)q4[i] * sc;                                                        \
+            if (has_pre) v = v * pre;                                                   \
+            t[lo + i] = first ? v : t[lo + i] + v;                                      \
+        }                                                                               \
     }                                                                                   \
 }                                                                                       \
                                                                                         \
