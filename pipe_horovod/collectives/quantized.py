@@ -206,11 +206,10 @@ class _PointToPoint(Job):
         # Persistent buffers (buffers.py: fresh ones page-fault on every call): the
         # copies of this rank's parts, every rank's reduced part, this rank's first stage.
         sizes = [[fmt.shard_bytes(n) for _, n in ranges] for ranges in self.parts]
-        whole = sum(map(sum, sizes))
         boxes_at = _laid_out([p * part[me] for part in sizes])
         chunks_at = _laid_out([sum(part) for part in sizes])
-        boxes, outs, sent = pool.get(0, self.acc_dtype, max(whole, boxes_at[-1]), torch.uint8,
-                                     False, False).wires
+        boxes, outs, sent = pool.get(0, self.acc_dtype, max(chunks_at[-1], boxes_at[-1]),
+                                     torch.uint8, False, False).wires
         received, gathered, at = [], [], []
         for c, part in enumerate(sizes):
             mine = part[me]

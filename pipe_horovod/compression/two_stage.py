@@ -242,20 +242,6 @@ def _dequantize_torch(wire, numel, fmt, acc):
     return values.view(nb, size).mul_(scale[:, None]).view(-1)[:numel]
 
 
-def encode(x, sizes, fmt):
-    """Stage 1 on one rank: every shard of `x` quantized into one send buffer.
-    Returns (send bytes, bytes per destination, dequantized x)."""
-    splits = [fmt.shard_bytes(s) for s in sizes]
-    send = torch.empty(sum(splits), dtype=torch.uint8, device=x.device)
-    decoded = torch.empty_like(x)
-    at = pos = 0
-    for numel, nbytes in zip(sizes, splits):
-        _, back = quantize(x[pos:pos + numel], fmt, send[at:at + nbytes])
-        decoded[pos:pos + numel] = back
-        at, pos = at + nbytes, pos + numel
-    return send, splits, decoded
-
-
 def reduce_shard(received, size, numel, fmt, acc, average, prescale=1.0, postscale=1.0,
                  residual=None):
     """Stage 2 on one rank: the `size` copies of its shard (`numel` elements each,
@@ -335,18 +321,16 @@ def decode(gathered, sizes, fmt, out):
 
 
 def first_stage(flat, sizes, fmt, residual=None, out=None):
-    """`flat` in the accumulator's type plus `residual`, encoded (see `encode`) into
-    `out` (uint8, the wire's bytes; allocated when None); the residual then holds what
-    the quantization lost."""
+    """Stage 1 on one rank: `flat` in the accumulator's type plus `residual`, every shard
+    (`sizes`) quantized into `out` (uint8, the wire's bytes; allocated when None); the
+    residual then holds what the quantization lost. Returns (send bytes, bytes per
+    destination)."""
     acc = accumulator(flat.dtype)
     kernels = _kernels(fmt, residual, dtype=acc) if flat.device.type == "cpu" else None
     if kernels:
         return _first_stage_native(kernels, flat.to(acc).contiguous(), sizes, fmt, residual,
                                    out)
     x = flat.to(acc, copy=True)
-    if residual is None and out is None:
-        send, splits, _ = encode(x, sizes, fmt)
-        return send, splits
     if residual is not None:
         x.add_(residual)
     splits = [fmt.shard_bytes(s) for s in sizes]
@@ -551,5 +535,5 @@ def decode_chunk(gathered, ranges, fmt, out):
 
 __all__ = ["CHUNK_NUMEL", "DEFAULT_BLOCK_SIZE", "FORMATS", "MAX_CHUNKS", "WireFormat",
            "check_block_size", "check_format", "chunk_count", "chunks", "decode", "decode_chunk",
-           "dequantize", "encode", "first_stage", "first_stage_chunk", "own_shard", "quantize",
+           "dequantize", "first_stage", "first_stage_chunk", "own_shard", "quantize",
            "reduce_shard", "shard_sizes"]

@@ -557,8 +557,8 @@ class Engine:
                 if int(present.item()) == len(ps.ranks):
                     return True
                 tensor_, prescale, postscale, finish = joined()
-                finish(self._settled(self._join_allreduce(tensor_, name, op, ps, prescale,
-                                                          postscale), f"allreduce {name + '.join'!r}").wait())
+                stand_in = self._join_allreduce(tensor_, name, op, ps, prescale, postscale)
+                finish(self._settled(stand_in, f"allreduce {name + '.join'!r}").wait())
                 return False
             return start(ps, gate)
 

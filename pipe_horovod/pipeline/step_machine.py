@@ -202,14 +202,12 @@ class StepMachine:
             while (not self.solo and len(self.launched) < len(self.buckets)
                    and self._waiting[len(self.launched)] == 0):
                 self._launch(self.buckets[len(self.launched)], fill)
-                self._recorded_launch()
 
     def launch_rest(self, fill):
         """Send every bucket backward did not complete (unused parameters send zeros)."""
         with self._lock:
             while not self.solo and len(self.launched) < len(self.buckets):
                 self._launch(self.buckets[len(self.launched)], fill)
-                self._recorded_launch()
 
     def _launch(self, bucket, fill):
         flat = self.buffer(bucket)
@@ -220,6 +218,7 @@ class StepMachine:
         # gradient_predivide_factor splits the average around the sum, as Horovod's does.
         scaling = {"process_set": self.process_set, "prescale_factor": 1.0 / self.predivide,
                    "postscale_factor": self.predivide}
+        ctx, codec = None, Compression.none      # what the landed result still needs
         if self.wire is not None:
             residuals = None
             if self.feedback is not None:       # the second: the shard this rank reduces
@@ -233,29 +232,22 @@ class StepMachine:
                                                residuals=residuals,
                                                transport=quantized.bucket_transport(flat),
                                                **scaling)
-            self.launched.append(BucketReduction(bucket, self.fifo.steps, handle, None,
-                                                 Compression.none))
-            return
-        if self.collective is not None:
+        elif self.collective is not None:
             residual = (None if self.feedback is None
                         else self.feedback.residual(self.slot, bucket))
             handle = collectives.allreduce_async(flat, name, self.op, collective=self.collective,
                                                  compression=self.compression,
                                                  residual=residual, **scaling)
-            self.launched.append(BucketReduction(bucket, self.fifo.steps, handle, None,
-                                                 Compression.none))
-            return
-        wire, ctx = self.compression.compress(flat)
-        handle = self.engine.allreduce_async(wire, name, self.op, **scaling)
-        self.launched.append(BucketReduction(bucket, self.fifo.steps, handle, ctx,
-                                             self.compression))
+        else:
+            wire, ctx = self.compression.compress(flat)
+            handle = self.engine.allreduce_async(wire, name, self.op, **scaling)
+            codec = self.compression
+        reduction = BucketReduction(bucket, self.fifo.steps, handle, ctx, codec)
+        self.launched.append(reduction)
+        if self.record is not None:             # the measured run (pipeline/run_record.py)
+            self.record.launched(reduction, self.fifo.steps)
 
     # --- the measured run (pipeline/run_record.py) --------------------------
-    def _recorded_launch(self):
-        """Record the reduction _launch just appended (its launch time, its bytes)."""
-        if self.record is not None:
-            self.record.launched(self.launched[-1], self.fifo.steps)
-
     def run_config(self):
         """What produced the recorded run: a run summary's "config"."""
         def nbytes(bucket):
