@@ -25,7 +25,7 @@ from .argument_checks import (check_name, check_op, check_reducible, check_root,
                               check_scale, check_splits, check_tensor, check_tensors)
 from .faults import (DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, HorovodInternalError,  # noqa: F401
                      HostsUpdatedInterrupt, RankLostError, WaitError, WaitTimeoutError,
-                     describe_lost, lost_ranks, wait_until, whoami)
+                     describe_lost, lost_ranks, runs_here, wait_until, whoami)
 from . import causes, objects
 from .mismatch import MismatchError, from_library, join_refused
 from .stall import POSTED_RAISES, STATUS_AFTER_S, Call, Stall, StepMismatchError, describe
@@ -197,6 +197,8 @@ class Engine:
         self._final = None        # the number of the last that stops it (refuse, uncaught)
         self._raised = set()      # what they were raised in: others raising alike are not news
         self._told = set()        # (rank, number) of others' posted errors raised here
+        self._raisers = set()     # ranks whose error that stops them this rank raised
+        self._uncaught = False    # an error ends this rank's script (tell_uncaught)
         self._thread = threading.local()    # .calls: the object collective a thread is in
         self._pool = None         # threads of two-stage reductions (two_stage_async)
         self._releasing = False   # shutdown lets go of the library: pool threads stop waiting
@@ -874,6 +876,7 @@ class Engine:
         """engine.init's excepthook: `exc` ends this rank's script; the others' waits name
         it (with where it was raised) instead of blaming uneven data."""
         self._failed = True              # leave without waiting for the others' teardown
+        self._uncaught = True
         frames = traceback.extract_tb(tb) if tb is not None else []
         # The script's own line: the innermost frame outside pipe_horovod and installed
         # packages (where a collective of ours or a library call raised, the caller's).
@@ -904,6 +907,23 @@ class Engine:
                 or (statuses[r] and statuses[r]["state"] == "ended"))]
             if others:
                 time.sleep(0.05)
+
+    def _leave_after_raisers(self, bound_s=2 * STATUS_AFTER_S + 1.0):
+        """A rank whose script ends with another rank's error (read off the board) leaves
+        after that rank's process did, or after `bound_s`: launchers stop every rank once the
+        first one exits with an error and name that one as the cause, which must be the rank
+        that raised it. Ranks on other hosts cannot be watched: their posted end counts."""
+        if not (self._uncaught and self._raisers) or self._board is None:
+            return
+        deadline = time.monotonic() + bound_s
+        ranks = sorted(self._raisers)
+        while ranks and time.monotonic() < deadline:
+            running = {r: runs_here(self._peers[r]) for r in ranks}
+            elsewhere = self._board.read([r for r in ranks if running[r] is None])
+            ranks = [r for r in ranks if running[r] or (
+                running[r] is None and (elsewhere[r] or {}).get("state") != "ended")]
+            if ranks:
+                time.sleep(0.02)
 
     def _who_ended(self, exc, call, look):
         """A failure because another rank ended (Horovod's "has been shut down", or a
@@ -1061,6 +1081,7 @@ class Engine:
             if pool is not None:     # its threads see _releasing and leave
                 pool.shutdown(wait=True, cancel_futures=True)
             self._linger_for_readers(me, size)
+            self._leave_after_raisers()
 
     def _close(self):
         """Subclass hook: release the library (after in-flight work completed)."""

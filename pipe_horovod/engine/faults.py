@@ -129,6 +129,12 @@ def _runs(pid):
     return True
 
 
+def runs_here(peer):
+    """Whether `peer` (host, pid) still runs; None when it runs on another host."""
+    host, pid = peer
+    return _runs(pid) if host == socket.gethostname() else None
+
+
 def lost_ranks(peers, me, look_s=_LOOK_S):
     """The ranks in `peers` [(host, pid) by rank] on this host that no longer run.
 
