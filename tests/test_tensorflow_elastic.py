@@ -152,6 +152,23 @@ def test_sync_gives_a_rank_rank0s_gradients_in_flight(hvd, monkeypatch):
                       f"weight after the sync (pipeline built before it: {built})")
 
 
+def test_sync_keeps_each_ranks_own_residuals_and_local_gradients():
+    """Rank 0's gradients in flight replace a rank's, but never its error-feedback
+    residuals (each rank's codec memory) nor, at the same steps, its gradients of local
+    sources; a pipeline built only after the sync starts with no residuals."""
+    from pipe_horovod.tensorflow import elastic
+
+    def state(steps, fill, residual):
+        return {"steps": steps, "in_flight": [{"a": np.full(2, fill), "b": np.full(2, fill)}],
+                "error_feedback": {0: {"a": np.full(2, residual)}, -1: {"b": np.ones(1)}}}
+    own, rank0 = state(3, 1.0, 5.0), state(3, 2.0, 9.0)
+    for local, steps, expected_b in ((set(), 3, 2.0), ({"b"}, 3, 1.0), ({"b"}, 4, 2.0)):
+        got = elastic._keeping_local(own, {**rank0, "steps": steps}, local)
+        assert got["error_feedback"] is own["error_feedback"], (local, steps)
+        assert got["steps"] == steps and np.array_equal(got["in_flight"][0]["a"], [2.0, 2.0])
+        assert np.array_equal(got["in_flight"][0]["b"], [expected_b] * 2), (local, steps)
+
+
 def test_bad_input_is_named(hvd):
     v = tf.Variable([1.0])
     with pytest.raises(ValueError, match="TensorFlow 1's"):

@@ -34,7 +34,8 @@ from . import elastic
 from .functions import (allgather_object, broadcast_global_variables, broadcast_object,
                         broadcast_object_fn, broadcast_variables)
 from .gradient_tape import (DistributedGradientTape, GradientsInFlight,
-                            PartialDistributedGradientTape, flush)
+                            PartialDistributedGradientTape, flush,
+                            write_run_summary)
 from .identity_ops import (local_rank_op, local_size_op, process_set_included_op, rank_op,
                            size_op)
 from .mpi_ops import (allgather, allreduce, alltoall, broadcast, broadcast_, grouped_allgather,
@@ -55,4 +56,4 @@ __all__ = [
     "local_rank_op", "local_size", "local_size_op", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "process_set_included_op", "rank", "rank_op",
     "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "size_op",
-    "start_timeline", "stop_timeline"]
+    "start_timeline", "stop_timeline", "write_run_summary"]

@@ -93,14 +93,17 @@ class _TapesInFlight:
     def sync(self):
         """Rank 0's gradients in flight on every rank, where they differ (a worker that
         joined, or one astray). A rank keeps its own gradients of local sources
-        (register_local_source): they are never averaged, so ranks differ there."""
+        (register_local_source) and error-feedback residuals: they are never averaged,
+        so ranks differ there."""
         pipes = pipelines_over(self.variables)
         mine = {where: pipe.state() for where, pipe in pipes.items()}
         theirs = broadcast_object(mine if rank() == 0 else None, root_rank=0)
         for where in set(mine) | set(theirs):
             pipe, state = pipes.get(where), theirs.get(where, _NOTHING_IN_FLIGHT)
-            if pipe is None:               # not built here yet: at its first gradient()
-                restore_when_built([self.variables[i] for i in where], state)
+            if pipe is None:               # not built here yet: at its first gradient(),
+                # with no residuals of its own yet (rank 0's are rank 0's)
+                restore_when_built([self.variables[i] for i in where],
+                                   {**state, "error_feedback": {}})
                 continue
             own = mine[where]
             state = _keeping_local(own, state, pipe.local)
@@ -117,14 +120,16 @@ class _TapesInFlight:
 
 
 def _keeping_local(own, theirs, local):
-    """`theirs` with this rank's own gradients of local sources, where both hold the same
-    steps (otherwise this rank's are not the ones that go with rank 0's)."""
+    """`theirs` with what is this rank's own: its error-feedback residuals (each rank's
+    codec memory, never averaged), and its gradients of local sources where both hold the
+    same steps (otherwise this rank's are not the ones that go with rank 0's)."""
+    mine = {"error_feedback": own.get("error_feedback") or {}}
     if not local or own["steps"] != theirs["steps"] \
             or len(own["in_flight"]) != len(theirs["in_flight"]):
-        return theirs
-    return {"steps": theirs["steps"],
-            "in_flight": [{n: mine[n] if n in local else g for n, g in entry.items()}
-                          for mine, entry in zip(own["in_flight"], theirs["in_flight"])]}
+        return {**theirs, **mine}
+    return {"steps": theirs["steps"], **mine,
+            "in_flight": [{n: kept[n] if n in local else g for n, g in entry.items()}
+                          for kept, entry in zip(own["in_flight"], theirs["in_flight"])]}
 
 
 def _same_state(a, b):

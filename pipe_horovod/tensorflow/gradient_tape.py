@@ -172,7 +172,10 @@ class _Pipeline:
         state = self.machine.state()
         return {"steps": state["steps"],
                 "in_flight": [{n: g.cpu().numpy() for n, g in e.items()}
-                              for e in state["in_flight"]]}
+                              for e in state["in_flight"]],
+                "error_feedback": {slot: {n: r.cpu().numpy() for n, r in residuals.items()}
+                                   for slot, residuals in
+                                   (state["error_feedback"] or {}).items()}}
 
     def restore(self, state):
         fifo = self.machine.fifo
@@ -186,10 +189,14 @@ class _Pipeline:
                 raise ValueError("the checkpoint's gradients in flight are for other variables "
                                  f"({sorted(entry)[:3]}...) than these ({self.names[:3]}...)")
         self.machine.settle()
-        self.machine.restore(
-            [{n: torch.from_numpy(np.array(a, copy=True)).reshape(-1).to(self.devices[n])
-              for n, a in entry.items()}
-             for entry in in_flight], [None] * len(in_flight), state["steps"])
+
+        def here(arrays):
+            return {n: torch.from_numpy(np.array(a, copy=True)).reshape(-1).to(self.devices[n])
+                    for n, a in arrays.items()}
+        self.machine.restore([here(entry) for entry in in_flight], [None] * len(in_flight),
+                             state["steps"], error_feedback={
+                                 slot: here(residuals) for slot, residuals in
+                                 state.get("error_feedback", {}).items()} or None)
 
     # --- elastic (pipe_horovod.tensorflow.elastic) ----------------------------------
     def drop_in_flight(self):
@@ -311,6 +318,31 @@ class _DistributedGradientTape:
                              "hvd.flush(model.trainable_variables) instead")
         return flush(self._tape_pipeline.sources, self._tape_options["process_set"])
 
+    def write_run_summary(self, path):
+        """This tape's sources' measured run, for `pipe-horovod plan --from-run path`
+        (write_run_summary(sources, path) below, which a loop's eager code can reach)."""
+        if getattr(self, "_tape_pipeline", None) is None:
+            raise ValueError("this tape has computed no gradient yet: nothing was measured")
+        return write_run_summary(self._tape_pipeline.sources, path,
+                                 self._tape_options["process_set"])
+
+
+def write_run_summary(sources, path, process_set=None):
+    """Write what the pipeline of `sources` measured (per step compute, per bucket bytes,
+    launch, landing and exposed wait; the configuration) to `path` as JSON on rank 0, for
+    `pipe-horovod plan --from-run path`, as the PyTorch DistributedOptimizer's
+    write_run_summary: returns `path` on rank 0, None elsewhere; nothing is exchanged.
+    (Or set PIPE_HOROVOD_RUN_SUMMARY=path to have it written at exit.)
+
+    Raises:
+        ValueError: no DistributedGradientTape has computed gradients for `sources`.
+    """
+    pipe = _existing(sources, process_set)
+    if pipe is None:
+        raise ValueError("no DistributedGradientTape has computed gradients for these "
+                         "variables (with this process_set): nothing was measured")
+    return pipe.machine.write_run_summary(path)
+
 
 def flush(sources, process_set=None):
     """The averaged gradients still in flight for `sources`, oldest first (eager only).
@@ -325,10 +357,15 @@ def flush(sources, process_set=None):
     if not tf.executing_eagerly():
         raise ValueError("flush() runs eagerly, after the last step: call it outside any "
                          "tf.function")
+    pipe = _existing(sources, process_set)
+    return [] if pipe is None else pipe.flush()
+
+
+def _existing(sources, process_set):
+    """The pipeline of `sources` over `process_set`, None before their first gradient()."""
     if process_set is engine.global_process_set:
         process_set = None
-    pipe = _pipelines.get((_key(tf.nest.flatten(sources)), process_set))
-    return [] if pipe is None else pipe.flush()
+    return _pipelines.get((_key(tf.nest.flatten(sources)), process_set))
 
 
 class GradientsInFlight(tf.train.experimental.PythonState):
@@ -338,9 +375,11 @@ class GradientsInFlight(tf.train.experimental.PythonState):
                                    pipeline=hvd.GradientsInFlight(model.trainable_variables))
 
     Saved: the pipeline's step count and every averaged gradient in flight (each
-    rank holds the same ones). Restored before the first step of the resumed run,
-    they are what the next steps' tape.gradient returns, so the run continues as if
-    it had never stopped.
+    rank holds the same ones), and with an error-feedback codec (int8_ef, ...) this
+    rank's residuals, which differ between ranks: each rank saves and restores its own
+    checkpoint to resume exactly (rank 0's alone gives every rank rank 0's residuals).
+    Restored before the first step of the resumed run, they are what the next steps'
+    tape.gradient returns, so the run continues as if it had never stopped.
     """
 
     def __init__(self, sources, process_set=None):
@@ -356,6 +395,8 @@ class GradientsInFlight(tf.train.experimental.PythonState):
             _key(self._sources), {"steps": 0, "in_flight": []})
         arrays = {f"{k}/{n}": a for k, entry in enumerate(state["in_flight"])
                   for n, a in entry.items()}
+        arrays.update({f"ef{slot}/{n}": r for slot, residuals in
+                       state.get("error_feedback", {}).items() for n, r in residuals.items()})
         buffer = io.BytesIO()
         np.savez(buffer, steps=np.int64(state["steps"]),
                  entries=np.int64(len(state["in_flight"])), **arrays)
@@ -364,11 +405,16 @@ class GradientsInFlight(tf.train.experimental.PythonState):
     def deserialize(self, string_value):
         with np.load(io.BytesIO(string_value)) as data:
             entries = [{} for _ in range(int(data["entries"]))]
+            residuals = {}
             for key in data.files:
                 if "/" in key:
                     k, name = key.split("/", 1)
-                    entries[int(k)][name] = data[key]
-            state = {"steps": int(data["steps"]), "in_flight": entries}
+                    if k.startswith("ef"):
+                        residuals.setdefault(int(k[2:]), {})[name] = data[key]
+                    else:
+                        entries[int(k)][name] = data[key]
+            state = {"steps": int(data["steps"]), "in_flight": entries,
+                     "error_feedback": residuals}
         pipe = self._pipeline()
         if pipe is None:
             _pending[_key(self._sources)] = state

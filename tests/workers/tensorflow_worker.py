@@ -7,11 +7,13 @@ backend (tests/keras_launches.py; one TensorFlow start-up per engine):
   tape        DistributedGradientTape in a tf.function with Keras SGD, K = 1, 2, 3 and a
               warm-up, against tests/keras_reference.py's pipelined FIFO fed with the same
               TensorFlow gradients: bit for bit (the float32 average of 1 or 2 ranks is
-              exact); zeros while the pipeline fills; flush() hands back the rest
+              exact); zeros while the pipeline fills; flush() hands back the rest; the
+              run summary (write_run_summary) as the optimizers write theirs
   optimizer   hvd.DistributedOptimizer(Adam) with a plain tape at K=2 (plain Pipe-SGD)
               against the reference's Adam, within tests/tolerance.py's bound
-  checkpoint  tf.train.Checkpoint with GradientsInFlight saved mid-run at K=2; a fresh
-              model restored from it continues to the uninterrupted run's weights exactly
+  checkpoint  tf.train.Checkpoint with GradientsInFlight saved mid-run at K=2, without
+              compression and with int8_ef (this rank's residuals); a fresh model
+              restored from it continues to the uninterrupted run's weights exactly
   errors      bad input: a clear error on every rank, and a collective still works after
   partial     PartialDistributedGradientTape at K=2 in a tf.function: the last layer local
               (this rank's own gradient / size), the others averaged, both one step late,
@@ -22,8 +24,10 @@ backend (tests/keras_launches.py; one TensorFlow start-up per engine):
               SyncBatchNormalization against Keras's BatchNormalization on every rank's
               batch at once: outputs, input gradients, moving statistics
 """
+import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -166,7 +170,8 @@ def check_horovod_dtypes(r, n):
 
 
 # --- the tape against the pipelined reference ----------------------------------------------
-def tape_run(depth, warmup, steps=STEPS, model=None, start=0, eagerly=False, state=None):
+def tape_run(depth, warmup, steps=STEPS, model=None, start=0, eagerly=False, state=None,
+             compression=hvd.Compression.none):
     """Train `steps` steps with DistributedGradientTape and Keras SGD; return the model,
     the optimizer and what tape.gradient returned at each step."""
     model = model or build()
@@ -177,7 +182,7 @@ def tape_run(depth, warmup, steps=STEPS, model=None, start=0, eagerly=False, sta
         with tf.GradientTape() as tape:
             loss = loss_of(model, x, y)
         tape = hvd.DistributedGradientTape(tape, pipeline_depth=depth, warmup_steps=warmup,
-                                           bucket_cap_mb=1e-5)
+                                           bucket_cap_mb=1e-5, compression=compression)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return grads
@@ -207,10 +212,35 @@ def check_tape():
                              size=hvd.size())
         equal(weights_of(model), done.weights, what + " after flush")
         assert hvd.flush(model.trainable_variables) == []
+        if (depth, eagerly) == (2, False):
+            check_run_summary(model, what)
         if depth > 1:      # one step more or less of delay is told apart
             other = ref.reference(start, local_gradients, ref.SGD(0.1), depth - 1, warmup,
                                   steps=STEPS, size=hvd.size())
             assert not np.array_equal(other.weights[0], done.weights[0]), what
+
+
+def check_run_summary(model, what):
+    """The tape's measured run (pipeline/run_record.py), as the optimizers write theirs:
+    rank 0 alone writes it, every step after the first timed with its compute, every
+    step's buckets landed; a source list with no pipeline is a clear error."""
+    folder = Path(os.environ.get("PIPE_HOROVOD_TEST_DIR") or tempfile.mkdtemp())
+    path = str(folder / f"tape-run-summary-{hvd.rank()}.json")
+    assert hvd.write_run_summary(model.trainable_variables, path) == (
+        path if hvd.rank() == 0 else None), what
+    assert os.path.exists(path) == (hvd.rank() == 0), what
+    if hvd.rank() == 0:
+        with open(path) as f:
+            summary = json.load(f)
+        assert summary["config"]["pipeline_depth"] == 2, (what, summary["config"])
+        assert [s["step"] for s in summary["steps"]] == list(range(1, STEPS)), what
+        assert all(s["compute_s"] > 0 for s in summary["steps"]), what
+        if hvd.size() > 1:
+            reduced = summary["reductions"]
+            assert {r["step"] for r in reduced} == set(range(STEPS)), what
+            assert all(r["landed_s"] >= r["launched_s"] for r in reduced), what
+    expect_error(ValueError, "no DistributedGradientTape has computed gradients",
+                 lambda: hvd.write_run_summary(build().trainable_variables, path))
 
 
 def check_optimizer():
@@ -238,26 +268,33 @@ def check_optimizer():
 
 
 def check_checkpoint(directory):
+    """Saved mid-run at K=2 and restored into a fresh model: the uninterrupted run's weights
+    exactly; with int8_ef too, whose error-feedback residuals (this rank's own) the
+    checkpoint must carry, or the resumed run's quantization differs."""
     Path(directory).mkdir(parents=True, exist_ok=True)
-    path = Path(directory) / f"tape_rank{hvd.rank()}"
-    model, opt, _ = tape_run(2, 0, steps=SAVE_AT)
-    ckpt = tf.train.Checkpoint(model=model, optimizer=opt,
-                               pipeline=hvd.GradientsInFlight(model.trainable_variables))
-    saved = ckpt.write(str(path))
-    tape_run(2, 0, steps=STEPS - SAVE_AT, model=model, start=SAVE_AT, state=opt)
-    for grads in hvd.flush(model.trainable_variables):
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-    uninterrupted = weights_of(model)
-    # A fresh model, optimizer and pipeline, as a restarted job has them.
-    fresh, fresh_opt = build(seed=7), keras.optimizers.SGD(0.1)
-    fresh_opt.build(fresh.trainable_variables)
-    tf.train.Checkpoint(model=fresh, optimizer=fresh_opt,
-                        pipeline=hvd.GradientsInFlight(fresh.trainable_variables)).read(
-        saved).assert_consumed()
-    tape_run(2, 0, steps=STEPS - SAVE_AT, model=fresh, start=SAVE_AT, state=fresh_opt)
-    for grads in hvd.flush(fresh.trainable_variables):
-        fresh_opt.apply_gradients(zip(grads, fresh.trainable_variables))
-    equal(weights_of(fresh), uninterrupted, "restored from tf.train.Checkpoint")
+    for compression in (hvd.Compression.none, hvd.Compression.int8_ef):
+        what = f"restored from tf.train.Checkpoint ({compression.name})"
+        path = Path(directory) / f"tape_{compression.name}_rank{hvd.rank()}"
+        model, opt, _ = tape_run(2, 0, steps=SAVE_AT, compression=compression)
+        ckpt = tf.train.Checkpoint(model=model, optimizer=opt,
+                                   pipeline=hvd.GradientsInFlight(model.trainable_variables))
+        saved = ckpt.write(str(path))
+        tape_run(2, 0, steps=STEPS - SAVE_AT, model=model, start=SAVE_AT, state=opt,
+                 compression=compression)
+        for grads in hvd.flush(model.trainable_variables):
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        uninterrupted = weights_of(model)
+        # A fresh model, optimizer and pipeline, as a restarted job has them.
+        fresh, fresh_opt = build(seed=7), keras.optimizers.SGD(0.1)
+        fresh_opt.build(fresh.trainable_variables)
+        tf.train.Checkpoint(model=fresh, optimizer=fresh_opt,
+                            pipeline=hvd.GradientsInFlight(fresh.trainable_variables)).read(
+            saved).assert_consumed()
+        tape_run(2, 0, steps=STEPS - SAVE_AT, model=fresh, start=SAVE_AT, state=fresh_opt,
+                 compression=compression)
+        for grads in hvd.flush(fresh.trainable_variables):
+            fresh_opt.apply_gradients(zip(grads, fresh.trainable_variables))
+        equal(weights_of(fresh), uninterrupted, what)
 
 
 def check_partial():
