@@ -99,15 +99,19 @@ def test_horovod_engine_measures_horovod_and_ddp_in_one_run(tmp_path):
     # One horovodrun job: hvd.DistributedOptimizer and DDP (over a torch.distributed gloo
     # group the workers start next to Horovod) in the same processes, interleaved; every
     # configuration on replayed compute (issue 11): 0.005 TFLOP/s makes the 0.1 MB MLP's
-    # forward 1.6 ms and backward 3.2 ms of timed waits.
+    # forward 1.6 ms and backward 3.2 ms of timed waits. --one-model: each block builds its
+    # configuration (Horovod's optimizer, DDP, ours) anew and frees it after (the other
+    # tests build every configuration once).
     configs = ["horovod", "ddp", "ours-k1", "ours-k2", "compute"]
     stdout = _bench(tmp_path, "--engine", "horovod", "--workers", "2", "--model-mb", "0.1",
                     "--batch-size", "8", "--steps", "2", "--warmup", "1", "--rounds", "2",
                     "--idle-probe-s", "0.05", "--compute", "replay", "--device-tflops", "0.005",
-                    "--horovod-fusion-mb", "0", "--configs", *configs, timeout=110)
+                    "--horovod-fusion-mb", "0", "--one-model", "--configs", *configs,
+                    timeout=110)
     summary, raw = _check_outputs(tmp_path, stdout, configs)
     meta = raw["meta"]
     assert meta["engine"] == "horovod" and meta["workers"] == 2 and not meta["skipped"]
+    assert meta["one_model"] is True
     for name in ("horovod", "ddp"):
         steps = [t for block in raw["configs"][name]["rounds"] for t in block["step_s"]]
         assert len(steps) == 4 and all(t > 0 for t in steps), (name, steps)

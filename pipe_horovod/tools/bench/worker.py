@@ -51,6 +51,7 @@ them (plain horovodrun) rank 0 picks a free port and Horovod broadcasts it.
 Gloo binds to GLOO_SOCKET_IFNAME, else to Horovod's HOROVOD_GLOO_IFACE.
 """
 import argparse
+import gc
 import json
 import math
 import os
@@ -382,6 +383,11 @@ class ContentionRunner:
         pass
 
 
+def runner_kind(name):
+    """The `kind` of make_runner(name, ...)'s runner, without building it."""
+    return next((k for k in ("allreduce", "contention") if name.startswith(k)), "train")
+
+
 def make_runner(name, args, eng):
     import torch
 
@@ -668,11 +674,11 @@ def run_benchmark(args):
     runners = {}
     threads_before = _threads()
     for name in configs:                       # same order on every rank (collectives inside)
-        runners[name] = make_runner(name, args, eng)
+        runners[name] = None if args.one_model else make_runner(name, args, eng)
         progress(f"built {name}")
     numel = model_numel(args)
 
-    results = {n: {"kind": runners[n].kind, "compression": compression_of(n),
+    results = {n: {"kind": runner_kind(n), "compression": compression_of(n),
                    "pipeline_depth": pipeline_depth_of(n), "rounds": []} for n in configs}
     background = []
     for rnd in range(args.rounds):
@@ -686,7 +692,7 @@ def run_benchmark(args):
             background.append((ticks1[0] - ticks0[0]) / (ticks1[1] - ticks0[1])
                               * (os.cpu_count() or 1))
         for name in configs:
-            runner = runners[name]
+            runner = runners[name] or make_runner(name, args, eng)
             eng.barrier()
             for _ in range(args.warmup):
                 runner.step()
@@ -704,6 +710,9 @@ def run_benchmark(args):
             block = {key: [r[key] for r in recs] for key in recs[0]}
             block.update(round=rnd, wall_s=wall, per_rank=per_rank, machine_busy_cores=busy)
             results[name]["rounds"].append(block)
+            if args.one_model:                 # its memory back before the next is built
+                del runner
+                gc.collect()
             med = sorted(block["step_s"])[len(recs) // 2]
             log(f"round {rnd + 1}/{args.rounds} {name:>14}: median step {med * 1e3:8.1f} ms, "
                 f"cpu {cpu / wall:4.2f} cores (rank 0), machine busy "
@@ -734,6 +743,7 @@ def run_benchmark(args):
             "params": numel, "model_bytes": numel * 4, "batch_size": args.batch_size,
             "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
             "bucket_cap_mb": args.bucket_cap_mb, "threads": args.threads,
+            "one_model": args.one_model,
             **auto_bucket_meta(args.bucket_cap_mb, size),
             "configs": configs, "requested": requested, "skipped": skipped,
             "cpu_count": os.cpu_count(), "hostname": socket.gethostname(),
@@ -752,7 +762,7 @@ def run_benchmark(args):
         "two_stage_codec_s_per_byte": two_stage_costs,
         "process": eng.allgather_object({"cpu_s": _cpu_s(), "threads": _threads()}),
     }
-    for runner in runners.values():
+    for runner in filter(None, runners.values()):
         if runner.kind == "train" and runner.mode == "ours":
             runner.opt.flush()
     eng.barrier()
@@ -816,6 +826,11 @@ def add_model_arguments(parser):
                         help="untimed steps before each timed block (default 5)")
     parser.add_argument("--rounds", type=positive(int), default=3,
                         help="rounds of all configurations, interleaved (default 3)")
+    parser.add_argument("--one-model", action="store_true",
+                        help="build each configuration's model for its block and free it "
+                             "after (memory for one at a time, for models as large as "
+                             "bert-base; each block starts from the same weights, its "
+                             "pipeline empty)")
     parser.add_argument("--configs", type=checked(parse_configs), nargs="+", default=None,
                         help=f"configurations (default: {' '.join(DEFAULT_CONFIGS)}; the ones "
                              "the engine cannot run are skipped and noted)")
