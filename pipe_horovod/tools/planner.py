@@ -721,8 +721,8 @@ def cpu_floor(cpu_s_per_step, workers, cores):
     update); the communication's CPU (a plain allreduce's, scaled to the codec's wire
     bytes); the codec's stages; and the wrapped optimizer's own work beside compute, which
     a plain step does not do: copying each gradient into its bucket and, with the default
-    lookahead compensation, the one-pass prediction of the next weights (each about as
-    costly as the update: one pass over the model). Not counted, not measured apart yet:
+    lookahead compensation, the one-pass prediction of the next weights (each a pass over
+    the model's gradient, as large as the update's). Not counted, not measured apart yet:
     the Python of the messages (the step machine's launches, the communicator's loop, the
     waits)."""
     if not cpu_s_per_step >= 0:

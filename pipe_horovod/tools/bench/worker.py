@@ -581,8 +581,9 @@ def optimizer_step_costs(opt, bucket_cap_mb, size, reps=5):
     one-pass prediction (torch.lookahead.predict with the user's optimizer class's rule,
     into scratch gradients, as the adapter predicts into its own local gradient; None
     where that class has no one-pass rule). After a warm-up pass, the median of `reps`
-    passes, wall (perf_counter) and this thread's CPU (thread_time); every rank measures
-    at once, as two_stage_codec_costs does."""
+    passes, wall (perf_counter) and this thread's CPU (thread_time: all of it with one
+    intra-op thread, --threads 1, the default); every rank measures at once, as
+    two_stage_codec_costs does."""
     import statistics
 
     import torch
@@ -607,16 +608,17 @@ def optimizer_step_costs(opt, bucket_cap_mb, size, reps=5):
         for bucket, flat in zip(buckets, flats):
             for name, start, numel in bucket.offsets():
                 flat[start:start + numel].copy_(grads[param_of[name]].reshape(-1))
-        return flats
 
     def predict():
         return lookahead.predict(user_class, opt.param_groups, opt.state, grads)
 
-    out = {"bucket_bytes": [flat.numel() * flat.element_size() for flat in flats]}
-    for key, work in (("bucket_copy", copy), ("lookahead", predict)):
-        if work() is None and key == "lookahead":      # the warm-up pass
-            out[key] = None                            # no one-pass rule: not measured
-            continue
+    out = {"bucket_bytes": [flat.numel() * flat.element_size() for flat in flats],
+           "lookahead": None}                          # None: no one-pass rule
+    parts = {"bucket_copy": copy}
+    copy()                                             # the warm-up passes
+    if predict() is not None:
+        parts["lookahead"] = predict
+    for key, work in parts.items():
         passes = []
         for _ in range(reps):
             t0 = [clock() for clock in clocks]
