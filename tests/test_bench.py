@@ -397,6 +397,76 @@ def test_report_predicts_two_stage_codecs_with_the_planner_and_the_cpu_floor():
         planner.step_time(0.07, 0.01, planner.ring_allreduce(
             net, p, model_bytes * planner.two_stage_wire_ratio(256, 0.5)), pipeline_depth=2))
     assert "int4eng (int4_ef): wire x0.1289" in text and "not measured in this run" in text
+    # ... and without the optimizer's own work (a raw from before optimizer_step_costs):
+    # not in the floor, and the text says so
+    assert "the optimizer's own bucket copy and lookahead prediction not measured" in text
+    assert "floor 4 x (" in text and "bucket copy" not in text.split("not measured")[-1]
+
+
+@pytest.mark.timeout(60)
+def test_cpu_floor_counts_the_optimizers_own_work_measured_alone():
+    # The two-stage rows' floor adds the wrapped optimizer's own CPU a step, measured by
+    # the worker apart from the rows (optimizer_step_costs): the bucket copy in every row,
+    # the lookahead prediction only where the row compensates with it (the default), never
+    # in -none. Known component times give a known floor.
+    model_bytes, p = 50e6, 2
+    costs = {"compression": "int8_ef", "bucket_bytes": model_bytes,
+             "wall_s_per_byte": [2e-9, 1e-9, 1e-9], "cpu_s_per_byte": [0.2e-9, 0.1e-9, 0.1e-9]}
+    step_costs = {"bucket_bytes": [25e6, 25e6],
+                  "bucket_copy": {"wall_s": 0.02, "cpu_s": 0.015},
+                  "lookahead": {"wall_s": 0.05, "cpu_s": 0.04}}
+    raw = {"format": "pipe_horovod.bench/1",
+           "meta": {"engine": "horovod", "workers": p, "model": "mlp", "model_bytes": model_bytes,
+                    "params": 12_500_000, "batch_size": 32, "steps": 4, "warmup": 1,
+                    "rounds": 1, "threads": 1, "cpu_count": 2, "versions": {},
+                    "background_busy_cores": [1.0]},
+           "configs": {
+               "ours-k2-int8eng": _cfg("train", [_block(0.40, 0.0, 0.07, 0.01)], "int8eng", 2),
+               "ours-k2-int8eng-none": _cfg("train", [_block(0.35, 0.0, 0.07, 0.01)],
+                                            "int8eng", 2),
+               "ours-k2-int8eng-dc": _cfg("train", [_block(0.35, 0.0, 0.07, 0.01)],
+                                          "int8eng", 2),
+               "compute": _cfg("train", [_block(0.080, None, 0.07, 0.01, cores=0.5)]),
+               "allreduce": _cfg("allreduce", [_block(0.300, 0.300, cores=0.4)]),
+           },
+           "sweep": None, "codec_s": None, "process": [],
+           "two_stage_codec_s_per_byte": {"int8eng": costs},
+           "optimizer_step_costs": step_costs}
+    summary = report.summarize(json.loads(json.dumps(raw)))
+    text = report.markdown(summary)
+    ratio = planner.two_stage_wire_ratio(256, 1)
+    base = 0.5 * 0.080 + 0.4 * 0.300 * ratio + 0.4e-9 * model_bytes   # as before
+    cores = 2 * p / (p + 1.0)                      # 2 ranks, 1 core busy elsewhere: 1.33
+    expect = {"ours-k2-int8eng": base + 0.015 + 0.04,         # copy + lookahead (default)
+              "ours-k2-int8eng-none": base + 0.015,           # copy only
+              "ours-k2-int8eng-dc": base + 0.015}             # dc: no lookahead pass
+    floors = summary["timing_model"]["two_stage"]["int8eng"]["cpu_floor"]
+    for name, need in expect.items():
+        floor = planner.cpu_floor(need, p, cores)
+        assert floors[name]["cpu_s_per_step"] == pytest.approx(need), name
+        assert floors[name]["floor_s"] == pytest.approx(floor), name
+        row = summary["configs"][name]
+        assert row["predicted_s"] == pytest.approx(max(floor, row["planner_step_s"])), name
+    # the lookahead's 40 ms lift the default row's floor over the codec's 200 ms hold on
+    # the link; without it (-none, dc) the codec binds
+    bounds = {name: summary["configs"][name]["prediction_bound"] for name in expect}
+    assert bounds == {"ours-k2-int8eng": "CPU", "ours-k2-int8eng-none": "codec",
+                      "ours-k2-int8eng-dc": "codec"}
+    assert floors["ours-k2-int8eng"]["bucket_copy_cpu_s"] == pytest.approx(0.015)
+    assert floors["ours-k2-int8eng"]["lookahead_cpu_s"] == pytest.approx(0.04)
+    assert "lookahead_cpu_s" not in floors["ours-k2-int8eng-none"]
+    assert summary["timing_model"]["optimizer_step_costs"] == step_costs
+    # the text prints each row's parts
+    assert ("floor 2 x (40.0 compute + 30.5 communication + 20.0 codec + 15.0 bucket copy "
+            "+ 40.0 lookahead ms) / 1.33 cores") in text
+    assert "15.0 bucket copy ms) / 1.33 cores" in text        # the -none row
+    assert "measured alone" in text and "not measured" not in text
+    # an optimizer without a one-pass rule: the copy counted, the prediction said missing
+    raw["optimizer_step_costs"] = dict(step_costs, lookahead=None)
+    summary = report.summarize(json.loads(json.dumps(raw)))
+    floors = summary["timing_model"]["two_stage"]["int8eng"]["cpu_floor"]
+    assert floors["ours-k2-int8eng"]["cpu_s_per_step"] == pytest.approx(base + 0.015)
+    assert "no one-pass lookahead rule" in report.markdown(summary)
 
 
 @pytest.mark.timeout(60)
@@ -503,6 +573,12 @@ def test_ours_int8eng_and_int4_train_on_both_quantized_paths(torch_run):
                                                                "int4eng": "int4_ef"}
     assert all(len(c[key]) == 3 and min(c[key]) > 0 for c in costs.values()
                for key in ("wall_s_per_byte", "cpu_s_per_byte"))
+    # the optimizer's own work a step, measured alone at the model's buckets (every
+    # gradient byte in one of them), for the CPU floor
+    step_costs = raw["optimizer_step_costs"]
+    assert sum(step_costs["bucket_bytes"]) == raw["meta"]["model_bytes"]
+    assert all(step_costs[k]["cpu_s"] > 0 and step_costs[k]["wall_s"] > 0
+               for k in ("bucket_copy", "lookahead"))
     for name in configs[:2]:
         row = summary["configs"][name]
         assert row["predicted_s"] > 0 and row["prediction_bound"], (name, row)

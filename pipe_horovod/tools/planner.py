@@ -658,7 +658,8 @@ def predict(workload, workers, network, algorithm="ring", compressions=None, pip
     buckets runs on the communicator's thread (collectives/quantized.py, point to
     point) while its chunks' bytes are on the wire, so a bucket holds the link for
     the longer of its allreduce and its codec work (bottleneck "codec" where that
-    work is the longer); what that CPU takes from other ranks is `cpu_floor`'s.
+    work is the longer); what that CPU, with compute's and the optimizer's own bucket
+    and prediction work, takes from other ranks on shared cores is `cpu_floor`'s.
     """
     if pipeline_depth < 2:
         raise ValueError(f"pipeline_depth must be >= 2 for the pipelined rows, got {pipeline_depth}")
@@ -708,10 +709,22 @@ def predict(workload, workers, network, algorithm="ring", compressions=None, pip
 
 def cpu_floor(cpu_s_per_step, workers, cores):
     """The shortest step `workers` ranks can take when each needs `cpu_s_per_step` CPU
-    seconds a step (compute's, communication's, a codec's) and all of them share
-    `cores` cores (one machine, as the emulated cluster): their CPU over the cores.
-    Replayed compute sleeps, so there the floor binds only once the ranks' codec and
-    communication work exceeds the cores (4 workers on 2 cores)."""
+    seconds a step and all of them share `cores` cores (one machine, as the emulated
+    cluster): their CPU over the cores. Replayed compute sleeps, so there the floor binds
+    only once the ranks' codec and communication work exceeds the cores (4 workers on 2
+    cores).
+
+    What a rank's `cpu_s_per_step` should count (the bench report's two-stage rows,
+    tools/bench/report.py _floor_parts, each part measured apart from the step it
+    predicts, so the prediction never reads its answer off the row): the training step
+    without communication (the `compute` row: forward, backward, the wrapped optimizer's
+    update); the communication's CPU (a plain allreduce's, scaled to the codec's wire
+    bytes); the codec's stages; and the wrapped optimizer's own work beside compute, which
+    a plain step does not do: copying each gradient into its bucket and, with the default
+    lookahead compensation, the one-pass prediction of the next weights (each a pass over
+    the model's gradient, as large as the update's). Not counted, not measured apart yet:
+    the Python of the messages (the step machine's launches, the communicator's loop, the
+    waits)."""
     if not cpu_s_per_step >= 0:
         raise ValueError(f"cpu_s_per_step must be >= 0, got {cpu_s_per_step!r}")
     if workers != int(workers) or workers < 1:

@@ -229,17 +229,17 @@ def summarize(raw):
             slowdown = hop_cont["fwdbwd_s"] - compute_s - comm_cpu.get(name, 0.0)
             hop_codec[name] = max(0.0, slowdown) / model_bytes
             hop_source[name] = f"contention-{name}"
-    # The two-stage rows' CPU floor: every rank's CPU per step (compute's, the allreduce's
-    # scaled to the codec's bytes, the codec's) over the cores the run had.
+    # The two-stage rows' CPU floor: every rank's CPU per step over the cores the ranks
+    # had (planner.cpu_floor; its parts: _floor_parts).
     cores_had = _cores_had(meta, p)
-    cpu_floor = {}
+    step_costs = raw.get("optimizer_step_costs")
+    cpu_floor = {}                                # row name -> its floor
     if compute and cpu_per_step.get("compute") is not None:
-        for name, two in two_stage.items():
-            if two["cpu_s_per_byte"] is None:
+        for name, s in stats.items():
+            two = two_stage.get(s["compression"])
+            if s["kind"] != "train" or two is None or two["cpu_s_per_byte"] is None:
                 continue
-            parts = {"compute": cpu_per_step["compute"],
-                     "communication": (cpu_per_step.get("allreduce") or 0.0) * two["wire_ratio"],
-                     "codec": two["cpu_s_per_byte"] * model_bytes}
+            parts = _floor_parts(name, s, cpu_per_step, two, model_bytes, step_costs)
             need = sum(parts.values())
             cpu_floor[name] = {"cpu_s_per_step": need,
                                **{f"{k}_cpu_s": v for k, v in parts.items()},
@@ -281,9 +281,10 @@ def summarize(raw):
                                           **({"beside_codec_s": v[2] * model_bytes}
                                              if len(v) > 2 else {})}
                                       for k, v in compressions.items()}
-    model_info["two_stage"] = {name: {**two, **({"cpu_floor": cpu_floor[name]}
-                                                if name in cpu_floor else {})}
-                               for name, two in two_stage.items()}
+    model_info["two_stage"] = {codec: {**two, "cpu_floor": {
+        name: floor for name, floor in cpu_floor.items()
+        if stats[name]["compression"] == codec}} for codec, two in two_stage.items()}
+    model_info["optimizer_step_costs"] = step_costs
 
     for name, s in stats.items():
         s["samples_per_s"] = (batch * p / s["step_s"]
@@ -308,7 +309,7 @@ def summarize(raw):
                                       wire_ratio)
         row = _planner_row(prediction, s) if s["predicted_s"] is not None else None
         s["prediction_bound"] = row.bottleneck if row is not None else None
-        floor = cpu_floor.get(c, {}).get("floor_s")
+        floor = cpu_floor.get(name, {}).get("floor_s")
         if row is not None and floor is not None:
             s["planner_step_s"] = row.step_s
             if floor > row.step_s:
@@ -452,6 +453,35 @@ def _two_stage_codecs(raw, stats):
                         for key in ("wall_s_per_byte", "cpu_s_per_byte")},
                      "stages_cpu_s_per_byte": costs.get("cpu_s_per_byte")}
     return out
+
+
+FLOOR_PARTS = ("compute", "communication", "codec", "bucket_copy", "lookahead")
+
+
+def _floor_parts(name, s, cpu_per_step, two, model_bytes, step_costs):
+    """{part: CPU seconds a rank spends on it a step} for two-stage row `name` (stats `s`,
+    its codec's `two`): the `compute` row's CPU (forward, backward, the SGD update: the
+    same work in every row), the `allreduce` row's scaled to the codec's wire bytes, the
+    codec's stages (two_stage_codec_s_per_byte), and the wrapped optimizer's own work
+    beside compute, measured alone by the worker (optimizer_step_costs, absent from raw
+    files before it: then not counted): copying the gradients into the buckets, and for a
+    pipelined row whose staleness compensation is lookahead (the default) its one-pass
+    prediction. Each is measured apart from the row predicted, never read off it."""
+    from pipe_horovod.pipeline import staleness
+    from pipe_horovod.tools.bench.worker import staleness_of
+
+    parts = {"compute": cpu_per_step["compute"],
+             "communication": (cpu_per_step.get("allreduce") or 0.0) * two["wire_ratio"],
+             "codec": two["cpu_s_per_byte"] * model_bytes}
+    if not step_costs:
+        return parts
+    parts["bucket_copy"] = step_costs["bucket_copy"]["cpu_s"]
+    explicit, option = staleness_of(name)
+    compensation = option if explicit else staleness.DEFAULT
+    if (s["pipeline_depth"] or 1) > 1 and compensation == "lookahead" \
+            and step_costs.get("lookahead"):
+        parts["lookahead"] = step_costs["lookahead"]["cpu_s"]
+    return parts
 
 
 def _cores_had(meta, p):
@@ -678,6 +708,7 @@ def _two_stage_lines(summary):
     its bytes, its codec's work, the CPU floor and which bound each row's prediction took."""
     lines = []
     p = summary["meta"]["workers"]
+    costs = summary["timing_model"].get("optimizer_step_costs")
     for name, two in summary["timing_model"].get("two_stage", {}).items():
         text = (f"- two stages, {name} ({two['compression']}): wire x{two['wire_ratio']:.4f} "
                 "(planner.two_stage_wire_ratio), reduced like a ring allreduce of those bytes; ")
@@ -692,17 +723,31 @@ def _two_stage_lines(summary):
                  "bucket size by every rank at once; CPU "
                  f"{_ms(two['cpu_s_per_byte'] * model_bytes)} ms: {stages}), a bucket's link "
                  "time no shorter than its share")
-        floor = two.get("cpu_floor")
-        if floor:
-            text += (f"; CPU floor {p} rank(s) x ({_ms(floor['compute_cpu_s'])} compute + "
-                     f"{_ms(floor['communication_cpu_s'])} communication (the allreduce's CPU "
-                     f"x the wire ratio) + {_ms(floor['codec_cpu_s'])} codec ms CPU a step) / "
-                     f"{floor['cores']:.2f} cores (the machine's, shared with its background "
-                     f"load) = {_ms(floor['floor_s'])} ms")
-        rows = [f"{n} {_ms(s['predicted_s'])} ms, bound: {s['prediction_bound']}"
-                + (f" (planner {_ms(s['planner_step_s'])} ms)" if "planner_step_s" in s else "")
-                for n, s in summary["configs"].items()
-                if s["compression"] == name and s["predicted_s"] is not None]
+        floors = two.get("cpu_floor") or {}
+        if floors:
+            text += (f"; CPU floor: {p} rank(s) x the CPU each takes a step (the compute "
+                     "row's, the allreduce's x the wire ratio, the codec's"
+                     + (", the optimizer's own bucket copy and lookahead prediction, "
+                        "measured alone" if costs else "; the optimizer's own bucket copy "
+                        "and lookahead prediction not measured in this run: not counted")
+                     + (" (this optimizer has no one-pass lookahead rule: its prediction "
+                        "not measured, not counted)" if costs and not costs["lookahead"]
+                        else "")
+                     + ") / the cores the run had (the machine's, shared with its "
+                     "background load)")
+        rows = []
+        for n, s in summary["configs"].items():
+            if s["compression"] != name or s["predicted_s"] is None:
+                continue
+            row = f"{n} {_ms(s['predicted_s'])} ms, bound: {s['prediction_bound']}"
+            extra = [f"planner {_ms(s['planner_step_s'])} ms"] if "planner_step_s" in s else []
+            if n in floors:
+                floor = floors[n]
+                parts = " + ".join(f"{_ms(floor[f'{part}_cpu_s'])} {part.replace('_', ' ')}"
+                                   for part in FLOOR_PARTS if f"{part}_cpu_s" in floor)
+                extra.append(f"floor {p} x ({parts} ms) / {floor['cores']:.2f} cores = "
+                             f"{_ms(floor['floor_s'])} ms")
+            rows.append(row + (f" ({'; '.join(extra)})" if extra else ""))
         lines.append(text + (": " + "; ".join(rows) if rows else ""))
     return lines
 

@@ -575,6 +575,66 @@ def two_stage_codec_costs(names, bucket_numel, size, me, reps=5):
     return out
 
 
+def optimizer_step_costs(opt, bucket_cap_mb, size, reps=5):
+    """{"bucket_copy", "lookahead": {"wall_s", "cpu_s"} a step, "bucket_bytes": [...]}: the
+    wrapped optimizer's own work a step beside what the `compute` row does (forward,
+    backward, the same SGD update), measured part by part at `opt`'s real parameters
+    (an ours-kK runner's, after its blocks: its momentum state) and the buckets the
+    optimizer makes of them on `size` ranks (`bucket_cap_mb`, None: automatic), so the
+    report's CPU floor need not read it off the row it predicts. bucket_copy: every
+    gradient copied into its bucket's persistent flat buffer (the adapter's fill at each
+    gradient's hook, pipeline.buckets' layout); lookahead: the default compensation's
+    one-pass prediction (torch.lookahead.predict with the user's optimizer class's rule,
+    into scratch gradients, as the adapter predicts into its own local gradient; None
+    where that class has no one-pass rule). After a warm-up pass, the median of `reps`
+    passes, wall (perf_counter) and this thread's CPU (thread_time: all of it with one
+    intra-op thread, --threads 1, the default); every rank measures at once, as
+    two_stage_codec_costs does."""
+    import statistics
+
+    import torch
+
+    from pipe_horovod.pipeline.buckets import (bucket_cap_bytes, plan_buckets,
+                                               resolve_bucket_cap_mb)
+    from pipe_horovod.torch import lookahead
+
+    params = [p for group in opt.param_groups for p in group["params"]]
+    param_of = {str(i): p for i, p in enumerate(params)}
+    members = [(name, p.numel(), p.element_size(), (p.dtype, p.device))   # ready order:
+               for name, p in reversed(param_of.items())]                  # last layer first
+    buckets = plan_buckets(members, bucket_cap_bytes(
+        resolve_bucket_cap_mb(bucket_cap_mb, world_size=size)))
+    flats = [torch.empty(b.numel, dtype=b.kind[0], device=b.kind[1]) for b in buckets]
+    grads = {p: torch.randn_like(p) for p in params}
+    user_class = next(c for c in type(opt).__mro__
+                      if not c.__module__.startswith("pipe_horovod"))
+    clocks = (time.perf_counter, time.thread_time)
+
+    def copy():
+        for bucket, flat in zip(buckets, flats):
+            for name, start, numel in bucket.offsets():
+                flat[start:start + numel].copy_(grads[param_of[name]].reshape(-1))
+
+    def predict():
+        return lookahead.predict(user_class, opt.param_groups, opt.state, grads)
+
+    out = {"bucket_bytes": [flat.numel() * flat.element_size() for flat in flats],
+           "lookahead": None}                          # None: no one-pass rule
+    parts = {"bucket_copy": copy}
+    copy()                                             # the warm-up passes
+    if predict() is not None:
+        parts["lookahead"] = predict
+    for key, work in parts.items():
+        passes = []
+        for _ in range(reps):
+            t0 = [clock() for clock in clocks]
+            work()
+            passes.append([clock() - t for clock, t in zip(clocks, t0)])
+        out[key] = {k: statistics.median(p[i] for p in passes)
+                    for i, k in enumerate(("wall_s", "cpu_s"))}
+    return out
+
+
 def sweep_sizes(max_bytes, min_bytes=1024):
     """1 KB, 4 KB, 16 KB, ... (x4) up to max_bytes, which is always the last size."""
     sizes, size = [], min_bytes
@@ -732,6 +792,11 @@ def run_benchmark(args):
     two_stage_costs = (two_stage_codec_costs(
         two_stage, min(numel, int((auto_cap or args.bucket_cap_mb) * 2**20 // 4)), size, rank)
         if two_stage and size > 1 else None)
+    # The wrapped optimizer's own work, measured on the first pipelined runner of ours.
+    ours = next((r for n, r in runners.items() if r.kind == "train" and r.mode == "ours"
+                 and (pipeline_depth_of(n) or 1) > 1), None)
+    step_costs = (optimizer_step_costs(ours.opt, args.bucket_cap_mb, size)
+                  if ours is not None and size > 1 else None)
 
     raw = {
         "format": "pipe_horovod.bench/1",
@@ -760,6 +825,7 @@ def run_benchmark(args):
         "codec_s": codecs,
         "hop_codec_s_per_byte": hop_costs,
         "two_stage_codec_s_per_byte": two_stage_costs,
+        "optimizer_step_costs": step_costs,
         "process": eng.allgather_object({"cpu_s": _cpu_s(), "threads": _threads()}),
     }
     for runner in filter(None, runners.values()):
