@@ -740,7 +740,7 @@ def run_benchmark(args):
 
     results = {n: {"kind": runner_kind(n), "compression": compression_of(n),
                    "pipeline_depth": pipeline_depth_of(n), "rounds": []} for n in configs}
-    background = []
+    background, step_costs = [], None
     for rnd in range(args.rounds):
         # The machine's load while every worker sleeps: what others (and idle
         # communication threads) take from the cores during this round.
@@ -770,6 +770,12 @@ def run_benchmark(args):
             block = {key: [r[key] for r in recs] for key in recs[0]}
             block.update(round=rnd, wall_s=wall, per_rank=per_rank, machine_busy_cores=busy)
             results[name]["rounds"].append(block)
+            # The wrapped optimizer's own work, measured on the first pipelined runner of
+            # ours after its last block (with --one-model it is freed next).
+            if (step_costs is None and rnd == args.rounds - 1 and size > 1
+                    and runner.kind == "train" and runner.mode == "ours"
+                    and (pipeline_depth_of(name) or 1) > 1):
+                step_costs = optimizer_step_costs(runner.opt, args.bucket_cap_mb, size)
             if args.one_model:                 # its memory back before the next is built
                 del runner
                 gc.collect()
@@ -792,11 +798,6 @@ def run_benchmark(args):
     two_stage_costs = (two_stage_codec_costs(
         two_stage, min(numel, int((auto_cap or args.bucket_cap_mb) * 2**20 // 4)), size, rank)
         if two_stage and size > 1 else None)
-    # The wrapped optimizer's own work, measured on the first pipelined runner of ours.
-    ours = next((r for n, r in runners.items() if r.kind == "train" and r.mode == "ours"
-                 and (pipeline_depth_of(n) or 1) > 1), None)
-    step_costs = (optimizer_step_costs(ours.opt, args.bucket_cap_mb, size)
-                  if ours is not None and size > 1 else None)
 
     raw = {
         "format": "pipe_horovod.bench/1",

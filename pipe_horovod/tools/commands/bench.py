@@ -107,6 +107,8 @@ def command_line(args):
                               if args.fit_max_mb != 64.0 else [])
     if args.threads != 1:
         parts += ["--threads", str(args.threads)]
+    if args.one_model:
+        parts += ["--one-model"]
     if args.horovod_fusion_mb is not None:
         parts += ["--horovod-fusion-mb", f"{args.horovod_fusion_mb:g}"]
     if args.horovod_cycle_ms is not None:
@@ -135,6 +137,8 @@ def _worker_argv(args, raw, progress):
         argv += ["--profile", os.path.abspath(args.profile)]
     if args.fit:
         argv += ["--fit", "--fit-max-mb", repr(args.fit_max_mb)]
+    if args.one_model:
+        argv += ["--one-model"]
     return argv
 
 
