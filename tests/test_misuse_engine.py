@@ -260,6 +260,18 @@ def test_a_rank_that_ends_early_is_named_and_every_rank_exits_cleanly(engine_nam
 
 
 @pytest.mark.parametrize("engine_name", ENGINES)
+def test_an_engine_started_again_takes_none_of_the_last_ones_posts_as_news(engine_name):
+    """Shut down and initialized again in one launch, the engine posts under a session of
+    its own: a wait of 2.5 s completes instead of naming the last engine's end (a false
+    StepMismatchError "rank 0 ended (shut down after N step(s))")."""
+    _, out, got = launch(engine_name)
+    for rank in (0, 1):
+        text, took = got["again", rank]
+        assert text == "ok [3.0]", out
+    assert got["again", 1][1] >= 2.0, out       # it did wait past the board's first look
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
 def test_an_uncaught_error_ends_every_rank_with_status_1(engine_name):
     """Rank 1's script raises; rank 0, waiting, raises rank 1's error with where it was
     raised, within about a second. Both tracebacks print, and no rank dies by SIGABRT:

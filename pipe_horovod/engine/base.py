@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 import traceback
+import uuid
 
 from .argument_checks import (check_name, check_op, check_reducible, check_root, check_rows,
                               check_scale, check_splits, check_tensor, check_tensors)
@@ -794,9 +795,14 @@ class Engine:
     # --- faults -----------------------------------------------------------
     def learn_peers(self):
         """Gather every rank's host and process id (engine.init calls it, once the library
-        is up), so that a failed collective can name the rank that died."""
+        is up), so that a failed collective can name the rank that died; and rank 0's name
+        for this engine's session, under which every rank posts on the status board."""
         if self.size() > 1:
-            self._peers = self.allgather_object(whoami(), name="pipe_horovod.peers")
+            session = uuid.uuid4().hex[:12] if self.rank() == 0 else None
+            peers = self.allgather_object((*whoami(), session), name="pipe_horovod.peers")
+            self._peers = [(host, pid) for host, pid, _ in peers]
+            if self._board is not None:
+                self._board.session = f".{peers[0][2]}"
 
     def _diagnose(self, exc, call):
         """The error to raise for `exc`, a failure of the library while running `call`

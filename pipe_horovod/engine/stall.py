@@ -118,13 +118,20 @@ class Board:
 
     def __init__(self, put, get, size):
         self._put, self._get, self.size = put, get, size
+        # The engine's session (Engine.learn_peers): the launcher's store outlives an engine,
+        # and a script that shuts down and starts again in one job must not read the last
+        # engine's posts ("rank 0 ended") as news.
+        self.session = ""
+
+    def _key(self, kind, rank):
+        return f"pipe_horovod{self.session}.{kind}.{rank}"
 
     def read(self, ranks, kind="status"):
         """{rank: post or None}."""
         out = {}
         for rank in ranks:
             try:
-                raw = self._get(f"pipe_horovod.{kind}.{rank}")
+                raw = self._get(self._key(kind, rank))
                 out[rank] = None if raw is None else json.loads(raw)
             except Exception:
                 out[rank] = None
@@ -156,7 +163,7 @@ class Board:
 
     def post(self, rank, kind="status", **status):
         try:
-            self._put(f"pipe_horovod.{kind}.{rank}", json.dumps(status))
+            self._put(self._key(kind, rank), json.dumps(status))
         except Exception:           # the store is gone (its host ended): nothing to tell
             pass
 

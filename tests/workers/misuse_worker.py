@@ -32,6 +32,10 @@ ranks and engines; then:
             allgather_object: both raise StepMismatchError naming both ranks' waits and
             steps (rank 0 on TensorFlow inside its UnknownError, the text of which the case
             prints);
+  again     both ranks shut the engine down and start it again in the same launch; rank 0
+            then sleeps 2.5 s before an allreduce rank 1 already waits in: rank 1 waits
+            and completes, reading none of the last engine's posts (every rank "ended",
+            the errors above) off the launcher's store as news;
   ended     rank 1 trains 3 steps and exits; rank 0, at its 5th step, raises
             StepMismatchError naming rank 1 and its step count (last: rank 1 is gone).
 """
@@ -248,6 +252,17 @@ def keras_uneven(r):
         outcome("keras.next", lambda: hvd.allgather_object(r, name="keras.next"))
 
 
+def again(r):
+    hvd.shutdown()
+    hvd.init()
+
+    def reduce():
+        if r == 0:
+            time.sleep(2.5)          # past STATUS_AFTER_S: rank 1's wait reads the board
+        return hvd.allreduce(torch.tensor([1.0 + r]), name="again", op=hvd.Sum).tolist()
+    outcome("again", reduce)
+
+
 def ended(r):
     model = linear()
     opt = wrapped(model, 1)
@@ -280,6 +295,7 @@ def main():
     edited(r)
     keras_uneven(r)
     rank0_only(r)
+    again(r)
     ended(r)
     print(f"WORKER_OK rank={r}", flush=True)
 
