@@ -16,20 +16,24 @@ import launcher
 # hardening_engine_worker's (test_hardening_engine: hardening-MODE, before the mismatches),
 # checkpoint_worker's saving runs (save-KIND-DEPTH-COMPENSATION) and no_flush_worker's
 # (no-flush-DEPTH: last, the launch then ends without shutdown() as a script does),
-# run_summary_worker's (run-summary: the measured-run record, test_plan_from_run.py); a
-# second launch per engine resumes the checkpoints (RESUMED).
+# run_summary_worker's (run-summary: the measured-run record, test_plan_from_run.py),
+# staleness_worker's (staleness: every option named) and the feature and process-set checks
+# under the default compensation (default-MODE; both test_staleness.py); a second launch per
+# engine resumes the checkpoints (RESUMED).
 HARDENING_ENGINE = ["hardening-names", "hardening-intavg", "hardening-autograd",
                     "hardening-optstate"]
 OPTIMIZER = {("local", 1): ["engine-local-1", "oracle", "features", "param-group", "sparse",
-                            *HARDENING_ENGINE],
-             ("horovod", 2): ["features", "param-group", "sparse", "horovod-compare",
+                            "staleness", *HARDENING_ENGINE],
+             ("horovod", 2): ["features", "default-features", "param-group", "sparse",
+                              "staleness", "horovod-compare",
                               *HARDENING_ENGINE, "mismatch", "save-sgd-3-none",
                               "save-sgd-2-none", "no-flush-3"],
              ("horovod", 3): ["engine-horovod-3", "oracle", "features", "process-set"],
              ("torch", 2): ["features", "hardening-intavg", "hardening-optstate", "mismatch",
                             "run-summary", "no-flush-2"],
              ("torch", 3): ["engine-torch-3", "oracle", "features", "param-group", "sparse",
-                            "save-adam-3-none", "save-sgd-2-lookahead", "process-set"]}
+                            "staleness", "save-adam-3-none", "save-sgd-2-lookahead",
+                            "process-set", "default-process-set"]}
 RESUMED = {("horovod", 2): ["resume-sgd-3-none", "resume-rank0-sgd-2-none", "no-flush-2"],
            ("torch", 3): ["resume-adam-3-none", "resume-rank0-sgd-2-lookahead"]}
 
