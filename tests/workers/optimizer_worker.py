@@ -1,9 +1,9 @@
 """Launched on N ranks: the pipelined optimizer against the single-process oracle.
 
 `python optimizer_worker.py MODE[,MODE...] [FOLDER]` (one launch runs several,
-launcher.run_case; the process-set cases last, as they leave a set behind); every rank runs the same scenarios on
-its own data shard and checks its weights against the oracle, which every
-rank can compute alone because all data is derived from (rank, step).
+launcher.run_case; the process-set cases last, as they leave a set behind); every rank
+runs the same scenarios on its own data shard and checks its weights against the oracle,
+which every rank can compute alone because all data is derived from (rank, step).
 The cases of engine_worker, sparse_worker, staleness_worker, horovod_compare_worker (the
 horovod engine), hardening_engine_worker, mismatch_worker (2 ranks), checkpoint_worker (its
 files in FOLDER) and
