@@ -16,20 +16,24 @@ import launcher
 # hardening_engine_worker's (test_hardening_engine: hardening-MODE, before the mismatches),
 # checkpoint_worker's saving runs (save-KIND-DEPTH-COMPENSATION) and no_flush_worker's
 # (no-flush-DEPTH: last, the launch then ends without shutdown() as a script does),
-# run_summary_worker's (run-summary: the measured-run record, test_plan_from_run.py); a
-# second launch per engine resumes the checkpoints (RESUMED).
+# run_summary_worker's (run-summary: the measured-run record, test_plan_from_run.py),
+# staleness_worker's (staleness: every option named) and the feature and process-set checks
+# under the default compensation (default-MODE; both test_staleness.py); a second launch per
+# engine resumes the checkpoints (RESUMED).
 HARDENING_ENGINE = ["hardening-names", "hardening-intavg", "hardening-autograd",
                     "hardening-optstate"]
 OPTIMIZER = {("local", 1): ["engine-local-1", "oracle", "features", "param-group", "sparse",
-                            *HARDENING_ENGINE],
-             ("horovod", 2): ["features", "param-group", "sparse", "horovod-compare",
+                            "staleness", *HARDENING_ENGINE],
+             ("horovod", 2): ["features", "default-features", "param-group", "sparse",
+                              "staleness", "horovod-compare",
                               *HARDENING_ENGINE, "mismatch", "save-sgd-3-none",
                               "save-sgd-2-none", "no-flush-3"],
              ("horovod", 3): ["engine-horovod-3", "oracle", "features", "process-set"],
              ("torch", 2): ["features", "hardening-intavg", "hardening-optstate", "mismatch",
                             "run-summary", "no-flush-2"],
              ("torch", 3): ["engine-torch-3", "oracle", "features", "param-group", "sparse",
-                            "save-adam-3-none", "save-sgd-2-lookahead", "process-set"]}
+                            "staleness", "save-adam-3-none", "save-sgd-2-lookahead",
+                            "process-set", "default-process-set"]}
 RESUMED = {("horovod", 2): ["resume-sgd-3-none", "resume-rank0-sgd-2-none", "no-flush-2"],
            ("torch", 3): ["resume-adam-3-none", "resume-rank0-sgd-2-lookahead"]}
 
@@ -52,25 +56,30 @@ def optimizer_case(folder, engine_name, np, case, launches=OPTIMIZER):
     return launcher.run_once(engine_name, np, args[0], ",".join(args[1]), folder, **kw)[1]
 
 
-# --- tests/workers/collectives_worker.py: test_collectives.py, test_quantized_allreduce.py --
-# collectives: every algorithm x op x dtype x size x codec case; collectives-all adds the
-# optimizer with collective= (and DDP's hooks on torch). quantized: the two-stage
-# allreduce against its reference (quantized_worker.py); quantized-all adds training and
-# the resume. The quantized cases end by shutting the engine down with a reduction in
-# flight, so they come last.
-COLLECTIVES = {("horovod", 2): ["collectives-all", "quantized-all"],
+# --- tests/workers/collectives_worker.py: test_collectives.py, test_quantized_allreduce.py,
+# test_horovod_api.py -----------------------------------------------------------------------
+# api: Horovod's non-optimizer API against its oracle (api_worker.py), first, on the engine
+# fresh from init with the worker's static process set (so the 2-rank horovod launch runs
+# Horovod's static sets only: nothing else there adds one); its 3-rank horovod case stays a
+# launch of its own, as quantized adds a set to the dynamic mode there after another set
+# was used (Horovod 0.28.1 with Gloo hung in that order). collectives: every algorithm x op x
+# dtype x size x codec case; collectives-all adds the optimizer with collective= (and DDP's
+# hooks on torch). quantized: the two-stage allreduce against its reference
+# (quantized_worker.py); quantized-all adds training and the resume. The quantized cases
+# end by shutting the engine down with a reduction in flight, so they come last.
+COLLECTIVES = {("horovod", 2): ["api", "collectives-all", "quantized-all"],
                ("horovod", 3): ["collectives-all", "quantized"],
                ("horovod", 4): ["quantized"],
-               ("torch", 2): ["collectives-all", "quantized"],
-               ("torch", 3): ["collectives", "quantized-all"],
+               ("torch", 2): ["api", "collectives-all", "quantized"],
+               ("torch", 3): ["api", "collectives", "quantized-all"],
                ("torch", 4): ["collectives-all", "quantized"],
-               ("local", 1): ["quantized-all"]}
+               ("local", 1): ["api", "quantized-all"]}
 
 
 def collectives_case(engine_name, np, case):
     launcher.skip_without(engine_name)
     launcher.run_case(engine_name, np, "collectives_worker.py", COLLECTIVES[engine_name, np],
-                      case, engine_name, timeout=420, env={"PIPE_HOROVOD_TIMEOUT": "120"})
+                      case, engine_name, np, timeout=420, env={"PIPE_HOROVOD_TIMEOUT": "120"})
 
 
 # --- tests/workers/hardening_worker.py: test_hardening_optimizer.py, test_misuse_optimizer.py

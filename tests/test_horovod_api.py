@@ -1,7 +1,8 @@
 """Horovod's non-optimizer API in pipe_horovod.torch: names, signatures, results.
 
-Each engine runs tests/workers/api_worker.py once per rank count; the worker
-checks every collective against values each rank computes itself. Bad input
+Each engine runs tests/workers/api_worker.py once per rank count (as the first case of
+collectives_worker.py's launch of that engine and size, tests/shared_launches.py, or
+alone); the worker checks every collective against values each rank computes itself. Bad input
 is checked here, in one process, on the local engine: the checks live in
 the engine base class, before any library call, so they are the same on
 every engine.
@@ -15,16 +16,21 @@ import torch
 
 import launcher
 import pipe_horovod.torch as hvd
+import shared_launches
 from tolerance import gamma, relative_error
 
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.timeout(600)      # the shared launch runs the collectives' cases too
 @pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("horovod", 3), ("torch", 2),
                                              ("torch", 3), ("local", 1)])
 def test_api_against_oracle(engine_name, np, tmp_path):
-    launcher.skip_without(engine_name)
-    launcher.run(engine_name, np, "api_worker.py", engine_name, np, tmp_path, timeout=240)
+    if "api" in shared_launches.COLLECTIVES.get((engine_name, np), ()):
+        shared_launches.collectives_case(engine_name, np, "api")
+    else:
+        launcher.skip_without(engine_name)
+        launcher.run(engine_name, np, "api_worker.py", engine_name, np, tmp_path, timeout=240)
 
 
 # --- names and signatures, against horovod.torch itself ------------------------

@@ -6,14 +6,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import launcher
 import oracle
 import pipe_horovod.torch as phvd
+import shared_launches
 from pipe_horovod.pipeline import staleness
 from pipe_horovod.torch import compensation as compensation_module
 from tolerance import fan_ins, relative_error, training_rtol
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(600)   # the shared launches run the optimizer's cases too
 
 
 @pytest.fixture
@@ -23,33 +23,26 @@ def local():
     phvd.shutdown()
 
 
-# optimizer_worker.py's cases under the default option (launcher.run_case): one launch per
-# engine and size runs staleness_worker's checks (every option named explicitly) and the
-# feature checks. Both engines, 2 and 3 ranks, one process (horovod's 3-rank start alone
-# costs ~20 s).
-CASES = {("horovod", 2): ["staleness", "features"], ("torch", 3): ["staleness", "process-set"],
-         ("local", 1): ["staleness"]}
-
-
-def run_case(engine_name, np, case):
-    if engine_name == "horovod":
-        pytest.importorskip("horovod.torch")
-    launcher.run_case(engine_name, np, "optimizer_worker.py", CASES[engine_name, np], case,
-                      timeout=360, env={"ORACLE_COMPENSATION": staleness.DEFAULT})
+# staleness_worker's checks (every option named explicitly) and optimizer_worker's feature
+# and process-set checks under the default option (default-MODE) run in optimizer_worker's
+# shared launches (tests/shared_launches.py): one process, both engines, 2 and 3 ranks.
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return shared_launches.optimizer_folder(tmp_path_factory)
 
 
 @pytest.mark.parametrize("engine_name, np", [("horovod", 2), ("torch", 3), ("local", 1)])
-def test_every_option_matches_its_oracle_and_resumes_exactly(engine_name, np):
-    run_case(engine_name, np, "staleness")
+def test_every_option_matches_its_oracle_and_resumes_exactly(folder, engine_name, np):
+    shared_launches.optimizer_case(folder, engine_name, np, "staleness")
 
 
 @pytest.mark.parametrize("engine_name, np, mode", [("horovod", 2, "features"),
                                                    ("torch", 3, "process-set")])
-def test_the_default_keeps_every_feature_exact(engine_name, np, mode):
+def test_the_default_keeps_every_feature_exact(folder, engine_name, np, mode):
     """The optimizer's feature checks (frozen and rank-local parameters, accumulation,
     bucket groups, LR scheduler, GradScaler overflow, process sets) under the default
     option, against the oracle computing that option's math."""
-    run_case(engine_name, np, mode)
+    shared_launches.optimizer_case(folder, engine_name, np, f"default-{mode}")
 
 
 def test_the_default_is_lookahead():

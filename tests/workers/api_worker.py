@@ -5,8 +5,10 @@ computes the expected result of each collective itself, with no further
 communication. Values are small integers wherever the result can be exact,
 so most comparisons are exact.
 
-argv: engine name, number of ranks, a directory for the timeline file.
+argv: engine name, number of ranks, a directory for the timeline file. Imported, it is the
+api case of collectives_worker.py's launches (check_all), one launch per engine and size.
 """
+import functools
 import json
 import os
 import re
@@ -527,10 +529,17 @@ class Checks:
         expect_error(TypeError, "prescale_factor", hvd.allreduce, t, prescale_factor="2")
 
 
-def main():
-    engine_name, size, tmp = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    subset = hvd.ProcessSet([0, 1] if size > 2 else [1]) if size > 1 else None
-    hvd.init(process_sets=[subset] if subset else None)
+@functools.cache
+def sets_at_init(size):
+    """The process set registered at init (Horovod's static sets; of 2 ranks, rank 1 alone,
+    so rank 0 is outside it): whoever starts the engine passes these to init."""
+    return (hvd.ProcessSet([0, 1] if size > 2 else [1]),) if size > 1 else ()
+
+
+def check_all(engine_name, size, tmp):
+    """Every check in turn, on an engine started with sets_at_init(size) and nothing run on it
+    yet: this file's own launch, or the api case of collectives_worker.py's launches. On the
+    horovod engine without HOROVOD_DYNAMIC_PROCESS_SETS (the set-adding check expects that)."""
     from pipe_horovod import engine
 
     assert engine.current().name == engine_name, (engine.current().name, engine_name)
@@ -543,10 +552,16 @@ def main():
         getattr(checks, step)()
     # Last: Horovod 0.28.1's join can hang once collectives ran on two
     # different process sets (seen here with Gloo), so join comes first.
-    if subset is not None:
+    for subset in sets_at_init(size):
         print(f"rank {hvd.rank()}: process_sets", flush=True)
         checks.process_sets(subset)
     hvd.barrier()          # a rank leaving early would shut Horovod down under the others
+
+
+def main():
+    engine_name, size, tmp = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    hvd.init(process_sets=list(sets_at_init(size)) or None)
+    check_all(engine_name, size, tmp)
     print(f"WORKER_OK rank={hvd.rank()}", flush=True)
 
 

@@ -15,6 +15,7 @@ output dtype's roundoff. Against the engine's own allreduce: twice that.
 import hashlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -399,20 +400,31 @@ def check_all(engine_name, scope):
 
 
 def main():
-    """CASES ENGINE_NAME: this file's checks (collectives, collectives-all) and then
-    quantized_worker.py's (quantized: the allreduce only, quantized-all), in one launch
-    (launcher.run_case). The quantized checks end by shutting the engine down: last."""
-    cases, engine_name = sys.argv[1], sys.argv[2]
-    os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # Horovod: add_process_set after init
-    r = phvd.init(engine_name).rank()
-    import quantized_worker
+    """CASES ENGINE_NAME SIZE: api_worker.py's checks (api: first, on the fresh engine), this
+    file's (collectives, collectives-all) and then quantized_worker.py's (quantized: the
+    allreduce only, quantized-all), in one launch (launcher.run_case). The quantized checks
+    end by shutting the engine down: last."""
+    cases, engine_name, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    with tempfile.TemporaryDirectory() as tmp:
+        if "api" in cases.split(","):
+            # it sets HOROVOD_TIMELINE=DYNAMIC, read by Horovod's init; its set-adding check
+            # expects Horovod's static sets (of the horovod launches only the 2-rank one has
+            # the api case, and no other case there adds a set)
+            import api_worker
+            sets = list(api_worker.sets_at_init(size)) or None
+        else:
+            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # Horovod: add_process_set after init
+            sets = None
+        r = phvd.init(engine_name, process_sets=sets).rank()
+        import quantized_worker
 
-    quantized = quantized_worker.check_all
-    launcher.worker_cases({"collectives": lambda: check_all(engine_name, "collectives"),
-                           "collectives-all": lambda: check_all(engine_name, "all"),
-                           "quantized": lambda: quantized(engine_name, "allreduce"),
-                           "quantized-all": lambda: quantized(engine_name, "all")},
-                          cases, lambda: r)
+        quantized = quantized_worker.check_all
+        launcher.worker_cases({"api": lambda: api_worker.check_all(engine_name, size, tmp),
+                               "collectives": lambda: check_all(engine_name, "collectives"),
+                               "collectives-all": lambda: check_all(engine_name, "all"),
+                               "quantized": lambda: quantized(engine_name, "allreduce"),
+                               "quantized-all": lambda: quantized(engine_name, "all")},
+                              cases, lambda: r)
     print(f"WORKER_OK rank={r}", flush=True)
 
 

@@ -1,14 +1,15 @@
 """Launched on N ranks: the pipelined optimizer against the single-process oracle.
 
 `python optimizer_worker.py MODE[,MODE...] [FOLDER]` (one launch runs several,
-launcher.run_case; process-set last, as it leaves a set behind); every rank runs the same scenarios on
-its own data shard and checks its weights against the oracle, which every
-rank can compute alone because all data is derived from (rank, step).
+launcher.run_case; the process-set cases last, as they leave a set behind); every rank
+runs the same scenarios on its own data shard and checks its weights against the oracle,
+which every rank can compute alone because all data is derived from (rank, step).
 The cases of engine_worker, sparse_worker, staleness_worker, horovod_compare_worker (the
 horovod engine), hardening_engine_worker, mismatch_worker (2 ranks), checkpoint_worker (its
 files in FOLDER) and
 no_flush_worker (the last case: the launch then ends without shutdown()) run in the same
-launch (tests/shared_launches.py lists the launches).
+launch (tests/shared_launches.py lists the launches), and default-MODE runs MODE under the
+default staleness compensation.
 """
 import copy
 import functools
@@ -25,12 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import launcher  # noqa: E402
 import oracle  # noqa: E402
 import pipe_horovod.torch as phvd  # noqa: E402
+from pipe_horovod.pipeline import staleness  # noqa: E402
 from tolerance import THREADS, fan_ins, relative_error, training_rtol  # noqa: E402
 
 torch.set_num_threads(THREADS)
 # The GPU kit's CPU rehearsal runs fewer (ORACLE_STEPS): it proves the kit runs, not the math.
 STEPS = int(os.environ.get("ORACLE_STEPS", "20"))
-# Plain Pipe-SGD unless a test asks for an option (test_staleness runs these with the default).
+# Plain Pipe-SGD unless a launch asks for an option (the GPU kit's two-rank steps; test_staleness
+# runs cases under the default as default-MODE, under_the_default).
 COMPENSATION = os.environ.get("ORACLE_COMPENSATION") or None
 # Where models and batches live (the GPU kit: cuda); the oracle computes on the same device,
 # so both sides run the same kernels and differ only by the order of the average's sums.
@@ -334,10 +337,17 @@ def check_param_group():
             assert all(torch.equal(a, b) for a, b in zip(theirs, weights)), "replicas diverged"
 
 
+@functools.cache
+def first_two_ranks():
+    """The process set of ranks 0 and 1, added once: check_process_set runs under each
+    compensation in one launch (default-process-set), and a set is added only once."""
+    return phvd.add_process_set([0, 1])
+
+
 def check_process_set():
     """Ranks 0 and 1 reduce over their process set; rank 2, outside it, applies its own
     gradients (Horovod's rule), through the same pipeline depth."""
-    ps = phvd.add_process_set([0, 1])
+    ps = first_two_ranks()
     inside = phvd.rank() < 2
     for depth in (1, 2):
         model, ref = fresh(MLP), fresh(MLP)
@@ -367,6 +377,17 @@ def check_staleness():
     import staleness_worker               # every option explicitly: ORACLE_COMPENSATION aside
     staleness_worker.check_oracle()
     staleness_worker.check_resume()
+
+
+def under_the_default(check):
+    """`check` with the default staleness compensation (test_staleness's default-MODE cases),
+    whatever ORACLE_COMPENSATION says: the launch of the plain cases runs them too."""
+    global COMPENSATION
+    saved, COMPENSATION = COMPENSATION, staleness.DEFAULT
+    try:
+        check()
+    finally:
+        COMPENSATION = saved
 
 
 def check_horovod_compare():
@@ -423,6 +444,8 @@ def main():
               "horovod-compare": check_horovod_compare,
               "mismatch": check_mismatch}
     checks.update(argument_checks(cases, sys.argv[2] if len(sys.argv) > 2 else None))
+    checks.update({case: functools.partial(under_the_default, checks[case.split("-", 1)[1]])
+                   for case in cases.split(",") if case.startswith("default-")})
     launcher.worker_cases(checks, cases, phvd.rank)
     print(f"WORKER_OK rank={phvd.rank()}", flush=True)
     if not cases.split(",")[-1].startswith("no-flush-"):   # that one ends as a script does
