@@ -64,10 +64,12 @@ def optimizer_case(folder, engine_name, np, case, launches=OPTIMIZER):
 # launch of its own, as quantized adds a set to the dynamic mode there after another set
 # was used (Horovod 0.28.1 with Gloo hung in that order). collectives: every algorithm x op x
 # dtype x size x codec case; collectives-all adds the optimizer with collective= (and DDP's
-# hooks on torch). quantized: the two-stage allreduce against its reference
-# (quantized_worker.py); quantized-all adds training and the resume. The quantized cases
-# end by shutting the engine down with a reduction in flight, so they come last.
-COLLECTIVES = {("horovod", 2): ["api", "collectives-all", "quantized-all"],
+# hooks on torch). digits-int8: the digits example synchronous and with int8 + error
+# feedback (digits_int8_worker.py). quantized: the two-stage allreduce against its
+# reference (quantized_worker.py); quantized-all adds training and the resume. The
+# quantized cases end by shutting the engine down with a reduction in flight, so they
+# come last.
+COLLECTIVES = {("horovod", 2): ["api", "collectives-all", "digits-int8", "quantized-all"],
                ("horovod", 3): ["collectives-all", "quantized"],
                ("horovod", 4): ["quantized"],
                ("torch", 2): ["api", "collectives-all", "quantized"],

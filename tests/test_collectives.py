@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import shared_launches
-import launcher
 import pipe_horovod.torch as phvd
 from pipe_horovod import collectives
 from pipe_horovod.tools import planner as timing
@@ -217,6 +216,6 @@ def test_bad_calls_are_refused(local, call, error, text):
         call()
 
 
-def test_digits_with_int8_feedback_stays_within_a_point_of_sync(tmp_path):
-    pytest.importorskip("horovod.torch")
-    launcher.run("horovod", 2, "digits_int8_worker.py", tmp_path, 6, timeout=200)
+def test_digits_with_int8_feedback_stays_within_a_point_of_sync():
+    # In the 2-rank horovod collectives launch (digits_int8_worker.py).
+    shared_launches.collectives_case("horovod", 2, "digits-int8")

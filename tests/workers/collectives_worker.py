@@ -399,11 +399,17 @@ def check_all(engine_name, scope):
         sys.exit(1)
 
 
+def digits_int8(folder):
+    import digits_int8_worker           # imports the digits example: only where it runs
+    digits_int8_worker.check(folder)
+
+
 def main():
     """CASES ENGINE_NAME SIZE: api_worker.py's checks (api: first, on the fresh engine), this
-    file's (collectives, collectives-all) and then quantized_worker.py's (quantized: the
-    allreduce only, quantized-all), in one launch (launcher.run_case). The quantized checks
-    end by shutting the engine down: last."""
+    file's (collectives, collectives-all), digits_int8_worker.py's (digits-int8: its runs
+    shut the engine down) and then quantized_worker.py's (quantized: the allreduce only,
+    quantized-all), in one launch (launcher.run_case). The quantized checks end by shutting
+    the engine down: last."""
     cases, engine_name, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
     with tempfile.TemporaryDirectory() as tmp:
         if "api" in cases.split(","):
@@ -422,6 +428,7 @@ def main():
         launcher.worker_cases({"api": lambda: api_worker.check_all(engine_name, size, tmp),
                                "collectives": lambda: check_all(engine_name, "collectives"),
                                "collectives-all": lambda: check_all(engine_name, "all"),
+                               "digits-int8": lambda: digits_int8(Path(tmp)),
                                "quantized": lambda: quantized(engine_name, "allreduce"),
                                "quantized-all": lambda: quantized(engine_name, "all")},
                               cases, lambda: r)
