@@ -20,6 +20,7 @@ resumable (a test/configuration already there is not run again unless
         --out docs/horovod_compatibility.json --markdown docs/horovod_compatibility.md
 """
 import argparse
+import ast
 import datetime
 import difflib
 import hashlib
@@ -413,8 +414,6 @@ def common_helpers(common_source, test_source):
     """Horovod's `test/utils/common.py` cut to the functions the test file imports
     (`from common import a, b`) and the standard-library imports: the whole module
     imports `mock`, `cloudpickle` and Horovod's runner, which a test of ours needs not."""
-    import ast
-
     wanted = set()
     for node in ast.walk(ast.parse(test_source)):
         if isinstance(node, ast.ImportFrom) and node.module == "common":
@@ -430,6 +429,61 @@ def common_helpers(common_source, test_source):
     if wanted:
         raise ValueError(f"common.py has no {sorted(wanted)}")
     return "\n\n".join(keep) + "\n"
+
+
+# What Horovod's test files import that pipe_horovod does not need (mock, cloudpickle,
+# parameterized, packaging): pyproject.toml's `horovod-tests` extra, which `make install`
+# installs; horovod itself comes from scripts/install_horovod.sh.
+INSTALL = "pip install -c constraints.txt -e '.[horovod-tests]'"
+
+
+def module_imports(test_file):
+    """{top-level module: file importing it} for what collecting `test_file` imports: its
+    module-level imports, and those of the files beside it that it imports (`common` in
+    ../utils, `base_test_tensorflow`), the standard library left out. Imports inside
+    functions or `try` blocks are the tests' own business, not collection's."""
+    folders = (test_file.parent, test_file.parent.parent / "utils")
+    needed, seen, todo = {}, set(), [test_file]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                continue
+            for top in (name.split(".")[0] for name in names):
+                local = [f / f"{top}.py" for f in folders if (f / f"{top}.py").is_file()]
+                if local:
+                    todo += local
+                elif top not in sys.stdlib_module_names:
+                    needed.setdefault(top, path.name)
+    return needed
+
+
+def check_imports(test_files, python, env):
+    """Stop before collection when `python` (with `env`) cannot find a module the test
+    files import, naming each and the command that installs them: pytest would only say
+    `ModuleNotFoundError` at collection, in a file that is not ours."""
+    needed = {}
+    for test_file in test_files:
+        needed.update(module_imports(Path(test_file)))
+    probe = ("import importlib.util, sys; "
+             "print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))")
+    proc = subprocess.run([python, "-c", probe, *sorted(needed)], env=env, capture_output=True,
+                          text=True, timeout=300, check=True)
+    missing = proc.stdout.split()
+    if missing:
+        raise SystemExit(
+            "Horovod's tests import modules that " + python + " cannot find: "
+            + ", ".join(f"{m} (imported by {needed[m]})" for m in missing)
+            + ".\nInstall them from the root of this repository with\n    " + python
+            + " -m " + INSTALL + "\n(`make install` does; horovod itself comes from "
+            "scripts/install_horovod.sh).")
 
 
 def pytest_ini(timeout):
@@ -740,6 +794,7 @@ def run_all(args, configs, data):
         if diff:
             print("Import change for ours:\n" + diff)
             meta["import_diff"] = diff
+        check_imports({copies[c] for c in configs}, args.python, config_env("horovod"))
         ids = collect(copies["_collect"], args.python, args.keyword)
         if not args.keyword:
             meta["tests_collected"] = len(ids)
