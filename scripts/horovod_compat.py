@@ -11,13 +11,18 @@ three configurations:
   ours-k1   the same copy with PIPE_HOROVOD_PIPELINE_DEPTH=1.
 
 Horovod's test code is never part of this repository: pass its path with
---tests (fetch it with the search tool, or from a Horovod checkout, next to
-its `../utils/common.py`). Results go to a JSON file that makes runs
-resumable (a test/configuration already there is not run again unless
---rerun), and --markdown renders the table with a summary.
+--tests, in Horovod's own layout (`../utils/common.py` beside it), e.g. from a
+git clone of horovod/horovod:
 
+    git -C HOROVOD_GIT archive v0.28.1 test/parallel test/utils | tar -x -C /tmp/horovod_tests
     python scripts/horovod_compat.py --tests /tmp/horovod_tests/test/parallel/test_torch.py \
         --out docs/horovod_compatibility.json --markdown docs/horovod_compatibility.md
+
+What those files import beyond pipe_horovod (mock, cloudpickle, ...) is the
+`horovod-tests` extra, which `make install` installs; the run stops first,
+naming the command, where one is missing (check_imports). Results go to a JSON
+file that makes runs resumable (a test/configuration already there is not run
+again unless --rerun), and --markdown renders the table with a summary.
 """
 import argparse
 import ast
