@@ -14,6 +14,7 @@ Horovod's test code is never part of this repository: pass its path with
 --tests, in Horovod's own layout (`../utils/common.py` beside it), e.g. from a
 git clone of horovod/horovod:
 
+    mkdir -p /tmp/horovod_tests
     git -C HOROVOD_GIT archive v0.28.1 test/parallel test/utils | tar -x -C /tmp/horovod_tests
     python scripts/horovod_compat.py --tests /tmp/horovod_tests/test/parallel/test_torch.py \
         --out docs/horovod_compatibility.json --markdown docs/horovod_compatibility.md
@@ -335,8 +336,13 @@ def run_one(workdir, test_id, config, horovodrun, python, timeout, np=2, log_dir
 # --------------------------------------------------------------------------
 # Several tests in one launch (--batch): TensorFlow's start-up is most of a run
 
-_LIVE = re.compile(r"^(?P<id>\S+\.py::\S+) (?P<sub>SUB)?(?P<outcome>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
-                   r"(?:\[(?P<mode>[^\]]+)\])?")
+_LIVE_OUTCOME = (r"(?P<sub>SUB)?(?P<outcome>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
+                 r"(?:\[(?P<mode>[^\]]+)\])?")
+_LIVE = re.compile(r"^(?P<id>\S+\.py::\S+) " + _LIVE_OUTCOME)
+# A test that prints (pytest -s) puts its output between its id (and the space after it)
+# and its outcome, which then starts a line of its own.
+_LIVE_START = re.compile(r"^(?P<id>\S+\.py::\S+) ")
+_LIVE_LATE = re.compile(r"^" + _LIVE_OUTCOME + r"(?: \(.*\))?(?:\s+\[\s*\d+%\])?$")
 _FAILURE_HEADER = re.compile(r"^_{3,} (?:ERROR at \w+ of )?(?P<name>[\w.]+)(?: \[(?P<mode>[^\]]+)\])? _{3,}$")
 _OUTCOME = {"PASSED": "PASS", "XFAIL": "PASS", "XPASS": "PASS", "SKIPPED": "SKIP",
             "FAILED": "FAIL", "ERROR": "FAIL"}
@@ -361,17 +367,27 @@ def parse_batch(output, test_ids, np=2, timed_out=False, timeout=None):
     seen = {}          # key -> {rank: {"outcome": status, "modes": {mode: status}}}
     errors = {}        # (Class.test, mode or None) -> first E line
     for rank in range(np):
-        failure = None
+        failure = running = None     # running: the test whose output is being printed
         for text in per_rank.get(rank, []):
             m = _LIVE.match(text.strip())
+            test = m and m["id"]
+            if not m and running:
+                m, test = _LIVE_LATE.match(text.strip()), running
             if m:
-                entry = seen.setdefault(test_key(m["id"]), {}).setdefault(rank, {"modes": {}})
+                running = None
+                entry = seen.setdefault(test_key(test), {}).setdefault(rank, {"modes": {}})
                 status = _OUTCOME[m["outcome"]]
                 if m["sub"]:
                     entry["modes"][m["mode"]] = _combine([entry["modes"].get(m["mode"], status), status])
                 else:
                     entry["outcome"] = status
                 continue
+            m = _LIVE_START.match(text)
+            if m:
+                running = m["id"]
+                continue
+            if text.startswith("="):       # a section of pytest's summary: no test runs
+                running = None
             m = _FAILURE_HEADER.match(text.strip())
             if m:
                 failure = (m["name"].replace(".", "::"), m["mode"])

@@ -553,6 +553,19 @@ def test_batch_reads_each_tests_halves_on_every_rank():
     assert timed_out["TensorFlowTests::test_c"]["status"] == "TIMEOUT"
 
 
+def test_batch_reads_the_outcome_of_a_test_that_printed_after_its_id():
+    # pytest -v -s: the id and a space, the test's own output, then the outcome on a line
+    # of its own; a line of output that only starts like an outcome is not one.
+    output = "".join(f"[{r}]<stdout>:{line}\n" for r in (0, 1) for line in (
+        "test_k.py::T::test_fit ", "1/5 ━━━━ 0s 206ms/step - loss: 0.4391", "ERROR in a log line",
+        "PASSED", "test_k.py::T::test_skip ", "some output", "SKIPPED (Not a test.)     [ 66%]",
+        "test_k.py::T::test_cut ", "Epoch 1/20",
+        "=============================== warnings summary ===============================",
+        "test_k.py::T::test_cut", "PASSED"))
+    got = hc.parse_batch(output, [f"test_k.py::T::{t}" for t in ("test_fit", "test_skip", "test_cut")])
+    assert {k: v["status"] for k, v in got.items()} == {"T::test_fit": "PASS", "T::test_skip": "SKIP"}
+
+
 def test_batch_command_runs_every_test_and_shows_live_outcomes():
     cmd = hc.horovodrun_command("horovodrun", "python", BATCH_IDS)
     assert cmd[-3:] == BATCH_IDS and "-x" not in cmd and {"-v", "-s"} <= set(cmd)
