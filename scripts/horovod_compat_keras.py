@@ -230,7 +230,8 @@ def render_keras(data, command):
            "Horovod's files are read from its repository at the tag and never copied here. "
            "**Horovod**: the files as they are; **ours K=2**: the imports changed to "
            "`pipe_horovod.keras` and the Keras 3 renames below, default depth; **ours K=1**: the "
-           "same with `PIPE_HOROVOD_PIPELINE_DEPTH=1`.", "", "Command:", "", "```", command,
+           "same with `PIPE_HOROVOD_PIPELINE_DEPTH=1`.", "", *SECTION_NOTES, "", "Command:", "",
+           "```", command,
            "```", "", "| | |", "|---|---|"]
     for key in ("horovod_ref", "horovod_commit", "tests_sha256", "tests_collected", "horovod",
                 "pipe_horovod", "tensorflow", "keras", "python", "updated", "example_env"):
