@@ -145,6 +145,16 @@ def test_a_collective_on_rank_0_alone_names_both_calls(engine_name):
         assert took < 4.5, took
 
 
+def test_an_engine_started_again_reads_none_of_the_last_ones_posts():
+    """Horovod's own tests shut down and init again between tests, in one launch (their
+    tearDown): rank 1 waits 2 s in the new engine's barrier for rank 0, without taking the
+    last engine's end, still on horovodrun's server, for rank 0's (it raised 'rank 0 ended
+    while rank 1 waits in barrier()' after a second)."""
+    _, _, got = launch("horovod")
+    assert got["reinit", 0][0] == got["reinit", 1][0] == "ok again", got
+    assert got["reinit", 1][1] >= 1.5, got["reinit", 1]       # it did wait for rank 0
+
+
 @pytest.mark.parametrize("engine_name", ENGINES)
 def test_a_rank_that_raises_alone_is_named_by_the_others(engine_name):
     """Rank 1's allreduce of a complex64 metric is refused there (caught); rank 0, waiting in

@@ -109,9 +109,15 @@ class HorovodEngine(Engine):
         # cache off, steady steps (docs/bench/log.md, "Replay compute"). Off unless the
         # user set a capacity; it only saves negotiation, which is small beside a bucket.
         os.environ.setdefault("HOROVOD_CACHE_CAPACITY", "0")
+        addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+        if (addr and size and size > 1 and "HOROVOD_RANK" in os.environ
+                and os.environ.get("HOROVOD_ELASTIC") != "1"):    # elastic: ranks change
+            # Before hvd.init, whose rendezvous every rank passes only after all did this:
+            # no wait of another rank reads what an engine before this one posted.
+            http_board(addr, os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"], size).start(
+                int(os.environ["HOROVOD_RANK"]))
         hvd.init(comm, process_sets=list(self._made_by_init.values()))
         self._register_process_sets(sets, hvd.global_process_set)
-        addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
         if addr and self.size() > 1:            # horovodrun's key-value server (stall.py)
             self._board = http_board(addr, os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"],
                                      self.size())

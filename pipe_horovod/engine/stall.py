@@ -145,6 +145,14 @@ class Board:
         """`rank` has raised `raiser`'s error number `seq` (the raiser may leave now)."""
         self.post(rank, kind=f"told.{raiser}", seq=seq)
 
+    def start(self, rank):
+        """A new engine of `rank` starts: its status and errors start afresh. Posts outlive
+        the engine that made them (horovodrun's server serves the whole launch, and Horovod's
+        own tests shut down and init again between tests): the last engine's end and errors
+        would read, to the others' waits, as this one's."""
+        self.post(rank, state="running")
+        self.tell_raised(rank, [])
+
     def wait_for_ends(self, ranks, bound_s=2 * STATUS_AFTER_S + 1.0):
         """Until every rank of `ranks` posted that it ended, or `bound_s` passed (a rank
         that was killed never does)."""

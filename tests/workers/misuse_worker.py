@@ -5,6 +5,9 @@ One launch runs every case in turn, on 2 ranks (the engine's checks leave it
 usable after each refusal). Each case prints "CASE <name> rank=<r>: <outcome>"
 with the exception's type and message, which the test compares exactly across
 ranks and engines; then:
+  reinit    (horovodrun) shut down and init again, as Horovod's own tests do between tests
+            in one launch; rank 0 reaches a barrier 2 s after rank 1: the new engine's wait
+            reads none of the last engine's posts (its "ended"), and both pass it;
   order     two async allreduces started in the opposite order per rank pair by name;
   refused   shape, dtype, op, broadcast size and root, allgather trailing shape:
             Horovod's error on every rank, and a refused broadcast leaves the tensor as it was;
@@ -36,6 +39,7 @@ ranks and engines; then:
             StepMismatchError naming rank 1 and its step count (last: rank 1 is gone).
 """
 import importlib.util
+import os
 import re
 import sys
 import time
@@ -248,6 +252,15 @@ def keras_uneven(r):
         outcome("keras.next", lambda: hvd.allgather_object(r, name="keras.next"))
 
 
+def reinit(r):
+    hvd.shutdown()
+    hvd.init()
+    if r == 0:
+        time.sleep(2.0)     # rank 1's barrier looks at the board meanwhile
+    hvd.barrier()
+    return "again"
+
+
 def ended(r):
     model = linear()
     opt = wrapped(model, 1)
@@ -269,6 +282,8 @@ def ended(r):
 def main():
     hvd.init()
     r = hvd.rank()
+    if "HOROVOD_RANK" in os.environ:
+        outcome("reinit", lambda: reinit(r))
     outcome("order", lambda: order(r))
     refused(r)
     join(r)
