@@ -23,7 +23,7 @@ $(STAMP): Makefile pyproject.toml constraints.txt scripts/install_openmpi.sh scr
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -c constraints.txt --upgrade pip setuptools wheel
 	$(PY) -m pip install -c constraints.txt torch
-	$(PY) -m pip install -c constraints.txt -e '.[test,keras]' tensorflow-cpu
+	$(PY) -m pip install -c constraints.txt -e '.[test,keras,horovod-tests]' tensorflow-cpu
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt PYTHON=$(PY) bash scripts/install_horovod.sh
 	touch $@
 

@@ -11,15 +11,22 @@ three configurations:
   ours-k1   the same copy with PIPE_HOROVOD_PIPELINE_DEPTH=1.
 
 Horovod's test code is never part of this repository: pass its path with
---tests (fetch it with the search tool, or from a Horovod checkout, next to
-its `../utils/common.py`). Results go to a JSON file that makes runs
-resumable (a test/configuration already there is not run again unless
---rerun), and --markdown renders the table with a summary.
+--tests, in Horovod's own layout (`../utils/common.py` beside it), e.g. from a
+git clone of horovod/horovod:
 
+    mkdir -p /tmp/horovod_tests
+    git -C HOROVOD_GIT archive v0.28.1 test/parallel test/utils | tar -x -C /tmp/horovod_tests
     python scripts/horovod_compat.py --tests /tmp/horovod_tests/test/parallel/test_torch.py \
         --out docs/horovod_compatibility.json --markdown docs/horovod_compatibility.md
+
+What those files import beyond pipe_horovod (mock, cloudpickle, ...) is the
+`horovod-tests` extra, which `make install` installs; the run stops first,
+naming the command, where one is missing (check_imports). Results go to a JSON
+file that makes runs resumable (a test/configuration already there is not run
+again unless --rerun), and --markdown renders the table with a summary.
 """
 import argparse
+import ast
 import datetime
 import difflib
 import hashlib
@@ -329,8 +336,13 @@ def run_one(workdir, test_id, config, horovodrun, python, timeout, np=2, log_dir
 # --------------------------------------------------------------------------
 # Several tests in one launch (--batch): TensorFlow's start-up is most of a run
 
-_LIVE = re.compile(r"^(?P<id>\S+\.py::\S+) (?P<sub>SUB)?(?P<outcome>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
-                   r"(?:\[(?P<mode>[^\]]+)\])?")
+_LIVE_OUTCOME = (r"(?P<sub>SUB)?(?P<outcome>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
+                 r"(?:\[(?P<mode>[^\]]+)\])?")
+_LIVE = re.compile(r"^(?P<id>\S+\.py::\S+) " + _LIVE_OUTCOME)
+# A test that prints (pytest -s) puts its output between its id (and the space after it)
+# and its outcome, which then starts a line of its own.
+_LIVE_START = re.compile(r"^(?P<id>\S+\.py::\S+) ")
+_LIVE_LATE = re.compile(r"^" + _LIVE_OUTCOME + r"(?: \(.*\))?(?:\s+\[\s*\d+%\])?$")
 _FAILURE_HEADER = re.compile(r"^_{3,} (?:ERROR at \w+ of )?(?P<name>[\w.]+)(?: \[(?P<mode>[^\]]+)\])? _{3,}$")
 _OUTCOME = {"PASSED": "PASS", "XFAIL": "PASS", "XPASS": "PASS", "SKIPPED": "SKIP",
             "FAILED": "FAIL", "ERROR": "FAIL"}
@@ -355,17 +367,27 @@ def parse_batch(output, test_ids, np=2, timed_out=False, timeout=None):
     seen = {}          # key -> {rank: {"outcome": status, "modes": {mode: status}}}
     errors = {}        # (Class.test, mode or None) -> first E line
     for rank in range(np):
-        failure = None
+        failure = running = None     # running: the test whose output is being printed
         for text in per_rank.get(rank, []):
             m = _LIVE.match(text.strip())
+            test = m and m["id"]
+            if not m and running:
+                m, test = _LIVE_LATE.match(text.strip()), running
             if m:
-                entry = seen.setdefault(test_key(m["id"]), {}).setdefault(rank, {"modes": {}})
+                running = None
+                entry = seen.setdefault(test_key(test), {}).setdefault(rank, {"modes": {}})
                 status = _OUTCOME[m["outcome"]]
                 if m["sub"]:
                     entry["modes"][m["mode"]] = _combine([entry["modes"].get(m["mode"], status), status])
                 else:
                     entry["outcome"] = status
                 continue
+            m = _LIVE_START.match(text)
+            if m:
+                running = m["id"]
+                continue
+            if text.startswith("="):       # a section of pytest's summary: no test runs
+                running = None
             m = _FAILURE_HEADER.match(text.strip())
             if m:
                 failure = (m["name"].replace(".", "::"), m["mode"])
@@ -413,8 +435,6 @@ def common_helpers(common_source, test_source):
     """Horovod's `test/utils/common.py` cut to the functions the test file imports
     (`from common import a, b`) and the standard-library imports: the whole module
     imports `mock`, `cloudpickle` and Horovod's runner, which a test of ours needs not."""
-    import ast
-
     wanted = set()
     for node in ast.walk(ast.parse(test_source)):
         if isinstance(node, ast.ImportFrom) and node.module == "common":
@@ -430,6 +450,61 @@ def common_helpers(common_source, test_source):
     if wanted:
         raise ValueError(f"common.py has no {sorted(wanted)}")
     return "\n\n".join(keep) + "\n"
+
+
+# What Horovod's test files import that pipe_horovod does not need (mock, cloudpickle,
+# parameterized, packaging): pyproject.toml's `horovod-tests` extra, which `make install`
+# installs; horovod itself comes from scripts/install_horovod.sh.
+INSTALL = "pip install -c constraints.txt -e '.[horovod-tests]'"
+
+
+def module_imports(test_file):
+    """{top-level module: file importing it} for what collecting `test_file` imports: its
+    module-level imports, and those of the files beside it that it imports (`common` in
+    ../utils, `base_test_tensorflow`), the standard library left out. Imports inside
+    functions or `try` blocks are the tests' own business, not collection's."""
+    folders = (test_file.parent, test_file.parent.parent / "utils")
+    needed, seen, todo = {}, set(), [test_file]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                continue
+            for top in (name.split(".")[0] for name in names):
+                local = [f / f"{top}.py" for f in folders if (f / f"{top}.py").is_file()]
+                if local:
+                    todo += local
+                elif top not in sys.stdlib_module_names:
+                    needed.setdefault(top, path.name)
+    return needed
+
+
+def check_imports(test_files, python, env):
+    """Stop before collection when `python` (with `env`) cannot find a module the test
+    files import, naming each and the command that installs them: pytest would only say
+    `ModuleNotFoundError` at collection, in a file that is not ours."""
+    needed = {}
+    for test_file in test_files:
+        needed.update(module_imports(Path(test_file)))
+    probe = ("import importlib.util, sys; "
+             "print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))")
+    proc = subprocess.run([python, "-c", probe, *sorted(needed)], env=env, capture_output=True,
+                          text=True, timeout=300, check=True)
+    missing = proc.stdout.split()
+    if missing:
+        raise SystemExit(
+            "Horovod's tests import modules that " + python + " cannot find: "
+            + ", ".join(f"{m} (imported by {needed[m]})" for m in missing)
+            + ".\nInstall them from the root of this repository with\n    " + python
+            + " -m " + INSTALL + "\n(`make install` does; horovod itself comes from "
+            "scripts/install_horovod.sh).")
 
 
 def pytest_ini(timeout):
@@ -740,6 +815,7 @@ def run_all(args, configs, data):
         if diff:
             print("Import change for ours:\n" + diff)
             meta["import_diff"] = diff
+        check_imports({copies[c] for c in configs}, args.python, config_env("horovod"))
         ids = collect(copies["_collect"], args.python, args.keyword)
         if not args.keyword:
             meta["tests_collected"] = len(ids)

@@ -26,8 +26,9 @@ to a JSON file (resumable, as scripts/horovod_compat.py's) and, with
     python scripts/horovod_compat_keras.py --horovod-git /work/.mirror/horovod+horovod/repo \\
         --out docs/horovod_compatibility_keras.json --markdown docs/horovod_compatibility.md
 
-Horovod's test file imports `parameterized` (pip install parameterized); without it
-collection fails and the harness stops, saying so.
+Horovod's test file imports `parameterized`: pyproject.toml's `horovod-tests` extra
+installs it (`make install` does); without it the harness stops before collection,
+naming the module and that command (horovod_compat.check_imports).
 
 The machinery serves any of Horovod's suites described as a Suite (KERAS here;
 scripts/horovod_compat_tensorflow.py's TENSORFLOW): which file, the files beside
@@ -229,7 +230,8 @@ def render_keras(data, command):
            "Horovod's files are read from its repository at the tag and never copied here. "
            "**Horovod**: the files as they are; **ours K=2**: the imports changed to "
            "`pipe_horovod.keras` and the Keras 3 renames below, default depth; **ours K=1**: the "
-           "same with `PIPE_HOROVOD_PIPELINE_DEPTH=1`.", "", "Command:", "", "```", command,
+           "same with `PIPE_HOROVOD_PIPELINE_DEPTH=1`.", "", *SECTION_NOTES, "", "Command:", "",
+           "```", command,
            "```", "", "| | |", "|---|---|"]
     for key in ("horovod_ref", "horovod_commit", "tests_sha256", "tests_collected", "horovod",
                 "pipe_horovod", "tensorflow", "keras", "python", "updated", "example_env"):
@@ -435,6 +437,8 @@ def run_all(args, configs, data, suite):
             for kind in ("horovod", "ours"):
                 (work / kind / suite.tests).parent.joinpath("pytest.ini").write_text(
                     hc.pytest_ini(args.timeout))
+            hc.check_imports({work / ("horovod" if c == "horovod" else "ours") / suite.tests
+                              for c in configs}, args.python, hc.config_env("horovod"))
             # Collected from ours: Horovod's own file cannot import horovod.tensorflow.keras
             # on TensorFlow >= 2.16 (its extension does not build), so it collects nothing.
             ids = hc.collect(work / "ours" / suite.tests, args.python, args.keyword)

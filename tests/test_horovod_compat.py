@@ -230,6 +230,41 @@ def test_copies_keep_utils_next_to_the_tests_and_collect(tmp_path):
     assert hc.collect(copies["_collect"], sys.executable, keyword="test_b") == ["test_fake.py::TestT::test_b"]
 
 
+def test_a_module_the_tests_import_that_is_missing_stops_the_run_naming_it(tmp_path):
+    tests = tmp_path / "test" / "parallel"
+    tests.mkdir(parents=True)
+    (tmp_path / "test" / "utils").mkdir()
+    (tmp_path / "test" / "utils" / "common.py").write_text(
+        "import os\nimport pytest\nimport no_such_module_hc\n")
+    (tests / "base.py").write_text("from no_such_module_hc2.sub import x\n")
+    (tests / "test_fake.py").write_text(
+        "import os, sys\n"
+        "sys.path.append(os.path.join(os.path.dirname(__file__), os.pardir, 'utils'))\n"
+        "from common import X\n"
+        "from base import *\n"
+        "try:\n    import optional_module_hc\nexcept ImportError:\n    pass\n"
+        "def test_a():\n    import inside_a_test_hc\n")
+    needed = hc.module_imports(tests / "test_fake.py")
+    assert needed == {"pytest": "common.py", "no_such_module_hc": "common.py",
+                      "no_such_module_hc2": "base.py"}, needed
+    with pytest.raises(SystemExit) as stop:
+        hc.check_imports([tests / "test_fake.py"], sys.executable, hc.config_env("horovod"))
+    message = str(stop.value)
+    assert ("cannot find: no_such_module_hc (imported by common.py), "
+            "no_such_module_hc2 (imported by base.py).") in message
+    assert f"{sys.executable} -m {hc.INSTALL}" in message and "pytest (" not in message
+    (tmp_path / "test" / "utils" / "common.py").write_text("import pytest\n")
+    (tests / "base.py").write_text("")
+    hc.check_imports([tests / "test_fake.py"], sys.executable, hc.config_env("horovod"))
+
+
+def test_the_install_command_names_an_extra_that_exists():
+    extra = hc.INSTALL.split("[")[1].split("]")[0]
+    pyproject = (SCRIPTS.parent / "pyproject.toml").read_text()
+    assert f"\n{extra} = [" in pyproject
+    assert f"[test,keras,{extra}]" in (SCRIPTS.parent / "Makefile").read_text()
+
+
 # ---------------------------------------------------------------- markdown
 
 def _results():
@@ -516,6 +551,19 @@ def test_batch_reads_each_tests_halves_on_every_rank():
         "test_c, unfinished on both ranks, is left for a later run"
     timed_out = hc.parse_batch(BATCH, BATCH_IDS, timed_out=True, timeout=300)
     assert timed_out["TensorFlowTests::test_c"]["status"] == "TIMEOUT"
+
+
+def test_batch_reads_the_outcome_of_a_test_that_printed_after_its_id():
+    # pytest -v -s: the id and a space, the test's own output, then the outcome on a line
+    # of its own; a line of output that only starts like an outcome is not one.
+    output = "".join(f"[{r}]<stdout>:{line}\n" for r in (0, 1) for line in (
+        "test_k.py::T::test_fit ", "1/5 ━━━━ 0s 206ms/step - loss: 0.4391", "ERROR in a log line",
+        "PASSED", "test_k.py::T::test_skip ", "some output", "SKIPPED (Not a test.)     [ 66%]",
+        "test_k.py::T::test_cut ", "Epoch 1/20",
+        "=============================== warnings summary ===============================",
+        "test_k.py::T::test_cut", "PASSED"))
+    got = hc.parse_batch(output, [f"test_k.py::T::{t}" for t in ("test_fit", "test_skip", "test_cut")])
+    assert {k: v["status"] for k, v in got.items()} == {"T::test_fit": "PASS", "T::test_skip": "SKIP"}
 
 
 def test_batch_command_runs_every_test_and_shows_live_outcomes():
