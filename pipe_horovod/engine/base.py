@@ -918,8 +918,9 @@ class Engine:
         """A rank whose script ends with another rank's error (read off the board) leaves
         after that rank's process did, or after `bound_s`: launchers stop every rank once the
         first one exits with an error and name that one as the cause, which must be the rank
-        that raised it. Ranks on other hosts cannot be watched: their posted end counts."""
-        if not (self._uncaught and self._raisers) or self._board is None:
+        that raised it. Ranks on other hosts cannot be watched: their posted end counts;
+        without the peers' processes (elastic mode does not gather them) nothing is."""
+        if not (self._uncaught and self._raisers) or self._board is None or self._peers is None:
             return
         deadline = time.monotonic() + bound_s
         ranks = sorted(self._raisers)

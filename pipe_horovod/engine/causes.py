@@ -98,7 +98,7 @@ def raised(stall, others):
                     stall.call.name, stall.call.wire)):
                 continue        # raised elsewhere and went on: it may still start this one
             engine._told.add((rank, post["seq"]))
-            if post.get("final") and engine._peers is not None:
+            if post.get("final"):
                 engine._raisers.add(rank)       # it leaves: this rank leaves after it
             board.acknowledge(stall.me, rank, post["seq"])
             if post.get("shared"):  # a cause that rank read off the board: every rank's

@@ -391,12 +391,13 @@ def runner_kind(name):
 def make_runner(name, args, eng):
     import torch
 
-    if name.startswith("allreduce"):
+    kind = runner_kind(name)
+    if kind == "allreduce":
         numel = model_numel(args)
         dtype = {"none": torch.float32, "fp16": torch.float16,
                  "bf16": torch.bfloat16}[compression_of(name)]
         return AllreduceRunner(name, eng, numel, dtype)
-    if name.startswith("contention"):
+    if kind == "contention":
         per_hop = compression_of(name)
         return ContentionRunner(name, make_runner("compute", args, eng),
                                 AllreduceRunner(name, eng, model_numel(args), torch.float32,
@@ -735,7 +736,7 @@ def run_benchmark(args):
     threads_before = _threads()
     for name in configs:                       # same order on every rank (collectives inside)
         runners[name] = None if args.one_model else make_runner(name, args, eng)
-        progress(f"built {name}")
+        progress(f"{'built' if runners[name] else 'builds at its block:'} {name}")
     numel = model_numel(args)
 
     results = {n: {"kind": runner_kind(n), "compression": compression_of(n),
