@@ -223,7 +223,8 @@ def check_tape():
 def check_run_summary(model, what):
     """The tape's measured run (pipeline/run_record.py), as the optimizers write theirs:
     rank 0 alone writes it, every step after the first timed with its compute, every
-    step's buckets landed; a source list with no pipeline is a clear error."""
+    step's buckets landed; a source list with no pipeline, or a tape before its first
+    gradient(), is a clear error."""
     folder = Path(os.environ.get("PIPE_HOROVOD_TEST_DIR") or tempfile.mkdtemp())
     path = str(folder / f"tape-run-summary-{hvd.rank()}.json")
     assert hvd.write_run_summary(model.trainable_variables, path) == (
@@ -241,6 +242,8 @@ def check_run_summary(model, what):
             assert all(r["landed_s"] >= r["launched_s"] for r in reduced), what
     expect_error(ValueError, "no DistributedGradientTape has computed gradients",
                  lambda: hvd.write_run_summary(build().trainable_variables, path))
+    expect_error(ValueError, "this tape has computed no gradient yet",
+                 lambda: hvd.DistributedGradientTape(tf.GradientTape()).write_run_summary(path))
 
 
 def check_optimizer():
