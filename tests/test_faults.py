@@ -122,7 +122,7 @@ def test_a_rank_that_ended_because_a_peer_died_passes_the_death_on():
             posted[rank] = status
 
     class Engine:
-        _board, _closed, _lost, step = Board(), False, None, 7
+        _board, _closed, _lost, step, stepping = Board(), False, None, 7, False
         def rank(self):
             return 2
         def size(self):
@@ -144,9 +144,17 @@ def test_a_rank_that_ended_because_a_peer_died_passes_the_death_on():
     error = causes.ended(stall, others, time.time())
     assert type(error).__name__ == "StepMismatchError", error
     assert str(error).endswith(causes.ORDER_HINT) and "hvd.join()" not in str(error), error
+    engine.stepping = True                   # ... while this rank is in its 8th step:
+    error = causes.ended(stall, others, time.time())     # uneven data (CI saw it at the
+    assert str(error).endswith(causes.JOIN_HINT), error  # launch, as Horovod shut down)
+    engine.stepping = False
     others[0]["step"] = 5                    # ... after fewer steps: uneven data
     error = causes.ended(stall, others, time.time())
     assert str(error).endswith(causes.JOIN_HINT), error
+    others[0].update(step=7, stepping=True)  # it ended in the step this rank waits in
+    engine.stepping = True
+    error = causes.ended(stall, others, time.time())
+    assert str(error).endswith(causes.ORDER_HINT), error
 
 
 def test_a_cause_another_rank_concluded_is_raised_only_by_the_waits_it_names():
@@ -163,7 +171,7 @@ def test_a_cause_another_rank_concluded_is_raised_only_by_the_waits_it_names():
                                shared=True, wires=["o.acc", "o.loss"], key=["cause", text])])
 
     class Engine:
-        _board, _closed, step = board, False, 4
+        _board, _closed, step, stepping = board, False, 4, False
         def __init__(self):
             self._told = set()
         def rank(self):
@@ -188,7 +196,7 @@ def test_a_cause_another_rank_concluded_is_raised_only_by_the_waits_it_names():
 
 class _SecondOfTwo:
     """An engine as Stall and causes read it: rank 1 of 2, waiting for 'keras1.0.43.0'."""
-    _closed, step = False, 2
+    _closed, step, stepping = False, 2, False
 
     def __init__(self, board=None):
         self._board = board

@@ -193,6 +193,7 @@ class Engine:
         self._lost = None         # why it failed, when a rank was lost: posted at shutdown
         self._board = None        # where ranks post what they do when a wait stalls (stall.py)
         self.step = None          # the step count of the pipeline (set by the step machine)
+        self.stepping = False     # a pipeline launched the next step's collectives (ditto)
         self._raises = 0          # errors this rank posted (stall.py), numbered
         self._posted = collections.deque(maxlen=POSTED_RAISES)   # the last of them
         self._final = None        # the number of the last that stops it (refuse, uncaught)
@@ -1071,7 +1072,8 @@ class Engine:
         me, size = self.rank(), self.size()      # the library cannot say once released
         if self._board is not None:      # the others' waits can now say who stopped, when
             cause = {} if self._lost is None else {"lost": self._lost}
-            self._board.post(self.rank(), state="ended", step=self.step, **cause)
+            self._board.post(self.rank(), state="ended", step=self.step,
+                             stepping=self.stepping, **cause)
         try:
             if self._failed:             # the others cannot complete anything now
                 return

@@ -72,12 +72,20 @@ def everyone(stall, others, now):
                      for r in range(stall.engine.size()))
 
 
+def _begun(step, stepping):
+    """The steps a rank began: those it finished, and the one whose collectives its
+    pipeline launched since (a rank in its 4th step's allreduce began a step that a rank
+    which ended after 3 never did)."""
+    return None if step is None else step + bool(stepping)
+
+
 def _hint(stall, others, ranks):
-    """The uneven-data advice where `ranks` ran fewer steps than this rank, else the
+    """The uneven-data advice where `ranks` began other steps than this rank, else the
     advice to call the same collectives."""
-    mine = stall.engine.step
-    steps = [(others.get(r) or {}).get("step") for r in ranks]
-    if mine is not None and any(s is not None and s != mine for s in steps):
+    mine = _begun(stall.engine.step, stall.engine.stepping)
+    begun = [_begun((others.get(r) or {}).get("step"), (others.get(r) or {}).get("stepping"))
+             for r in ranks]
+    if mine is not None and any(s is not None and s != mine for s in begun):
         return JOIN_HINT
     return ORDER_HINT
 

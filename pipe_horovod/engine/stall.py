@@ -230,7 +230,8 @@ class Stall:
             return
         names = self.engine.names_in_flight()
         self.board.post(self.me, state="waiting", what=self.what, call=self.call.posted(),
-                        step=self.engine.step, since=self.since, beat=self.beat,
+                        step=self.engine.step, stepping=self.engine.stepping,
+                        since=self.since, beat=self.beat,
                         names=names[:POSTED_NAMES], partial=len(names) > POSTED_NAMES)
         self.beat += 1
 
@@ -243,7 +244,8 @@ class Stall:
     def mine(self):
         """This rank's post, as the others read it."""
         return {"state": "waiting", "what": self.what, "call": self.call.posted(),
-                "step": self.engine.step, "since": self.since}
+                "step": self.engine.step, "stepping": self.engine.stepping,
+                "since": self.since}
 
     def tick(self, matched):
         """Called every STATUS_AFTER_S while the wait goes on; `matched()` tells whether

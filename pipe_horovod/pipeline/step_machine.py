@@ -210,6 +210,7 @@ class StepMachine:
                 self._launch(self.buckets[len(self.launched)], fill)
 
     def _launch(self, bucket, fill):
+        self.engine.stepping = True     # this rank began a step a rank that ended never did
         flat = self.buffer(bucket)
         fill(bucket, flat)
         # A name stands for one size: Horovod caches responses by name, and a
@@ -271,6 +272,7 @@ class StepMachine:
         oldest first."""
         ready = self.fifo.push(entry)
         self.engine.step = self.fifo.steps      # for the stall reports (engine/stall.py)
+        self.engine.stepping = False
         if self.record is not None:
             self.record.finished(self.fifo.steps - 1)
         self.begin_step()
