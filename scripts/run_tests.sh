@@ -7,6 +7,10 @@
 # prints where they are, and on failure prints each failed test's full
 # output again from the XML. The exit status is pytest's own: 5 ("no tests
 # collected") fails as well. Arguments after the interpreter go to pytest.
+#
+# The suite runs on $PIPE_HOROVOD_TEST_WORKERS pytest-xdist workers (default 2; 0 runs it
+# in this process): tests/conftest.py keeps each file, and the files sharing a launch,
+# on one worker.
 set -uo pipefail
 PY=${1:?usage: run_tests.sh PYTHON [pytest arguments]}
 shift
@@ -15,7 +19,9 @@ mkdir -p "$LOGS"
 log="$LOGS/pytest.log"
 xml="$LOGS/junit.xml"
 echo "pytest: full log in $log, JUnit XML in $xml"
-"$PY" -m pytest --junitxml="$xml" -o junit_logging=all "$@" 2>&1 | tee "$log"
+workers=${PIPE_HOROVOD_TEST_WORKERS:-2}
+"$PY" -m pytest -n "$workers" --dist loadgroup --junitxml="$xml" -o junit_logging=all "$@" \
+    2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 if [ "$status" -ne 0 ] && [ -s "$xml" ]; then
     "$PY" - "$xml" <<'PYEOF'

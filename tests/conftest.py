@@ -11,3 +11,31 @@ import importlib.util
 
 if importlib.util.find_spec("triton") is not None:
     import triton  # noqa: F401
+
+
+# `make test` runs the suite on two pytest-xdist workers (scripts/run_tests.sh): much of a
+# launch is waiting (a stall's seconds, a rendezvous, an emulated link), so two files at a
+# time use the 2-core machine that one leaves half idle. A file's tests stay on one worker
+# (its module fixtures run once), and so do the files that read one shared launch
+# (launcher.run_once caches it per process: split, they would each start it).
+SHARED_LAUNCHES = [
+    # shared_launches.OPTIMIZER / RESUMED
+    {"test_optimizer", "test_engine", "test_hardening_engine", "test_plan_from_run",
+     "test_staleness"},
+    # shared_launches.collectives_case
+    {"test_collectives", "test_quantized_allreduce", "test_horovod_api"},
+    # shared_launches.hardening_case
+    {"test_hardening_optimizer", "test_misuse_optimizer"},
+    # shared_launches.digits_comparison
+    {"test_image", "test_examples_keras"},
+    # keras_launches.fit_launch
+    {"test_keras", "test_memory", "test_tensorflow"},
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+    for item in items:
+        module = item.path.stem
+        group = next((min(files) for files in SHARED_LAUNCHES if module in files), module)
+        item.add_marker(pytest.mark.xdist_group(group))
