@@ -20,7 +20,7 @@ log="$LOGS/pytest.log"
 xml="$LOGS/junit.xml"
 echo "pytest: full log in $log, JUnit XML in $xml"
 workers=${PIPE_HOROVOD_TEST_WORKERS:-2}
-"$PY" -m pytest -n "$workers" --dist loadgroup --junitxml="$xml" -o junit_logging=all "$@" \
+"$PY" -m pytest -n "$workers" --junitxml="$xml" -o junit_logging=all "$@" \
     2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 if [ "$status" -ne 0 ] && [ -s "$xml" ]; then

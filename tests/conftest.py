@@ -9,6 +9,8 @@ imported here, before TensorFlow can be.
 """
 import importlib.util
 
+import pytest
+
 if importlib.util.find_spec("triton") is not None:
     import triton  # noqa: F401
 
@@ -33,9 +35,19 @@ SHARED_LAUNCHES = [
 ]
 
 
-def pytest_collection_modifyitems(config, items):
-    import pytest
-    for item in items:
-        module = item.path.stem
-        group = next((min(files) for files in SHARED_LAUNCHES if module in files), module)
-        item.add_marker(pytest.mark.xdist_group(group))
+def worker_share(nodeid):
+    """What must run on one worker: a test's file, or the files that share its launches."""
+    module = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return next((min(files) for files in SHARED_LAUNCHES if module in files), module)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    # xdist's own --dist loadgroup reads a group its hook writes into the node id, which
+    # pytest 9 no longer lets a plugin change; a scheduler by scope does the same here.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkerShare(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return worker_share(nodeid)
+    return ByWorkerShare(config, log)

@@ -24,6 +24,7 @@ backend (tests/keras_launches.py; one TensorFlow start-up per engine):
               SyncBatchNormalization against Keras's BatchNormalization on every rank's
               batch at once: outputs, input gradients, moving statistics
 """
+import functools
 import json
 import os
 import sys
@@ -64,20 +65,22 @@ def weights_of(model):
 _probe = {}
 
 
-def local_gradients(step, rank, weights):
-    """Rank `rank`'s gradient at `weights`, by the same traced TensorFlow computation."""
-    if not _probe:
-        _probe["model"] = model = build()
+def local_gradients(step, rank, weights, eagerly=False):
+    """Rank `rank`'s gradient at `weights`, by the same TensorFlow computation as the run's:
+    traced, or eager for an eager run (graph and eager gradients may differ in the last bit:
+    on an AVX-512 CPU they do)."""
+    if eagerly not in _probe:
+        model = build()
 
-        @tf.function
         def grads(x, y):
             with tf.GradientTape() as tape:
                 loss = loss_of(model, x, y)
             return tape.gradient(loss, model.trainable_variables)
-        _probe["grads"] = grads
-    for v, w in zip(_probe["model"].trainable_variables, weights):
+        _probe[eagerly] = model, (grads if eagerly else tf.function(grads))
+    model, grads = _probe[eagerly]
+    for v, w in zip(model.trainable_variables, weights):
         v.assign(w)
-    return [g.numpy() for g in _probe["grads"](*rank_data(rank, step))]
+    return [g.numpy() for g in grads(*rank_data(rank, step))]
 
 
 def equal(got, want, what):
@@ -197,7 +200,8 @@ def check_tape():
         what = f"tape K={depth} W={warmup}{' eagerly' if eagerly else ''}"
         model, opt, returned = tape_run(depth, warmup, eagerly=eagerly)
         start = weights_of(build())
-        expected = ref.reference(start, local_gradients, ref.SGD(0.1), depth, warmup,
+        gradients = functools.partial(local_gradients, eagerly=eagerly)
+        expected = ref.reference(start, gradients, ref.SGD(0.1), depth, warmup,
                                  steps=STEPS, size=hvd.size(), flush=False)
         equal(weights_of(model), expected.weights, what)
         filling = [t for t in range(STEPS) if t >= warmup][:depth - 1]
@@ -208,14 +212,14 @@ def check_tape():
         for grads, (_, averaged) in zip(left, expected.fifo):
             equal([g.numpy() for g in grads], averaged, what + " flush")
             opt.apply_gradients(zip(grads, model.trainable_variables))
-        done = ref.reference(start, local_gradients, ref.SGD(0.1), depth, warmup, steps=STEPS,
+        done = ref.reference(start, gradients, ref.SGD(0.1), depth, warmup, steps=STEPS,
                              size=hvd.size())
         equal(weights_of(model), done.weights, what + " after flush")
         assert hvd.flush(model.trainable_variables) == []
         if (depth, eagerly) == (2, False):
             check_run_summary(model, what)
         if depth > 1:      # one step more or less of delay is told apart
-            other = ref.reference(start, local_gradients, ref.SGD(0.1), depth - 1, warmup,
+            other = ref.reference(start, gradients, ref.SGD(0.1), depth - 1, warmup,
                                   steps=STEPS, size=hvd.size())
             assert not np.array_equal(other.weights[0], done.weights[0]), what
 
