@@ -10,7 +10,7 @@ reads every other rank's posts and names the first cause they show:
    'metric'" (StepMismatchError);
 2. another rank ended without raising: lost (RankLostError, the cause that
    rank posted), or it finished while this rank waits; only where it ran
-   fewer steps, the uneven-data advice with `hvd.join()`;
+   fewer steps than this one began, the uneven-data advice with `hvd.join()`;
 3. every rank waits in the same call, described differently (a count, root
    or shape the library does not compare): MismatchError, as the library's
    own comparison would say it;
