@@ -56,7 +56,10 @@ def test_horovodrun_elastic_failure_on_one_rank_restores_bit_exactly(tmp_path, d
     out = _horovodrun_elastic(tmp_path, 2, "localhost:2\n", ["fail-one", depth, failed])
     assert "INJECTED_FAILURE rank=1" in out
     # Both ranks went through Horovod's reset (rank 0 by the failed collectives).
-    assert {int(r) for r in re.findall(r"ELASTIC_RESET rank=(\d+) size=2", out)} == {0, 1}, out
+    resets = re.findall(r"ELASTIC_RESET rank=(\d+) size=2 session=(\S+)", out)
+    assert {int(r) for r, _ in resets} == {0, 1}, out
+    # ... into one new board session, every rank's the same (the worker: not the last one).
+    assert len({s for _, s in resets}) == 1 and resets[0][1] != "None", out
     _same_run(clean, failed)
 
 

@@ -136,8 +136,8 @@ def init(comm=None, process_sets=None, *, engine=None, timeout=None):
             _current.timeout_s = timeout_s
         return _current
     _current = create(name, comm=comm, process_sets=process_sets, timeout_s=timeout_s)
-    if os.environ.get("HOROVOD_ELASTIC") != "1":   # elastic mode resets on a lost rank itself
-        _current.learn_peers()
+    # Elastic mode resets on a lost rank itself: it learns the board session, not the peers.
+    _current.learn_peers(peers=os.environ.get("HOROVOD_ELASTIC") != "1")
     # Registered after the library's own start-up (and so its own atexit
     # shutdown), so at exit ours runs first and completes what is in flight.
     atexit.register(shutdown)

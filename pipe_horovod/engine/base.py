@@ -794,16 +794,19 @@ class Engine:
         return ""
 
     # --- faults -----------------------------------------------------------
-    def learn_peers(self):
+    def learn_peers(self, peers=True):
         """Gather every rank's host and process id (engine.init calls it, once the library
-        is up), so that a failed collective can name the rank that died; and rank 0's name
-        for this engine's session, under which every rank posts on the status board."""
+        is up), so that a failed collective can name the rank that died (unless `peers` is
+        false: elastic mode, whose reset handles a lost rank); and rank 0's name for this
+        engine's session, under which every rank posts on the status board (an elastic
+        reset starts a new engine on the same store: without it, the last one's posts)."""
         if self.size() > 1:
             session = uuid.uuid4().hex[:12] if self.rank() == 0 else None
-            peers = self.allgather_object((*whoami(), session), name="pipe_horovod.peers")
-            self._peers = [(host, pid) for host, pid, _ in peers]
+            gathered = self.allgather_object((*whoami(), session), name="pipe_horovod.peers")
+            if peers:
+                self._peers = [(host, pid) for host, pid, _ in gathered]
             if self._board is not None:
-                self._board.session = f".{peers[0][2]}"
+                self._board.session = f".{gathered[0][2]}"
 
     def _diagnose(self, exc, call):
         """The error to raise for `exc`, a failure of the library while running `call`

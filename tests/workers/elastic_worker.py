@@ -35,12 +35,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pipe_horovod.torch as hvd
+from pipe_horovod import engine
 
 torch.set_num_threads(1)
 N, BATCH, EPOCHS, COMMIT = 48, 4, 3, 3
 FAIL_EPOCH, FAIL_BATCH = 1, 5
 _fired = False
 _resets = 0          # a process-wide count: the state itself is rolled back and synced
+
+
+def session(eng):
+    """The status board's session of engine `eng` (None: no board)."""
+    return None if eng._board is None else eng._board.session
 
 
 class Data(torch.utils.data.Dataset):
@@ -70,6 +76,7 @@ def run(mode, depth, out):
     global _fired, _resets
     _fired, _resets = False, 0
     hvd.init()
+    engines = [engine.current()]        # a reset under Horovod starts another
     model, opt = model_and_optimizer(depth)
     sampler = hvd.elastic.ElasticSampler(Data(), shuffle=True, seed=7)
     loader = torch.utils.data.DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler)
@@ -79,7 +86,10 @@ def run(mode, depth, out):
     def on_reset():
         global _resets
         _resets += 1
-        print(f"ELASTIC_RESET rank={hvd.rank()} size={hvd.size()}", flush=True)
+        if engine.current() is not engines[-1]:
+            engines.append(engine.current())
+        print(f"ELASTIC_RESET rank={hvd.rank()} size={hvd.size()} "
+              f"session={session(engines[-1])}", flush=True)
 
     state.register_reset_callbacks([on_reset])
 
@@ -131,6 +141,10 @@ def run(mode, depth, out):
     if mode != "scale":                  # a scale-up resets the workers Horovod already had
         resets = 0 if mode == "clean" else 1
         assert _resets == resets, f"{mode}: expected {resets} reset(s), saw {_resets}"
+    # Each engine a reset starts posts under a session of its own: the last one's posts
+    # (an error, "ended") are no news to it.
+    boards = [session(e) for e in engines if session(e) is not None]
+    assert len(set(boards)) == len(boards), f"{mode}: board sessions {boards}"
     if hvd.rank() == 0:
         torch.save({"model": model.state_dict(), "seen": state.seen}, out)
 
