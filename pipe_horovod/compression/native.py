@@ -117,8 +117,11 @@ def build(output, cc=None):
     fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=output.parent)
     os.close(fd)
     try:
+        # Seconds on an idle machine; the limit is for a compiler that hangs, not for a
+        # loaded one (ranks compiling at once beside other work have run past 120 s on a
+        # loaded 2-core machine).
         done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=600)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cc)} failed: {done.stderr.strip()[:500]}")
         os.chmod(tmp, 0o755)                  # mkstemp's 0600 would hide it from other users
