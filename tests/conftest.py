@@ -19,35 +19,16 @@ if importlib.util.find_spec("triton") is not None:
 # launch is waiting (a stall's seconds, a rendezvous, an emulated link), so two files at a
 # time use the 2-core machine that one leaves half idle. A file's tests stay on one worker
 # (its module fixtures run once), and so do the files that read one shared launch
-# (launcher.run_once caches it per process: split, they would each start it).
-SHARED_LAUNCHES = [
-    # shared_launches.OPTIMIZER / RESUMED
-    {"test_optimizer", "test_engine", "test_hardening_engine", "test_plan_from_run",
-     "test_staleness"},
-    # shared_launches.collectives_case
-    {"test_collectives", "test_quantized_allreduce", "test_horovod_api"},
-    # shared_launches.hardening_case
-    {"test_hardening_optimizer", "test_misuse_optimizer"},
-    # shared_launches.digits_comparison
-    {"test_image", "test_examples_keras"},
-    # keras_launches.fit_launch
-    {"test_keras", "test_memory", "test_tensorflow"},
-]
-
-
-def worker_share(nodeid):
-    """What must run on one worker: a test's file, or the files that share its launches."""
-    module = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
-    return next((min(files) for files in SHARED_LAUNCHES if module in files), module)
-
-
+# (shared_launches.SHARING: launcher.run_once caches a launch per process).
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     # xdist's own --dist loadgroup reads a group its hook writes into the node id, which
     # pytest 9 no longer lets a plugin change; a scheduler by scope does the same here.
     from xdist.scheduler import LoadScopeScheduling
 
+    import shared_launches
+
     class ByWorkerShare(LoadScopeScheduling):
         def _split_scope(self, nodeid):
-            return worker_share(nodeid)
+            return shared_launches.worker_share(nodeid)
     return ByWorkerShare(config, log)

@@ -8,6 +8,23 @@ import sys
 
 import launcher
 
+# The files that read one launch (below, and keras_launches.fit_launch): under pytest-xdist
+# they run on one worker (conftest.py), which then starts the launch once.
+SHARING = [
+    {"test_optimizer", "test_engine", "test_hardening_engine", "test_plan_from_run",
+     "test_staleness"},                                             # OPTIMIZER, RESUMED
+    {"test_collectives", "test_quantized_allreduce", "test_horovod_api"},  # collectives_case
+    {"test_hardening_optimizer", "test_misuse_optimizer"},          # hardening_case
+    {"test_image", "test_examples_keras"},                          # digits_comparison
+    {"test_keras", "test_memory", "test_tensorflow"},               # keras_launches
+]
+
+
+def worker_share(nodeid):
+    """What must run on one worker: a test's file, or the files that share its launches."""
+    module = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return next((min(files) for files in SHARING if module in files), module)
+
 
 # --- tests/workers/optimizer_worker.py: test_optimizer.py and test_engine.py ----------------
 # Beside the optimizer's own cases (oracle, features, param-group, process-set: last of
