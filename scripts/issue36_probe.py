@@ -27,12 +27,13 @@ import torch
 import torch.nn.functional as F
 
 import pipe_horovod.torch as phvd
+from pipe_horovod.compression import two_stage
 from pipe_horovod.torch import lookahead
 from pipe_horovod.tools.bench import convergence_lm as lm
 
 ESTIMATES = ("own", "oracle", "oracle-qk", "oracle-noqk", "landed", "mean", "half-mean",
              "half-landed", "half-own", "zero", "rho", "rho-ema", "spread-half",
-             "oracle-q")
+             "oracle-q", "pre-int4", "pre-int4-own")
 # Estimates of Adam's second-moment term only: the prediction's numerator uses this rank's
 # own gradient (as the default), the denominator b2 v + (1 - b2) X with X = the true
 # average squared ("v-oracle"), the last landed average squared ("v-landed"), or v itself
@@ -59,7 +60,7 @@ class Probe:
     def __init__(self, model, estimate, d):
         self.name_of = {p: n for n, p in model.named_parameters()}
         self.estimate, self.d = estimate, d
-        self.avg, self.landed, self.prev_avg = {}, {}, {}
+        self.avg, self.landed, self.prev_avg, self.qavg, self.qown = {}, {}, {}, {}, {}
         self.log = []
         self.step = 0
         # "rho": per tensor, |avg|^2 / |own|^2 of the previous step (its averaged gradient
@@ -82,8 +83,12 @@ class Probe:
         but q and k), "landed" (the average applied at this step, clipped), "mean" (Adam's
         bias-corrected first moment m_hat), the halves of own with those, "half-own",
         "zero", "rho" / "rho-ema" (own x min(1, |avg|^2/|own|^2) measured on the previous
-        step / running means: what a rank can measure for free) and "spread-half" (the
-        ranks' points half as far from the true one, about it)."""
+        step / running means: what a rank can measure for free), "spread-half" (the
+        ranks' points half as far from the true one, about it) and "pre-int4" (the average
+        of the ranks' gradients quantized as int4_ef's wire, what a blocking int4 exchange
+        before the next forward would give every rank: direction (c)) and "pre-int4-own"
+        (the same with this rank's own part exact: own - int4(own) + that average, centred
+        on the true average over the ranks)."""
         avg, landed = self.avg[p], self.landed.get(p, torch.zeros_like(own))
         qk = self.name_of[p].endswith(("qkv.weight", "qkv.bias"))
         own2, avg2 = self.prev.get(p, (1.0, 1.0))
@@ -96,7 +101,8 @@ class Probe:
                 "rho": own * rho, "rho-ema": own * rho_ema,
                 "oracle-qk": self._rows(own, avg, qk), "oracle-noqk": self._rows(avg, own, qk),
                 "oracle-q": self._rows(own, avg, qk, rows=self.d),
-                "spread-half": avg + (own - avg) / 2}
+                "spread-half": avg + (own - avg) / 2, "pre-int4": self.qavg.get(p, own),
+                "pre-int4-own": own - self.qown.get(p, own) + self.qavg.get(p, own)}
 
     def _rows(self, base, qk_value, qk, rows=None):
         """base with the q and k rows (or the first `rows`) of an attention kernel taken
@@ -175,11 +181,15 @@ class Probe:
         """The true average of this step's local gradients (the probe's extra allreduce)."""
         params = [p for p in model.parameters()]
         self.prev_avg = self.avg
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        flat = phvd.allreduce(flat, op=phvd.Average, name="probe.avg")
-        self.avg, start = {}, 0
+        local = torch.cat([p.grad.reshape(-1) for p in params])
+        flat = phvd.allreduce(local, op=phvd.Average, name="probe.avg")
+        _, quantized = two_stage.quantize(local.clone(), two_stage.WireFormat("int4"))
+        qflat = phvd.allreduce(quantized, op=phvd.Average, name="probe.qavg")
+        self.avg, self.qavg, self.qown, start = {}, {}, {}, 0
         for p in params:
+            self.qown[p] = quantized[start:start + p.numel()].view_as(p).clone()
             self.avg[p] = flat[start:start + p.numel()].view_as(p).clone()
+            self.qavg[p] = qflat[start:start + p.numel()].view_as(p).clone()
             start += p.numel()
 
     def after_clip(self, model):
