@@ -84,7 +84,7 @@ class Probe:
         bias-corrected first moment m_hat), the halves of own with those, "half-own",
         "zero", "rho" / "rho-ema" (own x min(1, |avg|^2/|own|^2) measured on the previous
         step / running means: what a rank can measure for free), "spread-half" (the
-        ranks' points half as far from the true one, about it) and "pre-int4" (the average
+        ranks' points half as far from the true one, about it), "pre-int4" (the average
         of the ranks' gradients quantized as int4_ef's wire, what a blocking int4 exchange
         before the next forward would give every rank: direction (c)) and "pre-int4-own"
         (the same with this rank's own part exact: own - int4(own) + that average, centred
