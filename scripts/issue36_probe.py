@@ -183,7 +183,7 @@ class Probe:
         self.prev_avg = self.avg
         local = torch.cat([p.grad.reshape(-1) for p in params])
         flat = phvd.allreduce(local, op=phvd.Average, name="probe.avg")
-        _, quantized = two_stage.quantize(local.clone(), two_stage.WireFormat("int4"))
+        _, quantized = two_stage.quantize(local, two_stage.WireFormat("int4"))
         qflat = phvd.allreduce(quantized, op=phvd.Average, name="probe.qavg")
         self.avg, self.qavg, self.qown, start = {}, {}, {}, 0
         for p in params:

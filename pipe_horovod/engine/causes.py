@@ -83,8 +83,8 @@ def _hint(stall, others, ranks):
     """The uneven-data advice where `ranks` began other steps than this rank, else the
     advice to call the same collectives."""
     mine = _begun(stall.engine.step, stall.engine.stepping)
-    begun = [_begun((others.get(r) or {}).get("step"), (others.get(r) or {}).get("stepping"))
-             for r in ranks]
+    posts = [others.get(r) or {} for r in ranks]
+    begun = [_begun(post.get("step"), post.get("stepping")) for post in posts]
     if mine is not None and any(s is not None and s != mine for s in begun):
         return JOIN_HINT
     return ORDER_HINT
