@@ -157,6 +157,41 @@ def test_a_rank_that_ended_because_a_peer_died_passes_the_death_on():
     assert str(error).endswith(causes.ORDER_HINT), error
 
 
+def test_a_peer_that_closed_its_sockets_after_it_ended_is_named_while_it_still_runs():
+    """Rank 1 posted its end, then let go of the library: rank 0's collective fails on a
+    closed connection while rank 1's process still runs (a loaded machine takes seconds to
+    end one; CI saw "Connection closed by peer" raised bare). The post names the cause, at
+    once, without the search for dead ranks. A timeout does not read ends: its own message
+    says what it waited for."""
+    from pipe_horovod.engine.local import LocalEngine
+    from pipe_horovod.engine.stall import Call
+
+    class Board:
+        def read(self, ranks, key=None):
+            return {r: {"state": "ended", "step": 3, "stepping": False} for r in ranks}
+
+        def raised(self, ranks):
+            return {r: [] for r in ranks}
+
+    class Rank0(LocalEngine):
+        def size(self):
+            return 2
+
+    engine = Rank0()
+    engine._board, engine.step, engine.stepping = Board(), 3, True
+    engine._peers = [(socket.gethostname(), os.getpid())] * 2     # rank 1 runs
+    start = time.monotonic()
+    error = engine._diagnose(RuntimeError("Connection closed by peer [127.0.0.1]:1"),
+                             Call("allreduce", "g"))
+    assert time.monotonic() - start < faults._LOOK_S / 2
+    assert type(error).__name__ == "StepMismatchError", error
+    assert str(error).startswith("rank 1 ended while rank 0 waits in allreduce 'g', which it "
+                                 "never started: ") and "hvd.join()" in str(error), error
+    timeout = faults.WaitTimeoutError("waited 600 s")
+    error = engine._diagnose(timeout, Call("allreduce", "g"))
+    assert isinstance(error, faults.WaitTimeoutError) and "every other rank" in str(error), error
+
+
 def test_a_cause_another_rank_concluded_is_raised_only_by_the_waits_it_names():
     """Rank 1 concluded a deadlock of the waits 'o.loss' and 'o.acc' and posted it (CI saw
     rank 0 raise it again two cases later, once rank 1 had ended): a wait on another name

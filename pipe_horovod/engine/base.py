@@ -815,15 +815,15 @@ class Engine:
         if refused is not None:          # ranks disagreed (Horovod's check): nobody is lost
             return refused
         self._failed = True
-        stopped = self._who_ended(exc, call, "has been shut down" in str(exc))
+        # A rank that ends posts so before it lets go of the library, so its post is on the
+        # board by the time its sockets close, whether or not its process is gone yet (on a
+        # loaded machine it may take longer than the search for lost ranks below).
+        stopped = self._who_ended(exc, call, not isinstance(exc, WaitTimeoutError))
         if stopped is not None:
             return stopped
         if self._peers is None:
             return exc
         gone = lost_ranks(self._peers, self.rank())
-        stopped = self._who_ended(exc, call, bool(gone) and not isinstance(exc, WaitTimeoutError))
-        if stopped is not None:          # gone, but it had ended normally first
-            return stopped
         if isinstance(exc, WaitTimeoutError):
             return WaitTimeoutError(f"{exc}; {describe_lost(self._peers, self.rank(), gone)}")
         if not gone:
