@@ -32,7 +32,7 @@ def average(grads, size):
 
 def reference(model, optimizer, loss_fn, data, size, steps, pipeline_depth, warmup_steps,
               scheduler=None, skip=(), compensation=None, edit_grads=None, edit_weights=None,
-              reduce=None):
+              reduce=None, predict_from=None):
     """Train `model` in place as the pipelined optimizer should, then flush.
 
     data(rank, step) -> list of (x, y) micro-batches. Gradients whose step is
@@ -43,6 +43,8 @@ def reference(model, optimizer, loss_fn, data, size, steps, pipeline_depth, warm
     would see the averaged gradient about to be applied (pipeline_depth=1: a
     clip); `edit_weights(params)` after each step (a WGAN clamp), on the real
     weights, before any rank's next point is computed from them.
+    `predict_from(t, per_rank)`: what each rank's lookahead predicts from in place of
+    its own gradients of step t (a list per rank), as `reduce` stands for the average.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     fifo = []                      # (step, averaged gradient, per-rank gradients, weights then)
@@ -108,7 +110,8 @@ def reference(model, optimizer, loss_fn, data, size, steps, pipeline_depth, warm
         fifo_weights[t] = real
         averaged = (reduce(t, per_rank) if reduce is not None
                     else [average(gs, size) for gs in zip(*per_rank)])
-        fifo.append((t, averaged, per_rank))
+        fifo.append((t, averaged, per_rank if predict_from is None
+                     else predict_from(t, per_rank)))
         need = 1 if t < warmup_steps else pipeline_depth
         before = real
         stepped = True

@@ -1,5 +1,6 @@
 """Staleness compensation (pipeline/staleness.py): oracle math on real ranks, bad input."""
 import inspect
+import re
 
 import pytest
 import torch
@@ -171,6 +172,21 @@ def test_unknown_option_is_named(local, value, error, text):
     with pytest.raises(error, match=text):
         phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                   staleness_compensation=value)
+
+
+@pytest.mark.parametrize("value, compensation, error, text", [
+    ("int2", "lookahead", ValueError, "prediction_exchange must be None or one of int4, int8; "
+                                      "got 'int2'"),
+    (4, "lookahead", TypeError, "prediction_exchange must be None or a string, got int"),
+    ("int4", None, ValueError, "it needs staleness_compensation='lookahead', got None"),
+    ("int4", "dc", ValueError, "it needs staleness_compensation='lookahead', got 'dc'"),
+])
+def test_a_bad_prediction_exchange_is_named(local, value, compensation, error, text):
+    model = _model()
+    with pytest.raises(error, match=re.escape(text)):
+        phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  staleness_compensation=compensation,
+                                  prediction_exchange=value)
 
 
 @pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1),

@@ -28,8 +28,8 @@ from ..collectives import Collective, check_collective
 from ..collectives.communicator import communicator
 from ..compression import Compression, config_name
 from ..pipeline.buckets import AutoBucketCap, resolve_bucket_cap_mb
-from ..pipeline import (announce_depth, check_options, check_reduction, check_staleness,
-                        compare_across_ranks, opens_group, report_unapplied, resolve_depth,
+from ..pipeline import (announce_depth, check_options, check_prediction_exchange,
+                        check_reduction, check_staleness, compare_across_ranks, opens_group, report_unapplied, resolve_depth,
                         staleness)
 from .keras2_gradients import _Keras2Gradients
 from .naming import momentum_attribute, next_prefix
@@ -114,7 +114,8 @@ class _PipelinedKeras(_Keras2Gradients):
         if ps is None or ps.included():
             compare_across_ranks(lambda obj: engine.current().allgather_object(
                 obj, process_set=ps), description)
-        if opens_group(options["collective"], options["compression"]):
+        if opens_group(options["collective"], options["compression"],
+                       options["prediction_exchange"]):
             communicator(engine.current())
 
     def _base_apply(self, grads, variables):
@@ -478,7 +479,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          num_groups=0, groups=None, process_set=None,
                          scale_local_gradients=True, *, pipeline_depth=None, warmup_steps=0,
                          bucket_cap_mb=None, staleness_compensation=staleness.DEFAULT,
-                         collective=None, flush_in_fit=True):
+                         collective=None, flush_in_fit=True, prediction_exchange=None):
     """Wrap a Keras 3 optimizer so its gradients are averaged across ranks, pipelined.
 
     The arguments up to `scale_local_gradients` are horovod.tensorflow.keras's,
@@ -515,6 +516,12 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     None: plain Pipe-SGD. On the torch backend also "predict", "dc" and
     "momentum" (the latter reduces the optimizer's `momentum` or `beta_1`);
     on TensorFlow only None and "lookahead".
+    prediction_exchange: None (default) or "int4" / "int8": "lookahead"
+    predicts from the ranks' average of the step in flight, exchanged in that
+    format as backward produces it (1/8 or 1/4 of the gradient's bytes), in
+    place of this rank's own gradients: every rank then predicts the same
+    weights. The step waits for that exchange, and its full reductions start
+    after it. As in the PyTorch adapter (docs/convergence.md, issue 36).
     collective: None (the engine's own allreduce) or "lp", "ring", "mst", "be"
     (a pipe_horovod.collectives.Collective): reduce the buckets with
     pipe_horovod's collectives, where `compression` works at every hop, so
@@ -555,6 +562,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     collective = check_collective(collective, compression)
     check_reduction(op, gradient_predivide_factor)
     compensation = check_staleness(staleness_compensation)
+    exchange = check_prediction_exchange(prediction_exchange, compensation)
     supported = COMPENSATION[_backend()]
     if compensation is not None and compensation not in supported:
         raise ValueError(f"staleness_compensation={compensation!r} is not available on the "
@@ -587,7 +595,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         "compression": compression, "op": op,
         "gradient_predivide_factor": float(gradient_predivide_factor),
         "bucket_cap_mb": bucket_cap_mb, "groups": groups or None, "process_set": process_set,
-        "staleness_compensation": compensation, "collective": collective,
+        "staleness_compensation": compensation, "prediction_exchange": exchange,
+        "collective": collective,
         "backward_passes_per_step": backward_passes_per_step,
         "average_aggregated_gradients": bool(average_aggregated_gradients),
         "sparse_as_dense": bool(sparse_as_dense),

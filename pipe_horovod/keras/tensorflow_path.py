@@ -29,6 +29,9 @@ the real weights back before the real update. This step's own gradients are
 still in the graph; older ones (K >= 3) come back from the Python side,
 which keeps them with their step. Local variables (register_local_var) are
 not reduced and not predicted: their gradient travels with its step.
+With prediction_exchange the prediction takes the ranks' exchanged average
+(StepMachine.estimates) in place of this rank's own gradients: the last
+hand-off returns it beside the average that pops.
 """
 import contextlib
 import functools
@@ -66,7 +69,8 @@ class TensorFlowPath:
             compression=options["compression"], op=options["op"],
             predivide=options["gradient_predivide_factor"], process_set=options["process_set"],
             cap_bytes=bucket_cap_bytes(options["bucket_cap_mb"]), groups=options["groups"],
-            collective=options["collective"])
+            collective=options["collective"],
+            exchange=options["prediction_exchange"] if options["pipeline_depth"] > 1 else None)
         self.local_scale = 1.0 / self.machine.size if options["scale_local_gradients"] else 1.0
         self.kinds = {name: (getattr(torch, _dtype(v).name), device)
                       for name, v, device in zip(self.names, variables, devices)}
@@ -81,6 +85,7 @@ class TensorFlowPath:
         # "lookahead": how many in-flight steps older than this one a prediction may use,
         # and (when there are some and ranks differ) this step's own gradients, kept.
         self.older = depth - 2 if self.lookahead else 0
+        self.exchanging = self.lookahead and self.machine.exchange is not None
         self._local = {}
         # Alone, the prediction is exactly the next update (K=1's numbers, as the PyTorch
         # adapter does): the FIFO runs at depth 1, with no copy and no extra update,
@@ -115,7 +120,9 @@ class TensorFlowPath:
                                      tf.int64, "pipe_horovod_local")
         types = [tf.as_dtype(v.dtype) for v in variables]
         out = self.transfer.op(keeping_failures(self._finish), [token],
-                               types + [tf.bool] + types * self.older + [tf.int64] * self.lookahead,
+                               types + [tf.bool] + types * self.older
+                               + (types + [tf.bool]) * self.exchanging
+                               + [tf.int64] * self.lookahead,
                                "pipe_horovod_finish")
         n = len(variables)
 
@@ -123,12 +130,19 @@ class TensorFlowPath:
             return [tf.ensure_shape(g, v.shape) for g, v in zip(tensors, variables)]
         averaged, popped = shaped(out[:n]), tf.ensure_shape(out[n], ())
         older = [shaped(out[n + 1 + j * n:n + 1 + (j + 1) * n]) for j in range(self.older)]
+        current = grads
+        if self.exchanging:                      # the ranks' average where one was exchanged
+            at = n + 1 + self.older * n
+            exchanged = [g if name in self.local else e for g, e, name in
+                         zip(grads, shaped(out[at:at + n]), self.names)]
+            current = tf.cond(tf.ensure_shape(out[at + n], ()), lambda: exchanged,
+                              lambda: grads)
         self.put_real_back()                     # after backward, before the real update
 
         applied = tf.cond(popped, lambda: self._step(averaged), lambda: tf.constant(False))
         if self.lookahead:
             ahead = tf.ensure_shape(out[-1], ())
-            tf.cond(ahead > 0, lambda: self._look_ahead(older, grads, ahead),
+            tf.cond(ahead > 0, lambda: self._look_ahead(older, current, ahead),
                     lambda: tf.constant(False))
         return applied
 
@@ -203,11 +217,16 @@ class TensorFlowPath:
 
     def _finish(self, token):
         machine = self.machine
+        estimates = {}
         if machine.solo:                         # TF reuses its buffers after the hand-off
             entry = StepGradient(loaded={**{n: a.clone() for n, a in self._arrays.items()},
                                          **self._unreduced})
         else:
             machine.launch_rest(self._fill)
+            estimates = machine.estimates()
+            for name, average in estimates.items():     # older steps predict from it too
+                if name in self._local:
+                    self._local[name].copy_(average.view(self._local[name].shape))
             entry = StepGradient(machine.launched, loaded=self._unreduced or None,
                                  kept={"local": self._local} if self.older else None)
         self._arrays, self._local, self._unreduced = {}, {}, {}
@@ -231,6 +250,11 @@ class TensorFlowPath:
             older = [e.kept.get("local") or e.gradients() for e in ahead[:-1]]
             for j in range(self.older):
                 out += self._to_tf(older[j]) if j < len(older) else self._zeros_tf()
+            if self.exchanging:
+                # (local variables are not exchanged: the graph keeps their own gradient)
+                out += [self.transfer.to_tf(estimates[n].reshape(self.shapes[n]))
+                        if n in estimates else self._zero(n) for n in self.names]
+                out.append(self.transfer.flag(bool(estimates)))
             out.append(self.transfer.count(len(ahead)))
         return tuple(out)
 
@@ -241,9 +265,11 @@ class TensorFlowPath:
         # Made per call, not kept: only the steps that fill the pipeline (and, at depth
         # K >= 3, its older slots until it is full) need them, and kept they were a
         # copy of the model alive for the whole run.
-        return [self.transfer.to_tf(torch.zeros(self.shapes[n], dtype=self.kinds[n][0],
-                                                device=self.kinds[n][1]))
-                for n in self.names]
+        return [self._zero(n) for n in self.names]
+
+    def _zero(self, name):
+        return self.transfer.to_tf(torch.zeros(self.shapes[name], dtype=self.kinds[name][0],
+                                               device=self.kinds[name][1]))
 
     # --- outside the step ---------------------------------------------------------
     def flush(self):

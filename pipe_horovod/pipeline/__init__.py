@@ -8,9 +8,10 @@ from .buckets import Bucket, plan_buckets
 from .option_checks import check_options, check_reduction, compare_across_ranks
 from .depth import DEPTH_VARIABLE, announce_depth, report_unapplied, resolve_depth
 from .fifo import GradientFifo
-from .staleness import check_staleness
+from .staleness import check_prediction_exchange, check_staleness
 from .step_machine import BucketReduction, StepGradient, StepMachine, opens_group
 
 __all__ = ["Bucket", "plan_buckets", "check_options", "check_reduction", "compare_across_ranks",
            "DEPTH_VARIABLE", "announce_depth", "report_unapplied", "resolve_depth", "GradientFifo",
-           "BucketReduction", "StepGradient", "StepMachine", "check_staleness", "opens_group"]
+           "BucketReduction", "StepGradient", "StepMachine", "check_prediction_exchange", "check_staleness",
+           "opens_group"]

@@ -33,6 +33,12 @@ so adapters of any framework use these functions unchanged.
 """
 
 OPTIONS = ("lookahead", "predict", "dc", "momentum")
+# What "lookahead" may predict from instead of this rank's own gradient: the ranks' average
+# of the step in flight, exchanged quantized in this wire format as backward produces it
+# and waited for at step() (the step machine's `exchange`). Every rank then predicts the
+# same point, centred on sync's next weights; the own gradient's spread about the average
+# is what costs the default its lag on some models (docs/convergence.md, issue 36).
+EXCHANGES = ("int4", "int8")
 # What a user gets without choosing: the only option that kept up with synchronous
 # training on all three tasks of docs/convergence.md (plain K=2 lost 1.5-8 points).
 DEFAULT = "lookahead"
@@ -50,6 +56,22 @@ def check_staleness(option):
                         f"{type(option).__name__}")
     raise ValueError(f"staleness_compensation must be None or one of {', '.join(OPTIONS)}; "
                      f"got {option!r}")
+
+
+def check_prediction_exchange(exchange, compensation):
+    """None or one of EXCHANGES, where `compensation` is "lookahead" (what it feeds)."""
+    if exchange is None:
+        return None
+    if not isinstance(exchange, str):
+        raise TypeError(f"prediction_exchange must be None or a string, got "
+                        f"{type(exchange).__name__}")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"prediction_exchange must be None or one of {', '.join(EXCHANGES)}; "
+                         f"got {exchange!r}")
+    if compensation != "lookahead":
+        raise ValueError(f"prediction_exchange={exchange!r} feeds the lookahead prediction: it "
+                         f"needs staleness_compensation='lookahead', got {compensation!r}")
+    return exchange
 
 
 def implicit_momentum(delay):

@@ -11,6 +11,13 @@ Per step an adapter calls `ready(name, fill)` as each gradient is final
 (from any thread), `finish_step(scale)` at step(), and applies what that
 returns; `drain()` hands back the rest (flush). `fill(bucket, flat)`
 writes the bucket's gradients into the flat buffer the machine owns.
+
+With `exchange` (a WireFormat: the lookahead's `prediction_exchange`), each
+bucket of a step that will be in flight first goes out quantized, on the
+two-stage path, for the prediction (`estimates()`); the buckets' own
+reductions start only at `launch_rest()`, after every exchange, so that no
+exchange waits behind a full-size reduction on the same link: they then
+overlap the next step's compute alone (at K=2, the step Pipe-SGD gives them).
 """
 import functools
 import threading
@@ -94,7 +101,7 @@ class StepGradient:
 class StepMachine:
     def __init__(self, prefix, pipeline_depth, warmup_steps, *, compression=Compression.none,
                  op=engine.Average, predivide=1.0, process_set=None, cap_bytes=25 * 2**20,
-                 groups=None, collective=None):
+                 groups=None, collective=None, exchange=None):
         self.prefix = prefix                  # tensor names: the same on every rank
         self.fifo = GradientFifo(pipeline_depth, warmup_steps)
         self.compression = compression
@@ -113,6 +120,8 @@ class StepMachine:
             raise ValueError(f"compression {compression.name!r} reduces with Average or Sum "
                              f"only (it sums dequantized shards), got op={op}")
         self.feedback = ErrorFeedback() if getattr(compression, "error_feedback", False) else None
+        # None, or the prediction's wire format (staleness.EXCHANGES)
+        self.exchange = None if exchange is None else two_stage.WireFormat(exchange)
         # Autograd runs CPU and CUDA leaves (or several GPUs') on different
         # threads: claiming and launching the next bucket must be atomic.
         self._lock = threading.Lock()
@@ -186,7 +195,13 @@ class StepMachine:
     # --- a step -----------------------------------------------------------
     def begin_step(self):
         self._waiting = [len(b.names) for b in self.buckets]
+        self._started = 0                     # buckets filled (and exchanged) so far
         self.launched = []                    # BucketReduction per bucket, in bucket order
+        self._deferred = []                   # (bucket, flat) to reduce after the exchanges
+        self._exchanges = []                  # (bucket, handle) of this step's exchanges
+        # The prediction needs this step's exchange only where the step stays in flight.
+        self._exchanging = (self.exchange is not None and not self.solo
+                            and self.fifo.threshold(self.fifo.steps) > 1)
 
     def ready(self, name, fill):
         """`name`'s gradient is final for this step: launch every bucket now complete.
@@ -199,20 +214,54 @@ class StepMachine:
             return
         with self._lock:
             self._waiting[bucket.index] -= 1
-            while (not self.solo and len(self.launched) < len(self.buckets)
-                   and self._waiting[len(self.launched)] == 0):
-                self._launch(self.buckets[len(self.launched)], fill)
+            while (not self.solo and self._started < len(self.buckets)
+                   and self._waiting[self._started] == 0):
+                self._launch(self.buckets[self._started], fill)
 
     def launch_rest(self, fill):
-        """Send every bucket backward did not complete (unused parameters send zeros)."""
+        """Send every bucket backward did not complete (unused parameters send zeros), then
+        the reductions held back behind the exchanges."""
         with self._lock:
-            while not self.solo and len(self.launched) < len(self.buckets):
-                self._launch(self.buckets[len(self.launched)], fill)
+            while not self.solo and self._started < len(self.buckets):
+                self._launch(self.buckets[self._started], fill)
+            for bucket, flat in self._deferred:
+                self._reduce(bucket, flat)
+            self._deferred = []
 
     def _launch(self, bucket, fill):
         self.engine.stepping = True     # this rank began a step a rank that ended never did
+        self._started += 1
         flat = self.buffer(bucket)
         fill(bucket, flat)
+        if not self._exchanging:
+            self._reduce(bucket, flat)
+            return
+        # A copy for this step only: once the adapter has what the prediction reads, no
+        # buffer of it outlives the step (the memory between steps stays the default's).
+        estimate = flat.clone()
+        handle = quantized.allreduce_async(
+            estimate, f"{self.prefix}.{bucket.index}.{bucket.numel}.x", self.op,
+            fmt=self.exchange, process_set=self.process_set, prescale_factor=1.0 / self.predivide,
+            postscale_factor=self.predivide, transport=quantized.bucket_transport(estimate))
+        self._exchanges.append((bucket, handle))
+        self._deferred.append((bucket, flat))
+
+    def estimates(self):
+        """{name: flat view of the exchanged average} of this step's gradients (waits);
+        empty where the step exchanged nothing. Call before finish_step."""
+        out = {}
+        for bucket, handle in self._exchanges:
+            try:
+                flat = engine.wait(handle)
+            except engine.WaitError as exc:
+                raise type(exc)(f"waiting for the prediction's exchange of step "
+                                f"{self.fifo.steps}, bucket {bucket.index}: {exc}") from exc
+            out.update((name, flat[start:start + numel])
+                       for name, start, numel in bucket.offsets())
+        self._exchanges = []
+        return out
+
+    def _reduce(self, bucket, flat):
         # A name stands for one size: Horovod caches responses by name, and a
         # re-planned bucket reusing a name trips its cache on joined ranks.
         name = f"{self.prefix}.{bucket.index}.{bucket.numel}.{self.slot}"
@@ -322,11 +371,13 @@ class StepMachine:
         self.begin_step()
 
 
-def opens_group(collective, compression):
+def opens_group(collective, compression, exchange=None):
     """Whether the buckets may send on pipe_horovod's own gloo group (per hop, or a
-    codec's two stages point to point), which every rank must open at one point: the
-    adapters open it where they wrap (the first reduction would open it otherwise)."""
-    return collective is not None or wire_format(compression) is not None
+    codec's two stages point to point, the prediction's exchange included), which every
+    rank must open at one point: the adapters open it where they wrap (the first
+    reduction would open it otherwise)."""
+    return (collective is not None or wire_format(compression) is not None
+            or exchange is not None)
 
 
 def _codec_name(compression):

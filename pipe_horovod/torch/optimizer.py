@@ -40,7 +40,8 @@ from ..compression import Compression
 from ..compression import describe as describe_compression
 from ..pipeline.buckets import BucketCapBytes, bucket_cap_bytes, resolve_bucket_cap_mb
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
-                        check_reduction, check_staleness, compare_across_ranks,
+                        check_prediction_exchange, check_reduction, check_staleness,
+                        compare_across_ranks,
                         opens_group, report_unapplied, resolve_depth, staleness)
 from . import edits, lookahead
 from .checkpoint import _PipelineCheckpoint
@@ -66,13 +67,13 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
     def _setup_pipeline(self, name_of, compression, backward_passes_per_step, op,
                         pipeline_depth, warmup_steps, bucket_cap_mb, grad_scaler,
                         predivide, groups, sparse_as_dense, process_set, compensation,
-                        collective=None):
+                        collective=None, exchange=None):
         self._number = next(_instances)          # creation order: the same on every rank
         self._machine = StepMachine(f"pipe{self._number}", pipeline_depth, warmup_steps,
                                     compression=compression, op=op, predivide=predivide,
                                     process_set=process_set,
                                     cap_bytes=bucket_cap_bytes(bucket_cap_mb),
-                                    groups=groups, collective=collective)
+                                    groups=groups, collective=collective, exchange=exchange)
         self._process_set = process_set          # None: every rank
         self._passes_per_step = backward_passes_per_step
         self._op = op
@@ -251,6 +252,7 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
                 raise machine.engine.refuse(
                     edits.edited_after_backward(self._name_of[edited], self._pipeline_depth))
             kept = self._keep()
+            self._take_exchanged(kept)
             agreed = self._agree()
             entry = StepGradient(machine.launched + self._launch_sparse(), scale=scale,
                                  kept=kept)
@@ -668,7 +670,8 @@ def DistributedOptimizer(
         pipeline_depth: Optional[int] = None, warmup_steps: int = 0,
         bucket_cap_mb: Optional[float] = None, grad_scaler: Any = None,
         collective: Any = None,
-        staleness_compensation: Optional[str] = staleness.DEFAULT) -> torch.optim.Optimizer:
+        staleness_compensation: Optional[str] = staleness.DEFAULT,
+        prediction_exchange: Optional[str] = None) -> torch.optim.Optimizer:
     """Wrap `optimizer` so its gradients are averaged across ranks, pipelined.
 
     Why pipelined: the reduction of step t's gradient runs while step t+1
@@ -712,6 +715,12 @@ def DistributedOptimizer(
             or None (plain Pipe-SGD): how a gradient K-1 steps old is made to act
             like a fresh one (pipe_horovod/pipeline/staleness.py;
             docs/convergence.md measures them). No effect at K=1.
+        prediction_exchange: None (default) or "int4" / "int8": the lookahead
+            predicts from the ranks' average of the step in flight, exchanged in
+            that format as backward produces it (1/8 or 1/4 of the gradient's
+            bytes), instead of this rank's own gradient; step() waits for it, and
+            the step's full reductions start after it. For models whose default
+            lags synchronous training (docs/convergence.md, issue 36).
 
     Returns:
         The optimizer to use in place of `optimizer`: an instance of a pipelined
@@ -730,7 +739,8 @@ def DistributedOptimizer(
                  gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
                  pipeline_depth=pipeline_depth, warmup_steps=warmup_steps,
                  bucket_cap_mb=bucket_cap_mb, grad_scaler=grad_scaler, collective=collective,
-                 staleness_compensation=staleness_compensation)
+                 staleness_compensation=staleness_compensation,
+                 prediction_exchange=prediction_exchange)
 
 
 def wrap_for_adapter(optimizer, named_parameters, *, join_ranks, **options):
@@ -771,7 +781,8 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
           backward_passes_per_step=1, op=engine.Average, gradient_predivide_factor=1.0,
           num_groups=0, groups=None, sparse_as_dense=False, process_set=None, *,
           pipeline_depth=None, warmup_steps=0, bucket_cap_mb=None, grad_scaler=None,
-          collective=None, staleness_compensation=staleness.DEFAULT, join_ranks=None):
+          collective=None, staleness_compensation=staleness.DEFAULT, prediction_exchange=None,
+          join_ranks=None):
     """DistributedOptimizer's work; `join_ranks`: see wrap_for_adapter. Warnings
     given here name the caller of DistributedOptimizer or wrap_for_adapter (one frame
     above this one: stacklevel counts it)."""
@@ -787,6 +798,7 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
     collective = check_collective(collective, compression)
     check_reduction(op, gradient_predivide_factor)
     compensation = check_staleness(staleness_compensation)
+    exchange = check_prediction_exchange(prediction_exchange, compensation)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise TypeError(
             "LBFGS evaluates its closure (forward and backward) several times inside one "
@@ -819,7 +831,7 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
                "op": op.value, "bucket_cap_mb": bucket_cap_mb,
                "gradient_predivide_factor": float(gradient_predivide_factor),
                "groups": bucket_groups, "staleness_compensation": compensation,
-               "collective": None if collective is None else collective.describe()}
+               "prediction_exchange": exchange, "collective": None if collective is None else collective.describe()}
     if process_set is not None and not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
     if process_set is global_process_set:
@@ -856,10 +868,11 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
     wrapped._setup_pipeline(name_of, compression, backward_passes_per_step, op, pipeline_depth,
                             warmup_steps, bucket_cap_mb, grad_scaler,
                             float(gradient_predivide_factor), bucket_groups,
-                            bool(sparse_as_dense), process_set, compensation, collective)
+                            bool(sparse_as_dense), process_set, compensation, collective,
+                            exchange)
     if join_ranks is not None:
         wrapped._join_ranks = join_ranks
-    elif opens_group(collective, compression):
+    elif opens_group(collective, compression, exchange):
         communicator(eng)            # collective: every rank is here, after the comparison
     return wrapped
 

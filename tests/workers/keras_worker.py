@@ -176,23 +176,26 @@ def count_traces():
 
 
 def check_case(kind, depth, warmup, compensation=None, eagerly=False, predivide=1.0,
-               collective=None, passes=1, average=False, local=()):
+               collective=None, passes=1, average=False, local=(), exchange=None):
     """fit STEPS steps against the reference, then flush against it again (flush_in_fit off:
     the pipeline's state after fit is what is checked).
 
     One process with nothing to send runs lookahead at depth 1 (its prediction is the
     next update); a predivide factor of 2 (exact) sends its gradients through the engine.
     passes: backward_passes_per_step (average: average_aggregated_gradients); local: the
-    indices of variables registered local."""
+    indices of variables registered local. exchange: prediction_exchange (each variable
+    a bucket of its own here, so the reference exchanges variable by variable)."""
     what = (f"{keras.backend.backend()} {kind} K={depth} W={warmup} {compensation}"
             f"{' eagerly' if eagerly else ''} predivide {predivide} collective {collective} "
-            f"passes {passes}{' averaged' if average else ''} local {list(local)}")
+            f"passes {passes}{' averaged' if average else ''} local {list(local)}"
+            f"{f' exchange {exchange}' if exchange else ''}")
     keras_opt, ref_opt = make(kind)
     opt = phvd.DistributedOptimizer(keras_opt, pipeline_depth=depth, warmup_steps=warmup,
                                     bucket_cap_mb=1e-5, staleness_compensation=compensation,
                                     gradient_predivide_factor=predivide, collective=collective,
                                     backward_passes_per_step=passes,
-                                    average_aggregated_gradients=average, flush_in_fit=False)
+                                    average_aggregated_gradients=average, flush_in_fit=False,
+                                    prediction_exchange=exchange)
     if phvd.size() == 1 and compensation == "lookahead" and predivide == 1.0:
         depth = 1
     model = build()
@@ -205,7 +208,8 @@ def check_case(kind, depth, warmup, compensation=None, eagerly=False, predivide=
     if keras.backend.backend() == "tensorflow" and not eagerly:
         assert TRACES.get(opt._path) == 1, f"{what}: traced {TRACES.get(opt._path)} times"
     options = {"steps": STEPS, "size": phvd.size(), "compensation": compensation,
-               "passes": passes, "average_passes": average, "local": local}
+               "passes": passes, "average_passes": average, "local": local,
+               "predict_from": exchanged(exchange)}
     expected = ref.reference(start, gradients, ref_opt, depth, warmup, flush=False, **options)
     assert int(opt.iterations.numpy()) == expected.iterations, what
     assert opt.in_flight == len(expected.fifo), what
@@ -217,6 +221,11 @@ def check_case(kind, depth, warmup, compensation=None, eagerly=False, predivide=
     mine = expected.rank_weights[phvd.rank()]
     at_last = mine if keras.backend.backend() == "torch" else expected.points[phvd.rank()]
     assert_close(last.result, at_last, what + " (last batch)", rtol)
+    if exchange and keras.backend.backend() == "tensorflow":
+        # Every rank predicts from the same exchanged average: the same point, bit for bit.
+        everyone = phvd.allgather_object(last.result)
+        assert all(np.array_equal(a, b) for theirs in everyone for a, b in
+                   zip(theirs, last.result)), f"{what}: the ranks predicted different points"
     assert_close(weights_of(model), mine, what, rtol)
     opt.flush()
     expected = ref.reference(start, gradients, make(kind)[1], depth, warmup, **options)
@@ -286,12 +295,32 @@ def check_staleness():
         check_case(kind, depth, warmup, option)
 
 
+def exchanged(exchange):
+    """keras_reference's predict_from for prediction_exchange=`exchange`: every rank gets
+    each variable's two-stage quantized average (quantized_worker's reference)."""
+    if exchange is None:
+        return None
+    import torch
+    from quantized_worker import reference_two_stage
+    from pipe_horovod.compression.two_stage import WireFormat
+
+    def predict_from(per_rank):
+        average = [reference_two_stage([torch.from_numpy(np.ascontiguousarray(gs[i])).reshape(-1)
+                                        for gs in per_rank], WireFormat(exchange))
+                   .numpy().reshape(per_rank[0][i].shape) for i in range(len(per_rank[0]))]
+        return [average] * len(per_rank)
+    return predict_from
+
+
 def check_settings():
     """A schedule, clipping and weight decay in the real update and in the prediction
     (issue 36): lookahead runs the whole of Keras's apply on this rank's own gradient, at
     the iteration count the update it predicts will have."""
     check_case("adamw-cosine-global", 2, 0, "lookahead")
     check_case("sgd-exponential-clipnorm", 3, 1, "lookahead")
+    # prediction_exchange: the prediction from the ranks' exchanged average.
+    check_case("adamw-cosine-global", 2, 0, "lookahead", exchange="int4")
+    check_case("sgd-exponential-clipnorm", 3, 1, "lookahead", exchange="int8")
 
 
 def check_aggregation():
@@ -621,6 +650,14 @@ def check_errors():
     expect_error(ValueError, "one of lookahead, predict, dc, momentum",
                  lambda: phvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
                                                    staleness_compensation="lookahed"))
+    expect_error(ValueError, "prediction_exchange='int4' feeds the lookahead prediction: it "
+                 "needs staleness_compensation='lookahead', got None",
+                 lambda: phvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                   staleness_compensation=None,
+                                                   prediction_exchange="int4"))
+    expect_error(ValueError, "prediction_exchange must be None or one of int4, int8",
+                 lambda: phvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                   prediction_exchange="fp16"))
     if backend == "torch":
         expect_error(ValueError, "has none (no nonzero `momentum` or `beta_1`)",
                      lambda: phvd.DistributedOptimizer(keras.optimizers.Adagrad(0.1),

@@ -344,6 +344,29 @@ def training_matches_oracle(p, steps=8):
                         failures.append(f"training {codec.name} K={depth} {compensation}: "
                                         f"{name} differs from the oracle by "
                                         f"{(a - b).abs().max():.3g}")
+    # prediction_exchange: every rank predicts from the two-stage average of the buckets
+    # (the same layout as the step's reductions), at K=2 and 3, beside a codec too.
+    for depth, codec, exchange in ((2, Compression.none, "int4"), (2, Compression.int8_ef, "int4"),
+                                   (3, Compression.none, "int8")):
+        torch.manual_seed(0)
+        model, ref = MLP(), MLP()
+        ref.load_state_dict(model.state_dict())
+        LAYOUTS.clear()
+        opt = wrap(model, compression=codec, pipeline_depth=depth,
+                   prediction_exchange=exchange)
+        train(model, opt, 0, steps)
+        opt.flush()
+        fmt = wire_format(codec)
+        exchanged = oracle_reduce(ref, p, WireFormat(exchange), False)
+        oracle.reference(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+                         F.cross_entropy, data, p, steps, depth, 0, compensation="lookahead",
+                         reduce=None if fmt is None else oracle_reduce(ref, p, fmt,
+                                                                       codec.error_feedback),
+                         predict_from=lambda t, per_rank: [exchanged(t, per_rank)] * p)
+        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+            if not torch.equal(a, b):
+                failures.append(f"prediction_exchange={exchange} {codec.name} K={depth}: "
+                                f"{name} differs from the oracle by {(a - b).abs().max():.3g}")
 
 
 class Bag(nn.Module):
@@ -397,14 +420,16 @@ def sparse_beside_quantized_buckets(p, steps=6):
         failures.append(f"sparse + int8_ef: the loss did not fall: {losses}")
 
 
-def resume_is_exact(p, steps=9, cut=4):
+def resume_is_exact(p, steps=9, cut=4, options=None):
     """K=2, default compensation, int8_ef: a checkpoint taken with a step in flight
-    (and both residuals) resumes bit-exactly."""
+    (and both residuals) resumes bit-exactly; with `options`, those instead (the
+    prediction's exchange: the checkpoint carries what the prediction reads)."""
     def fresh():
         torch.manual_seed(1)
         return MLP()
 
-    options = {"compression": Compression.int8_ef, "pipeline_depth": 2}
+    codec = options is None
+    options = options or {"compression": Compression.int8_ef, "pipeline_depth": 2}
     full = fresh()
     opt = wrap(full, **options)
     train(full, opt, 0, steps)
@@ -416,7 +441,7 @@ def resume_is_exact(p, steps=9, cut=4):
              "opt": opt.state_dict()}
     pipe = saved["opt"]["pipe_horovod"]
     fed = pipe["error_feedback"]
-    if p > 1 and (len(pipe["in_flight"]) != 1 or sorted(fed) != [-2, -1, 0, 1] or not all(
+    if codec and p > 1 and (len(pipe["in_flight"]) != 1 or sorted(fed) != [-2, -1, 0, 1] or not all(
             any(t.abs().sum() > 0 for t in fed[key].values()) for key in fed)):
         failures.append(f"int8_ef checkpoint: expected a step in flight and residuals of "
                         f"both stages in both slots, got {len(pipe['in_flight'])} in flight "
@@ -429,7 +454,7 @@ def resume_is_exact(p, steps=9, cut=4):
     opt.flush()
     for (name, a), b in zip(full.named_parameters(), resumed.parameters()):
         if not torch.equal(a, b):
-            failures.append(f"int8_ef resume: {name} differs from the uninterrupted run by "
+            failures.append(f"{options} resume: {name} differs from the uninterrupted run by "
                             f"{(a - b).abs().max():.3g}")
 
 
@@ -464,6 +489,7 @@ def check_all(engine_name, scope):
         training_matches_oracle(p)
         sparse_beside_quantized_buckets(p)
         resume_is_exact(p)
+        resume_is_exact(p, options={"pipeline_depth": 2, "prediction_exchange": "int4"})
     shutdown_completes_what_is_in_flight(r, p)
     if failures:
         print(f"rank {r}: {len(failures)} failure(s):\n  " + "\n  ".join(failures[:60]),

@@ -116,6 +116,9 @@ class Settings:
     # glorot_uniform and zero biases, torch.nn's bounds), or one library's in either model
     # (keras_model and torch_model say how): issue 36 asks whether it decides the lag.
     init: str = "own"
+    # The lookahead configurations' prediction_exchange (None, "int4", "int8"): the
+    # prediction from the ranks' exchanged average (issue 36, direction (c)).
+    exchange: str = None
     eval_every: int = 50
     train_chars: int = 1_000_000
     val_chars: int = 100_000
@@ -240,6 +243,11 @@ def torch_model(s):
     return CharTransformer()
 
 
+def _exchange(s, option):
+    """The run's prediction_exchange: the setting's, where the configuration predicts."""
+    return s.exchange if option == "lookahead" else None
+
+
 def train_torch(s, config, seed, rank, size, train, val, on_eval):
     """One run of the PyTorch adapter; returns {"steps": [...], "val_loss": [...]}."""
     import torch
@@ -255,6 +263,7 @@ def train_torch(s, config, seed, rank, size, train, val, on_eval):
                             weight_decay=s.weight_decay)
     opt = phvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                     pipeline_depth=depth, staleness_compensation=option,
+                                    prediction_exchange=_exchange(s, option),
                                     compression=phvd.Compression.by_name(
                                         config_compression(config)))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: lr_at(s, size, t) / (s.lr * size))
@@ -401,7 +410,7 @@ def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True,
 
     opt = hvd.DistributedOptimizer(keras_optimizer(keras, s, size),
                                    pipeline_depth=depth, staleness_compensation=option,
-                                   flush_in_fit=flush,
+                                   prediction_exchange=_exchange(s, option), flush_in_fit=flush,
                                    compression=hvd.Compression.by_name(config_compression(config)))
     if unclipped:
         predict_unclipped(opt)
@@ -672,6 +681,10 @@ def add_arguments(p):
                         "trains with Adam")
     p.add_argument("--d-model", type=int, default=Settings.d_model,
                    help=f"the transformer's width (default {Settings.d_model})")
+    p.add_argument("--exchange", choices=("int4", "int8"),
+                   help="the lookahead configurations' prediction_exchange (the prediction "
+                        "from the ranks' average exchanged in that format; default: the "
+                        "optimizer's)")
     p.add_argument("--sweep",
                    help="Keras: run the cells of a design (issue36) or of a list "
                         "framework:schedule:clipping:weight_decay:steps,... (sync and the "
@@ -730,7 +743,8 @@ def run(args, argv=None):
     if not args.report_only:
         check_args(args)
     s = Settings(steps=args.steps, schedule=args.schedule, clipping=args.clipping,
-                 weight_decay=args.weight_decay, d_model=args.d_model, init=args.init)
+                 weight_decay=args.weight_decay, d_model=args.d_model, init=args.init,
+                 exchange=args.exchange)
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     command = shlex.join(["pipe-horovod", "convergence-lm", *(

@@ -99,7 +99,7 @@ def run(args, argv=None):
             cell_args = _with(args, name=name, configs="sync,k2-lookahead")
             s = lm.Settings(steps=cell.steps, schedule=cell.schedule, clipping=cell.clipping,
                             weight_decay=cell.weight_decay, d_model=args.d_model,
-                            init=args.init)
+                            init=args.init, exchange=args.exchange)
             lm.launch(cell_args, cell.framework, s, out_dir)
         with open(path) as f:
             results.append((cell, json.load(f)))
