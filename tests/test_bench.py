@@ -61,13 +61,15 @@ def _check_outputs(out, stdout, measured, skipped=()):
 # quantized ones (test_ours_int8eng_and_int4_train_on_both_quantized_paths): a run's
 # start-up is most of its time.
 QUANTIZED = ["ours-k2-int8eng", "ours-k2-int4eng", "ours-k2-int8-none", "ours-k2-int4"]
+EXCHANGED = ["ours-k2-x4"]              # the default with prediction_exchange="int4"
 
 
 @pytest.fixture(scope="module")
 def torch_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-torch")
     stdout = _bench(out, "--engine", "torch", "--workers", "2", *TINY, "--fit", "--fit-max-mb",
-                    "0.02", "--configs", *worker.DEFAULT_CONFIGS, *QUANTIZED, timeout=380)
+                    "0.02", "--configs", *worker.DEFAULT_CONFIGS, *QUANTIZED, *EXCHANGED,
+                    timeout=380)
     return out, stdout
 
 
@@ -76,8 +78,12 @@ def test_local_torch_run_reports_every_configuration(torch_run):
     out, stdout = torch_run
     measured = ["ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16", "compute",
                 "contention", "allreduce", "allreduce-fp16", "allreduce-bf16"]
-    summary, raw = _check_outputs(out, stdout, measured + QUANTIZED, skipped=["horovod"])
+    summary, raw = _check_outputs(out, stdout, measured + QUANTIZED + EXCHANGED,
+                                  skipped=["horovod"])
     assert raw["meta"]["engine"] == "torch" and raw["meta"]["workers"] == 2
+    # The exchange's bytes and wait are in the row's prediction: never below the default's.
+    rows = summary["configs"]
+    assert rows["ours-k2-x4"]["predicted_s"] > rows["ours-k2"]["predicted_s"] > 0
     assert raw["sweep"]["sizes"] == [1024, 4096, 16384, 20000]
     assert [len(t) for t in raw["sweep"]["seconds"]] == [20] * 4
     assert "fit (absolute error) of a 4-size allreduce sweep" in summary["timing_model"]["source"]
@@ -512,6 +518,15 @@ def test_config_names():
         "ours-k2-fp16", "allreduce", "allreduce-fp16", "compute"]
     with pytest.raises(ValueError, match="unknown configuration"):
         worker.parse_configs(["ours-k0"])
+    # -x4 / -x8: prediction_exchange, which feeds lookahead only.
+    assert worker.parse_configs("ours-k2-x4 ours-k3-int8eng-lookahead-x8") == [
+        "ours-k2-x4", "ours-k3-int8eng-lookahead-x8"]
+    assert [worker.exchange_of(n) for n in ("ours-k2-x4", "ours-k3-int8eng-lookahead-x8",
+                                            "ours-k2")] == ["int4", "int8", None]
+    assert worker.compression_of("ours-k3-int8eng-lookahead-x8") == "int8eng"
+    assert worker.staleness_of("ours-k3-int8eng-lookahead-x8") == (True, "lookahead")
+    with pytest.raises(ValueError, match="unknown configuration"):
+        worker.parse_configs(["ours-k2-none-x4"])
     width = worker.mlp_width(50e6, 5)
     params = 1024 * width + width + 3 * (width * width + width) + width * 1000 + 1000
     assert abs(params * 4 - 50e6) / 50e6 < 0.01

@@ -33,6 +33,11 @@ def test_table_matches_hand_computed_schedules(monkeypatch, capsys):
         "| ours-k2-int8 (ours, K=2, int8 per ring hop) | 2 | 6.0 | 12.00 | 21.00 | 762 | 1.76x | compute |",
         # int4: 3 MB on the wire, three buckets' 2 ms each + 3 ms of bytes
         "| ours-k2-int4 (ours, K=2, int4 per ring hop) | 2 | 3.0 | 9.00 | 21.00 | 762 | 1.76x | compute |",
+        # The int4 exchange of each bucket, two stages of 2 ms + 0.12890625 of its bytes at
+        # 1 GB/s: 3.546875, 3.03125, 2.515625 ms from 2, 10, 14 ms (the last lands at
+        # 16.52: step() waits 2.52 ms); the link carries 30 + 9.09 ms.
+        "| ours-k2-x4 (ours, K=2, lookahead from an int4 exchange: prediction_exchange) | 2 | "
+        "27.1 | 39.09 | 39.09 | 409 | 0.95x | network |",
     ]:
         assert line in out
     assert "forward 7.00 ms, backward 14.00 ms" in out
@@ -67,7 +72,7 @@ def test_resnet50_plan_and_plot(tmp_path, capsys):
     assert "25.6 M parameters (102.2 MB of fp32 gradients); forward 8.18 ms, backward 16.36 ms" in out
     steps = {line.split(" ")[1]: float(line.split("|")[5]) for line in out.splitlines()
              if line.startswith("| ours") or line.startswith("| horovod") or line.startswith("| ddp")}
-    assert len(steps) == 8
+    assert len(steps) == 9
     assert steps["ours-k2-int4"] <= steps["ours-k2-int8"] < steps["ours-k2-fp16"] < steps["ours-k2"] < steps["ours-k1"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in out
 

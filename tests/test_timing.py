@@ -263,6 +263,27 @@ def test_compensation_lengthens_only_the_pipelined_update():
     assert charged.pipelined_s == pytest.approx(plain.pipelined_s + 0.1)
 
 
+def test_the_prediction_exchange_waits_on_the_compute_path_and_adds_to_the_link():
+    """prediction_exchange: each bucket's exchange starts when it is ready; step() waits
+    for the last (W = D - B); the reductions start after backward, behind them."""
+    exchange = tuple(zip(READY, (0.01, 0.01, 0.03)))      # lands 0.06, 0.13, 0.23: W = 0.03
+    hidden = timing.Schedule(F, B, U, tuple(zip(READY, (0.04, 0.06, 0.05))), exchange=exchange)
+    assert hidden.step_s(1) == pytest.approx(F + 0.25 + U)              # sync exchanges nothing
+    assert hidden.step_s(2) == pytest.approx(F + B + 0.03 + U)
+    slow = timing.Schedule(F, B, U, tuple(zip(READY, (0.1, 0.3, 0.2))), exchange=exchange)
+    assert slow.step_s(2) == pytest.approx(0.6 + 0.05)                 # the link: C + sum x
+    # One bucket at the end of backward, int4's two stages at 1 GB/s: 1e8 float32 bytes go
+    # as 0.5 + 4/256 bytes a value, (p-1)/p of them per stage.
+    work = timing.Workload.aggregate(0.3, 0.01, 1e8)
+    net = Network(0.0, 1e-9)
+    x = 2 * 0.5 * 1e8 * (0.5 + 4 / 256) / 4 * 1e-9
+    plain = timing.predict(work, 2, net)
+    exchanged = timing.predict(work, 2, net, exchange="int4")
+    assert exchanged.sync_s == pytest.approx(plain.sync_s)
+    assert exchanged.pipelined_s == pytest.approx(0.3 + 0.01 + x)
+    assert timing.predict(work, 1, net, exchange="int4").pipelined_s == pytest.approx(0.31)
+
+
 def test_schedule_rejects_bad_input():
     with pytest.raises(ValueError, match="pipeline_depth"):
         timing.Schedule(F, B, U).step_s(0)
@@ -270,6 +291,8 @@ def test_schedule_rejects_bad_input():
         timing.Schedule(F, -1.0, U)
     with pytest.raises(ValueError, match="compensation_s must be >= 0"):
         timing.Workload(F, B, U, ((0.1, 1.0),), compensation_s=-0.1)
+    with pytest.raises(ValueError, match="exchange: ready times and costs must be >= 0"):
+        timing.Schedule(F, B, U, exchange=((0.1, -1.0),))
     with pytest.raises(ValueError, match="ascending"):
         timing.Workload(F, B, U, ((0.1, 1.0), (0.05, 1.0)))
 

@@ -358,6 +358,15 @@ def hop_codec_time(p, nbytes, algorithm, costs, blocks=None):
 # path of a pipelined step before its forward ("lookahead" replays the
 # updates in flight: one more optimizer update at K=2); it lengthens the
 # update, U -> U + P, for K >= 2 only (K = 1 has nothing to compensate).
+# `exchange` (prediction_exchange, K >= 2 only): each bucket's quantized average for the
+# prediction, ((a_i, x_i), ...) on the same link, each starting when its bucket is ready;
+# the step's reductions start when backward ends, behind them. With D the exchanges'
+# landing (as L, from x_i) and W = max(0, D - B) what step() waits for them:
+#   T_K = max(F + B + W + U', C + sum x_i, (F + max(B, D) + C + U') / K).
+
+# Bytes per value of prediction_exchange's formats (pipeline/staleness.EXCHANGES).
+EXCHANGE_VALUE_BYTES = {"int4": 0.5, "int8": 1}
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -368,13 +377,16 @@ class Schedule:
     update_s: float
     buckets: tuple = ()  # ((ready_s after backward starts, allreduce seconds), ...) in launch order
     compensation_s: float = 0.0  # P, pipelined steps only
+    exchange: tuple = ()  # prediction_exchange's ((ready_s, seconds), ...), pipelined steps only
 
     def __post_init__(self):
         for name in ("forward_s", "backward_s", "update_s", "compensation_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"Schedule.{name} must be >= 0, got {getattr(self, name)!r}")
-        if any(not (ready >= 0 and cost >= 0) for ready, cost in self.buckets):
-            raise ValueError(f"bucket ready times and costs must be >= 0, got {self.buckets!r}")
+        for what in ("buckets", "exchange"):
+            if any(not (ready >= 0 and cost >= 0) for ready, cost in getattr(self, what)):
+                raise ValueError(f"{what}: ready times and costs must be >= 0, got "
+                                 f"{getattr(self, what)!r}")
 
     @property
     def compute_s(self):
@@ -388,10 +400,7 @@ class Schedule:
     @property
     def landing_s(self):
         """L: when the last reduction lands, from the start of backward, link idle before."""
-        free = 0.0
-        for ready, cost in self.buckets:
-            free = max(ready, free) + cost
-        return max(self.backward_s, free)
+        return max(self.backward_s, _landing(self.buckets))
 
     def step_s(self, pipeline_depth=1, comm_cpu_s=0.0):
         """T_K = max(F + B + U' + X, C, (F + L + U') / K), U' = U + P for K >= 2, else U."""
@@ -400,8 +409,23 @@ class Schedule:
         if not comm_cpu_s >= 0:
             raise ValueError(f"comm_cpu_s must be >= 0, got {comm_cpu_s}")
         update = self.update_s + (self.compensation_s if pipeline_depth > 1 else 0.0)
+        if pipeline_depth > 1 and self.exchange:
+            exchanged = _landing(self.exchange)
+            wait = max(0.0, exchanged - self.backward_s)
+            return max(self.forward_s + self.backward_s + wait + update + comm_cpu_s,
+                       self.comm_s + sum(cost for _, cost in self.exchange),
+                       (self.forward_s + max(self.backward_s, exchanged) + self.comm_s
+                        + update) / pipeline_depth)
         return max(self.forward_s + self.backward_s + update + comm_cpu_s, self.comm_s,
                    (self.forward_s + self.landing_s + update) / pipeline_depth)
+
+
+def _landing(buckets):
+    """When the last of `buckets` ((ready_s, seconds), in order, on one link) lands."""
+    free = 0.0
+    for ready, cost in buckets:
+        free = max(ready, free) + cost
+    return free
 
 
 def step_time(compute_s, update_s, comm_s, pipeline_depth=1, overlap=0.0, comm_cpu_s=0.0):
@@ -637,7 +661,7 @@ class Prediction:
 
 
 def predict(workload, workers, network, algorithm="ring", compressions=None, pipeline_depth=2,
-            overlap=0.0, comm_cpu_per_byte=0.0, bucketing=OURS):
+            overlap=0.0, comm_cpu_per_byte=0.0, bucketing=OURS, exchange=None):
     """Predict every (sync | pipelined) x compression combination of one
     system at once, so the CLI tables and the benchmark's "predicted"
     column come from one place.
@@ -660,6 +684,9 @@ def predict(workload, workers, network, algorithm="ring", compressions=None, pip
     the longer of its allreduce and its codec work (bottleneck "codec" where that
     work is the longer); what that CPU, with compute's and the optimizer's own bucket
     and prediction work, takes from other ranks on shared cores is `cpu_floor`'s.
+    `exchange`: the pipelined rows' prediction_exchange ("int4", "int8"): each bucket's
+    two-stage quantized average for the prediction, on the same link (Schedule's
+    exchange).
     """
     if pipeline_depth < 2:
         raise ValueError(f"pipeline_depth must be >= 2 for the pipelined rows, got {pipeline_depth}")
@@ -687,8 +714,12 @@ def predict(workload, workers, network, algorithm="ring", compressions=None, pip
         if overlap:
             (ready, comm), = buckets
             buckets = [(work.backward_s - min(overlap * comm, work.backward_s), comm)]
+        exchanged = () if alone or exchange is None else tuple(
+            (ready, two_stage_allreduce(network, workers, n,
+                                        value_bytes=EXCHANGE_VALUE_BYTES[exchange]))
+            for ready, n in groups)
         schedule = Schedule(work.forward_s, work.backward_s, work.update_s, tuple(buckets),
-                            work.compensation_s)
+                            work.compensation_s, exchanged)
         wire = workload.model_bytes * ratio
         cpu_s = 0.0 if alone else comm_cpu_per_byte * wire
         compute, comm = schedule.compute_s + cpu_s, schedule.comm_s
@@ -698,12 +729,21 @@ def predict(workload, workers, network, algorithm="ring", compressions=None, pip
             bottleneck = ("codec" if sum(n * beside for _, n in groups)
                           > sum(transfer(n) for _, n in groups)
                           else "latency" if comm - bandwidth > bandwidth else "network")
+        # The pipelined rows' link also carries the exchange (its bytes, its time).
+        more_wire = workload.model_bytes * two_stage_wire_ratio(
+            value_bytes=EXCHANGE_VALUE_BYTES[exchange]) if exchanged else 0.0
+        more_comm = sum(cost for _, cost in exchanged)
         for mode, depth in (("sync", 1), ("pipelined", pipeline_depth)):
             name = mode if comp == "none" else f"{mode}+{comp}"
             step = schedule.step_s(depth, cpu_s)
             base = step if base is None else base
             speedup = base / step if step > 0 else 1.0
-            rows[name] = Row(name, depth, comp, wire, comm, step, speedup, compute, bottleneck)
+            extra = depth > 1 and bool(exchanged)
+            link = comm + more_comm * extra
+            bound = "network" if extra and bottleneck == "compute" and link > compute \
+                else bottleneck
+            rows[name] = Row(name, depth, comp, wire + more_wire * extra, link, step, speedup,
+                             compute, bound)
     return Prediction(algorithm, workers, workload.model_bytes, network, rows)
 
 

@@ -161,6 +161,8 @@ def _target(key, value):
 
 def summarize(raw):
     """Everything the markdown, JSON summary and plot show, for one raw run."""
+    from pipe_horovod.tools.bench.worker import exchange_of
+
     meta = raw["meta"]
     p = meta["workers"]
     model_bytes = meta["model_bytes"]
@@ -266,13 +268,14 @@ def summarize(raw):
                                       "measured compute, each system's own buckets")
 
         @functools.cache
-        def predictions(system, compensation_s):
+        def predictions(system, compensation_s, exchange=None):
             """{depth: planner.Prediction} of one system, pipelined steps charged
-            `compensation_s` (Schedule's P)."""
+            `compensation_s` (Schedule's P) and `exchange` (prediction_exchange's)."""
             work = dataclasses.replace(workload, compensation_s=compensation_s)
             return {d: planner.predict(work, p, network, compressions=compressions,
                                       pipeline_depth=d, comm_cpu_per_byte=cpu_per_byte,
-                                      bucketing=bucketings.get(system, planner.OURS))
+                                      bucketing=bucketings.get(system, planner.OURS),
+                                      exchange=exchange)
                     for d in depths}
         model_info["comm_cpu_s_per_byte"] = cpu_per_byte
         model_info["compressions"] = {k: {"wire_ratio": v[0], "codec_s": v[1] * model_bytes,
@@ -304,7 +307,7 @@ def summarize(raw):
             else None
         system = "horovod" if name.startswith("horovod") else "ddp" if name == "ddp" else "ours"
         charged = (s["compensation_s"] or 0.0) if (s["pipeline_depth"] or 1) > 1 else 0.0
-        prediction = predictions and predictions(system, charged)
+        prediction = predictions and predictions(system, charged, exchange_of(name))
         s["predicted_s"] = _predicted(name, s, prediction, network, p, model_bytes, compute,
                                       wire_ratio)
         row = _planner_row(prediction, s) if s["predicted_s"] is not None else None

@@ -76,7 +76,7 @@ _CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|contention(?:-int8|-int
                      r"|tf-keras-mwms|tf-mwms-loop"
                      r"|(?:ours|loop)-k([1-9][0-9]*)"
                      r"(?:-(?:fp16|bf16|bf16hop|int8|int4|(?:int8|int4)eng(?::[0-9]+)?))?"
-                     r"(?:-(none|momentum|dc|predict|lookahead))?)$")
+                     r"(?:-(none|momentum|dc|predict|lookahead))?(?:-(x4|x8))?)$")
 DDP_ADDR_ENV = "PIPE_HOROVOD_BENCH_DDP_ADDR"
 DDP_PORT_ENV = "PIPE_HOROVOD_BENCH_DDP_PORT"
 DDP_BACKEND = "torch.distributed gloo"
@@ -93,7 +93,8 @@ def parse_configs(value):
             if not name:
                 continue
             m = _CONFIG.match(name)
-            if not m or (m.group(1) and int(m.group(1)) > 16):
+            if not m or (m.group(1) and int(m.group(1)) > 16) or (
+                    m.group(3) and m.group(2) not in (None, "lookahead")):
                 raise ValueError(
                     f"unknown configuration {name!r}; choose from horovod, horovod-fp16, ddp, "
                     "ours-kK, ours-kK-fp16, ours-kK-bf16, ours-kK-int8, ours-kK-int4, "
@@ -101,7 +102,8 @@ def parse_configs(value):
                     "ours-kK-int4eng:32) "
                     "(K = pipeline depth 1..16; any of "
                     "them -none, -momentum, -dc, -predict, -lookahead: that "
-                    "staleness_compensation), compute, contention, contention-int8, "
+                    "staleness_compensation; then -x4 / -x8: prediction_exchange int4 / "
+                    "int8, with lookahead), compute, contention, contention-int8, "
                     "contention-int4, contention-bf16hop, allreduce, tf-keras-mwms "
                     "(--framework keras), loop-kK, tf-mwms-loop (--framework tf-loop)")
             if name not in names:
@@ -115,7 +117,8 @@ def compression_of(name):
     """'fp16' / 'bf16' / 'bf16hop' / 'int8' / 'int4' / 'int8eng' / 'int4eng' (with a block
     size: 'int4eng:32') / 'none' for a configuration name."""
     for codec in ("fp16", "bf16", "bf16hop", "int8", "int4", r"int[48]eng(?::[0-9]+)?"):
-        found = re.search(rf"-({codec})(?:-(?:none|momentum|dc|predict|lookahead))?$", name)
+        found = re.search(rf"-({codec})(?:-(?:none|momentum|dc|predict|lookahead))?"
+                          rf"(?:-x[48])?$", name)
         if found:
             return found.group(1)
     return "none"
@@ -143,6 +146,12 @@ def staleness_of(name):
     if not m or not name.startswith("ours-k") or m.group(2) is None:
         return False, None
     return True, (None if m.group(2) == "none" else m.group(2))
+
+
+def exchange_of(name):
+    """ours-kK[...]-x4 / -x8 -> prediction_exchange "int4" / "int8"; else None."""
+    m = _CONFIG.match(name)
+    return {"x4": "int4", "x8": "int8"}.get(m.group(3)) if m else None
 
 
 def _staleness_supported():
@@ -438,6 +447,8 @@ def make_runner(name, args, eng):
     explicit, option = staleness_of(name)
     extra = ({"staleness_compensation": option}
              if explicit and _staleness_supported() else {})
+    if exchange_of(name):
+        extra["prediction_exchange"] = exchange_of(name)
     opt = phvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                     pipeline_depth=pipeline_depth_of(name),
                                     compression=compression, bucket_cap_mb=args.bucket_cap_mb,

@@ -101,6 +101,8 @@ ROWS = (
     ("ours-k2-bf16hop", "ours, K=2, bf16 per ring hop", "ours", "pipelined+bf16hop"),
     ("ours-k2-int8", "ours, K=2, int8 per ring hop", "ours", "pipelined+int8"),
     ("ours-k2-int4", "ours, K=2, int4 per ring hop", "ours", "pipelined+int4"),
+    ("ours-k2-x4", "ours, K=2, lookahead from an int4 exchange: prediction_exchange",
+     "ours-x4", "pipelined"),
 )
 INT4_TWO_STAGE = "int4_ef:32"    # int4_ef's block size that meets the convergence rule
 TWO_STAGE_ROWS = (
@@ -133,11 +135,13 @@ def plan(layers, device_tflops, workers, network, bucket_cap_bytes=None, work=No
     (planner.auto_bucketing), DDP at 25 MiB. `work`: the workload of `layers`, when the
     caller has it already."""
     work = workload(layers, device_tflops) if work is None else work
+    systems = planner.bucketings(bucket_cap_bytes, workers=workers, network=network)
     predictions = {name: planner.predict(work, workers, network,
                                          compressions=_codecs(two_stage) if name == "ours" else {},
                                          bucketing=b)
-                   for name, b in planner.bucketings(bucket_cap_bytes, workers=workers,
-                                                     network=network).items()}
+                   for name, b in systems.items()}
+    predictions["ours-x4"] = planner.predict(work, workers, network, bucketing=systems["ours"],
+                                             exchange="int4")
     rows = {name: predictions[system].rows[row] for name, _, system, row in rows_of(two_stage)}
     base = rows["horovod"].step_s
     return work, {name: dataclasses.replace(r, name=name, speedup=base / r.step_s if r.step_s > 0 else 1.0)
