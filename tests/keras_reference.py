@@ -264,8 +264,9 @@ def reference(initial_weights, gradients, optimizer, pipeline_depth=1, warmup_st
     ranks differ in those variables, and every rank is simulated with its own
     weights and optimizer. A "lookahead" prediction runs the whole update and puts the
     local variables back: it moves the others only.
-    predict_from(per_rank): what each rank's "lookahead" predicts from in place of its own
-    gradients of a step (a list per rank; prediction_exchange's exchanged average).
+    predict_from(step, per_rank): what each rank's "lookahead" predicts from in place of
+    its own gradients of pipeline step `step` (a list per rank; prediction_exchange's
+    exchanged average).
     """
     if pipeline_depth < 1 or warmup_steps < 0 or passes < 1:
         raise ValueError("pipeline_depth >= 1, warmup_steps >= 0 and passes >= 1")
@@ -346,7 +347,7 @@ def reference(initial_weights, gradients, optimizer, pipeline_depth=1, warmup_st
         to_apply = [[(g * F32(1.0 / size) if scale_local else g) if i in local else mean[i]
                      for i, g in enumerate(per_rank[r])] for r in range(size)]
         fifo.append((step, to_apply, per_rank if predict_from is None
-                     else predict_from(per_rank)))
+                     else predict_from(step, per_rank)))
         previous = [[w.copy() for w in ws] for ws in weights]
         need = 1 if step < warmup_steps else pipeline_depth
         pushed += 1

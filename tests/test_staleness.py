@@ -189,6 +189,15 @@ def test_a_bad_prediction_exchange_is_named(local, value, compensation, error, t
                                   prediction_exchange=value)
 
 
+def test_the_prediction_exchange_is_refused_under_elastic_mode(local, monkeypatch):
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    model = _model()
+    text = "prediction_exchange='int4' is not supported under horovodrun's elastic mode yet"
+    with pytest.raises(ValueError, match=re.escape(text)):
+        phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  prediction_exchange="int4")
+
+
 @pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1),
                                   lambda ps: torch.optim.Adagrad(ps, lr=0.1)])
 def test_momentum_option_needs_momentum(local, make):

@@ -29,8 +29,8 @@ from ..collectives.communicator import communicator
 from ..compression import Compression, config_name
 from ..pipeline.buckets import AutoBucketCap, resolve_bucket_cap_mb
 from ..pipeline import (announce_depth, check_options, check_prediction_exchange,
-                        check_reduction, check_staleness, compare_across_ranks, opens_group, report_unapplied, resolve_depth,
-                        staleness)
+                        check_reduction, check_staleness, compare_across_ranks, opens_group,
+                        report_unapplied, resolve_depth, staleness)
 from .keras2_gradients import _Keras2Gradients
 from .naming import momentum_attribute, next_prefix
 

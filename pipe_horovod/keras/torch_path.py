@@ -127,7 +127,8 @@ class TorchPath:
             warmup_steps=options["warmup_steps"], bucket_cap_mb=options["bucket_cap_mb"],
             groups=options["groups"],
             staleness_compensation=options["staleness_compensation"],
-            prediction_exchange=options["prediction_exchange"], collective=options["collective"], join_ranks=optimizer._join)
+            prediction_exchange=options["prediction_exchange"],
+            collective=options["collective"], join_ranks=optimizer._join)
 
     def apply(self, grads, variables):
         opt = self.torch_optimizer

@@ -13,5 +13,5 @@ from .step_machine import BucketReduction, StepGradient, StepMachine, opens_grou
 
 __all__ = ["Bucket", "plan_buckets", "check_options", "check_reduction", "compare_across_ranks",
            "DEPTH_VARIABLE", "announce_depth", "report_unapplied", "resolve_depth", "GradientFifo",
-           "BucketReduction", "StepGradient", "StepMachine", "check_prediction_exchange", "check_staleness",
-           "opens_group"]
+           "BucketReduction", "StepGradient", "StepMachine", "check_prediction_exchange",
+           "check_staleness", "opens_group"]

@@ -32,6 +32,8 @@ The math is written with operators NumPy arrays and torch tensors share,
 so adapters of any framework use these functions unchanged.
 """
 
+import os
+
 OPTIONS = ("lookahead", "predict", "dc", "momentum")
 # What "lookahead" may predict from instead of this rank's own gradient: the ranks' average
 # of the step in flight, exchanged quantized in this wire format as backward produces it
@@ -71,6 +73,13 @@ def check_prediction_exchange(exchange, compensation):
     if compensation != "lookahead":
         raise ValueError(f"prediction_exchange={exchange!r} feeds the lookahead prediction: it "
                          f"needs staleness_compensation='lookahead', got {compensation!r}")
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        # A rank that resets while its peers wait for an exchange on pipe_horovod's own
+        # point-to-point group leaves them waiting there (seen in Keras's elastic test).
+        raise ValueError(f"prediction_exchange={exchange!r} is not supported under "
+                         "horovodrun's elastic mode yet: a reset while an exchange is on the "
+                         "wire leaves the other ranks waiting for it; use "
+                         "prediction_exchange=None there")
     return exchange
 
 

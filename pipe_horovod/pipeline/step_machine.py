@@ -12,7 +12,7 @@ Per step an adapter calls `ready(name, fill)` as each gradient is final
 returns; `drain()` hands back the rest (flush). `fill(bucket, flat)`
 writes the bucket's gradients into the flat buffer the machine owns.
 
-With `exchange` (a WireFormat: the lookahead's `prediction_exchange`), each
+With `exchange` (the lookahead's `prediction_exchange`: "int4" or "int8"), each
 bucket of a step that will be in flight first goes out quantized, on the
 two-stage path, for the prediction (`estimates()`); the buckets' own
 reductions start only at `launch_rest()`, after every exchange, so that no
@@ -247,17 +247,20 @@ class StepMachine:
         self._deferred.append((bucket, flat))
 
     def estimates(self):
-        """{name: flat view of the exchanged average} of this step's gradients (waits);
-        empty where the step exchanged nothing. Call before finish_step."""
-        out = {}
+        """{name: flat view of the exchanged average} of this step's gradients (waits, the
+        wait counted in timings["exchange_wait_s"]: the timing model's W); empty where the
+        step exchanged nothing. Call before finish_step."""
+        out, start = {}, time.perf_counter()
         for bucket, handle in self._exchanges:
             try:
                 flat = engine.wait(handle)
             except engine.WaitError as exc:
                 raise type(exc)(f"waiting for the prediction's exchange of step "
                                 f"{self.fifo.steps}, bucket {bucket.index}: {exc}") from exc
-            out.update((name, flat[start:start + numel])
-                       for name, start, numel in bucket.offsets())
+            out.update((name, flat[at:at + numel]) for name, at, numel in bucket.offsets())
+        if self._exchanges:
+            self.timings["exchange_wait_s"] = (self.timings.get("exchange_wait_s", 0.0)
+                                               + time.perf_counter() - start)
         self._exchanges = []
         return out
 

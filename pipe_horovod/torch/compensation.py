@@ -75,17 +75,12 @@ class _Compensation:
     def _take_exchanged(self, kept):
         """prediction_exchange: the ranks' exchanged average in place of this rank's own
         gradient in what the step keeps (its tensors are the prediction's scratch, and a
-        checkpoint then carries what the prediction reads). The wait is timed apart
-        (timings["exchange_wait_s"]): the timing model has a term of its own for it (W),
-        beside what the prediction itself costs (compensation_s, its P)."""
+        checkpoint then carries what the prediction reads). Its wait is not the
+        compensation's (the step machine times it: the timing model's W, not P)."""
         local = kept.get("local")
         if local is None:
             return
-        start = time.perf_counter()
-        estimates = self._machine.estimates()
-        self.timings["exchange_wait_s"] = (self.timings.get("exchange_wait_s", 0.0)
-                                           + time.perf_counter() - start)
-        for name, average in estimates.items():
+        for name, average in self._machine.estimates().items():
             own = local.get(name)
             if own is None or own.is_sparse:         # unused here: the others' still counts
                 local[name] = average.view_as(self._param_of[name]).clone()
