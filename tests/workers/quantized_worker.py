@@ -323,50 +323,43 @@ def training_matches_oracle(p, steps=8):
             default = depth == 2 and compensation == "lookahead"
             for codec in (Compression.int8_ef, Compression.int8) + (
                     (Compression.int4_ef,) if default else ()):
-                fmt = wire_format(codec)
-                torch.manual_seed(0)
-                model, ref = MLP(), MLP()
-                ref.load_state_dict(model.state_dict())
-                LAYOUTS.clear()
-                opt = wrap(model, compression=codec, pipeline_depth=depth,
-                           staleness_compensation=compensation)
-                train(model, opt, 0, steps)
-                opt.flush()
-                if p > 1 and len({entry[2] for entry in LAYOUTS}) < 2:
-                    failures.append(f"training {codec.name}: expected several buckets, "
-                                    f"launched {LAYOUTS[:3]}")
-                oracle.reference(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
-                                 F.cross_entropy, data, p, steps, depth, 0,
-                                 compensation=compensation,
-                                 reduce=oracle_reduce(ref, p, fmt, codec.error_feedback))
-                for (name, a), b in zip(model.named_parameters(), ref.parameters()):
-                    if not torch.equal(a, b):
-                        failures.append(f"training {codec.name} K={depth} {compensation}: "
-                                        f"{name} differs from the oracle by "
-                                        f"{(a - b).abs().max():.3g}")
+                trains_as_the_oracle(p, steps, depth, codec, compensation=compensation)
     # prediction_exchange: every rank predicts from the two-stage average of the buckets
     # (the same layout as the step's reductions), at K=2 and 3, beside a codec too.
     for depth, codec, exchange in ((2, Compression.none, "int4"), (2, Compression.int8_ef, "int4"),
                                    (3, Compression.none, "int8")):
-        torch.manual_seed(0)
-        model, ref = MLP(), MLP()
-        ref.load_state_dict(model.state_dict())
-        LAYOUTS.clear()
-        opt = wrap(model, compression=codec, pipeline_depth=depth,
-                   prediction_exchange=exchange)
-        train(model, opt, 0, steps)
-        opt.flush()
-        fmt = wire_format(codec)
-        exchanged = oracle_reduce(ref, p, WireFormat(exchange), False)
-        oracle.reference(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
-                         F.cross_entropy, data, p, steps, depth, 0, compensation="lookahead",
-                         reduce=None if fmt is None else oracle_reduce(ref, p, fmt,
-                                                                       codec.error_feedback),
-                         predict_from=lambda t, per_rank: [exchanged(t, per_rank)] * p)
-        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
-            if not torch.equal(a, b):
-                failures.append(f"prediction_exchange={exchange} {codec.name} K={depth}: "
-                                f"{name} differs from the oracle by {(a - b).abs().max():.3g}")
+        trains_as_the_oracle(p, steps, depth, codec, prediction_exchange=exchange)
+
+
+def trains_as_the_oracle(p, steps, depth, codec, compensation="lookahead",
+                         prediction_exchange=None):
+    """`steps` steps of the MLP with `codec` against oracle.reference, bit for bit."""
+    what = f"training {codec.name} K={depth} {compensation}" + (
+        f" prediction_exchange={prediction_exchange}" if prediction_exchange else "")
+    torch.manual_seed(0)
+    model, ref = MLP(), MLP()
+    ref.load_state_dict(model.state_dict())
+    LAYOUTS.clear()
+    opt = wrap(model, compression=codec, pipeline_depth=depth,
+               staleness_compensation=compensation, prediction_exchange=prediction_exchange)
+    train(model, opt, 0, steps)
+    opt.flush()
+    if p > 1 and len({entry[2] for entry in LAYOUTS}) < 2:
+        failures.append(f"{what}: expected several buckets, launched {LAYOUTS[:3]}")
+    fmt = wire_format(codec)
+    predict_from = None
+    if prediction_exchange is not None:
+        exchanged = oracle_reduce(ref, p, WireFormat(prediction_exchange), False)
+        predict_from = lambda t, per_rank: [exchanged(t, per_rank)] * p  # noqa: E731
+    oracle.reference(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+                     F.cross_entropy, data, p, steps, depth, 0, compensation=compensation,
+                     reduce=None if fmt is None else oracle_reduce(ref, p, fmt,
+                                                                   codec.error_feedback),
+                     predict_from=predict_from)
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        if not torch.equal(a, b):
+            failures.append(f"{what}: {name} differs from the oracle by "
+                            f"{(a - b).abs().max():.3g}")
 
 
 class Bag(nn.Module):
