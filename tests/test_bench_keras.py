@@ -86,6 +86,7 @@ def test_tiny_keras_run_reports_every_row(tmp_path):
 @pytest.mark.parametrize("args, text", [
     (["--model", "cnn"], "MLP only"),
     (["--configs", "ddp"], "not part of the Keras benchmark"),
+    (["--configs", "ours-k2-x4"], "'ours-k2-x4' is not part of the Keras benchmark"),
     (["--engine", "local", "--workers", "1"], "--engine torch or horovod"),
 ])
 def test_bad_arguments_exit_2(tmp_path, args, text, capsys):

@@ -57,7 +57,7 @@ def check(args, configs):
         if name in mwms_worker.NAMES or name in _OURS:
             continue
         if (name.startswith(("ours-k", "loop-k")) and bench_worker.compression_of(name) == "none"
-                and not bench_worker.staleness_of(name)[0]):
+                and not bench_worker.staleness_of(name)[0] and not bench_worker.exchange_of(name)):
             continue
         raise UsageError(f"configuration {name!r} is not part of the Keras benchmark; choose "
                          f"from ours-kK, loop-kK, compute, allreduce, "
