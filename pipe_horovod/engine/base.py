@@ -818,7 +818,7 @@ class Engine:
         # A rank that ends posts so before it lets go of the library, so its post is on the
         # board by the time its sockets close, whether or not its process is gone yet (on a
         # loaded machine it may take longer than the search for lost ranks below).
-        stopped = self._who_ended(exc, call, not isinstance(exc, WaitTimeoutError))
+        stopped = None if isinstance(exc, WaitTimeoutError) else self._who_ended(call)
         if stopped is not None:
             return stopped
         if self._peers is None:
@@ -936,11 +936,11 @@ class Engine:
             if ranks:
                 time.sleep(0.02)
 
-    def _who_ended(self, exc, call, look):
+    def _who_ended(self, call):
         """A failure because another rank ended (Horovod's "has been shut down", or a
         peer that exited) as the error naming that rank and why, read from the status
         board (causes.py); None when no rank says it ended (it was lost)."""
-        if self._board is None or not look:
+        if self._board is None:
             return None
         stall = Stall(self, call, time.monotonic(), post=False)
         others = self._board.read([r for r in range(self.size()) if r != self.rank()])

@@ -69,8 +69,7 @@ class TensorFlowPath:
             compression=options["compression"], op=options["op"],
             predivide=options["gradient_predivide_factor"], process_set=options["process_set"],
             cap_bytes=bucket_cap_bytes(options["bucket_cap_mb"]), groups=options["groups"],
-            collective=options["collective"],
-            exchange=options["prediction_exchange"] if options["pipeline_depth"] > 1 else None)
+            collective=options["collective"], exchange=options["prediction_exchange"])
         self.local_scale = 1.0 / self.machine.size if options["scale_local_gradients"] else 1.0
         self.kinds = {name: (getattr(torch, _dtype(v).name), device)
                       for name, v, device in zip(self.names, variables, devices)}

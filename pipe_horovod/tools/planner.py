@@ -364,8 +364,9 @@ def hop_codec_time(p, nbytes, algorithm, costs, blocks=None):
 # landing (as L, from x_i) and W = max(0, D - B) what step() waits for them:
 #   T_K = max(F + B + W + U', C + sum x_i, (F + max(B, D) + C + U') / K).
 
-# Bytes per value of prediction_exchange's formats (pipeline/staleness.EXCHANGES).
-EXCHANGE_VALUE_BYTES = {"int4": 0.5, "int8": 1}
+# Bytes per value of the two-stage formats (compression/two_stage.py; the prediction's
+# exchange takes int4 or int8, pipeline/staleness.EXCHANGES).
+TWO_STAGE_VALUE_BYTES = {"int8": 1, "int4": 0.5, "fp8": 1}
 
 
 @dataclass(frozen=True)
@@ -398,6 +399,11 @@ class Schedule:
         return sum(cost for _, cost in self.buckets)
 
     @property
+    def exchange_s(self):
+        """The link's busy time per pipelined step for the prediction's exchange."""
+        return sum(cost for _, cost in self.exchange)
+
+    @property
     def landing_s(self):
         """L: when the last reduction lands, from the start of backward, link idle before."""
         return max(self.backward_s, _landing(self.buckets))
@@ -413,7 +419,7 @@ class Schedule:
             exchanged = _landing(self.exchange)
             wait = max(0.0, exchanged - self.backward_s)
             return max(self.forward_s + self.backward_s + wait + update + comm_cpu_s,
-                       self.comm_s + sum(cost for _, cost in self.exchange),
+                       self.comm_s + self.exchange_s,
                        (self.forward_s + max(self.backward_s, exchanged) + self.comm_s
                         + update) / pipeline_depth)
         return max(self.forward_s + self.backward_s + update + comm_cpu_s, self.comm_s,
@@ -716,7 +722,7 @@ def predict(workload, workers, network, algorithm="ring", compressions=None, pip
             buckets = [(work.backward_s - min(overlap * comm, work.backward_s), comm)]
         exchanged = () if alone or exchange is None else tuple(
             (ready, two_stage_allreduce(network, workers, n,
-                                        value_bytes=EXCHANGE_VALUE_BYTES[exchange]))
+                                        value_bytes=TWO_STAGE_VALUE_BYTES[exchange]))
             for ready, n in groups)
         schedule = Schedule(work.forward_s, work.backward_s, work.update_s, tuple(buckets),
                             work.compensation_s, exchanged)
@@ -731,8 +737,8 @@ def predict(workload, workers, network, algorithm="ring", compressions=None, pip
                           else "latency" if comm - bandwidth > bandwidth else "network")
         # The pipelined rows' link also carries the exchange (its bytes, its time).
         more_wire = workload.model_bytes * two_stage_wire_ratio(
-            value_bytes=EXCHANGE_VALUE_BYTES[exchange]) if exchanged else 0.0
-        more_comm = sum(cost for _, cost in exchanged)
+            value_bytes=TWO_STAGE_VALUE_BYTES[exchange]) if exchanged else 0.0
+        more_comm = schedule.exchange_s
         for mode, depth in (("sync", 1), ("pipelined", pipeline_depth)):
             name = mode if comp == "none" else f"{mode}+{comp}"
             step = schedule.step_s(depth, cpu_s)

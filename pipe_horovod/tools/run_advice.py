@@ -76,7 +76,7 @@ def wire_ratio(codec, collective=None):
         for name, (hop_codec, _) in PER_HOP.items():
             if hop_codec.split("_")[0] == base.split("_")[0]:
                 return hop_ratio(name)
-    values = {"int8": 1, "int4": 0.5, "fp8": 1}.get(base.split("_")[0])
+    values = planner.TWO_STAGE_VALUE_BYTES.get(base.split("_")[0])
     if values is None:
         raise ValueError(f"run summary: unknown compression {codec!r}")
     return planner.two_stage_wire_ratio(int(block) if block else planner.DEFAULT_BLOCK_SIZE,

@@ -831,7 +831,8 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
                "op": op.value, "bucket_cap_mb": bucket_cap_mb,
                "gradient_predivide_factor": float(gradient_predivide_factor),
                "groups": bucket_groups, "staleness_compensation": compensation,
-               "prediction_exchange": exchange, "collective": None if collective is None else collective.describe()}
+               "prediction_exchange": exchange,
+               "collective": None if collective is None else collective.describe()}
     if process_set is not None and not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
     if process_set is global_process_set:

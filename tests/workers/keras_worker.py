@@ -329,7 +329,7 @@ class ExchangeLog:
                 flat = pending.pop(f"{machine.prefix}.{bucket.index}.{bucket.numel}.x", None)
                 if flat is not None:
                     self.sent.setdefault(step, {}).update(
-                        (name, flat[start:start + numel]) for name, start, numel in bucket.offsets())
+                        (name, flat[at:at + numel]) for name, at, numel in bucket.offsets())
             if out:
                 self.got[step] = {n: v.clone() for n, v in out.items()}
             return out
