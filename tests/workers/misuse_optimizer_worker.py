@@ -125,6 +125,16 @@ def check_options_and_models():
         raises(ValueError, "PIPE_HOROVOD_LINK_GBPS must be a number", lambda: wrap(model, 2))
     finally:
         del os.environ["PIPE_HOROVOD_LINK_GBPS"]
+    # prediction_exchange (issue 36): a format the exchange has not, without the lookahead
+    # it feeds, and one that differs between ranks (every rank raises, naming it).
+    raises(ValueError, "prediction_exchange must be None or one of int4, int8; got 'fp16'",
+           lambda: wrap(model, 2, prediction_exchange="fp16"))
+    raises(ValueError, "it needs staleness_compensation='lookahead', got None",
+           lambda: wrap(model, 2, compensation=None, prediction_exchange="int4"))
+    if phvd.size() > 1:
+        raises(ValueError, "the model differs between ranks: option prediction_exchange is int8 "
+                          "on rank 1 but int4 on rank 0",
+               lambda: wrap(model, 2, prediction_exchange="int8" if phvd.rank() else "int4"))
     with torch.device("meta"):
         meta = MLP()
     raises(ValueError, "is on the meta device", lambda: wrap(meta, 2))
