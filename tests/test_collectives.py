@@ -141,6 +141,73 @@ def test_arrivals_raises_a_failed_receive_where_it_is_waited():
         arrivals.count()
 
 
+def test_an_abandoned_thread_fails_every_call_not_finished_at_once():
+    """An elastic reset after a failure must not wait for a call blocked on a peer
+    that will never send (communicator._Thread.abandon)."""
+    from pipe_horovod.collectives.communicator import _Thread
+    from pipe_horovod.engine.faults import WaitError
+
+    release, started = threading.Event(), threading.Event()
+    thread = _Thread("test-abandon")
+    done = thread.submit(lambda: 1)
+    blocked = thread.submit(lambda: (started.set(), release.wait(10), 2)[-1])
+    queued = thread.submit(lambda: 3)
+    assert done.result(timeout=5) == 1 and started.wait(5)
+    thread.abandon(WaitError("abandoned"))
+    for future in (blocked, queued):                 # at once, not when the call returns
+        with pytest.raises(WaitError, match="abandoned"):
+            future.result(timeout=0)
+    release.set()
+    assert _until(lambda: not thread._thread.is_alive())
+    with pytest.raises(WaitError, match="abandoned"):
+        blocked.result(timeout=0)                    # what the call returned is dropped
+    with pytest.raises(RuntimeError, match="abandoned"):
+        thread.submit(lambda: 4)
+
+
+def _abort_rank(rank, port, out):
+    """A gloo rank with a receive its peer never answers; rank 0 aborts the group."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from pipe_horovod.collectives.communicator import _abort
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=60))
+    work = dist.irecv(torch.zeros(1), src=1 - rank, tag=7 + rank)   # never sent
+    dist.barrier()
+    if rank == 0:
+        _abort(dist.group.WORLD, rank)
+    start = time.monotonic()
+    try:
+        work.wait()
+        out.put((rank, "completed", 0.0))
+    except RuntimeError as exc:
+        out.put((rank, str(exc), time.monotonic() - start))
+
+
+def test_abort_fails_the_waits_of_a_gloo_group_on_every_rank():
+    """communicator._abort: both ranks' waits fail within seconds (the group's timeout is
+    a minute), here by the timeout's pair closure, at the peer by the closed connection."""
+    import multiprocessing
+
+    from pipe_horovod.collectives.group import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    out, port = ctx.Queue(), free_port("127.0.0.1")
+    procs = [ctx.Process(target=_abort_rank, args=(r, port, out), daemon=True) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    results = sorted(out.get(timeout=50) for _ in procs)
+    for proc in procs:
+        proc.join(10)
+    assert [r for r, _, _ in results] == [0, 1]
+    for rank, message, seconds in results:
+        assert "completed" != message and seconds < 20, (rank, message, seconds)
+    assert "Connection closed by peer" in results[1][1], results
+
+
 def test_collective_config_round_trips():
     """What a saved Keras model keeps of `collective=` rebuilds the same Collective."""
     for spec in (collectives.Collective("ring"),

@@ -11,10 +11,14 @@ collectives can be in flight and waited in any order.
 """
 import collections
 import concurrent.futures
+import queue
+import re
+import threading
 import weakref
 
 from ..compression import accumulator
 from ..engine.base import Average, Done, Work
+from ..engine.faults import WaitError
 from .agreement import Agreement, signature
 from .buffers import Pool
 from .channel import Channel, tag_base
@@ -38,6 +42,77 @@ def communicator(eng):
 def opened(eng):
     """The engine's communicator if one was created, else None (creates nothing)."""
     return _communicators.get(eng)
+
+
+def abandon(eng):
+    """After a failure that an elastic reset recovers from: fail what `eng`'s
+    communicator still runs or queues, without waiting for it (see Communicator.abandon)."""
+    found = _communicators.get(eng)
+    if found is not None:
+        found.abandon()
+
+
+class _Thread:
+    """One daemon thread running the calls submitted to it, in order.
+
+    Why not a ThreadPoolExecutor: after a peer failed, a call may wait for a
+    message that will never come. `abandon` fails every call not finished at
+    once, whatever gloo does with the one running (its group is aborted too:
+    Communicator.abandon), and a daemon never holds up the process's exit.
+    """
+
+    def __init__(self, name):
+        self._calls = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._unfinished = set()
+        self._abandoned = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args):
+        future = concurrent.futures.Future()
+        with self._lock:
+            if self._abandoned:
+                raise RuntimeError("pipe_horovod.collectives: the communicator was abandoned")
+            self._unfinished.add(future)
+        self._calls.put((future, fn, args))
+        return future
+
+    def _loop(self):
+        while (call := self._calls.get()) is not None:
+            self._run(*call)
+            del call             # nor the last call's tensors alive while the thread waits
+
+    def _run(self, future, fn, args):
+        with self._lock:
+            if self._abandoned:
+                return                        # its future failed in abandon()
+            future.set_running_or_notify_cancel()
+        try:
+            outcome = (fn(*args), None)
+        except BaseException as exc:          # handed to the waiter, as an executor does
+            outcome = (None, exc)
+        with self._lock:
+            if future not in self._unfinished:
+                return                        # abandoned while it ran: dropped
+            self._unfinished.discard(future)
+            if outcome[1] is None:
+                future.set_result(outcome[0])
+            else:
+                future.set_exception(outcome[1])
+
+    def stop(self):
+        """After the last call: the thread ends once it has run every call before."""
+        self._calls.put(None)
+        self._thread.join()
+
+    def abandon(self, exc):
+        with self._lock:
+            self._abandoned = True
+            unfinished, self._unfinished = self._unfinished, set()
+            for future in unfinished:
+                future.set_exception(exc)
+        self._calls.put(None)
 
 
 class _Running(Work):
@@ -121,8 +196,7 @@ class Communicator:
     def __init__(self, eng):
         self.engine = eng
         self.group, self.owned = open_group(eng) if eng.size() > 1 else (None, False)
-        self._thread = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="pipe_horovod-collectives")
+        self._thread = _Thread("pipe_horovod-collectives")
         self._sequence = collections.Counter()    # per process set: launches so far
         self.pool = Pool()
         self.agreement = Agreement()
@@ -161,21 +235,27 @@ class Communicator:
             return done
         sequence = self._sequence[job.set_id]
         self._sequence[job.set_id] += 1
-        checking = Channel(torch.distributed, self.group, job.ranks,
-                           tag_base(sequence, job.set_id))
-        verified = self.agreement.check(job, checking, sequence)
-        channel = Channel(torch.distributed, self.group, job.ranks,
-                          tag_base(sequence, job.set_id, verified))
         try:
+            checking = Channel(torch.distributed, self.group, job.ranks,
+                               tag_base(sequence, job.set_id))
+            verified = self.agreement.check(job, checking, sequence)
+            channel = Channel(torch.distributed, self.group, job.ranks,
+                              tag_base(sequence, job.set_id, verified))
             return job.run(channel, self.pool)
         except RuntimeError as exc:
-            if "timed out" not in str(exc).lower():
+            where = (f"rank {job.ranks[job.me]}: collectives.{job.kind} (call #{sequence}, "
+                     f"{dict(signature(job))})")
+            if "timed out" in str(exc).lower():
+                raise ValueError(
+                    f"{where} got no message from a peer within the timeout: the ranks may "
+                    f"have called it with different arguments (each a call verified "
+                    f"before), or a peer stopped") from exc
+            if isinstance(exc, WaitError) or not _CLOSED.search(str(exc)):
                 raise
-            raise ValueError(
-                f"rank {job.ranks[job.me]}: collectives.{job.kind} (call #{sequence}, "
-                f"{dict(signature(job))}) got no message from a peer within the timeout: "
-                f"the ranks may have called it with different arguments (each a call "
-                f"verified before), or a peer stopped") from exc
+            # A peer failed, reset (its group aborted: abandon below) or exited: elastic
+            # training resets on this, as on a failed collective of the engine's.
+            raise WaitError(f"{where} failed: a peer closed the connection (it failed, "
+                            f"reset or exited): {exc}") from exc
 
     def close(self):
         """Before the engine stops: let every started collective finish (the other
@@ -183,11 +263,8 @@ class Communicator:
         if self.closed:
             return
         self.closed = True
-        try:
-            self._thread.submit(lambda: None).result(timeout=CLOSE_TIMEOUT_S)
-        except RuntimeError:
-            pass        # at interpreter exit Python joined the thread already, its queue done
-        self._thread.shutdown(wait=True)
+        self._thread.submit(lambda: None).result(timeout=CLOSE_TIMEOUT_S)
+        self._thread.stop()
         self.pool.clear()
         if self.owned:
             import torch.distributed as dist
@@ -197,3 +274,50 @@ class Communicator:
             if dist.is_initialized():
                 tear_down(dist)
         _communicators.pop(self.engine, None)
+
+    def abandon(self):
+        """Fail every collective not finished, at once, and let the group go unused.
+
+        Why: an elastic reset after a failure (a peer died, or failed and reset)
+        restores a commit, so nothing waits for what is in flight here, and some
+        of it waits for messages the peers will never send. The group is aborted,
+        so what waits on it fails, here and at the peers (whose own reset then
+        finds nothing to wait for); the ranks' message numbers no longer agree, so
+        the engine's next communicator (after the reset) opens a new group.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self._thread.abandon(WaitError(
+            "pipe_horovod.collectives: abandoned at an elastic reset after a failure"))
+        if self.group is not None:
+            _abort(self.group, self.engine.rank())
+        if self.owned:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        _communicators.pop(self.engine, None)
+
+
+# A tag no collective's message takes (channel.py: message ids are small).
+_ABORT_TAG = (1 << 31) - 1
+# How gloo words a failure of the connection to a peer (its exit, or its aborted group).
+_CLOSED = re.compile(r"Connection closed by peer|pair closure|Connection reset", re.I)
+
+
+def _abort(group, me):
+    """Close every connection of a gloo group, failing what waits on it here and at the
+    peers. Why this way: gloo has no abort (ProcessGroupGloo.abort frees no wait), but a
+    wait that passes its own timeout closes every pair of its context, and each peer's
+    waits on those pairs then fail too ("Connection closed by peer")."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    try:
+        dist.irecv(torch.empty(1), src=1 if me == 0 else 0, group=group,
+                   tag=_ABORT_TAG).wait(datetime.timedelta(milliseconds=1))
+    except RuntimeError:
+        pass                  # the expected timeout, or the pairs had closed already

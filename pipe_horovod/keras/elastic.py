@@ -42,6 +42,7 @@ import keras
 import numpy as np
 
 from .. import engine
+from ..pipeline.own_state import identical
 from ..torch import elastic as torch_elastic
 from .callbacks import broadcast_variables
 
@@ -137,7 +138,7 @@ class KerasState(torch_elastic.ObjectState):
             join()
         mine = self._committable()
         theirs = engine.broadcast_object(mine if engine.rank() == 0 else None, 0)
-        if not _same(_shared(mine), _shared(theirs)):   # a worker that joined, or astray
+        if not identical(_shared(mine), _shared(theirs)):   # a worker that joined, or astray
             (weights, real), store = theirs
             for variable, value in zip(self.model.variables, weights):
                 if value is not None:           # (trainable ones: the real weights below)
@@ -187,18 +188,6 @@ _OWN = ("pipe_horovod.kept.", "pipe_horovod.error_feedback.")
 def _shared(committable):
     weights, store = committable
     return weights, {k: v for k, v in store.items() if not k.startswith(_OWN)}
-
-
-def _same(a, b):
-    """Bitwise equality of nested tuples, lists and dicts of arrays."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(
-            _same(x, y) for x, y in zip(a, b))
-    if a is None or b is None:
-        return a is b
-    return np.array_equal(np.asarray(a), np.asarray(b))
 
 
 class CommitStateCallback(keras.callbacks.Callback):

@@ -1,6 +1,6 @@
 """Elastic training with a pipelined optimizer, with or without a failure.
 
-`python elastic_worker.py MODE DEPTH OUT [MODE DEPTH OUT ...]`, launched by
+`python elastic_worker.py MODE DEPTH[:CODEC] OUT [...]`, launched by
 horovodrun's elastic mode (one run), torchrun or plain python (the runs in turn, in
 the same processes: one launch for a clean run and its failing twin):
 
@@ -21,6 +21,10 @@ the same processes: one launch for a clean run and its failing twin):
   (argv[4]); after a commit rank 0 adds a second host to that file, so
   Horovod starts a worker, the next commit raises HostsUpdatedInterrupt
   and the new worker receives the state from rank 0.
+
+DEPTH:CODEC (say 2:int8_ef) reduces with that compression, whose two stages run point
+to point on pipe_horovod's own gloo group (CPU tensors): a failure leaves messages there
+that a peer never sends, which the reset must not wait for.
 
 Rank 0 writes the final weights and the samples each step processed to
 OUT; every rank checks that each epoch processed every sample exactly once.
@@ -62,13 +66,14 @@ class Data(torch.utils.data.Dataset):
         return self.x[i], self.y[i], i
 
 
-def model_and_optimizer(depth):
+def model_and_optimizer(spec):
+    depth, _, codec = spec.partition(":")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        named_parameters=model.named_parameters(), pipeline_depth=depth, warmup_steps=1,
-        staleness_compensation=None)
+        named_parameters=model.named_parameters(), pipeline_depth=int(depth), warmup_steps=1,
+        compression=hvd.Compression.by_name(codec) if codec else hvd.Compression.none)
     return model, opt
 
 
@@ -152,7 +157,7 @@ def run(mode, depth, out):
 def main():
     runs = sys.argv[1:4] if sys.argv[1] == "scale" else sys.argv[1:]   # scale: argv[4] below
     for at in range(0, len(runs), 3):
-        run(runs[at], int(runs[at + 1]), Path(runs[at + 2]))
+        run(runs[at], runs[at + 1], Path(runs[at + 2]))
     print(f"WORKER_OK rank={hvd.rank()} size={hvd.size()} resets={_resets}", flush=True)
     hvd.shutdown()
 

@@ -33,8 +33,13 @@ What `run` does on each engine:
   (a collective failed: a peer died or reset) restores the last commit,
   `HostsUpdatedInterrupt` (raised by `commit()`/`check_host_updates()`
   on every rank) keeps the current state; both then reset, and the state
-  is synchronized from rank 0 (new workers receive it there). The reset is
-  pipe_horovod's, not `horovod.torch.elastic`'s: operations still in
+  is synchronized from rank 0 (new workers receive it there; a rank that
+  restored the same commit keeps what its optimizer holds of its own: the
+  gradients lookahead predicts from, error-feedback residuals). The reset is
+  pipe_horovod's, not `horovod.torch.elastic`'s: after a failure
+  pipe_horovod's own point-to-point group (two-stage codecs, `collective=`,
+  `prediction_exchange`) is aborted, since its peers may wait there for a
+  message the failed rank never sends; operations still in
   flight are completed or, if they failed, forgotten, then the engine
   shuts down and starts again in this process (Horovod's shutdown + init,
   meeting the driver's new rendezvous: rank and size may change), and the
@@ -64,6 +69,7 @@ import functools
 from typing import Any, Callable
 
 from ... import engine
+from ...collectives.communicator import abandon
 from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
 
@@ -87,12 +93,27 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        reset = functools.partial(_reset, state)
-        if engine.current().name == "horovod":
-            from horovod.common.elastic import run_fn
+        if engine.current().name != "horovod":
+            return _run_in_process(func, functools.partial(_settle, engine.current()),
+                                   state, args, kwargs)
+        from horovod.common.elastic import run_fn
 
-            return run_fn(func, reset)(state, *args, **kwargs)
-        return _run_in_process(func, reset, state, args, kwargs)
+        failed = False          # the attempt that ended raised HorovodInternalError
+
+        def attempt(state, *args, **kwargs):
+            nonlocal failed
+            try:
+                return func(state, *args, **kwargs)
+            except engine.HorovodInternalError:
+                failed = True
+                raise
+
+        def reset():
+            nonlocal failed
+            _restart(state, failed)
+            failed = False
+
+        return run_fn(attempt, reset)(state, *args, **kwargs)
 
     return wrapper
 
@@ -114,12 +135,18 @@ def _run_in_process(func, reset, state, args, kwargs):
         state.on_reset()
 
 
-def _reset(state):
-    """Settle what is in flight; under Horovod, restart the engine in this process."""
+def _restart(state, failed):
+    """Under Horovod: settle what is in flight, restart the engine in this process.
+
+    After a failure pipe_horovod's own point-to-point collectives are abandoned
+    first: the restore dropped what they carry, and some wait for a peer that
+    will never send (the one that failed, or whose collective failed, before
+    starting them); the reset's engine opens a new group when one is needed.
+    """
     current = engine.current()
+    if failed:
+        abandon(current)
     _settle(current)
-    if current.name != "horovod":
-        return
     getattr(state, "_before_engine_reset", lambda: None)()
     engine.shutdown()
     engine.init(current.name)

@@ -20,6 +20,11 @@ and plain python. What differs, and why:
 * Committed values are deep copies, and `restore()` hands out copies again:
   changing a list held in the state in place after a commit does not
   change what was committed (Horovod keeps a reference).
+* The sync gives every rank rank 0's optimizer state, but a rank whose state
+  is rank 0's but for what it holds of its own (the gradients lookahead
+  predicts from, error-feedback residuals: it restored the same commit)
+  keeps its own, as a run without the failure would have
+  (pipeline/own_state.py); a worker that joined takes rank 0's.
 * `reset()` (after the engine was reset, before the sync) re-attaches
   optimizers to the new engine (rank and size may have changed) and
   re-partitions ElasticSamplers, even when the sync is skipped.
@@ -32,6 +37,7 @@ import torch
 from ... import engine
 from .. import mpi_ops
 from ..functions import broadcast_optimizer_state, broadcast_parameters
+from ...pipeline.own_state import identical
 from ..optimizer import is_distributed
 from .sampler import ElasticSampler
 
@@ -195,7 +201,10 @@ class OptimizerStateHandler(StateHandler):
         self.value.load_state_dict(copy.deepcopy(self.saved))
 
     def sync(self):
+        mine = self.value.state_dict() if is_distributed(self.value) else None
         broadcast_optimizer_state(self.value, root_rank=0)
+        if mine is not None and identical(_shared(mine), _shared(self.value.state_dict())):
+            self.value.load_state_dict(mine)
 
     def detach(self):
         # An engine about to be reset must not report the committed gradients in
@@ -206,6 +215,16 @@ class OptimizerStateHandler(StateHandler):
     def reset(self):
         if is_distributed(self.value):
             self.value.rebind_engine()
+
+
+# What a pipelined optimizer's state_dict holds of this rank's own (torch/checkpoint.py's
+# "pipe_horovod" entry): the own gradients kept for lookahead, error-feedback residuals.
+_OWN = ("kept", "error_feedback")
+
+
+def _shared(state_dict):
+    pipe = {k: v for k, v in state_dict.get("pipe_horovod", {}).items() if k not in _OWN}
+    return {**state_dict, "pipe_horovod": pipe}
 
 
 class SamplerStateHandler(StateHandler):
