@@ -175,8 +175,8 @@ def test_unknown_option_is_named(local, value, error, text):
 
 
 @pytest.mark.parametrize("value, compensation, error, text", [
-    ("int2", "lookahead", ValueError, "prediction_exchange must be None or one of int4, int8; "
-                                      "got 'int2'"),
+    ("int2", "lookahead", ValueError, "prediction_exchange must be None, 'auto' or one of "
+                                      "int4, int8; got 'int2'"),
     (4, "lookahead", TypeError, "prediction_exchange must be None or a string, got int"),
     ("int4", None, ValueError, "it needs staleness_compensation='lookahead', got None"),
     ("int4", "dc", ValueError, "it needs staleness_compensation='lookahead', got 'dc'"),
@@ -189,13 +189,11 @@ def test_a_bad_prediction_exchange_is_named(local, value, compensation, error, t
                                   prediction_exchange=value)
 
 
-def test_the_prediction_exchange_is_refused_under_elastic_mode(local, monkeypatch):
-    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
-    model = _model()
-    text = "prediction_exchange='int4' is not supported under horovodrun's elastic mode yet"
-    with pytest.raises(ValueError, match=re.escape(text)):
-        phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                  prediction_exchange="int4")
+@pytest.mark.parametrize("compensation, resolved", [("lookahead", "int4"), (None, None),
+                                                     ("dc", None), ("momentum", None)])
+def test_auto_exchange_is_int4_where_lookahead_predicts(compensation, resolved):
+    """"auto" (the Keras default) needs no lookahead to be valid: without one it is off."""
+    assert staleness.check_prediction_exchange("auto", compensation) == resolved
 
 
 @pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1),

@@ -58,6 +58,7 @@ import keras  # noqa: E402
 import keras_reference as ref  # noqa: E402
 import launcher  # noqa: E402
 import pipe_horovod.keras as phvd  # noqa: E402
+from pipe_horovod.pipeline.staleness import check_prediction_exchange  # noqa: E402
 from tolerance import gamma, relative_error, training_rtol  # noqa: E402
 
 STEPS, SAVE_AT, BATCH, IN, HIDDEN, OUT = 12, 5, 8, 4, 5, 3
@@ -184,7 +185,8 @@ def check_case(kind, depth, warmup, compensation=None, eagerly=False, predivide=
     One process with nothing to send runs lookahead at depth 1 (its prediction is the
     next update); a predivide factor of 2 (exact) sends its gradients through the engine.
     passes: backward_passes_per_step (average: average_aggregated_gradients); local: the
-    indices of variables registered local. exchange: prediction_exchange. With an
+    indices of variables registered local. exchange: prediction_exchange ("default": not
+    passed, the Keras default, int4 with lookahead). With an
     exchange, each exchange is checked exactly against the
     two-stage reference of what every rank sent, and the reference predicts from the
     averages the run exchanged: an int4 code a rounding away from its boundary flips with
@@ -200,7 +202,10 @@ def check_case(kind, depth, warmup, compensation=None, eagerly=False, predivide=
                                     gradient_predivide_factor=predivide, collective=collective,
                                     backward_passes_per_step=passes,
                                     average_aggregated_gradients=average, flush_in_fit=False,
-                                    prediction_exchange=exchange)
+                                    **({} if exchange == "default"
+                                       else {"prediction_exchange": exchange}))
+    exchange = check_prediction_exchange("auto" if exchange == "default" else exchange,
+                                         compensation)
     if phvd.size() == 1 and compensation == "lookahead" and predivide == 1.0:
         depth, exchange = 1, None            # alone: no prediction, nothing exchanged
     model = build()
@@ -372,7 +377,7 @@ def check_settings():
     check_case("adamw-cosine-global", 2, 0, "lookahead")
     check_case("sgd-exponential-clipnorm", 3, 1, "lookahead")
     # prediction_exchange: the prediction from the ranks' exchanged average.
-    check_case("adamw-cosine-global", 2, 0, "lookahead", exchange="int4")
+    check_case("adamw-cosine-global", 2, 0, "lookahead", exchange="default")   # int4
     check_case("sgd-exponential-clipnorm", 3, 1, "lookahead", exchange="int8")
 
 
@@ -708,7 +713,7 @@ def check_errors():
                  lambda: phvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
                                                    staleness_compensation=None,
                                                    prediction_exchange="int4"))
-    expect_error(ValueError, "prediction_exchange must be None or one of int4, int8",
+    expect_error(ValueError, "prediction_exchange must be None, 'auto' or one of int4, int8",
                  lambda: phvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
                                                    prediction_exchange="fp16"))
     if backend == "torch":

@@ -127,7 +127,7 @@ def check_options_and_models():
         del os.environ["PIPE_HOROVOD_LINK_GBPS"]
     # prediction_exchange (issue 36): a format the exchange has not, without the lookahead
     # it feeds, and one that differs between ranks (every rank raises, naming it).
-    raises(ValueError, "prediction_exchange must be None or one of int4, int8; got 'fp16'",
+    raises(ValueError, "prediction_exchange must be None, 'auto' or one of int4, int8; got 'fp16'",
            lambda: wrap(model, 2, prediction_exchange="fp16"))
     raises(ValueError, "it needs staleness_compensation='lookahead', got None",
            lambda: wrap(model, 2, compensation=None, prediction_exchange="int4"))

@@ -116,8 +116,9 @@ class Settings:
     # glorot_uniform and zero biases, torch.nn's bounds), or one library's in either model
     # (keras_model and torch_model say how): issue 36 asks whether it decides the lag.
     init: str = "own"
-    # The lookahead configurations' prediction_exchange (None, "int4", "int8"): the
-    # prediction from the ranks' exchanged average (issue 36, direction (c)).
+    # The lookahead configurations' prediction_exchange ("int4", "int8"; "none": the own
+    # gradient): the prediction from the ranks' exchanged average (issue 36, direction
+    # (c)). None: the adapter's default (Keras: int4; PyTorch: the own gradient).
     exchange: str = None
     eval_every: int = 50
     train_chars: int = 1_000_000
@@ -244,8 +245,12 @@ def torch_model(s):
 
 
 def _exchange(s, option):
-    """The run's prediction_exchange: the setting's, where the configuration predicts."""
-    return s.exchange if option == "lookahead" else None
+    """The run's prediction_exchange argument: the setting's where the configuration
+    predicts (none elsewhere); without a setting, none (the adapter's default)."""
+    if s.exchange is None:
+        return {}
+    return {"prediction_exchange": s.exchange if option == "lookahead" and s.exchange != "none"
+            else None}
 
 
 def train_torch(s, config, seed, rank, size, train, val, on_eval):
@@ -263,7 +268,7 @@ def train_torch(s, config, seed, rank, size, train, val, on_eval):
                             weight_decay=s.weight_decay)
     opt = phvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                     pipeline_depth=depth, staleness_compensation=option,
-                                    prediction_exchange=_exchange(s, option),
+                                    **_exchange(s, option),
                                     compression=phvd.Compression.by_name(
                                         config_compression(config)))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: lr_at(s, size, t) / (s.lr * size))
@@ -410,7 +415,7 @@ def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True,
 
     opt = hvd.DistributedOptimizer(keras_optimizer(keras, s, size),
                                    pipeline_depth=depth, staleness_compensation=option,
-                                   prediction_exchange=_exchange(s, option), flush_in_fit=flush,
+                                   **_exchange(s, option), flush_in_fit=flush,
                                    compression=hvd.Compression.by_name(config_compression(config)))
     if unclipped:
         predict_unclipped(opt)
@@ -681,10 +686,11 @@ def add_arguments(p):
                         "trains with Adam")
     p.add_argument("--d-model", type=int, default=Settings.d_model,
                    help=f"the transformer's width (default {Settings.d_model})")
-    p.add_argument("--exchange", choices=("int4", "int8"),
+    p.add_argument("--exchange", choices=("int4", "int8", "none"),
                    help="the lookahead configurations' prediction_exchange (the prediction "
-                        "from the ranks' average exchanged in that format; default: the "
-                        "optimizer's)")
+                        "from the ranks' average exchanged in that format; none: from the "
+                        "rank's own gradient; default: the adapter's, int4 on Keras, none "
+                        "on PyTorch)")
     p.add_argument("--sweep",
                    help="Keras: run the cells of a design (issue36) or of a list "
                         "framework:schedule:clipping:weight_decay:steps,... (sync and the "
