@@ -64,3 +64,19 @@ def test_keras_on_tensorflow_default_is_the_unwrapped_optimizer_plus_two_copies(
     assert rows["ours-k2-default"]["torch"] == pytest.approx(1.0, abs=0.01), rows
     assert rows["ours-k2-default"]["tf"] - rows["ours-k2"]["tf"] == pytest.approx(1.0, abs=0.05), \
         rows
+
+
+@pytest.mark.parametrize("framework, parse", [("torch", "memory_worker"),
+                                               ("keras", "keras_memory_worker")])
+def test_the_command_line_passes_what_each_worker_reads(framework, parse):
+    """`pipe-horovod memory --framework keras` once passed the PyTorch worker's --model to
+    the Keras worker, which exited with a usage error: each worker parses what it gets."""
+    import argparse
+    import importlib
+
+    parser = argparse.ArgumentParser()
+    memory.add_arguments(parser)
+    args = parser.parse_args(["--framework", framework, "--configs", "ours-k1"])
+    worker = importlib.import_module(f"pipe_horovod.tools.bench.{parse}")
+    backend = None if framework == "torch" else "tensorflow"
+    worker.parse_args(memory.worker_arguments(args, backend))

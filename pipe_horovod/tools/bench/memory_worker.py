@@ -179,7 +179,7 @@ def timed_step(opt, device, cpu=False):
     return (wall, time.thread_time() - start_cpu) if cpu else wall
 
 
-def main(argv=None):
+def parse_args(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--widths", default="2048", help="comma-separated MLP widths")
     parser.add_argument("--steps", type=int, default=8)
@@ -187,7 +187,11 @@ def main(argv=None):
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default="mlp", choices=MODELS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     device = torch.device(args.device)
     phvd.init()
     one_process = phvd.size() == 1

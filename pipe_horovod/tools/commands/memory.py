@@ -90,17 +90,25 @@ def _command(engine, workers, worker_args, module=MODULE):
     raise SystemExit(f"pipe-horovod memory: unknown engine {engine!r} (horovod, torch)")
 
 
-def collect(engine, args, backend=None):
-    """Rows of one launch: the PyTorch worker, or (backend given) the Keras one."""
+def worker_arguments(args, backend=None):
+    """The worker's command line: the PyTorch one's (backend None), or the Keras one's,
+    which has no --device or --model (keras_memory_worker.parse_args)."""
     worker_args = ["--widths", args.widths, "--steps", str(args.steps),
-                   "--optimizers", args.optimizers, "--model", args.model]
+                   "--optimizers", args.optimizers]
     if args.configs:
         worker_args += ["--configs", args.configs]
+    if backend is None:
+        worker_args += ["--device", args.device, "--model", args.model]
+    return worker_args
+
+
+def collect(engine, args, backend=None):
+    """Rows of one launch: the PyTorch worker, or (backend given) the Keras one."""
+    worker_args = worker_arguments(args, backend)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
     if backend is None:
         module = MODULE
-        worker_args += ["--device", args.device]
         env[memory_worker.DDP_ENV] = f"127.0.0.1:{_free_port()}"
     else:
         module = KERAS_MODULE
@@ -173,6 +181,8 @@ def run(args):
     if args.framework == "keras":
         if args.device != "cpu":
             raise SystemExit("pipe-horovod memory --framework keras: CPU only")
+        if args.model != "mlp":
+            raise SystemExit("pipe-horovod memory --framework keras: the MLPs only (--model mlp)")
         rows = []
         for backend in args.backends.split(","):
             for engine in args.engines.split(","):
