@@ -6,7 +6,9 @@ a failure after a commit, and require the same final weights bit for bit
 once per epoch (checked by the workers). Under horovodrun's elastic mode
 the failure is raised on one rank and recovered by Horovod's reset in the
 same processes; torchrun and plain python recover in-process from a
-failure every rank raises.
+failure every rank raises. The workers run the default compensation
+(lookahead): each rank's kept own gradient must survive the sync after a
+restore, or the restored run predicts from rank 0's.
 """
 import copy
 import re
