@@ -37,6 +37,7 @@ from ..compression.two_stage import (chunks, decode_chunk, first_stage_chunk, ow
                                      reduce_shard)
 from ..engine.argument_checks import check_op, check_scale, check_tensor
 from ..engine.base import Average, Done, EngineError, Sum
+from .buffers import Buffers
 from .communicator import Job, communicator, opened
 
 
@@ -78,14 +79,18 @@ def bucket_transport(tensor):
 
 
 def allreduce_async(tensor, name=None, op=None, *, fmt, residuals=None, process_set=None,
-                    prescale_factor=1.0, postscale_factor=1.0, transport="engine"):
+                    prescale_factor=1.0, postscale_factor=1.0, transport="engine",
+                    keep_buffers=True):
     """Start the two-stage quantized reduction of `tensor` in place (Average or Sum);
     `engine.wait(handle)` returns the tensor. `fmt`: a compression.two_stage.WireFormat;
     `residuals`: None or (first, second), error feedback's carries in the accumulator's
     type on the tensor's device: `first` of the tensor's size, `second` of this rank's
     shard (`own_shard`). `transport`: "engine" or "p2p" (CPU tensors; every rank starts
-    its reductions in the same order), see the module's docstring. With one rank nothing
-    is sent or quantized."""
+    its reductions in the same order), see the module's docstring. `keep_buffers`: the
+    point-to-point path keeps its wire buffers for the next call of this size
+    (buffers.py); False frees them when the call ends (the lookahead's exchange, so the
+    memory between steps stays the default's). With one rank nothing is sent or
+    quantized."""
     op = Average if op is None else op
     check_tensor(tensor, "quantized allreduce")
     check_op(op, (Average, Sum), "quantized allreduce")
@@ -147,7 +152,7 @@ def allreduce_async(tensor, name=None, op=None, *, fmt, residuals=None, process_
             return comm.start(_PointToPoint(
                 tensor, op, fmt, parts, first, [second_residual(r) for r in parts], gate,
                 ranks=list(ps.ranks), me=me, set_id=ps.process_set_id,
-                prescale=prescale_factor, postscale=postscale_factor))
+                prescale=prescale_factor, postscale=postscale_factor, keep=keep_buffers))
 
         return eng.gated_async("allreduce", tensor, name, op, start, joined,
                                process_set=process_set)
@@ -189,11 +194,12 @@ class _PointToPoint(Job):
     to every rank; both sides compute every size from the agreed numel, format and
     ranks (the agreement check compares them), so no size travels."""
 
-    __slots__ = ("fmt", "parts", "first", "seconds", "gate")
+    __slots__ = ("fmt", "parts", "first", "seconds", "gate", "keep")
 
-    def __init__(self, tensor, op, fmt, parts, first, seconds, gate, **job):
+    def __init__(self, tensor, op, fmt, parts, first, seconds, gate, keep=True, **job):
         super().__init__("allreduce", tensor, _TwoStage, fmt, op, **job)
         self.fmt, self.parts, self.first, self.seconds, self.gate = fmt, parts, first, seconds, gate
+        self.keep = keep
 
     def instead(self):
         return None if self.gate() else self.tensor
@@ -208,8 +214,8 @@ class _PointToPoint(Job):
         sizes = [[fmt.shard_bytes(n) for _, n in ranges] for ranges in self.parts]
         boxes_at = _laid_out([p * part[me] for part in sizes])
         chunks_at = _laid_out([sum(part) for part in sizes])
-        boxes, outs, sent = pool.get(0, self.acc_dtype, max(chunks_at[-1], boxes_at[-1]),
-                                     torch.uint8, False, False).wires
+        boxes, outs, sent = (pool.get if self.keep else Buffers)(
+            0, self.acc_dtype, max(chunks_at[-1], boxes_at[-1]), torch.uint8, False, False).wires
         received, gathered, at = [], [], []
         for c, part in enumerate(sizes):
             mine = part[me]

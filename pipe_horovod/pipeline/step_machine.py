@@ -242,7 +242,8 @@ class StepMachine:
         handle = quantized.allreduce_async(
             estimate, f"{self.prefix}.{bucket.index}.{bucket.numel}.x", self.op,
             fmt=self.exchange, process_set=self.process_set, prescale_factor=1.0 / self.predivide,
-            postscale_factor=self.predivide, transport=quantized.bucket_transport(estimate))
+            postscale_factor=self.predivide, transport=quantized.bucket_transport(estimate),
+            keep_buffers=False)
         self._exchanges.append((bucket, handle))
         self._deferred.append((bucket, flat))
 
