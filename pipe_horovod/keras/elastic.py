@@ -42,7 +42,7 @@ import keras
 import numpy as np
 
 from .. import engine
-from ..pipeline.own_state import identical
+from ..pipeline.own_state import OWN, identical
 from ..torch import elastic as torch_elastic
 from .callbacks import broadcast_variables
 
@@ -180,9 +180,8 @@ class KerasState(torch_elastic.ObjectState):
             release()
 
 
-# What a pipelined optimizer saves of this rank's own (its local gradients kept for the
-# prediction, its error-feedback residuals): ranks differ there by design.
-_OWN = ("pipe_horovod.kept.", "pipe_horovod.error_feedback.")
+# The saved variables of what a pipelined optimizer holds of this rank's own (own_state.OWN).
+_OWN = tuple(f"pipe_horovod.{name}." for name in OWN)
 
 
 def _shared(committable):

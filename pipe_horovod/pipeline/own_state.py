@@ -10,6 +10,12 @@ a rank that joined, or one astray, takes rank 0's whole.
 """
 import numpy as np
 
+# What a pipelined optimizer saves of this rank's own, by the names its checkpoint gives
+# them (torch/checkpoint.py's "pipe_horovod" entry; the Keras adapter's saved variables
+# under "pipe_horovod.<name>."): the own gradients kept for lookahead, error feedback's
+# residuals.
+OWN = ("kept", "error_feedback")
+
 
 def identical(a, b):
     """Bitwise equality of nested dicts, lists and tuples of arrays, tensors and values."""

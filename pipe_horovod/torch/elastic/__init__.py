@@ -98,22 +98,19 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                                    state, args, kwargs)
         from horovod.common.elastic import run_fn
 
-        failed = False          # the attempt that ended raised HorovodInternalError
-
         def attempt(state, *args, **kwargs):
-            nonlocal failed
             try:
                 return func(state, *args, **kwargs)
             except engine.HorovodInternalError:
-                failed = True
+                # At the failure, before the restore and the reset wait for anything:
+                # pipe_horovod's own point-to-point collectives are abandoned. The
+                # restore drops what they carry, and some wait for a peer that will
+                # never send (the one that failed, or whose collective failed, before
+                # starting them); the reset's engine opens a new group when needed.
+                abandon(engine.current())
                 raise
 
-        def reset():
-            nonlocal failed
-            _restart(state, failed)
-            failed = False
-
-        return run_fn(attempt, reset)(state, *args, **kwargs)
+        return run_fn(attempt, functools.partial(_restart, state))(state, *args, **kwargs)
 
     return wrapper
 
@@ -135,17 +132,9 @@ def _run_in_process(func, reset, state, args, kwargs):
         state.on_reset()
 
 
-def _restart(state, failed):
-    """Under Horovod: settle what is in flight, restart the engine in this process.
-
-    After a failure pipe_horovod's own point-to-point collectives are abandoned
-    first: the restore dropped what they carry, and some wait for a peer that
-    will never send (the one that failed, or whose collective failed, before
-    starting them); the reset's engine opens a new group when one is needed.
-    """
+def _restart(state):
+    """Under Horovod: settle what is in flight, restart the engine in this process."""
     current = engine.current()
-    if failed:
-        abandon(current)
     _settle(current)
     getattr(state, "_before_engine_reset", lambda: None)()
     engine.shutdown()

@@ -37,7 +37,7 @@ import torch
 from ... import engine
 from .. import mpi_ops
 from ..functions import broadcast_optimizer_state, broadcast_parameters
-from ...pipeline.own_state import identical
+from ...pipeline.own_state import OWN, identical
 from ..optimizer import is_distributed
 from .sampler import ElasticSampler
 
@@ -217,13 +217,8 @@ class OptimizerStateHandler(StateHandler):
             self.value.rebind_engine()
 
 
-# What a pipelined optimizer's state_dict holds of this rank's own (torch/checkpoint.py's
-# "pipe_horovod" entry): the own gradients kept for lookahead, error-feedback residuals.
-_OWN = ("kept", "error_feedback")
-
-
 def _shared(state_dict):
-    pipe = {k: v for k, v in state_dict.get("pipe_horovod", {}).items() if k not in _OWN}
+    pipe = {k: v for k, v in state_dict.get("pipe_horovod", {}).items() if k not in OWN}
     return {**state_dict, "pipe_horovod": pipe}
 
 
