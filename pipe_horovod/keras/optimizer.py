@@ -28,6 +28,7 @@ from ..collectives import Collective, check_collective
 from ..collectives.communicator import communicator
 from ..compression import Compression, config_name
 from ..pipeline.buckets import AutoBucketCap, resolve_bucket_cap_mb
+from ..pipeline.identity import describe_variables
 from ..pipeline import (announce_depth, check_options, check_prediction_exchange,
                         check_reduction, check_staleness, compare_across_ranks, opens_group,
                         report_unapplied, resolve_depth, staleness)
@@ -105,9 +106,10 @@ class _PipelinedKeras(_Keras2Gradients):
             return
         self._joined = True
         options = self._pipe_options
-        description = {f"variable {i} ({v.name})":      # not its path: that counts models
-                       f"shape {tuple(v.shape)} {_dtype(v)}{' local' if local else ''}"
-                       for i, (v, local) in enumerate(zip(self._path.variables, self._local))}
+        # By position, path, shape and dtype (pipeline/identity.py: why not the bare name)
+        description = describe_variables(
+            (_variable_name(v), v.shape, _dtype(v), "local" if local else "")
+            for v, local in zip(self._path.variables, self._local))
         description.update({f"option {k}": repr(v) for k, v in options.items()
                             if k != "process_set"})
         ps = options["process_set"]

@@ -6,6 +6,7 @@ comparing it on every rank makes all of them raise the same readable error.
 """
 import math
 import numbers
+import re
 
 
 def _int_at_least(name, value, low):
@@ -53,6 +54,12 @@ def check_reduction(op, gradient_predivide_factor):
                          "(it splits the average around the sum), as in Horovod")
 
 
+def _in_order(key):
+    """Keys sorted with their numbers as numbers, so the first position that differs is
+    the one named ("variable 2" before "variable 10")."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(key))]
+
+
 def compare_across_ranks(allgather_object, description, what="model"):
     """Raise on every rank if any rank's `description` differs from rank 0's.
 
@@ -64,7 +71,7 @@ def compare_across_ranks(allgather_object, description, what="model"):
     for rank, theirs in enumerate(everyone[1:], start=1):
         if theirs == reference:
             continue
-        for key in sorted(set(reference) | set(theirs), key=str):
+        for key in sorted(set(reference) | set(theirs), key=_in_order):
             mine, other = reference.get(key, "<missing>"), theirs.get(key, "<missing>")
             if mine != other:
                 raise ValueError(f"the {what} differs between ranks: {key} is {other} on rank "

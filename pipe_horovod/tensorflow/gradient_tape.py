@@ -53,6 +53,7 @@ from ..keras.tensorflow_path import torch_device
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
                         check_reduction, compare_across_ranks, report_unapplied, resolve_depth)
 from ..pipeline.buckets import bucket_cap_bytes, resolve_bucket_cap_mb
+from ..pipeline.identity import describe_variables
 from . import handoff
 
 _pipelines = {}                    # (source refs, process set) -> _Pipeline
@@ -66,6 +67,11 @@ def _ref(source):
     """A hashable stand-in for a source: TF's reference, or (a Keras 3 variable, which
     the pipeline keeps alive) its identity."""
     return source.ref() if hasattr(source, "ref") else id(source)
+
+
+def _path(source):
+    """What names a source across ranks: a Keras 3 variable's path, else its name."""
+    return getattr(source, "path", None) or getattr(source, "name", None) or "tensor"
 
 
 def _key(sources):
@@ -109,9 +115,12 @@ class _Pipeline:
                                self.names, self.shapes, self.dtypes))) if name not in self.local])
         # A local source is this rank's own (never sent): its shape may differ between
         # ranks, as a model-parallel layer's does (Horovod's test_model_parallel_model).
-        description = {f"source {i} ({n.split('.', 1)[1]})":
-                       "local" if n in self.local else f"shape {s} {d.name}"
-                       for i, (n, s, d) in enumerate(zip(self.names, self.shapes, self.dtypes))}
+        # By position, path, shape and dtype (pipeline/identity.py: why not the bare name).
+        description = describe_variables(
+            ((_path(source), None, None, "local") if n in self.local else
+             (_path(source), s, d.name, "")
+             for n, source, s, d in zip(self.names, self.sources, self.shapes, self.dtypes)),
+            what="source")
         description.update({f"option {k}": repr(v) for k, v in options.items()
                             if k not in ("process_set", "groups", "local_sources")})
         if ps is None or ps.included():

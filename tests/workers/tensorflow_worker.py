@@ -423,6 +423,35 @@ def expect_error(kind, words, fn):
     raise AssertionError(f"no {kind.__name__} ({words!r})")
 
 
+def check_reordered_variables(r):
+    """The same variables listed in another order on rank 1, every shape and bare name
+    ("kernel") alike: compared by name, the ranks averaged each layer's gradient into
+    the other layer, silently. Refused on every rank, naming the first position that
+    differs with its path on each rank, through the tape and through the optimizer."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, use_bias=False),
+                              keras.layers.Dense(4, use_bias=False)])
+    variables = model.trainable_variables[::-1] if r == 1 else model.trainable_variables
+    x = tf.ones((1, 4))
+
+    def through_the_tape():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x))
+        hvd.DistributedGradientTape(tape).gradient(loss, variables)
+    # Paths as compared: each counter renumbered within the list (pipeline/identity.py),
+    # whatever models this process built before.
+    expect_error(ValueError, "the list of variables to differentiate differs between ranks: "
+                 "source 0 is sequential/dense_1/kernel, shape (4, 4) float32 on rank 1 but "
+                 "sequential/dense/kernel, shape (4, 4) float32 on rank 0", through_the_tape)
+
+    def through_the_optimizer():
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+        opt.apply_gradients(zip([tf.ones_like(v) for v in variables], variables))
+    expect_error(ValueError, "the model differs between ranks: variable 0 is "
+                 "sequential/dense_1/kernel, shape (4, 4) float32 on rank 1 but "
+                 "sequential/dense/kernel, shape (4, 4) float32 on rank 0",
+                 through_the_optimizer)
+
+
 def check_errors():
     r = hvd.rank()
     model = build()
@@ -444,6 +473,7 @@ def check_errors():
         hvd.DistributedGradientTape(tape).gradient(loss, other.trainable_variables)
     if hvd.size() > 1:
         expect_error(ValueError, "differs between ranks", differing)
+        check_reordered_variables(r)
 
     @tf.function(jit_compile=True)
     def compiled(t):

@@ -1,0 +1,59 @@
+"""How ranks tell that they hold the same variables, in the same order.
+
+Ranks pair gradients by position, so every adapter compares, before the
+first reduction, what each position holds. A bare name cannot tell layers
+apart: every Keras 3 Dense layer's weights are "kernel" and "bias", so a list
+in another order on one rank (same shapes) compared equal, and gradients
+were averaged into the wrong layers with nothing said. A path
+("sequential/dense_1/kernel") tells them apart, but the numbers Keras appends
+to auto-named layers and models count per process: a rank that built
+another model first calls the same layer "dense_3". So paths are compared
+with those counters renumbered within the list (the n-th distinct counter of
+a name becomes its n-th), which keeps the layers' order and drops what only
+says how many models the process made before.
+"""
+import re
+
+_COUNTED = re.compile(r"^(.*?)(?:_(\d+))?$")    # "dense_3" -> ("dense", "3")
+
+
+def comparable_paths(paths):
+    """`paths` ("model/layer/weight", one per variable, in order) with each name's
+    per-process counters renumbered from 0 within the list: equal on ranks that
+    built the same model, whatever each built before; different where two layers
+    of one kind come in another order."""
+    split = [[_COUNTED.match(part).groups() for part in str(path).split("/")]
+             for path in paths]
+    seen = {}
+    for parts in split:
+        for base, number in parts:
+            seen.setdefault(base, set()).add(int(number or 0))
+    order = {base: {n: i for i, n in enumerate(sorted(numbers))}
+             for base, numbers in seen.items()}
+
+    def renumbered(base, number):
+        i = order[base][int(number or 0)]
+        return base if i == 0 else f"{base}_{i}"
+    return ["/".join(renumbered(base, number) for base, number in parts) for parts in split]
+
+
+def describe_variables(entries, what="variable"):
+    """The description compare_across_ranks compares for a list of variables.
+
+    Args:
+        entries: one (path, shape, dtype name, note) per variable, in the order the
+            ranks pair their gradients; note ("local", ...) may be ""; shape and dtype
+            None where they may differ between ranks (a local variable's).
+        what: how the message names one entry ("variable", "source").
+
+    Returns:
+        {"<what> <position>": "<path>, shape <shape> <dtype>[, <note>]"}: position,
+        path, shape and dtype together, so the first entry that differs is named with
+        what it is on each rank.
+    """
+    entries = list(entries)
+    paths = comparable_paths([e[0] for e in entries])
+    return {f"{what} {i}": ", ".join(
+                [path] + ([] if shape is None else [f"shape {tuple(shape)} {dtype}"])
+                + ([note] if note else []))
+            for i, (path, (_, shape, dtype, note)) in enumerate(zip(paths, entries))}
