@@ -84,7 +84,7 @@ def test_the_horovod_engine_says_how_to_install_horovod(env, how):
     rc, out = python("import pipe_horovod.torch as hvd\nhvd.init()", env, **how)
     assert rc != 0
     last = out.strip().splitlines()[-1]
-    assert last.startswith("pipe_horovod.engine.base.EngineError: " + MISSING), out
+    assert last.startswith("pipe_horovod.engine.faults.EngineError: " + MISSING), out
     for text in HOW:
         assert text in last, (text, last)
 

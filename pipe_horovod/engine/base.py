@@ -6,119 +6,35 @@ protect users from silent corruption (a name reused while in flight, a
 non-contiguous tensor that the C++ side would reduce in a copy, a bad
 argument the library would answer with an abort or a hang) run here once,
 instead of in each engine. Engines implement the `_start_*` hooks; process
-sets, automatic names, the timeline and the handles in flight are kept here.
+sets (process_set_registry.py), automatic names, the timeline and the handles in
+flight are kept here; two-stage operations (two_stage.py) and the reports of what
+failed (reporting.py) are mixed in from modules of their own.
 """
 import collections
-import concurrent.futures
 import contextlib
 import functools
 import inspect
 import itertools
 import math
-import os
-import queue
 import threading
 import time
-import traceback
-import uuid
 
 from .argument_checks import (check_name, check_op, check_reducible, check_root, check_rows,
                               check_scale, check_splits, check_tensor, check_tensors)
-from .faults import (DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, HorovodInternalError,  # noqa: F401
-                     HostsUpdatedInterrupt, RankLostError, WaitError, WaitTimeoutError,
-                     describe_lost, lost_ranks, runs_here, wait_until, whoami)
-from . import causes, objects
-from .mismatch import MismatchError, from_library, join_refused
+from .faults import (DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, EngineError,  # noqa: F401
+                     HorovodInternalError, HostsUpdatedInterrupt, RankLostError, WaitError,
+                     WaitTimeoutError, wait_until)
+from . import objects
+from .handles import Handle
+from .mismatch import MismatchError
 from .stall import POSTED_RAISES, STATUS_AFTER_S, Call, Stall, StepMismatchError, describe
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
-from .process_sets import ProcessSet, check_new_sets, global_process_set
+from .process_set_registry import ProcessSetRegistry
+from .process_sets import ProcessSet, global_process_set  # noqa: F401
+from .reporting import FailureReports
 from .timeline import Timeline
+from .two_stage import TwoStageOperations
 from .work import Done, Then, Work, WorkList  # noqa: F401 -- engines import them from here
-
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-class EngineError(RuntimeError):
-    """A communication engine cannot be used as asked."""
-
-
-# Pool threads of two-stage reductions (alltoall, then allgather) are created only
-# while that many are blocked at once in their alltoall; see Engine.two_stage_async.
-TWO_STAGE_THREADS = 64
-
-
-class TwoStage(Work):
-    """A reduction in chunks of an alltoall, then an allgather (Engine.two_stage_async):
-    the pool thread's future, and the allgathers it started that no chunk's `finish`
-    has taken yet, in chunk order. Only the pool thread touches `pending` until its
-    future is done (`poll` looks at it only then)."""
-
-    def __init__(self, result):
-        self.future = None          # set once the first chunk's alltoall started
-        self.pending = collections.deque()    # (allgather's Work, finish) by chunk
-        self.result = result        # result() -> the operation's result, once all finished
-
-    def poll(self):
-        future = self.future
-        if not future.done():
-            return False
-        if future.exception() is not None:
-            return True             # wait raises at once
-        return all(work.poll() for work, _ in self.pending)
-
-    def finish_ready(self):
-        """Pool thread: hand the allgathers already complete to their `finish`, in order."""
-        while self.pending and self.pending[0][0].poll():
-            work, finish = self.pending.popleft()
-            finish(work.wait())
-
-    def wait(self):
-        self.future.result()        # re-raises the pool thread's error
-        while self.pending:
-            work, finish = self.pending.popleft()
-            finish(work.wait())
-        return self.result()
-
-
-class _Started(Work):
-    """A subclass hook's backend state (`_start_allreduce` may return the library's own
-    handle) as a Work, read through the engine's `_poll`/`_wait`."""
-
-    __slots__ = ("engine", "backend")
-
-    def __init__(self, engine, backend):
-        self.engine, self.backend = engine, backend
-
-    def poll(self):
-        return self.engine._poll_backend(self)
-
-    def wait(self):
-        return self.engine._wait_backend(self)
-
-
-class Handle:
-    """One operation in flight: what `allreduce_async` and the other `*_async` return.
-
-    The engine keeps the backend's own handle; users only pass this back to
-    `poll` and `wait`.
-    """
-
-    __slots__ = ("id", "name", "tensor", "op", "backend", "kind", "started", "root")
-
-    def __init__(self, id_, name, tensor, op, backend, kind="allreduce", started=None,
-                 root=None):
-        self.id = id_
-        self.name = name
-        self.tensor = tensor
-        self.op = op                # the ReduceOp of a reduction, else None
-        self.backend = backend
-        self.kind = kind            # "allreduce", "allgather", "broadcast", ...
-        self.started = started      # timeline clock at start, when a timeline records
-        self.root = root            # a broadcast's root
-
-    def __repr__(self):
-        return f"Handle(id={self.id}, name={self.name!r})"
 
 
 def shard_sizes(numel, size):
@@ -172,7 +88,7 @@ def scale_(tensor, factor):
     return tensor.copy_((tensor.double() * factor).trunc())
 
 
-class Engine:
+class Engine(ProcessSetRegistry, TwoStageOperations, FailureReports):
     """Base class: bookkeeping of handles; subclasses talk to a library."""
 
     name = "base"
@@ -235,76 +151,6 @@ class Engine:
         gloo_enabled, nccl_built (NCCL's version code, 0 without), ddl_built, ccl_built,
         cuda_built, rocm_built."""
         raise NotImplementedError
-
-    # --- process sets ---------------------------------------------------
-    def _register_process_sets(self, process_sets, global_library_set=None):
-        """Register the global set and those given to init; engines call this once
-        the library is up (Horovod's sets are made by hvd.init itself)."""
-        global_process_set.ranks = list(range(self.size()))
-        self._process_sets = {0: (global_process_set, global_library_set)}
-        for ps in check_new_sets(process_sets, self.size(), [global_process_set.ranks]):
-            self._adopt(ps)
-
-    def _adopt(self, ps):
-        set_id, library_set = self._add_library_set(ps)
-        ps.process_set_id = set_id
-        self._process_sets[set_id] = (ps, library_set)
-        return ps
-
-    def add_process_set(self, process_set):
-        """Register a ProcessSet (or a list of global ranks) on every rank; return it.
-
-        Collective: every rank calls it, in the same order."""
-        known = [ps.ranks for ps, _ in self._process_sets.values()]
-        (ps,) = check_new_sets([process_set], self.size(), known)
-        return self._adopt(ps)
-
-    def remove_process_set(self, process_set):
-        """Unregister a set (collective); False if it was not registered or is global."""
-        entry = self._process_sets.get(getattr(process_set, "process_set_id", None))
-        if entry is None or entry[0] is not process_set or process_set is global_process_set:
-            return False
-        self._remove_library_set(process_set, entry[1])
-        del self._process_sets[process_set.process_set_id]
-        process_set.process_set_id = None
-        return True
-
-    def resolve_process_set(self, process_set):
-        """The registered ProcessSet an operation runs on, checked before anything is sent.
-
-        Why public: code that builds its own collective on the engine's (the two-stage
-        quantized allreduce) must refuse the same process sets, the same way.
-
-        Args:
-            process_set: a ProcessSet, or None for every rank.
-
-        Returns:
-            The ProcessSet (global_process_set for None).
-
-        Raises:
-            TypeError: not a pipe_horovod ProcessSet.
-            ValueError: not registered with this engine, or this rank is not a member.
-        """
-        ps = global_process_set if process_set is None else process_set
-        if not isinstance(ps, ProcessSet):
-            raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {ps!r}")
-        entry = self._process_sets.get(ps.process_set_id)
-        if entry is None or entry[0] is not ps:
-            raise ValueError(f"{ps} is not registered: pass it to init(process_sets=[...]) or "
-                             "add_process_set() first")
-        if self.rank() not in ps.ranks:
-            raise ValueError(f"rank {self.rank()} is not a member of {ps}")
-        return ps
-
-    def process_set_by_id(self, set_id):
-        """The registered ProcessSet with Horovod's id `set_id`, or None (the TensorFlow
-        identity ops take ids, as Horovod's do)."""
-        entry = self._process_sets.get(set_id)
-        return None if entry is None else entry[0]
-
-    def _library_set(self, ps):
-        """What the library calls process set `ps` (a Horovod ProcessSet, a torch group)."""
-        return self._process_sets[ps.process_set_id][1]
 
     # --- bookkeeping of operations in flight ---------------------------
     def _claim(self, kind, name, ps=None):
@@ -487,178 +333,6 @@ class Engine:
         name = self._claim(kind, name, ps)
         return self._track(kind, name, tensor, op, start(ps), started)
 
-    def two_stage_async(self, kind, tensor, name, op, chunks, result, *, process_set=None,
-                        joined=None):
-        """A reduction in chunks of two collectives each, tracked as one operation
-        under `name`.
-
-        `chunks`: a sequence of callables, called in order on the caller's thread (before
-        this returns); chunk i's call returns (send, splits, received, reduce, finish), and
-        its alltoall of `send` (splits[j] rows to the set's j-th rank) starts at once, before
-        the next chunk's call, so that the next chunk's first stage overlaps this one's
-        transfer. `received`: None, or the rows every rank sends this one when the caller
-        knows them (`_start_alltoall_known`: then every rank's `send` must have the same
-        rows). One pool thread per operation then, chunk by chunk, waits for the
-        alltoall, calls `reduce(received, counts)` and starts the allgather of what it
-        returns, handing allgathers already complete to `finish(gathered)`; `wait` hands
-        it the rest, in chunk order, and returns `result()`. Names: `<name>.a2a` and
-        `<name>.ag` for chunk 0, `<name>.a2a.<i>` and `<name>.ag.<i>` for chunk i > 0;
-        none may be in flight as another tensor's name. Every rank must pass the same
-        number of chunks. The quantized allreduce (collectives/quantized.py, in chunks:
-        compression/two_stage.py's `chunks`) and Horovod's bfloat16 path (one chunk) run
-        on it.
-
-        `joined`: None, or the way on once a rank has joined (hvd.join: uneven data).
-        A joined rank stands in with zeros for an allreduce, not for an alltoall
-        (Horovod: "Alltoall is not supported with Join"), which every rank still
-        training then gets for the whole operation. `joined()` returns (tensor,
-        prescale, postscale, finish): the library's own allreduce of `tensor` (op `op`,
-        named `<name>.join`) runs instead, and `finish` gets its result. Without it,
-        the refusal is the operation's error.
-
-        Why a pool thread: the second collective needs the first one's result, and
-        the optimizer starts reductions during backward and waits for them later,
-        so the alltoalls are started on the caller's thread and the rest runs on a
-        pool thread. A pool thread blocks only on an alltoall, which completes once
-        every rank has *started* that reduction, never on another rank's pool (nor on
-        an allgather: those it only polls); so while fewer than TWO_STAGE_THREADS
-        reductions wait at once for other ranks to start them, any start order that
-        works with the library's own allreduce works here (a single worker thread would
-        not: it would hold one reduction's allgather behind another's alltoall, which
-        can wait on a rank that is itself waiting for that allgather). Collectives of
-        one operation start from two threads in an order that may differ across ranks;
-        both engines match them by name (Horovod's coordinator, the torch engine's
-        negotiation), not by call order.
-        """
-        if name is None:             # the automatic name, which adopt_async then claims
-            name = self._claim(kind, None, self.resolve_process_set(process_set))
-
-        def start(ps):
-            return self._start_two_stage(chunks, name, ps, result, op, joined)
-
-        return self.adopt_async(kind, tensor, name, op, start, process_set=process_set)
-
-    def gated_async(self, kind, tensor, name, op, start, joined, *, process_set=None):
-        """An operation on a transport a joined rank does not answer (pipe_horovod's own
-        point-to-point group: collectives/quantized.py), tracked as one under `name`.
-
-        A joined rank (hvd.join: uneven data) runs none of our code, so a send to it
-        would wait until the timeout. Every rank therefore first allreduces a one under
-        `<name>.probe`, for which a joined rank stands in with zero: `start(ps, gate)`
-        returns the operation's Work, whose thread calls `gate()` before it sends
-        anything. `gate()` is True when every rank of the set is present; else it runs
-        the way on after a join that two_stage_async's `joined` describes (the library's
-        allreduce of what `joined()` gives, under `<name>.join`, its result to `finish`)
-        and returns False once that completed, and the operation sends nothing. Every
-        rank still training gets the same answer, so they all take the same way."""
-        def begin(ps):
-            one = tensor.new_ones(1).float()      # float32: any engine sums it plainly
-            probe = _Started(self, self._start_allreduce(one, f"{name}.probe", Sum, ps, 1.0,
-                                                         1.0))
-
-            def gate():
-                present = self._settled(probe, f"allreduce {name + '.probe'!r}").wait()
-                if int(present.item()) == len(ps.ranks):
-                    return True
-                tensor_, prescale, postscale, finish = joined()
-                stand_in = self._join_allreduce(tensor_, name, op, ps, prescale, postscale)
-                finish(self._settled(stand_in, f"allreduce {name + '.join'!r}").wait())
-                return False
-            return start(ps, gate)
-
-        if name is None:
-            name = self._claim(kind, None, self.resolve_process_set(process_set))
-        return self.adopt_async(kind, tensor, name, op, begin, process_set=process_set)
-
-    def _settled(self, work, what):
-        """`work` (`what`: the collective, for messages) once complete, waited for off the
-        caller's thread, with no stall report (the caller's own wait gives that): past the
-        timeout, or at a shutdown that lets go of the library, it raises."""
-        if not wait_until(lambda: self._releasing or work.poll(),
-                          time.monotonic() + self.timeout_s):
-            raise WaitTimeoutError(f"{what} did not complete within {self.timeout_s:g} s: "
-                                   "a rank has not started it")
-        if self._releasing and not work.poll():
-            raise EngineError(f"the engine shut down while {what} was in flight")
-        return work
-
-    def _join_allreduce(self, tensor, name, op, ps, prescale, postscale):
-        """The library's allreduce that stands in for `name` once a rank joined."""
-        return _Started(self, self._start_allreduce(tensor, f"{name}.join", op, ps, prescale,
-                                                    postscale))
-
-    @staticmethod
-    def _chunk_name(name, what, index):
-        return f"{name}.{what}" if index == 0 else f"{name}.{what}.{index}"
-
-    def _start_two_stage(self, chunks, name, ps, result, op=None, joined=None):
-        """two_stage_async's backend state (a TwoStage Work), for engines' own hooks."""
-        work = TwoStage(result)
-        started = queue.SimpleQueue()         # the caller's alltoalls, to the pool thread
-        try:
-            for index, first_stage in enumerate(chunks):
-                send, splits, received, reduce, finish = first_stage()
-                a2a_name = self._chunk_name(name, "a2a", index)
-                a2a = (self._start_alltoall(send, splits, a2a_name, ps) if received is None
-                       else self._start_alltoall_known(send, splits, received, a2a_name, ps))
-                started.put((a2a, reduce, finish))
-                if work.future is None:
-                    work.future = self._submit(self._second_stage, started, len(chunks),
-                                               name, ps, work, op, joined)
-        finally:
-            started.put(None)                 # after the last chunk: nothing more comes
-        return work
-
-    def _submit(self, fn, *args):
-        """Run `fn(*args)` on the engine's pool of two-stage threads; its Future."""
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=TWO_STAGE_THREADS, thread_name_prefix="pipe_horovod-two-stage")
-        return self._pool.submit(fn, *args)
-
-    def _second_stage(self, started, count, name, ps, work, op, joined):
-        """Pool thread: chunk by chunk, finish the alltoall, reduce, start the allgather."""
-        for index in range(count):
-            a2a, reduce, finish = self._next_chunk(started, index, count, name)
-            try:
-                received, counts = a2a.wait()
-            except Exception as exc:
-                if joined is None or index or not join_refused(exc):
-                    raise
-                self._reduce_after_join(started, count, name, ps, work, op, joined, exc)
-                return
-            gathered = self._start_allgather(reduce(received, counts.tolist()),
-                                             self._chunk_name(name, "ag", index), ps)
-            work.pending.append((gathered, finish))
-            work.finish_ready()               # while the next chunk is on the wire
-
-    def _reduce_after_join(self, started, count, name, ps, work, op, joined, refused):
-        """Pool thread, chunk 0's alltoall `refused` for a joined rank: so are the
-        others (every rank started them all before it could join); then the library's
-        allreduce of what `joined()` gives (two_stage_async)."""
-        for index in range(1, count):
-            try:
-                self._next_chunk(started, index, count, name)[0].wait()
-            except Exception as exc:
-                if not join_refused(exc):
-                    raise
-            else:
-                raise EngineError(f"{name!r}: chunk 0's alltoall was refused for a joined "
-                                  f"rank, chunk {index}'s was not") from refused
-        tensor, prescale, postscale, finish = joined()
-        work.pending.append((self._join_allreduce(tensor, name, op, ps, prescale, postscale),
-                             finish))
-
-    def _next_chunk(self, started, index, count, name):
-        """Pool thread: chunk `index`'s (alltoall, reduce, finish), its alltoall complete."""
-        item = started.get()                  # the caller is computing it: no remote wait
-        if item is None:
-            raise EngineError(f"{name!r}: the first stage of chunk {index} of {count} "
-                              "failed on this rank (the caller got its error)")
-        # Not `_closed`: shutdown first completes what is in flight, these included.
-        self._settled(item[0], f"alltoall {self._chunk_name(name, 'a2a', index)!r}")
-        return item
-
     def _known(self, handle):
         if not isinstance(handle, Handle) or self._in_flight.get(handle.id) is not handle:
             raise ValueError(
@@ -794,158 +468,6 @@ class Engine:
         return ""
 
     # --- faults -----------------------------------------------------------
-    def learn_peers(self, peers=True):
-        """Gather every rank's host and process id (engine.init calls it, once the library
-        is up), so that a failed collective can name the rank that died (unless `peers` is
-        false: elastic mode, whose reset handles a lost rank); and rank 0's name for this
-        engine's session, under which every rank posts on the status board (an elastic
-        reset starts a new engine on the same store: without it, the last one's posts)."""
-        if self.size() > 1:
-            session = uuid.uuid4().hex[:12] if self.rank() == 0 else None
-            gathered = self.allgather_object((*whoami(), session), name="pipe_horovod.peers")
-            if peers:
-                self._peers = [(host, pid) for host, pid, _ in gathered]
-            if self._board is not None:
-                self._board.session = f".{gathered[0][2]}"
-
-    def _diagnose(self, exc, call):
-        """The error to raise for `exc`, a failure of the library while running `call`
-        (a stall.Call)."""
-        refused = from_library(exc, call.what)
-        if refused is not None:          # ranks disagreed (Horovod's check): nobody is lost
-            return refused
-        self._failed = True
-        # A rank that ends posts so before it lets go of the library, so its post is on the
-        # board by the time its sockets close, whether or not its process is gone yet (on a
-        # loaded machine it may take longer than the search for lost ranks below).
-        stopped = None if isinstance(exc, WaitTimeoutError) else self._who_ended(call)
-        if stopped is not None:
-            return stopped
-        if self._peers is None:
-            return exc
-        gone = lost_ranks(self._peers, self.rank())
-        if isinstance(exc, WaitTimeoutError):
-            return WaitTimeoutError(f"{exc}; {describe_lost(self._peers, self.rank(), gone)}")
-        if not gone:
-            return exc
-        self._lost = describe_lost(self._peers, self.rank(), gone)
-        return RankLostError(f"{call.what} failed on rank {self.rank()}: {self._lost} "
-                             f"({type(exc).__name__}: {str(exc).strip()})")
-
-    def refuse(self, exc):
-        """`exc`, an error this rank raises at a step the others will not know of (they
-        would wait for this rank's next collective), posted to the status board: every
-        other rank's next stalled wait raises it too, naming this rank (causes.py). Returns
-        `exc`, so callers write `raise engine.refuse(...)`."""
-        self._tell_raised(exc, final=True)
-        return exc
-
-    def _tell_raised(self, exc, kind=None, name=None, process_set=None, final=False,
-                     where=None, wires=None):
-        """Post `exc`, raised on this rank in the collective `kind` `name` (None: outside
-        one; an automatic name is the one the call would have taken), for the others.
-        `final`: this rank will not start what the others wait for (refuse(), or the error
-        ends its script); `wires`: the names of the collectives the ranks it concerns wait
-        in (a cause read off the board, which they raise too)."""
-        if self._board is None or self._closed:
-            return
-        calls = self._object_calls()
-        if calls:                        # inside an object collective: that is the call
-            kind, name, _ = calls[0]
-        elif kind is not None and name is None:
-            try:
-                ps = self.resolve_process_set(process_set)
-            except Exception:
-                ps = global_process_set
-            name = self._unnamed_name(kind, ps)
-        self._raises += 1
-        if final:
-            self._final = self._raises
-        error = f"{type(exc).__name__}: {exc}".strip()
-        # Raised alike on another rank: the same error at the same step, the same cause, or
-        # in the same call.
-        key = ("final", self.step, error) if final else ("cause", error) if wires else \
-            ("name", name)
-        self._raised.add(key)
-        # A cause this rank read off the board, or every rank's MismatchError: the others
-        # raise the same words, not "rank r raised" them (causes.py).
-        shared = isinstance(exc, (StepMismatchError, RankLostError, MismatchError))
-        self._posted.append(dict(
-            seq=self._raises, error=error,
-            call=None if kind is None else describe(kind, name), name=name, where=where,
-            step=self.step, final=final, shared=shared, wires=wires, key=list(key),
-            at=time.time()))
-        self._board.tell_raised(self.rank(), self._posted)
-
-    def raised_alike(self, post):
-        """Whether this rank raised where another rank's posted error was raised (each
-        rank has its own error then: the other's is no news)."""
-        return tuple(post.get("key") or ()) in self._raised
-
-    def tell_uncaught(self, exc, tb):
-        """engine.init's excepthook: `exc` ends this rank's script; the others' waits name
-        it (with where it was raised) instead of blaming uneven data."""
-        self._failed = True              # leave without waiting for the others' teardown
-        self._uncaught = True
-        frames = traceback.extract_tb(tb) if tb is not None else []
-        # The script's own line: the innermost frame outside pipe_horovod and installed
-        # packages (where a collective of ours or a library call raised, the caller's).
-        ours = [f for f in frames if not f.filename.startswith(_PACKAGE)
-                and "-packages" + os.sep not in f.filename]
-        where = None
-        if ours or frames:
-            last = (ours or frames)[-1]
-            where = f"{os.path.basename(last.filename)}:{last.lineno} in {last.name}"
-        self._tell_raised(exc, final=True, where=where)
-
-    def _linger_for_readers(self, me, size, bound_s=2 * STATUS_AFTER_S + 1.0):
-        """A rank that posted an error that stops it (refuse(), or one that ends its script)
-        leaves once every other rank has raised it (read it off the board), raised alike,
-        or ended, or after `bound_s`: its launcher would stop the others before they could
-        say why."""
-        if self._final is None or self._board is None:
-            return
-        others = [r for r in range(size) if r != me]
-        deadline = time.monotonic() + bound_s
-        while others and time.monotonic() < deadline:
-            acks = self._board.read(others, f"told.{me}")
-            raised = self._board.raised(others)
-            statuses = self._board.read(others)
-            others = [r for r in others if not (
-                (acks[r] and acks[r].get("seq", 0) >= self._final)
-                or any(self.raised_alike(post) for post in raised[r])
-                or (statuses[r] and statuses[r]["state"] == "ended"))]
-            if others:
-                time.sleep(0.05)
-
-    def _leave_after_raisers(self, bound_s=2 * STATUS_AFTER_S + 1.0):
-        """A rank whose script ends with another rank's error (read off the board) leaves
-        after that rank's process did, or after `bound_s`: launchers stop every rank once the
-        first one exits with an error and name that one as the cause, which must be the rank
-        that raised it. Ranks on other hosts cannot be watched: their posted end counts;
-        without the peers' processes (elastic mode does not gather them) nothing is."""
-        if not (self._uncaught and self._raisers) or self._board is None or self._peers is None:
-            return
-        deadline = time.monotonic() + bound_s
-        ranks = sorted(self._raisers)
-        while ranks and time.monotonic() < deadline:
-            running = {r: runs_here(self._peers[r]) for r in ranks}
-            elsewhere = self._board.read([r for r in ranks if running[r] is None])
-            ranks = [r for r in ranks if running[r] or (
-                running[r] is None and (elsewhere[r] or {}).get("state") != "ended")]
-            if ranks:
-                time.sleep(0.02)
-
-    def _who_ended(self, call):
-        """A failure because another rank ended (Horovod's "has been shut down", or a
-        peer that exited) as the error naming that rank and why, read from the status
-        board (causes.py); None when no rank says it ended (it was lost)."""
-        if self._board is None:
-            return None
-        stall = Stall(self, call, time.monotonic(), post=False)
-        others = self._board.read([r for r in range(self.size()) if r != self.rank()])
-        return causes.raised(stall, others) or causes.ended(stall, others, time.time())
-
     # --- synchronous collectives ----------------------------------------
     def broadcast(self, tensor, root, *, process_set=None):
         """Overwrite `tensor` in place with root's value; return it."""

@@ -48,6 +48,10 @@ POLL_CAP_S = 250e-6
 _LOOK_S = 2.0
 
 
+class EngineError(RuntimeError):
+    """A communication engine cannot be used as asked."""
+
+
 class WaitError(HorovodInternalError):
     """A wait of the pipeline failed because of another rank. A HorovodInternalError, so
     Horovod's elastic training resets on it as on the library's own failures."""
