@@ -170,13 +170,6 @@ class Negotiator:
                              if m != self.me and r.key not in table and self._joined[m] is None]
                     for r in requests}
 
-    def others_waiting(self):
-        """{global rank: [names it announced that this rank has not started]}."""
-        with self._lock:
-            mine = set(self._mine) | {r.key for r in self._new}
-            return {self.ranks[m]: [rec.name for key, rec in table.items() if key not in mine]
-                    for m, table in enumerate(self._table) if m != self.me}
-
     def stop(self, join_s=0.0):
         """Stop the thread; wait up to `join_s` for it to leave (it looks at the flag
         every SLICE_S while a cycle is on the wire)."""

@@ -21,7 +21,6 @@ With `average_aggregated_gradients` the torch backend scales each pass's loss
 by 1/N, the same division done before the sum.
 """
 import keras
-import numpy as np
 
 
 class Aggregation:
@@ -105,9 +104,3 @@ class Aggregation:
         result = last_pass(None)
         self.start_cycle()
         return result
-
-
-def counter_value(aggregation):
-    """The pass counter as a Python int (0 without aggregation)."""
-    return 0 if aggregation is None else int(np.asarray(
-        keras.ops.convert_to_numpy(aggregation.counter.value)))
