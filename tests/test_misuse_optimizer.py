@@ -42,3 +42,33 @@ def test_keras_saved_optimizer_names_pipe_horovod():
         assert config["registered_name"] == "pipe_horovod>DistributedOptimizer"
     finally:
         hvd.shutdown()
+
+
+def test_an_optimizer_wrapped_twice_is_refused_naming_both_wrappers():
+    """Ours over ours, and ours over Horovod's own: each would reduce every gradient a
+    second time (twice the delay when pipelined); the refusal names who wrapped it first
+    and who was asked to wrap it again."""
+    import torch
+    import pipe_horovod.torch as phvd
+
+    model = torch.nn.Linear(2, 2)
+    phvd.init("local")
+    try:
+        ours = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(ValueError, match="wrap the original torch.optim optimizer once: "
+                           "pipe_horovod.torch.DistributedOptimizer wraps it, and "
+                           "pipe_horovod.torch.DistributedOptimizer would reduce every gradient "
+                           "a second time"):
+            phvd.DistributedOptimizer(ours)
+        horovod = pytest.importorskip("horovod.torch")
+        horovod.init()
+        try:
+            theirs = horovod.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                  named_parameters=model.named_parameters())
+            with pytest.raises(ValueError, match="horovod.torch.DistributedOptimizer wraps it, "
+                               "and pipe_horovod.torch.DistributedOptimizer would reduce"):
+                phvd.DistributedOptimizer(theirs)
+        finally:
+            horovod.shutdown()
+    finally:
+        phvd.shutdown()

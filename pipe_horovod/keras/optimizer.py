@@ -18,6 +18,7 @@ Both paths share pipeline.StepMachine with the PyTorch adapter.
 import contextlib
 import copy
 import json
+import sys
 import warnings
 import weakref
 
@@ -29,6 +30,7 @@ from ..collectives.communicator import communicator
 from ..compression import Compression, config_name
 from ..pipeline.buckets import AutoBucketCap, resolve_bucket_cap_mb
 from ..pipeline.identity import describe_variables
+from ..pipeline.option_checks import refuse_double_wrapping
 from ..pipeline import (announce_depth, check_options, check_prediction_exchange,
                         check_reduction, check_staleness, compare_across_ranks, opens_group,
                         report_unapplied, resolve_depth, staleness)
@@ -36,6 +38,7 @@ from .keras2_gradients import _Keras2Gradients
 from .naming import momentum_attribute, next_prefix
 
 SUPPORTED_BACKENDS = ("tensorflow", "torch")
+WRAPPER = "pipe_horovod.keras.DistributedOptimizer"
 # staleness_compensation options per backend (None works everywhere): on torch the
 # PyTorch adapter runs them all; the TensorFlow path implements lookahead itself.
 COMPENSATION = {"torch": staleness.OPTIONS, "tensorflow": ("lookahead",)}
@@ -57,6 +60,7 @@ class _PipelinedKeras(_Keras2Gradients):
         self._local = []                         # per built variable: its gradient stays local
         self._agg_helper = None                  # aggregation.py, Horovod's attribute name
         self._reduced = False                    # _compute_gradients reduced what apply gets
+        self._tape_checked = False               # _refuse_tape_gradients ran
 
     def register_local_var(self, var):
         """Keep `var`'s gradient local: never reduced, divided by size() when
@@ -138,6 +142,9 @@ class _PipelinedKeras(_Keras2Gradients):
                      else list(self._trainable_variables))
         self._build_for(variables)
         self._join()
+        if not self._tape_checked:
+            self._tape_checked = True
+            self._refuse_tape_gradients(variables)
         grads = [_dense(g) for g in grads]
         if self._reduced:                        # _compute_gradients reduced them already
             self._reduced = False
@@ -146,6 +153,21 @@ class _PipelinedKeras(_Keras2Gradients):
             return self._path.apply(grads, variables)
         return self._agg_helper.apply(grads, lambda total: self._path.apply(total, variables),
                                       getattr(self._path, "count_pass", None))
+
+    def _refuse_tape_gradients(self, variables):
+        """Refuse gradients a pipe_horovod DistributedGradientTape reduced already: reduced
+        again here they would be averaged twice and, pipelined, delayed twice (at K=2 each
+        an effective depth of 3, and a zero update counted while the tape fills)."""
+        # No tape can exist where its module was never imported (nor on the torch backend).
+        tape = sys.modules.get("pipe_horovod.tensorflow.gradient_tape")
+        if tape is not None and tape.reduces_any(variables):
+            raise ValueError(
+                "these gradients are reduced twice: pipe_horovod.tensorflow."
+                f"DistributedGradientTape reduces them, and {self._pipe_wrapper} (which applies "
+                "them) would reduce them again; use one of the two: a plain tf.GradientTape with "
+                "this DistributedOptimizer (it applies nothing while its pipeline fills and "
+                "compensates the staleness), or the DistributedGradientTape with the unwrapped "
+                "Keras optimizer")
 
     def _build_for(self, variables):
         if not self.built:
@@ -452,8 +474,8 @@ def _backend():
 
 def _check_optimizer(optimizer):
     if isinstance(optimizer, _PipelinedKeras):
-        raise ValueError("this optimizer is a DistributedOptimizer already; wrap the original "
-                         "Keras optimizer once")
+        refuse_double_wrapping(getattr(optimizer, "_pipe_wrapper", WRAPPER), WRAPPER,
+                               "Keras optimizer")
     module = type(optimizer).__module__
     if module.startswith(("tf_keras", "tensorflow.python.keras", "keras.src.optimizers.legacy",
                           "keras.optimizers.legacy")):
@@ -601,6 +623,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     wrapped_cls = type(cls.__name__, (_PipelinedKeras, cls), {"__module__": __name__})
     _register(wrapped_cls)
     optimizer.__class__ = wrapped_cls
+    optimizer._pipe_wrapper = WRAPPER            # what a second wrapper's refusal names
     if name is not None:
         optimizer.name = name
     optimizer._setup_pipeline({

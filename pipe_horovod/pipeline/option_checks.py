@@ -54,6 +54,18 @@ def check_reduction(op, gradient_predivide_factor):
                          "(it splits the average around the sum), as in Horovod")
 
 
+def refuse_double_wrapping(first, second, original):
+    """Raise: `second` (a wrapper's public name) was handed what `first` made already.
+
+    Why: each wrapper reduces every gradient it sees; two in a row average twice and,
+    pipelined, delay twice (K=2 each: an effective depth of 3, and a zero update counted
+    while the second fills), with nothing said. `original`: what to wrap instead.
+    """
+    raise ValueError(f"this optimizer is a DistributedOptimizer already; wrap the original "
+                     f"{original} once: {first} wraps it, and {second} would reduce every "
+                     "gradient a second time")
+
+
 def _in_order(key):
     """Keys sorted with their numbers as numbers, so the first position that differs is
     the one named ("variable 2" before "variable 10")."""

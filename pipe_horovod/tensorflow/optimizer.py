@@ -6,12 +6,16 @@ optimizer, whose `apply_gradients` (eagerly or inside a tf.function) averages
 the local gradients across ranks, applies nothing while the pipeline fills,
 compensates the staleness ("lookahead" by default) and keeps what is in flight
 in its variables, so a tf.train.Checkpoint of it resumes exactly. Use it with a
-plain tf.GradientTape (a DistributedGradientTape would average twice), and call
+plain tf.GradientTape (a DistributedGradientTape's gradients would be averaged twice:
+refused at the first apply), and call
 `optimizer.flush()` after the last step.
 """
 from ..compression import Compression
 from ..engine import Average, global_process_set
 from ..keras import DistributedOptimizer as _KerasDistributedOptimizer
+from ..pipeline.option_checks import refuse_double_wrapping
+
+WRAPPER = "pipe_horovod.tensorflow.DistributedOptimizer"
 
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
@@ -37,7 +41,11 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                         "(tf.compat.v1.train); pipe_horovod.tensorflow wraps Keras 3 optimizers "
                         "(keras.optimizers.SGD, Adam, ...) or reduces with "
                         "DistributedGradientTape")
-    return _KerasDistributedOptimizer(
+    if hasattr(optimizer, "_pipe_wrapper"):     # one of ours: named by the one who wrapped it
+        refuse_double_wrapping(optimizer._pipe_wrapper, WRAPPER, "Keras optimizer")
+    wrapped = _KerasDistributedOptimizer(
         optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
         gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
         num_groups, groups, process_set, scale_local_gradients, **pipelined)
+    wrapped._pipe_wrapper = WRAPPER
+    return wrapped

@@ -39,6 +39,7 @@ from ..collectives.communicator import communicator
 from ..compression import Compression
 from ..compression import describe as describe_compression
 from ..pipeline.buckets import BucketCapBytes, bucket_cap_bytes, resolve_bucket_cap_mb
+from ..pipeline.option_checks import refuse_double_wrapping
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
                         check_prediction_exchange, check_reduction, check_staleness,
                         compare_across_ranks,
@@ -789,9 +790,13 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    if isinstance(optimizer, _PipelinedOptimizer):
-        raise ValueError("this optimizer is a DistributedOptimizer already; wrap the original "
-                         "torch.optim optimizer once")
+    if isinstance(optimizer, _PipelinedOptimizer) or type(optimizer).__module__.startswith(
+            "horovod.torch"):                    # Horovod's wrapper: a class of its module
+        refuse_double_wrapping(
+            getattr(optimizer, "_pipe_wrapper", "pipe_horovod.torch.DistributedOptimizer")
+            if isinstance(optimizer, _PipelinedOptimizer)
+            else "horovod.torch.DistributedOptimizer",
+            "pipe_horovod.torch.DistributedOptimizer", "torch.optim optimizer")
     pipeline_depth, depth_source = resolve_depth(pipeline_depth)
     bucket_cap_mb = resolve_bucket_cap_mb(bucket_cap_mb, process_set)   # None: auto
     check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket_cap_mb)

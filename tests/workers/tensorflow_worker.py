@@ -14,7 +14,8 @@ backend (tests/keras_launches.py; one TensorFlow start-up per engine):
   checkpoint  tf.train.Checkpoint with GradientsInFlight saved mid-run at K=2, without
               compression and with int8_ef (this rank's residuals); a fresh model
               restored from it continues to the uninterrupted run's weights exactly
-  errors      bad input: a clear error on every rank, and a collective still works after
+  errors      bad input: a clear error on every rank, and a collective still works after;
+              variables in another order on one rank; two wrappers in a row
   partial     PartialDistributedGradientTape at K=2 in a tf.function: the last layer local
               (this rank's own gradient / size), the others averaged, both one step late,
               zeros first; get_local_and_global_gradients; the *_op identity ops; a local
@@ -452,6 +453,30 @@ def check_reordered_variables(r):
                  through_the_optimizer)
 
 
+def check_double_wrapping(r):
+    """Two of our wrappers in a row reduce every gradient twice (at K=2 each: an effective
+    depth of 3, a zero update counted while the tape fills), which ran silently: an optimizer
+    wrapped twice is refused when wrapped, a tape's gradients applied through a wrapped
+    optimizer at the first apply; each refusal names both wrappers."""
+    import pipe_horovod.keras as khvd
+
+    for first, second in ((hvd, hvd), (khvd, hvd), (hvd, khvd)):
+        once = first.DistributedOptimizer(keras.optimizers.SGD(0.1))
+        expect_error(ValueError, f"wrap the original Keras optimizer once: {first.__name__}."
+                     f"DistributedOptimizer wraps it, and {second.__name__}.DistributedOptimizer "
+                     "would reduce every gradient a second time",
+                     lambda: second.DistributedOptimizer(once))
+    model, opt = build(), hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    with tf.GradientTape() as tape:
+        loss = loss_of(model, *rank_data(r, 0))
+    grads = hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+    expect_error(ValueError, "these gradients are reduced twice: pipe_horovod.tensorflow."
+                 "DistributedGradientTape reduces them, and pipe_horovod.tensorflow."
+                 "DistributedOptimizer (which applies them) would reduce them again",
+                 lambda: opt.apply_gradients(zip(grads, model.trainable_variables)))
+    hvd.flush(model.trainable_variables)
+
+
 def check_errors():
     r = hvd.rank()
     model = build()
@@ -474,6 +499,7 @@ def check_errors():
     if hvd.size() > 1:
         expect_error(ValueError, "differs between ranks", differing)
         check_reordered_variables(r)
+    check_double_wrapping(r)
 
     @tf.function(jit_compile=True)
     def compiled(t):
