@@ -179,7 +179,9 @@ class _Pipeline:
     # --- checkpoints ------------------------------------------------------------------
     def state(self):
         state = self.machine.state()
-        return {"steps": state["steps"],
+        # The depth and warm-up saved with it: a resume under others names them (restore).
+        return {"steps": state["steps"], "pipeline_depth": self.options["pipeline_depth"],
+                "warmup_steps": self.options["warmup_steps"],
                 "in_flight": [{n: g.cpu().numpy() for n, g in e.items()}
                               for e in state["in_flight"]],
                 "error_feedback": {slot: {n: r.cpu().numpy() for n, r in residuals.items()}
@@ -190,9 +192,7 @@ class _Pipeline:
         fifo = self.machine.fifo
         in_flight = state["in_flight"]
         if in_flight and len(in_flight) >= fifo.threshold(state["steps"]):
-            raise ValueError(f"a checkpoint with {len(in_flight)} gradients in flight at step "
-                             f"{state['steps']} cannot resume inside warm-up (warmup_steps="
-                             f"{fifo.warmup_steps}): resume with the warm-up it was saved with")
+            raise ValueError(_cannot_resume(state, fifo))
         for entry in in_flight:
             if sorted(entry) != sorted(self.names):
                 raise ValueError("the checkpoint's gradients in flight are for other variables "
@@ -232,6 +232,22 @@ def reduces_any(variables):
     pipelined DistributedOptimizer refuses to reduce a second time."""
     refs = {_ref(v) for v in variables}
     return any(ref in refs for key, _ in _pipelines for ref in key)
+
+
+def _cannot_resume(state, fifo):
+    """Why a checkpoint's gradients in flight do not fit this pipeline: more than it holds
+    at that step. A depth that differs from the saved one says so; else the warm-up."""
+    held = (f"a checkpoint with {len(state['in_flight'])} gradient(s) in flight at step "
+            f"{state['steps']}")
+    saved = state.get("pipeline_depth")             # None: written before it was saved
+    if saved is not None and saved != fifo.pipeline_depth:
+        return (f"{held} was saved at pipeline_depth={saved} and cannot resume at "
+                f"pipeline_depth={fifo.pipeline_depth}: resume with pipeline_depth={saved}, or "
+                "apply the gradients in flight (tape.flush()) before saving")
+    return (f"{held} cannot resume inside warm-up (warmup_steps={fifo.warmup_steps}): resume "
+            "with the warm-up it was saved with"
+            + ("" if state.get("warmup_steps") is None else
+               f" (warmup_steps={state['warmup_steps']})"))
 
 
 def pipelines_over(variables):
@@ -414,8 +430,10 @@ class GradientsInFlight(tf.train.experimental.PythonState):
         arrays.update({f"ef{slot}/{n}": r for slot, residuals in
                        state.get("error_feedback", {}).items() for n, r in residuals.items()})
         buffer = io.BytesIO()
+        settings = {key: np.int64(state[key]) for key in ("pipeline_depth", "warmup_steps")
+                    if state.get(key) is not None}
         np.savez(buffer, steps=np.int64(state["steps"]),
-                 entries=np.int64(len(state["in_flight"])), **arrays)
+                 entries=np.int64(len(state["in_flight"])), **settings, **arrays)
         return buffer.getvalue()
 
     def deserialize(self, string_value):
@@ -430,7 +448,9 @@ class GradientsInFlight(tf.train.experimental.PythonState):
                     else:
                         entries[int(k)][name] = data[key]
             state = {"steps": int(data["steps"]), "in_flight": entries,
-                     "error_feedback": residuals}
+                     "error_feedback": residuals,
+                     **{key: int(data[key]) for key in ("pipeline_depth", "warmup_steps")
+                        if key in data.files}}
         pipe = self._pipeline()
         if pipe is None:
             _pending[_key(self._sources)] = state

@@ -15,7 +15,8 @@ backend (tests/keras_launches.py; one TensorFlow start-up per engine):
               compression and with int8_ef (this rank's residuals); a fresh model
               restored from it continues to the uninterrupted run's weights exactly
   errors      bad input: a clear error on every rank, and a collective still works after;
-              variables in another order on one rank; two wrappers in a row
+              variables in another order on one rank; two wrappers in a row; a tape
+              checkpoint resumed at another depth
   partial     PartialDistributedGradientTape at K=2 in a tf.function: the last layer local
               (this rank's own gradient / size), the others averaged, both one step late,
               zeros first; get_local_and_global_gradients; the *_op identity ops; a local
@@ -477,6 +478,22 @@ def check_double_wrapping(r):
     hvd.flush(model.trainable_variables)
 
 
+def check_resume_at_another_depth():
+    """A tape checkpoint saved at K=2 (one gradient in flight) resumed at K=1: the refusal
+    named the warm-up, which the script never set; it names both depths."""
+    model, _, _ = tape_run(2, 0, steps=SAVE_AT, eagerly=True)
+    with tempfile.TemporaryDirectory() as directory:
+        saved = tf.train.Checkpoint(pipeline=hvd.GradientsInFlight(
+            model.trainable_variables)).write(str(Path(directory) / f"k2_rank{hvd.rank()}"))
+        hvd.flush(model.trainable_variables)
+        fresh = build(seed=7)
+        tf.train.Checkpoint(pipeline=hvd.GradientsInFlight(fresh.trainable_variables)).read(
+            saved)
+    expect_error(ValueError, f"a checkpoint with 1 gradient(s) in flight at step {SAVE_AT} was "
+                 "saved at pipeline_depth=2 and cannot resume at pipeline_depth=1: resume with "
+                 "pipeline_depth=2", lambda: tape_run(1, 0, steps=1, model=fresh, eagerly=True))
+
+
 def check_errors():
     r = hvd.rank()
     model = build()
@@ -500,6 +517,7 @@ def check_errors():
         expect_error(ValueError, "differs between ranks", differing)
         check_reordered_variables(r)
     check_double_wrapping(r)
+    check_resume_at_another_depth()
 
     @tf.function(jit_compile=True)
     def compiled(t):
