@@ -1,6 +1,6 @@
 """Keeps visible that tf.distribute.MultiWorkerMirroredStrategy does not run Keras 3.
 
-Issue 9 and the README say that Keras 3 on TensorFlow has no working
+docs/keras.md says that Keras 3 on TensorFlow has no working
 multi-worker path today (keras-team/keras#20585, tensorflow/tensorflow#72388):
 `fit` on 2 CPU workers with TF 2.21 / Keras 3.15.1 raises
 `ValueError: Attempt to convert a value (PerReplica:{...})`. Two real local
@@ -62,7 +62,7 @@ def test_multiworker_mirrored_strategy_fails_with_keras3():
                        for i, (p, o) in enumerate(zip(procs, outputs)))
     if all("MWMS_FIT_OK" in o for o in outputs):
         pytest.fail("Keras 3 fit under tf.distribute.MultiWorkerMirroredStrategy now works: Keras "
-                    "fixed it. Update the README and issue 9's claim that it fails (and "
+                    "fixed it. Update docs/keras.md's claim that it fails (and "
                     "reconsider the baselines of the Keras benchmark), then this test.\n" + report)
     assert all(FAILURE in o for o in outputs), (
         f"expected every worker to fail with {FAILURE!r}, got:\n{report}")

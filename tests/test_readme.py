@@ -1,11 +1,12 @@
-"""Every code block of README.md that a user would run, run as written (issue 31).
+"""Every code block a user would copy, from README.md and the docs pages that teach the
+API, run as written: a documented call that stopped working must fail a test, not a user.
 
-Python blocks are fragments of a training script: each runs unchanged in its own
-`python` process after a prelude that defines only the names it uses and does not
-define (a model, data, an optimizer), so a block that stops working as written
-fails here. `pipe-horovod plan`'s block runs and must print the table the README
-shows. Shell blocks that install, build or need a cluster (make, pip, docker) are
-not run here; test_deploy checks what a parser can of those.
+Python blocks are fragments of a training script: each runs unchanged after a prelude
+that defines only the names it uses and does not define (a model, data, an optimizer),
+so a block that stops working as written fails here. `pipe-horovod plan`'s example in
+docs/planner.md runs and must print the table that page shows. Shell blocks that
+install, build or need a cluster (make, pip, docker) are not run here; test_deploy
+checks what a parser can of those.
 """
 import re
 import textwrap
@@ -17,8 +18,18 @@ import pytest
 
 import launcher
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-BLOCKS = re.findall(r"^( *)```(\w*)\n(.*?)^\1```", README, re.S | re.M)
+ROOT = Path(__file__).resolve().parent.parent
+# The pages whose python blocks are the API's examples (the quick starts, and the
+# adapters' pages they link to).
+PAGES = ("README.md", "docs/pytorch.md", "docs/keras.md", "docs/compression.md",
+         "docs/faults.md")
+FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.S | re.M)
+BLOCKS = [(page, lang, code) for page in PAGES
+          for _, lang, code in FENCE.findall((ROOT / page).read_text())]
+PLANNER = FENCE.findall((ROOT / "docs" / "planner.md").read_text())
+# The plan example the test re-prints: docs/planner.md's "At the issue's example setting".
+PLAN_COMMAND = ("pipe-horovod plan --model resnet50 --batch-size 64 --device-tflops 312 "
+                "--bandwidth 25gbit --latency 5us --workers 64")
 
 TORCH = """
 import torch, torch.nn.functional as F
@@ -80,14 +91,16 @@ def _python_blocks():
 
 def _prelude(code):
     found = [prelude for key, prelude in PRELUDES.items() if key in code]
-    assert len(found) == 1, f"README block without a prelude here (add one):\n{code}"
+    assert len(found) == 1, f"python block without a prelude here (add one):\n{code}"
     return found[0]
 
 
 def test_every_python_block_has_a_prelude():
-    assert len(_python_blocks()) == len(PRELUDES), "a README python block was added or removed"
-    for code in _python_blocks():
+    blocks = _python_blocks()
+    for code in blocks:
         _prelude(code)
+    unused = [key for key in PRELUDES if not any(key in code for code in blocks)]
+    assert not unused, f"preludes whose block was removed from {PAGES}: {unused}"
 
 
 # One process for every PyTorch block (each in a fresh namespace, the engine shut down
@@ -96,7 +109,7 @@ RUNNER = """
 import sys, traceback
 for index, source in enumerate(BLOCKS):
     try:
-        exec(compile(source, f"README block {index}", "exec"), {"__name__": "__main__"})
+        exec(compile(source, f"docs block {index}", "exec"), {"__name__": "__main__"})
     except SystemExit:
         raise
     except BaseException:
@@ -120,13 +133,14 @@ def test_python_blocks_run_as_written(framework, tmp_path):
     rc, out = launcher.run_command([sys.executable, script], 1, timeout=240, expect_ok=False)
     done = set(map(int, re.findall(r"BLOCK_OK (\d+)", out)))
     failed = [blocks[i] for i in range(len(blocks)) if i not in done]
-    assert rc == 0 and not failed, (f"README block(s) failed as written:\n"
+    assert rc == 0 and not failed, (f"documented block(s) failed as written:\n"
                                     + "\n---\n".join(failed) + f"\noutput:\n{out[-4000:]}")
 
 
-def test_plan_block_prints_the_readme_table():
-    command = next(code for _, lang, code in BLOCKS if code.startswith("pipe-horovod plan"))
-    shown = next(code for _, lang, code in BLOCKS if code.startswith("Plan: "))
+def test_plan_block_prints_the_documented_table():
+    at = next(i for i, (_, _, code) in enumerate(PLANNER) if code.strip() == PLAN_COMMAND)
+    command, shown = PLANNER[at][2], PLANNER[at + 1][2]
+    assert shown.startswith("Plan: ")
     argv = command.split()
     out = subprocess.run([str(Path(sys.executable).parent / argv[0]), *argv[1:]],
                          capture_output=True, text=True, timeout=120, check=True).stdout
