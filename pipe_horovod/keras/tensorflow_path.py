@@ -15,8 +15,9 @@ name (Horovod) or by issue order (torch.distributed), and TF would
 otherwise start them in whatever order their inputs become ready, which
 differs between ranks.
 
-Gradients on a GPU cross by DLPack instead (`tf.py_function`, then
-`torch.from_dlpack`): they stay on the device, where NCCL reduces them.
+Gradients on a GPU cross by DLPack instead (`tf.py_function` and
+pipe_horovod.tensorflow.bridge, which says what crossing needs): they stay
+on the GPU that holds them, where NCCL reduces them.
 PIPE_HOROVOD_KERAS_TRANSFER=numpy|dlpack overrides the choice, so the
 DLPack path is tested on CPU too.
 
@@ -33,8 +34,6 @@ With prediction_exchange the prediction takes the ranks' exchanged average
 (StepMachine.estimates) in place of this rank's own gradients: the last
 hand-off returns it beside the average that pops.
 """
-import contextlib
-import functools
 import os
 import time
 
@@ -42,9 +41,12 @@ import numpy as np
 import tensorflow as tf
 import torch
 
-from .. import engine
 from ..pipeline import StepGradient, StepMachine
 from ..pipeline.buckets import bucket_cap_bytes
+from ..pipeline.local_scale import LocalScale
+from ..tensorflow.bridge import DLPack, NumPy, keeping_failures, refuse_xla, torch_device
+# The Keras adapter's callers (optimizer, elastic) have found these here: they are the bridge's.
+from ..tensorflow.bridge import eager_variables, failure_behind  # noqa: F401
 from .naming import next_prefix, variable_names
 
 
@@ -70,7 +72,9 @@ class TensorFlowPath:
             predivide=options["gradient_predivide_factor"], process_set=options["process_set"],
             cap_bytes=bucket_cap_bytes(options["bucket_cap_mb"]), groups=options["groups"],
             collective=options["collective"], exchange=options["prediction_exchange"])
-        self.local_scale = 1.0 / self.machine.size if options["scale_local_gradients"] else 1.0
+        # 1/size with scale_local_gradients, of the engine running now (rebind_engine)
+        self.scale_local = LocalScale(options["scale_local_gradients"],
+                                      lambda: self.machine.size)
         self.kinds = {name: (getattr(torch, _dtype(v).name), device)
                       for name, v, device in zip(self.names, variables, devices)}
         # Ready order: backward produces the last layer's gradients first.
@@ -101,7 +105,8 @@ class TensorFlowPath:
 
     # --- graph side (runs once per trace) -------------------------------------
     def apply(self, grads, variables):
-        _refuse_xla()
+        refuse_xla("the pipelined DistributedOptimizer (its reductions outlive the step)",
+                   "compile the model with model.compile(..., jit_compile=False)")
         if [id(v) for v in variables] != [id(v) for v in self.variables]:
             raise ValueError("apply() got other variables than the optimizer was built with")
         index = {name: i for i, name in enumerate(self.names)}
@@ -182,6 +187,11 @@ class TensorFlowPath:
         self.predicted.assign(True)
         return tf.constant(True)
 
+    @property
+    def local_scale(self):
+        """What a local variable's gradient is multiplied by now (LocalScale)."""
+        return self.scale_local.value
+
     def time_handoffs(self, timed):
         """Let a benchmark time the Python side of each step (see
         DistributedOptimizer.time_handoffs, which calls this)."""
@@ -202,7 +212,7 @@ class TensorFlowPath:
     def _keep_unreduced(self, token, *arrays):
         for name, array in zip(self.local, map(self.transfer.to_torch, arrays)):
             own = array.clone()                  # TF reuses the buffer after the hand-off
-            self._unreduced[name] = own * self.local_scale if self.local_scale != 1.0 else own
+            self._unreduced[name] = self.scale_local.apply(own)
             if self.older:
                 self._local[name] = own
         return token
@@ -344,127 +354,6 @@ class TensorFlowPath:
             self.predicted.assign(bool(real))
 
 
-_failures = []          # the last engine failure raised inside a hand-off
-
-
-def keeping_failures(fn):
-    """`fn` (a hand-off the graph calls back), keeping the engine failure it raises:
-    TensorFlow reports an exception inside a numpy_function (or py_function) as its own
-    UnknownError, and elastic training must see the HorovodInternalError or
-    HostsUpdatedInterrupt behind it (failure_behind). pipe_horovod.tensorflow's graph
-    ops keep theirs too."""
-    @functools.wraps(fn)
-    def call(*args):
-        try:
-            return fn(*args)
-        except (engine.HorovodInternalError, engine.HostsUpdatedInterrupt) as failure:
-            _failures[:] = [failure]
-            raise
-    return call
-
-
-def failure_behind(error):
-    """The engine failure a TensorFlow error raised by a train step stands for, or None.
-
-    Args:
-        error: an exception that left model.fit (or a train step).
-
-    Returns:
-        The HorovodInternalError or HostsUpdatedInterrupt a hand-off raised inside the
-        step, once (it is forgotten), when `error` is the TensorFlow error that carried it.
-    """
-    if not _failures or not isinstance(error, tf.errors.OpError):
-        return None
-    return _failures.pop()
-
-
-@contextlib.contextmanager
-def eager_variables():
-    """Variables made in this context are made eagerly, initialized at once, and not
-    reported to a tf.function being traced: it traces its function again when that
-    function made variables on its first trace, and a train step's trace is most of a
-    short fit (the optimizer is Keras's to build inside it). Only for variables that
-    exist once per Python object, as an optimizer's do: a later trace finds them built."""
-    def made_here(next_creator, **kwargs):
-        kwargs["experimental_enable_variable_lifting"] = False
-        return next_creator(**kwargs)
-    with tf.init_scope(), tf.variable_creator_scope(made_here):
-        yield
-
-
-def in_xla_context():
-    """Whether the graph being traced is XLA-compiled (jit_compile=True): a hand-off to
-    Python (tf.py_function, numpy_function) cannot run there. pipe_horovod.tensorflow
-    asks it too."""
-    from tensorflow.python.ops import control_flow_util
-
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-
-
-def _refuse_xla():
-    if in_xla_context():
-        raise ValueError("the pipelined DistributedOptimizer cannot run inside an XLA-compiled "
-                         "train step: its reductions outlive the step. Compile the model with "
-                         "model.compile(..., jit_compile=False)")
-
-
-class NumPy:
-    """CPU tensors: numpy_function's inputs are views of TF's buffers (no copy in)."""
-
-    @staticmethod
-    def op(func, inputs, types, name):
-        return tf.numpy_function(func, inputs, types, stateful=True, name=name)
-
-    to_torch = staticmethod(torch.from_numpy)
-
-    @staticmethod
-    def to_tf(tensor):
-        return tensor.cpu().numpy()
-
-    flag = staticmethod(np.bool_)
-    count = staticmethod(np.int64)
-
-
-class DLPack:
-    """Tensors stay on their device: TF and torch share the memory through DLPack."""
-
-    @staticmethod
-    def op(func, inputs, types, name):
-        return tf.py_function(func, inputs, types, name=name)
-
-    @staticmethod
-    def to_torch(tensor):
-        return torch.from_dlpack(tf.experimental.dlpack.to_dlpack(tensor))
-
-    @staticmethod
-    def to_tf(tensor):
-        # TensorFlow's kernels need the 64-byte alignment its own buffers have (on the CPU a
-        # misaligned input aborts the process in Eigen); a gradient inside a bucket's flat
-        # buffer may start anywhere, so that one crosses as a copy.
-        if tensor.data_ptr() % 64:
-            tensor = tensor.clone()
-        return tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(
-            tensor.contiguous()))
-
-    @staticmethod
-    def flag(value):
-        return tf.constant(value)
-
-    @staticmethod
-    def count(value):
-        return tf.constant(value, tf.int64)
-
-
 def _dtype(variable):
     """A Keras or tf.Variable's NumPy dtype."""
     return np.dtype(tf.as_dtype(variable.dtype).as_numpy_dtype)
-
-
-def torch_device(variable):
-    """The torch device of a Keras or TF variable, or a tf.Tensor ("/job:.../device:GPU:1"
-    -> cuda:1). pipe_horovod.tensorflow places its gradients by it too."""
-    device = variable.value.device if hasattr(variable, "path") else variable.device
-    spec = tf.DeviceSpec.from_string(device or "/device:CPU:0")
-    if spec.device_type == "GPU":
-        return torch.device("cuda", spec.device_index or 0)
-    return torch.device("cpu")

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .. import engine
+from ..pipeline.local_scale import LocalScale
 from ..torch import optimizer as torch_optimizer
 from .naming import momentum_attribute, variable_names
 
@@ -112,9 +113,11 @@ class TorchPath:
         self.params = params
         stand_in = _KerasUpdate([p for _, p, _ in reduced], optimizer, update,
                                 options["staleness_compensation"])
-        self._size = (options["process_set"].size() if options["process_set"] is not None
-                      else engine.size())
-        self._local_scale = 1.0 / self._size if options["scale_local_gradients"] else 1.0
+        ps = options["process_set"]
+        # 1/size with scale_local_gradients, of the engine running now (an elastic reset
+        # changes it)
+        self.scale_local = LocalScale(options["scale_local_gradients"],
+                                      lambda: ps.size() if ps is not None else engine.size())
         # Not DistributedOptimizer: the Keras wrapper has told the user the depth already,
         # and its _join compares the ranks at the first gradient (this may be built on one
         # rank alone, inside load_model).
@@ -135,7 +138,7 @@ class TorchPath:
         opt.follow_keras()
         opt.collect_gradients()      # built after this backward (no hooks then): hand them over
         if self.local:
-            self.local_in_flight.append({n: p.grad.detach() * self._local_scale
+            self.local_in_flight.append({n: p.grad.detach() * self.scale_local.value
                                          for n, p in self._local_params.items()})
         opt.step()
 

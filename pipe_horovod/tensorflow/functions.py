@@ -2,15 +2,15 @@
 
 `broadcast_variables` is how a TF2 custom loop starts every rank from the
 same weights (and, after a restore on rank 0, from its checkpoint). The
-object collectives are pipe_horovod.torch's (one implementation; the engine
+object collectives are pipe_horovod.common's (one implementation; the engine
 names their transfers, so ranks passing different types do not deadlock as
 Horovod 0.28.1's did). Horovod's `session=` (TF1) is accepted and must be None.
 """
 import tensorflow as tf
 
 from ..engine import global_process_set
-from ..torch import mpi_ops as _torch
-from . import handoff
+from ..common import objects
+from . import bridge
 from .mpi_ops import broadcast
 
 
@@ -29,10 +29,10 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     """
     variables = list(variables)
     for i, variable in enumerate(variables):
-        if not (isinstance(variable, tf.Variable) or handoff.is_keras_variable(variable)):
+        if not (isinstance(variable, tf.Variable) or bridge.is_keras_variable(variable)):
             raise TypeError(f"broadcast_variables: entry {i} is a {type(variable).__name__}, "
                             "not a tf.Variable or Keras variable")
-    handoff.refuse_xla("broadcast_variables")
+    bridge.refuse_xla("broadcast_variables")
     for variable in variables:                   # in a graph: ordered by control dependencies
         variable.assign(broadcast(variable, root_rank, process_set=process_set))
 
@@ -62,9 +62,9 @@ def _no_session(session, what):
 
 
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
-    """`root_rank`'s picklable `obj` on every rank (eager; see torch's broadcast_object)."""
+    """`root_rank`'s picklable `obj` on every rank (eager; see pipe_horovod.common.objects)."""
     _no_session(session, "broadcast_object")
-    return _torch.broadcast_object(obj, root_rank, name, process_set)
+    return objects.broadcast_object(obj, root_rank, name, process_set)
 
 
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
@@ -76,4 +76,4 @@ def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """Every rank's picklable `obj`, in rank order."""
     _no_session(session, "allgather_object")
-    return _torch.allgather_object(obj, name, process_set)
+    return objects.allgather_object(obj, name, process_set)

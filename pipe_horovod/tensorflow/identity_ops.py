@@ -2,7 +2,7 @@
 
 Horovod offers `rank_op()` beside `rank()` so a graph built in one job can run
 in another (an elastic reset changes the rank and size under a traced
-tf.function). Here each is a stateful graph op (handoff.run) that asks the
+tf.function). Here each is a stateful graph op (bridge.run) that asks the
 engine running at that moment; eagerly it is a scalar int32 tensor at once.
 `process_set_included_op` answers with Horovod's error codes instead of
 raising, as Horovod's does: -1 before init(), -3 for an unknown set.
@@ -11,14 +11,14 @@ import numpy as np
 import tensorflow as tf
 
 from .. import engine
-from . import handoff
+from . import bridge
 
 NOT_INITIALIZED = -1        # HOROVOD_PROCESS_SET_ERROR_INIT
 UNKNOWN_SET = -3            # HOROVOD_PROCESS_SET_ERROR_UNKNOWN_SET
 
 
 def _scalar(value_of, name):
-    out = handoff.run(lambda: [np.int32(value_of())], [], [tf.int32], name)[0]
+    out = bridge.run(lambda: [np.int32(value_of())], [], [tf.int32], name)[0]
     return tf.ensure_shape(tf.convert_to_tensor(out), ())
 
 

@@ -2,11 +2,12 @@
 
 Names, positional order and defaults are Horovod 0.28.1's (horovod/tensorflow
 /__init__.py and mpi_ops.py), so a TF2 script switches by its import. Each
-call checks its arguments, hands the value to pipe_horovod.torch's
-collective of the same name (one implementation of the math, every engine:
-horovodrun with Gloo or MPI, torchrun, one process) and returns a TensorFlow
+call checks its arguments, hands the value to the common layer's collective
+of the same name (pipe_horovod.common.tensor_ops: one implementation of the
+math, the PyTorch adapter's too, on every engine: horovodrun with Gloo or MPI,
+torchrun, one process) and returns a TensorFlow
 tensor. Eagerly it runs at once; inside a tf.function it is a stateful graph
-op (handoff.py), so it runs in program order and unnamed operations get the
+op (bridge.py), so it runs in program order and unnamed operations get the
 same counted names on every rank. The arguments Horovod uses to place ops
 (`device_dense`, `device_sparse`, `ignore_name_scope`) are accepted and unused.
 
@@ -25,12 +26,14 @@ import tensorflow as tf
 from ..compression import Compression
 from ..engine import Adasum, Average, ReduceOp, Sum, global_process_set
 from ..engine.argument_checks import UnsupportedOperation
-from ..torch import mpi_ops as _torch
-from . import handoff
+from ..common import tensor_ops
+from ..common.basics import rank, size
+from ..common.objects import join as _join
+from . import bridge
 
 
 # Called inside a tf.function, these are plain Python at trace time (their graph op is
-# handoff.run's py_function): AutoGraph need not convert them, and converting them
+# bridge.run's py_function): AutoGraph need not convert them, and converting them
 # walks the modules they import (torch's deprecated names warn on the way).
 _python = tf.autograph.experimental.do_not_convert
 
@@ -99,7 +102,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
             collective under XLA.
         TypeError: not a tensor.
     """
-    handoff.refuse_xla("allreduce")
+    bridge.refuse_xla("allreduce")
     op = _op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         if op not in (Average, Sum):
@@ -118,11 +121,11 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     tensor = _dense(tensor, "allreduce")
 
     def reduce(value):
-        return [handoff.to_tf(_torch.allreduce(
-            handoff.to_torch(value, reduced=True), None, name, compression, op,
+        return [bridge.to_tf(tensor_ops.allreduce(
+            bridge.to_torch(value, reduced=True), name, op, compression,
             prescale_factor, postscale_factor, process_set), value.dtype)]
     return _with_gradient(
-        lambda value: _static(handoff.run(reduce, [value], [value.dtype],
+        lambda value: _static(bridge.run(reduce, [value], [value.dtype],
                                           "pipe_horovod_allreduce")[0], value),
         lambda grad: allreduce(grad, op=op, prescale_factor=prescale_factor,
                                postscale_factor=postscale_factor, process_set=process_set),
@@ -135,7 +138,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       postscale_factor=1.0, process_set=global_process_set,
                       ignore_name_scope=False, name=None):
     """allreduce of each tensor of `tensors`, fused into one operation; a list back."""
-    handoff.refuse_xla("grouped_allreduce")
+    bridge.refuse_xla("grouped_allreduce")
     if isinstance(tensors, (tf.Tensor, tf.Variable)) or not hasattr(tensors, "__iter__"):
         raise TypeError(f"grouped_allreduce expects a list of tensors, got "
                         f"{type(tensors).__name__}")
@@ -148,13 +151,13 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     dense = [_dense(t, "grouped_allreduce") for t in tensors]
 
     def reduce(*values):
-        out = _torch.grouped_allreduce([handoff.to_torch(v, reduced=True) for v in values],
-                                       None, name, compression, op, prescale_factor,
-                                       postscale_factor, process_set)
-        return [handoff.to_tf(t, v.dtype) for t, v in zip(out, values)]
+        out = tensor_ops.grouped_allreduce([bridge.to_torch(v, reduced=True) for v in values],
+                                           name, op, compression, prescale_factor,
+                                           postscale_factor, process_set)
+        return [bridge.to_tf(t, v.dtype) for t, v in zip(out, values)]
 
     def forward(*values):
-        out = handoff.run(reduce, values, [t.dtype for t in values],
+        out = bridge.run(reduce, values, [t.dtype for t in values],
                           "pipe_horovod_grouped_allreduce")
         return [_static(o, t) for o, t in zip(out, values)]
     return _with_gradient(forward, lambda *grads: grouped_allreduce(
@@ -166,22 +169,22 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Every rank's `tensor` concatenated on the first dimension, in rank order (the
     first dimension may differ between ranks)."""
-    handoff.refuse_xla("allgather")
+    bridge.refuse_xla("allgather")
     tensor = _dense(tensor, "allgather")
 
     def gather(value):
-        return [handoff.to_tf(_torch.allgather(handoff.to_torch(value), name, process_set),
+        return [bridge.to_tf(tensor_ops.allgather(bridge.to_torch(value), name, process_set),
                               value.dtype)]
 
     def forward(value):
-        out = handoff.run(gather, [value], [value.dtype], "pipe_horovod_allgather")[0]
+        out = bridge.run(gather, [value], [value.dtype], "pipe_horovod_allgather")[0]
         out.set_shape(tf.TensorShape([None]).concatenate(value.shape[1:])
                       if value.shape.rank else value.shape)
         return out
 
     def backward(grad):                  # this rank's rows of the average
         rows = allgather(tf.shape(tensor, out_type=tf.int64)[:1], process_set=process_set)
-        me = _torch.rank() if process_set is global_process_set else process_set.rank()
+        me = rank() if process_set is global_process_set else process_set.rank()
         start = tf.reduce_sum(rows[:me])
         return allreduce(grad, op=Average, process_set=process_set)[start:start + rows[me]]
     return _with_gradient(forward, backward, [tensor])
@@ -198,19 +201,19 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
               process_set=global_process_set):
     """`root_rank`'s `tensor` on every rank (its shape must agree across ranks)."""
-    handoff.refuse_xla("broadcast")
+    bridge.refuse_xla("broadcast")
     _check_root(root_rank)
     tensor = _dense(tensor, "broadcast")
 
     def send(value):
-        return [handoff.to_tf(_torch.broadcast(handoff.to_torch(value), root_rank, name,
-                                               process_set), value.dtype)]
+        return [bridge.to_tf(tensor_ops.broadcast(bridge.to_torch(value), root_rank, name,
+                                                   process_set), value.dtype)]
 
     def backward(grad):                  # the average, on the root only
         averaged = allreduce(grad, op=Average, process_set=process_set)
-        return averaged if _torch.rank() == root_rank else averaged * 0
+        return averaged if rank() == root_rank else averaged * 0
     return _with_gradient(
-        lambda value: _static(handoff.run(send, [value], [value.dtype],
+        lambda value: _static(bridge.run(send, [value], [value.dtype],
                                           "pipe_horovod_broadcast")[0], value),
         backward, [tensor])
 
@@ -219,7 +222,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """Assign root's values to each of `variables` (tf.Variable) in place; returns them."""
     for i, variable in enumerate(variables):
-        if not (isinstance(variable, tf.Variable) or handoff.is_keras_variable(variable)):
+        if not (isinstance(variable, tf.Variable) or bridge.is_keras_variable(variable)):
             raise TypeError(f"broadcast_ assigns to tf.Variables or Keras variables; entry "
                             f"{i} is a {type(variable).__name__}")
         variable.assign(broadcast(variable, root_rank,
@@ -234,7 +237,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     """Slices of `tensor` (first dimension, `splits` rows to each rank; equal parts when
     None) sent to every rank; what every rank sent here, concatenated in rank order.
     With `splits`, also the rows received from each rank (Horovod's pair)."""
-    handoff.refuse_xla("alltoall")
+    bridge.refuse_xla("alltoall")
     tensor = _dense(tensor, "alltoall")
     given = splits is not None
     splits = tf.constant([], tf.int32) if splits is None else tf.cast(
@@ -242,13 +245,13 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
 
     def exchange(value, rows):
         rows = [int(r) for r in rows.numpy()] if int(tf.size(rows)) else None
-        sent = handoff.to_torch(value)
-        out, received = _torch.synchronize(_torch.alltoall_async(sent, rows, name, process_set))
-        return [handoff.to_tf(out.reshape(int(received.sum()), *sent.shape[1:]), value.dtype),
+        sent = bridge.to_torch(value)
+        out, received = tensor_ops.alltoall(sent, rows, name, process_set)
+        return [bridge.to_tf(out.reshape(int(received.sum()), *sent.shape[1:]), value.dtype),
                 tf.constant(received.numpy(), tf.int32)]
 
     def forward(value):
-        out, received = handoff.run(exchange, [value, splits], [value.dtype, tf.int32],
+        out, received = bridge.run(exchange, [value, splits], [value.dtype, tf.int32],
                                     "pipe_horovod_alltoall")
         out.set_shape(tf.TensorShape([None]).concatenate(value.shape[1:]))
         received.set_shape([None])
@@ -274,25 +277,25 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
                   prescale_factor=1.0, postscale_factor=1.0):
     """The reduction of `tensor` split along the first dimension: this rank's part (the
     first ranks get one row more where the rows do not divide evenly)."""
-    handoff.refuse_xla("reducescatter")
+    bridge.refuse_xla("reducescatter")
     if op not in (Average, Sum):
         raise ValueError(f"reducescatter supports op=Average and op=Sum, got {op}")
     tensor = _dense(tensor, "reducescatter")
 
     def scatter(value):
-        wire, ctx = compression.compress(handoff.to_torch(value, reduced=True))
-        out = _torch.reducescatter(wire, name, op=op, process_set=process_set,
+        wire, ctx = compression.compress(bridge.to_torch(value, reduced=True))
+        out = tensor_ops.reducescatter(wire, name, op=op, process_set=process_set,
                                    prescale_factor=prescale_factor,
                                    postscale_factor=postscale_factor)
-        return [handoff.to_tf(compression.decompress(out, ctx), value.dtype)]
+        return [bridge.to_tf(compression.decompress(out, ctx), value.dtype)]
 
     def forward(value):
-        out = handoff.run(scatter, [value], [value.dtype], "pipe_horovod_reducescatter")[0]
+        out = bridge.run(scatter, [value], [value.dtype], "pipe_horovod_reducescatter")[0]
         out.set_shape(tf.TensorShape([None]).concatenate(value.shape[1:]))
         return out
 
     def backward(grad):                  # Horovod's scaling, then every rank's part
-        factor = _torch.reducescatter_grad_factor(op, process_set, prescale_factor,
+        factor = tensor_ops.reducescatter_grad_factor(op, process_set, prescale_factor,
                                                   postscale_factor)
         return allgather(grad * tf.cast(factor, grad.dtype), process_set=process_set)
     return _with_gradient(forward, backward, [tensor])
@@ -309,11 +312,11 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
 
 def join():
     """This rank is out of data (see pipe_horovod.torch.join); the last rank to join."""
-    return _torch.join()
+    return _join()
 
 
 def _members(process_set):
-    return _torch.size() if process_set is global_process_set else process_set.size()
+    return size() if process_set is global_process_set else process_set.size()
 
 
 def _check_root(root_rank):
