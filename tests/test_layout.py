@@ -16,7 +16,8 @@ from pathlib import Path
 
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pipe_horovod"
-RUNTIME = ("engine", "pipeline", "compression", "collectives", "torch", "keras", "tensorflow")
+RUNTIME = ("engine", "pipeline", "compression", "collectives", "common", "torch", "keras",
+           "tensorflow")
 TOOLS = "pipe_horovod.tools"
 # Old names kept so users' scripts keep working; each only re-exports the tooling.
 ALIASES = {"pipe_horovod.emulate": "pipe_horovod.tools.emulate",

@@ -16,17 +16,16 @@ process sets, timeline, load_model, the value collectives, `elastic`), each
 delegating to the one pipe_horovod implementation.
 """
 from ..compression import Compression
-from ..torch.mpi_ops import (Adasum, Average, ProcessSet, Sum, add_process_set,
-                             allgather_object, barrier, broadcast_object, ccl_built, cross_rank,
-                             cross_size, cuda_built, ddl_built, global_process_set, gloo_built,
-                             gloo_enabled, init, is_homogeneous, is_initialized, local_rank,
-                             local_size, mpi_built, mpi_enabled, mpi_threads_supported,
-                             nccl_built, rank, remove_process_set, rocm_built, shutdown, size,
-                             start_timeline, stop_timeline)
+from ..common import (Adasum, Average, ProcessSet, Sum, add_process_set, allgather_object,
+                      barrier, broadcast_object, ccl_built, cross_rank, cross_size, cuda_built,
+                      ddl_built, global_process_set, gloo_built, gloo_enabled, init,
+                      is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
+                      mpi_enabled, mpi_threads_supported, nccl_built, rank, remove_process_set,
+                      rocm_built, shutdown, size, start_timeline, stop_timeline)
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from . import callbacks, elastic
 from .callbacks import broadcast_variables
 from .functions import allgather, allreduce, broadcast, broadcast_global_variables, reducescatter
-from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from .saving import load_model
 
 __all__ = [

@@ -15,11 +15,16 @@
 
     train(state)
 
-The mechanism is the PyTorch adapter's (pipe_horovod.torch.elastic, which
-DESIGN.md and docs/faults.md describe): the same `run` loop (Horovod's own
-under horovodrun's elastic mode), the same ObjectState for plain values,
-commits kept in memory, a restore after a failure, a reset of the engine in
-the process, and a sync from rank 0. What a Keras model adds:
+The mechanism is every adapter's (pipe_horovod.common.elastic, which DESIGN.md
+and docs/faults.md describe): the same `run` loop (Horovod's own under
+horovodrun's elastic mode), the same ObjectState for plain values, commits
+kept in memory, a restore after a failure, a reset of the engine in the
+process, a sync from rank 0, and an end when the same failure repeats. As in
+Horovod, the layers stack: on the TensorFlow backend KerasState is
+pipe_horovod.tensorflow.elastic.TensorFlowKerasState and `run` is that
+adapter's; on the torch backend (no TensorFlow needed) KerasState is the
+common layer's model state (pipe_horovod.common.model_state) and `run` the
+common loop. What a Keras model adds:
 
 * The state is every variable of the model and of its optimizer, and for a
   pipelined DistributedOptimizer what its checkpoints carry (the gradients
@@ -35,21 +40,31 @@ the process, and a sync from rank 0. What a Keras model adds:
   epoch's data. `state.batch` says how many of its batches are done (Horovod
   keeps the index of the last one, so its resumed epoch repeats it).
 """
-import copy
-import functools
-
 import keras
 import numpy as np
 
-from .. import engine
-from ..pipeline.own_state import OWN, identical
-from ..torch import elastic as torch_elastic
-from .callbacks import broadcast_variables
+from ..common import elastic as _common
+from ..common.model_state import ModelState
+
+
+def _on_tensorflow():
+    return keras.backend.backend() == "tensorflow"
+
+
+if _on_tensorflow():
+    from ..tensorflow import elastic as _backend_elastic
+    _StateBase = _backend_elastic.TensorFlowKerasState
+else:
+    _backend_elastic = None
+    _StateBase = ModelState
 
 
 def run(func):
     """Decorator: run `func(state, ...)` until it returns, surviving resets (Horovod's
-    `horovod.tensorflow.keras.elastic.run`; pipe_horovod.torch.elastic.run's loop).
+    `horovod.tensorflow.keras.elastic.run`: on the TensorFlow backend
+    pipe_horovod.tensorflow.elastic.run, which raises the engine failure behind a
+    TensorFlow error; on the torch backend the engine's exception leaves fit itself,
+    and this is pipe_horovod.common.elastic.run).
 
     Args:
         func: the training function, called with the KerasState first; it must not
@@ -58,27 +73,12 @@ def run(func):
     Returns:
         A function of the same arguments that returns what `func` returns.
     """
-    @functools.wraps(func)
-    def raising_engine_failures(state, *args, **kwargs):
-        try:
-            return func(state, *args, **kwargs)
-        except Exception as error:
-            failure = _failure_behind(error)
-            if failure is None:
-                raise
-            raise failure from error
-
-    return torch_elastic.run(raising_engine_failures)
+    if _backend_elastic is not None:
+        return _backend_elastic.run(func)
+    return _common.run(func)
 
 
-def _failure_behind(error):
-    if keras.backend.backend() != "tensorflow":
-        return None                     # on torch the engine's exception leaves fit itself
-    from .tensorflow_path import failure_behind
-    return failure_behind(error)
-
-
-class KerasState(torch_elastic.ObjectState):
+class KerasState(_StateBase):
     """Horovod's `KerasState`: a Keras model, its optimizer and plain values.
 
     Args:
@@ -93,100 +93,15 @@ class KerasState(torch_elastic.ObjectState):
     """
 
     def __init__(self, model, optimizer=None, **kwargs):
-        if not model.built:
-            raise ValueError("KerasState: the model must be built first; run "
-                             "`model.build(input_shape)` or give it a keras.Input")
-        optimizer = optimizer or getattr(model, "optimizer", None)
-        if optimizer is None:
-            raise ValueError("KerasState: no optimizer; compile the model with one or pass "
-                             "optimizer=")
-        if not optimizer.built:          # so its variables exist to commit and broadcast
-            optimizer.build(model.trainable_variables)
-        self.model, self.optimizer = model, optimizer
-        self._saved_model = self._snapshot_model()
-        super().__init__(**kwargs)
+        super().__init__(model, optimizer, **kwargs)
 
-    def _snapshot_model(self):
-        """Copies of the model's variables and of what the optimizer saves (its variables
-        and, for a pipelined one, the gradients in flight)."""
-        weights = [np.array(keras.ops.convert_to_numpy(v.value), copy=True)
-                   for v in self.model.variables]
-        store = {}
-        self.optimizer.save_own_variables(store)
-        return weights, {key: np.array(value, copy=True) for key, value in store.items()}
+    def _numpy(self, variable):
+        return np.array(keras.ops.convert_to_numpy(variable.value), copy=True)
 
-    def save(self):
-        # Both snapshots before either is kept: a commit whose wait for a gradient in
-        # flight fails leaves the previous commit whole.
-        snapshot = self._snapshot_model()
-        super().save()
-        self._saved_model = snapshot
-
-    def restore(self):
-        drop = getattr(self.optimizer, "drop_in_flight", None)
-        if drop is not None:            # what was on the wire will never land
-            drop()
-        weights, store = self._saved_model
-        for variable, value in zip(self.model.variables, weights):
-            variable.assign(value)
-        self.optimizer.load_own_variables(copy.deepcopy(store))
-        super().restore()
-
-    def sync(self):
+    def _agree_on_model(self):
         join = getattr(self.optimizer, "_join", None)
         if join is not None:            # every rank compares its model here, together
             join()
-        mine = self._committable()
-        theirs = engine.broadcast_object(mine if engine.rank() == 0 else None, 0)
-        if not identical(_shared(mine), _shared(theirs)):   # a worker that joined, or astray
-            (weights, real), store = theirs
-            for variable, value in zip(self.model.variables, weights):
-                if value is not None:           # (trainable ones: the real weights below)
-                    variable.assign(value)
-            for variable, value in zip(self.model.trainable_variables, real):
-                variable.assign(value)
-            self.optimizer.load_own_variables(store)
-        self._saved_model = self._snapshot_model()
-        super().sync()
-
-    def _committable(self):
-        """What every rank must hold alike: the model's variables (the trainable ones as
-        the real weights, where lookahead has this rank's prediction in the model) and the
-        optimizer's saved state.
-
-        A rank whose state is rank 0's (_shared: but for what each rank keeps of its own)
-        keeps its own prediction and its own gradients: training without the reset would
-        have used them, so a restored run goes on bit for bit. Another takes rank 0's
-        state with the real weights in the model (its first gradient is then computed
-        there, as after fit ends)."""
-        weights, store = self._snapshot_model()
-        trainable = {id(v) for v in self.model.trainable_variables}
-        real = [store.get(f"pipe_horovod.real.{i}")
-                for i in range(len(self.model.trainable_variables))]
-        if any(r is None for r in real):             # no prediction: the model holds them
-            real = [w for w, v in zip(weights, self.model.variables) if id(v) in trainable]
-        others = [None if id(v) in trainable else w
-                  for w, v in zip(weights, self.model.variables)]
-        return (others, real), store
-
-    def reset(self):
-        rebind = getattr(self.optimizer, "rebind_engine", None)
-        if rebind is not None:
-            rebind()
-
-    def _before_engine_reset(self):
-        release = getattr(self.optimizer, "release_engine", None)
-        if release is not None:
-            release()
-
-
-# The saved variables of what a pipelined optimizer holds of this rank's own (own_state.OWN).
-_OWN = tuple(f"pipe_horovod.{name}." for name in OWN)
-
-
-def _shared(committable):
-    weights, store = committable
-    return weights, {k: v for k, v in store.items() if not k.startswith(_OWN)}
 
 
 class CommitStateCallback(keras.callbacks.Callback):

@@ -16,20 +16,19 @@
 Horovod 0.28.1's TensorFlow ops do not build against TensorFlow >= 2.16; this
 runs on today's TensorFlow through the same engines as the other adapters
 (horovodrun with Gloo or MPI, torchrun, one plain process). Identity, build
-queries and process sets are pipe_horovod.torch's (one implementation);
+queries and process sets are pipe_horovod.common's (one implementation);
 gradient_tape.py says what tape.gradient returns while the pipeline fills.
 Elastic training: `hvd.elastic` (TensorFlowState, TensorFlowKerasState, run),
 whose commits carry the tapes' gradients in flight. Not here: TF1 sessions and
 hooks (BroadcastGlobalVariablesHook).
 """
 from ..compression import Compression
-from ..torch.mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
-                             add_process_set, barrier, ccl_built, cross_rank, cross_size,
-                             cuda_built, ddl_built, global_process_set, gloo_built, gloo_enabled,
-                             init, is_homogeneous, is_initialized, local_rank, local_size,
-                             mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-                             remove_process_set, rocm_built, shutdown, size, start_timeline,
-                             stop_timeline)
+from ..common import (Adasum, Average, Max, Min, Product, ProcessSet, Sum, add_process_set,
+                      barrier, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
+                      global_process_set, gloo_built, gloo_enabled, init, is_homogeneous,
+                      is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+                      mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built,
+                      shutdown, size, start_timeline, stop_timeline)
 from . import elastic
 from .functions import (allgather_object, broadcast_global_variables, broadcast_object,
                         broadcast_object_fn, broadcast_variables)

@@ -18,10 +18,11 @@
 
     train(state)
 
-The mechanism is the other adapters' (pipe_horovod.torch.elastic; DESIGN.md and
+The mechanism is every adapter's (pipe_horovod.common.elastic; DESIGN.md and
 docs/faults.md): the same `run` loop (Horovod's own under horovodrun's elastic
 mode), commits kept in memory, a restore after a failure, a reset of the engine
-in the process, a sync from rank 0. What a custom loop adds:
+in the process, a sync from rank 0, and an end when the same failure repeats.
+What a custom loop adds:
 
 * A DistributedGradientTape at pipeline_depth >= 2 holds averaged gradients in
   flight between steps, in a pipeline per list of variables that outlives the
@@ -31,10 +32,10 @@ in the process, a sync from rank 0. What a custom loop adds:
   gets them when its first step builds its pipeline). So a restored run goes on
   bit for bit as if the steps since the commit never ran. A pipeline is in the
   state when every variable it differentiates is among the state's.
-* TensorFlowKerasState is pipe_horovod.keras.elastic.KerasState (the model's and
-  the optimizer's variables; a pipelined hvd.DistributedOptimizer's gradients in
-  flight and lookahead's real weights) plus the tapes' gradients over the model's
-  variables.
+* TensorFlowKerasState is the model's and the optimizer's variables (a pipelined
+  hvd.DistributedOptimizer's gradients in flight and lookahead's real weights:
+  pipe_horovod.common.model_state) plus the tapes' gradients over the model's
+  variables. pipe_horovod.keras.elastic.KerasState builds on it, as Horovod's does.
 * A failed collective inside a tf.function surfaces as TensorFlow's UnknownError;
   `run` raises the HorovodInternalError behind it (Horovod's `run` recognises its
   ops' names in the message; this knows the failure itself).
@@ -42,21 +43,23 @@ in the process, a sync from rank 0. What a custom loop adds:
   TF1's Keras session holder, is accepted and unused, as Horovod ignores it when
   eager).
 """
+import keras
 import numpy as np
 import tensorflow as tf
 
-from ..keras.elastic import KerasState
-from ..keras.elastic import run as _keras_run
-from ..torch.elastic import ObjectState
-from ..torch.mpi_ops import rank
+from ..common import elastic as _common
+from ..common.basics import rank
+from ..common.elastic import ObjectState
+from ..common.model_state import ModelState
+from .bridge import failure_behind
 from .functions import broadcast_object, broadcast_variables
 from .gradient_tape import pipelines_over, restore_when_built
 
 
 def run(func):
     """Decorator: run `func(state, ...)` until it returns, surviving resets (Horovod's
-    `horovod.tensorflow.elastic.run`; the Keras adapter's, which finds the engine failure
-    behind a TensorFlow error raised inside a tf.function).
+    `horovod.tensorflow.elastic.run`: pipe_horovod.common.elastic.run, raising the engine
+    failure behind a TensorFlow error raised inside a tf.function).
 
     Args:
         func: the training function, called with the state first; it must not start with
@@ -65,7 +68,7 @@ def run(func):
     Returns:
         A function of the same arguments that returns what `func` returns.
     """
-    return _keras_run(func)
+    return _common.run(func, failure_behind=failure_behind)
 
 
 _NOTHING_IN_FLIGHT = {"steps": 0, "in_flight": []}
@@ -210,7 +213,7 @@ class TensorFlowState(ObjectState):
         self._tapes.release()
 
 
-class TensorFlowKerasState(KerasState):
+class TensorFlowKerasState(ModelState):
     """Horovod's `TensorFlowKerasState`: a built Keras model, its optimizer and plain values.
 
     Args:
@@ -222,9 +225,9 @@ class TensorFlowKerasState(KerasState):
             runs eagerly, where Horovod ignores it too).
         kwargs: more state, exposed as attributes and broadcast from rank 0.
 
-    What is in flight is part of the state: a pipelined DistributedOptimizer's (as in
-    pipe_horovod.keras.elastic.KerasState) and the DistributedGradientTapes' for the
-    model's variables.
+    What is in flight is part of the state: a pipelined DistributedOptimizer's
+    (pipe_horovod.common.model_state) and the DistributedGradientTapes' for the model's
+    variables.
 
     Raises:
         ValueError: the model is not built, there is no optimizer, or not eager.
@@ -235,6 +238,9 @@ class TensorFlowKerasState(KerasState):
         self.backend = backend
         self._tapes = _TapesInFlight(list(model.variables))
         super().__init__(model, optimizer, **kwargs)
+
+    def _numpy(self, variable):
+        return np.array(keras.ops.convert_to_numpy(variable.value), copy=True)
 
     def save(self):
         tapes = self._tapes.snapshot()        # first: it may fail, then nothing is kept

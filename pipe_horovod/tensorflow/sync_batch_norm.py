@@ -12,7 +12,7 @@ TensorFlow backend only (the statistics are tf ops); Keras's own
 import keras
 import tensorflow as tf
 
-from ..torch.mpi_ops import size
+from ..common import size
 from .mpi_ops import Sum, allreduce
 
 

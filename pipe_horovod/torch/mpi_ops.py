@@ -24,172 +24,23 @@ import torch
 
 from .. import engine as _engine
 from ..collectives import quantized
+from ..common import tensor_ops
+from ..common.basics import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
+                             gloo_built, gloo_enabled, init, is_homogeneous, is_initialized,
+                             local_rank, local_size, mpi_built, mpi_enabled,
+                             mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size,
+                             start_timeline, stop_timeline)
+from ..common.exceptions import HorovodInternalError
+from ..common.objects import allgather_object, barrier, broadcast_object, join
+from ..common.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                   remove_process_set)
+from ..common.tensor_ops import reducescatter_grad_factor
 from ..compression import Compression, wire_format
-from ..engine import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet,
-                      ReduceOp, Sum, global_process_set)
-from ..engine.base import Handle
+from ..engine import Adasum, Average, Handle, Max, Min, Product, ReduceOp, Sum
 
 
 def _current():
     return _engine.current()
-
-
-# --- life cycle, identity, build ---------------------------------------------
-# Identity and capability queries ask the running engine, so each raises ValueError
-# before init(), except the *_built ones, which Horovod answers before init() too
-# (scripts ask them first, to skip what the build lacks).
-init = _engine.init                 # Horovod's signature; a string comm names the engine
-shutdown = _engine.shutdown
-is_initialized = _engine.is_initialized
-
-
-def size() -> int:
-    """The number of processes (ranks) in the job."""
-    return _current().size()
-
-
-def local_size() -> int:
-    """The number of ranks on this machine, for choosing a GPU per rank."""
-    return _current().local_size()
-
-
-def cross_size() -> int:
-    """The number of machines that run a rank with this local rank."""
-    return _current().cross_size()
-
-
-def rank() -> int:
-    """This process's rank, 0 to size() - 1; rank 0 usually logs and saves."""
-    return _current().rank()
-
-
-def local_rank() -> int:
-    """This process's rank on its machine: `torch.cuda.set_device(local_rank())`."""
-    return _current().local_rank()
-
-
-def cross_rank() -> int:
-    """The index of this machine among those running this local rank."""
-    return _current().cross_rank()
-
-
-def is_homogeneous() -> bool:
-    """True when every machine runs the same number of ranks."""
-    return _current().is_homogeneous()
-
-
-def _capability(name):
-    if name.endswith("_built") and not _engine.is_initialized():
-        return _engine.build_info()[name]       # as Horovod: answered before init()
-    return _current().capabilities()[name]
-
-
-def mpi_threads_supported() -> bool:
-    """Whether MPI runs with multiple threads (MPI_THREAD_MULTIPLE), as Horovod reports it.
-
-    Raises:
-        ValueError: MPI is not enabled on the running engine (Horovod raises too).
-    """
-    supported = _capability("mpi_threads_supported")
-    if supported is None:
-        raise ValueError(f"MPI is not enabled on the {_current().name} engine; "
-                         "mpi_threads_supported() is defined only with MPI (as in Horovod)")
-    return supported
-
-
-def mpi_enabled() -> bool:
-    """True when the running engine talks MPI (Horovod's MPI controller)."""
-    return _capability("mpi_enabled")
-
-
-def mpi_built() -> bool:
-    """True when the engine was built with MPI."""
-    return _capability("mpi_built")
-
-
-def gloo_enabled() -> bool:
-    """True when the running engine talks Gloo."""
-    return _capability("gloo_enabled")
-
-
-def gloo_built() -> bool:
-    """True when the engine was built with Gloo."""
-    return _capability("gloo_built")
-
-
-def nccl_built() -> int:
-    """NCCL's version code when built with NCCL, else 0 (as in Horovod)."""
-    return _capability("nccl_built")
-
-
-def ddl_built() -> bool:
-    """True when built with IBM DDL (never here; Horovod's name, kept)."""
-    return _capability("ddl_built")
-
-
-def ccl_built() -> bool:
-    """True when built with oneCCL."""
-    return _capability("ccl_built")
-
-
-def cuda_built() -> bool:
-    """True when the engine can reduce CUDA tensors."""
-    return _capability("cuda_built")
-
-
-def rocm_built() -> bool:
-    """True when the engine can reduce ROCm tensors."""
-    return _capability("rocm_built")
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Record collectives to a Chrome-trace file, to see where a step waits.
-
-    Rank 0 writes it. On the horovod engine Horovod does, and needs
-    HOROVOD_TIMELINE=DYNAMIC at start for a timeline started at run time.
-
-    Args:
-        file_path: the trace file (chrome://tracing, Perfetto).
-        mark_cycles: also mark Horovod's background cycles (horovod engine).
-    """
-    _current().start_timeline(file_path, mark_cycles)
-
-
-def stop_timeline() -> None:
-    """Stop the recording start_timeline began and close its file."""
-    _current().stop_timeline()
-
-
-def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
-    """Register a process set on every rank, so collectives can run on a subset of ranks.
-
-    A collective: every rank calls it, with the same ranks. The horovod engine
-    needs init(process_sets="dynamic") first, as Horovod does.
-
-    Args:
-        process_set: a ProcessSet or a list of global ranks.
-
-    Returns:
-        The registered ProcessSet.
-
-    Raises:
-        ValueError: no ranks, a rank out of range, or a set registered already (the
-            global one included); on the horovod engine without
-            init(process_sets="dynamic"), Horovod's own error.
-    """
-    return _current().add_process_set(process_set)
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregister a process set (a collective: every rank calls it).
-
-    Args:
-        process_set: one add_process_set or init(process_sets=...) registered.
-
-    Returns:
-        True if it was registered, False if not.
-    """
-    return _current().remove_process_set(process_set)
 
 
 # --- arguments -----------------------------------------------------------------
@@ -271,12 +122,7 @@ def synchronize(handle: Union[Handle, Callable[[], torch.Tensor]]) -> Any:
     """
     if callable(handle) and not isinstance(handle, Handle):
         return handle()                     # sparse_allreduce_async's handle
-    try:
-        return _current().wait(handle)
-    except (HorovodInternalError, NotImplementedError):
-        raise
-    except RuntimeError as exc:
-        raise HorovodInternalError(exc) from exc
+    return tensor_ops.wait(handle)
 
 
 # --- allreduce -----------------------------------------------------------------
@@ -362,7 +208,7 @@ class _Allreduce(torch.autograd.Function):
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
         ctx.options = dict(op=op, prescale_factor=prescale_factor,
                            postscale_factor=postscale_factor, process_set=process_set)
-        return synchronize(allreduce_async(tensor, None, name, **ctx.options))
+        return tensor_ops.allreduce(tensor, name, **ctx.options)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -494,8 +340,7 @@ class _GroupedAllreduce(torch.autograd.Function):
     def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
         ctx.options = dict(op=op, prescale_factor=prescale_factor,
                            postscale_factor=postscale_factor, process_set=process_set)
-        return tuple(synchronize(grouped_allreduce_async(list(tensors), None, name,
-                                                         **ctx.options)))
+        return tuple(tensor_ops.grouped_allreduce(list(tensors), name, **ctx.options))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -591,7 +436,7 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, name, process_set):
-        out = synchronize(allgather_async(tensor, name, process_set))
+        out = tensor_ops.allgather(tensor, name, process_set)
         ctx.rows, ctx.process_set = tensor.shape[0], process_set
         return out
 
@@ -737,7 +582,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root_rank, ctx.process_set = root_rank, process_set
-        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+        return tensor_ops.broadcast(tensor, root_rank, name, process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -795,7 +640,7 @@ class _Alltoall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
-        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        output, received = tensor_ops.alltoall(tensor, splits, name, process_set)
         ctx.received, ctx.process_set = received, process_set
         if splits is None:
             return output
@@ -854,13 +699,6 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
-def reducescatter_grad_factor(op: ReduceOp, process_set: ProcessSet, prescale_factor: float,
-                              postscale_factor: float) -> float:
-    """Horovod's reducescatter backward scaling, before the allgather (every adapter's):
-    the set's size for Sum, 1 for Average, times both scale factors."""
-    return ((process_set.size() if op is Sum else 1) * prescale_factor * postscale_factor)
-
-
 def _scatter_grad(grad, ctx):
     return grad * reducescatter_grad_factor(ctx.op, ctx.process_set, ctx.prescale_factor,
                                             ctx.postscale_factor)
@@ -871,8 +709,8 @@ class _Reducescatter(torch.autograd.Function):
     def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
         ctx.op, ctx.process_set = op, process_set
         ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
-        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
-                                               postscale_factor))
+        return tensor_ops.reducescatter(tensor, name, op, process_set, prescale_factor,
+                                        postscale_factor)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -971,73 +809,6 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
     reduced = _GroupedReducescatter.apply(name, op, process_set, prescale_factor,
                                           postscale_factor, *[wire for wire, _ in pairs])
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, pairs)]
-
-
-# --- synchronization and objects -------------------------------------------------
-def join(device: int = -1) -> int:
-    """Declare this rank out of data, for epochs where ranks get uneven batches.
-
-    Horovod (the horovod engine) lets joined ranks take part in the others'
-    later allreduces with zeros; the torch engine's join is a plain collective
-    that every rank must reach after the same collectives.
-
-    Args:
-        device: Horovod's device for the zeros (-1: the CPU); unused elsewhere.
-
-    Returns:
-        The rank that joined last.
-    """
-    return _current().join(device)
-
-
-def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Return once every rank of `process_set` has called barrier.
-
-    Args:
-        process_set: the ranks that wait for each other.
-
-    Raises:
-        HorovodInternalError: a rank died or the wait timed out (see synchronize).
-    """
-    _current().barrier(process_set=process_set)
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
-    """Root's picklable `obj` on every rank: checkpoints' metadata, epoch counters.
-
-    Args:
-        obj: root's object; the others may pass anything (None, say).
-        root_rank, process_set: as for broadcast.
-        name: names the transfer; None: pipe_horovod names it (Horovod 0.28.1 named
-            it after the object's type, which deadlocks when the types differ).
-
-    Returns:
-        A copy of root's object (root gets its own back).
-
-    Raises:
-        HorovodInternalError: as for synchronize; pickling errors on root.
-    """
-    return _current().broadcast_object(obj, root_rank, name=name, process_set=process_set)
-
-
-def allgather_object(obj: Any, name: Optional[str] = None,
-                     process_set: ProcessSet = global_process_set) -> List[Any]:
-    """Every rank's picklable `obj`, in rank order: to compare or merge per-rank results.
-
-    Args:
-        obj: this rank's object.
-        name: as for broadcast_object.
-        process_set: pipe_horovod's addition (Horovod 0.28.1's allgather_object has
-            none): the ranks whose objects are gathered.
-
-    Returns:
-        A list with one object per rank of `process_set`.
-
-    Raises:
-        HorovodInternalError: as for synchronize.
-    """
-    return _current().allgather_object(obj, name=name, process_set=process_set)
 
 
 __all__ = [

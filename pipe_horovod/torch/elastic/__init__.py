@@ -65,16 +65,12 @@ As with Horovod, the function passed to `run` must not start with a
 collective (a joining worker would run it while the others synchronize),
 and a DistributedOptimizer over a process set cannot follow a reset.
 """
-import functools
-from typing import Any, Callable
-
-from ... import engine
-from ...collectives.communicator import abandon
+from ...common import elastic as _common
 from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
 
 
-def run(func: Callable[..., Any]) -> Callable[..., Any]:
+def run(func):
     """Decorator: run `func(state, ...)` until it returns, surviving resets.
 
     Why: a lost or added worker should cost the steps since the last commit,
@@ -82,7 +78,9 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     rank 0 (skipped after a HostsUpdatedInterrupt that only removed hosts).
     On HorovodInternalError the state is restored to its last commit; on
     HostsUpdatedInterrupt it is kept; either way the engine is reset, the
-    state's reset callbacks run, and `func` is called again.
+    state's reset callbacks run, and `func` is called again. The same failure
+    ending several attempts in a row (no commit between) ends the run with
+    RepeatedFailureError (pipe_horovod.common.elastic).
 
     Args:
         func: the training function, called with the State (a TorchState, say)
@@ -91,64 +89,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     Returns:
         A function of the same arguments that returns what `func` returns.
     """
-    @functools.wraps(func)
-    def wrapper(state, *args, **kwargs):
-        if engine.current().name != "horovod":
-            return _run_in_process(func, functools.partial(_settle, engine.current()),
-                                   state, args, kwargs)
-        from horovod.common.elastic import run_fn
-
-        def attempt(state, *args, **kwargs):
-            try:
-                return func(state, *args, **kwargs)
-            except engine.HorovodInternalError:
-                # At the failure, before the restore and the reset wait for anything:
-                # pipe_horovod's own point-to-point collectives are abandoned. The
-                # restore drops what they carry, and some wait for a peer that will
-                # never send (the one that failed, or whose collective failed, before
-                # starting them); the reset's engine opens a new group when needed.
-                abandon(engine.current())
-                raise
-
-        return run_fn(attempt, functools.partial(_restart, state))(state, *args, **kwargs)
-
-    return wrapper
-
-
-def _run_in_process(func, reset, state, args, kwargs):
-    """The elastic loop without a notification service (torch and local engines)."""
-    skip_sync = False
-    while True:
-        try:
-            if not skip_sync:
-                state.sync()
-            return func(state, *args, **kwargs)
-        except engine.HorovodInternalError:
-            state.restore()
-            skip_sync = False
-        except engine.HostsUpdatedInterrupt as interrupt:
-            skip_sync = interrupt.skip_sync
-        reset()
-        state.on_reset()
-
-
-def _restart(state):
-    """Under Horovod: settle what is in flight, restart the engine in this process."""
-    current = engine.current()
-    _settle(current)
-    getattr(state, "_before_engine_reset", lambda: None)()
-    engine.shutdown()
-    engine.init(current.name)
-
-
-def _settle(eng):
-    """Wait for every operation `eng` still has in flight, forgetting failed ones.
-
-    On the rank that failed, its peers are still running and start (so
-    complete) these operations; on a rank whose peer reset, they fail at
-    once. Either way none is left for the engine's shutdown to wait for.
-    """
-    eng.settle_in_flight()
+    return _common.run(func)
 
 
 __all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]

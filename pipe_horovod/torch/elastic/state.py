@@ -1,9 +1,9 @@
 """Training state that elastic `run` commits, restores and synchronizes.
 
-The names, arguments and life cycle are Horovod's (`horovod.common.elastic`
-State/ObjectState and `horovod.torch.elastic.TorchState`), implemented on
-pipe_horovod's engine so they behave the same under horovodrun, torchrun
-and plain python. What differs, and why:
+The names, arguments and life cycle are Horovod's (`horovod.torch.elastic.TorchState`
+on State and ObjectState, which pipe_horovod.common.elastic holds for every
+adapter), implemented on pipe_horovod's engine so they behave the same under
+horovodrun, torchrun and plain python. What differs, and why:
 
 * A pipelined DistributedOptimizer holds gradients whose reduction is still
   in flight. `commit()` captures them through the optimizer's own
@@ -30,121 +30,15 @@ and plain python. What differs, and why:
   re-partitions ElasticSamplers, even when the sync is skipped.
 """
 import copy
-import queue
 
 import torch
 
-from ... import engine
+from ...common.elastic import ObjectState, State
 from .. import mpi_ops
 from ..functions import broadcast_optimizer_state, broadcast_parameters
 from ...pipeline.own_state import OWN, identical
 from ..optimizer import is_distributed
 from .sampler import ElasticSampler
-
-_HOSTS_REMOVED = 1          # Horovod's HostUpdateResult.removed (a flag; added = 2)
-
-
-class State:
-    """Horovod's `State`: what a training function must be able to commit,
-    restore and synchronize, plus the host-update notifications.
-
-    `bcast_object(obj)` sends rank 0's object to all ranks; `get_rank()`
-    returns this rank (both default to pipe_horovod's own).
-    """
-
-    def __init__(self, bcast_object=None, get_rank=None):
-        self._bcast_object = bcast_object or _bcast_from_rank0
-        self._rank = get_rank or mpi_ops.rank
-        self._host_messages = queue.Queue()
-        self._last_updated_timestamp = 0
-        self._reset_callbacks = []
-
-    def register_reset_callbacks(self, callbacks):
-        """Call each of `callbacks` (no arguments) after every reset, before the sync:
-        e.g. to scale the learning rate to the new number of ranks."""
-        self._reset_callbacks.extend(callbacks)
-
-    def on_reset(self):
-        self._host_messages = queue.Queue()
-        self.reset()
-        for callback in self._reset_callbacks:
-            callback()
-
-    def on_hosts_updated(self, timestamp, update_res):
-        """Called by Horovod's worker notification service when hosts were added or removed."""
-        self._host_messages.put((timestamp, update_res))
-
-    def commit(self):
-        """Keep the current state in memory as the one to return to after a failure,
-        then check for host changes (which raises HostsUpdatedInterrupt on every rank).
-
-        Commits copy the whole state and, with a pipelined optimizer, wait for its
-        gradients in flight: commit every few batches rather than every batch.
-        """
-        self.save()
-        self.check_host_updates()
-
-    def check_host_updates(self):
-        """Raise HostsUpdatedInterrupt, on every rank at once, if rank 0 heard of new
-        or removed hosts since the last check. A collective: call it on every rank."""
-        previous = latest = self._last_updated_timestamp
-        update = 0
-        while not self._host_messages.empty():
-            timestamp, result = self._host_messages.get()
-            if timestamp > latest:
-                latest = timestamp
-                update |= int(result)
-        previous, self._last_updated_timestamp, update = self._bcast_object(
-            (previous, latest, update))
-        if self._last_updated_timestamp > previous:
-            # Only removed hosts: the survivors hold the same state, no sync needed.
-            raise engine.HostsUpdatedInterrupt(update == _HOSTS_REMOVED)
-
-    def save(self):
-        """Copy the state to host memory (what commit keeps)."""
-        raise NotImplementedError
-
-    def restore(self):
-        """Return to the last committed state, undoing every change since."""
-        raise NotImplementedError
-
-    def sync(self):
-        """Give every rank rank 0's state."""
-        raise NotImplementedError
-
-    def reset(self):
-        """Adjust to a reset (new ranks), after the engine restarted and before the sync."""
-
-    def _before_engine_reset(self):
-        """Called by elastic `run` just before the engine shuts down for a reset."""
-
-
-class ObjectState(State):
-    """Horovod's `ObjectState`: plain Python values given as keyword arguments and
-    exposed as attributes (`state.epoch`), committed and broadcast as one object."""
-
-    def __init__(self, bcast_object=None, get_rank=None, **kwargs):
-        self._saved_state = copy.deepcopy(kwargs)
-        self._set_attrs()
-        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
-
-    def _snapshot(self):
-        return {attr: copy.deepcopy(getattr(self, attr)) for attr in self._saved_state}
-
-    def save(self):
-        self._saved_state = self._snapshot()
-
-    def restore(self):
-        self._set_attrs()
-
-    def sync(self):
-        if self._saved_state:
-            self._saved_state = self._bcast_object(self._saved_state)
-            self._set_attrs()
-
-    def _set_attrs(self):
-        for attr, value in self._saved_state.items():
-            setattr(self, attr, copy.deepcopy(value))
 
 
 class StateHandler:
@@ -289,10 +183,9 @@ class TorchState(ObjectState):
         # All snapshots first: if one fails (a gradient in flight whose reduction
         # failed), the previous commit stays whole.
         handlers = {name: h.snapshot() for name, h in self._handlers.items()}
-        plain = self._snapshot()
+        super().save()
         for name, saved in handlers.items():
             self._handlers[name].saved = saved
-        self._saved_state = plain
 
     def restore(self):
         for handler in self._handlers.values():
