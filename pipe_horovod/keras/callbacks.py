@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .. import engine
+from .variables import _same_variable
 
 
 def broadcast_variables(variables, root_rank):
@@ -87,8 +88,6 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             self._broadcast()
 
     def _broadcast(self):
-        from .optimizer import _same_variable
-
         model = self.model
         broadcast_variables([v for v in model.variables
                              if not any(_same_variable(v, local) for local in self._local_vars)],
@@ -130,11 +129,13 @@ def _is_variable(value):
 
 def pipelined_optimizer(optimizer):
     """The pipe_horovod DistributedOptimizer `optimizer` is or wraps (a Keras
-    LossScaleOptimizer's inner one), else None."""
-    from .optimizer import _PipelinedKeras
+    LossScaleOptimizer's inner one), else None.
 
+    Known by its pipeline options (what optimizer.py's wrapper sets up, and what these
+    callbacks read), not by its class: optimizer.py imports this module
+    (flush_in_every_fit), so this one does not import it."""
     for candidate in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-        if isinstance(candidate, _PipelinedKeras):
+        if getattr(candidate, "_pipe_options", None) is not None:
             return candidate
     return None
 

@@ -14,8 +14,9 @@ synchronous at every pipeline depth).
 """
 import numpy as np
 
+from ..common import global_process_set, tensor_ops
 from ..engine import Average
-from ..torch import mpi_ops
+from .variables import _backend, _dense, _same_variable
 
 
 class _Keras2Gradients:
@@ -42,7 +43,6 @@ class _Keras2Gradients:
             apply() applies them without reducing again.
         """
         import tensorflow as tf
-        from .optimizer import _backend, _dense
 
         if _backend() != "tensorflow":
             raise RuntimeError("_compute_gradients is Keras 2's TensorFlow API; on Keras's "
@@ -108,7 +108,6 @@ class _Keras2Gradients:
         return result
 
     def _index(self, variable):
-        from .optimizer import _same_variable
         return next(i for i, v in enumerate(self._path.variables) if _same_variable(v, variable))
 
     def _reduced_now(self, grads, local=None):
@@ -119,7 +118,7 @@ class _Keras2Gradients:
         if local is None:
             local = [False] * len(grads)
         options = self._pipe_options
-        process_set = options["process_set"] or mpi_ops.global_process_set
+        process_set = options["process_set"] or global_process_set
         size = process_set.size()
         reduced = [i for i, (g, own) in enumerate(zip(grads, local)) if g is not None and not own]
         out = list(grads)
@@ -144,10 +143,10 @@ class _Keras2Gradients:
         scaling = ({"prescale_factor": 1.0 / factor, "postscale_factor": factor}
                    if options["op"] is Average and factor != 1.0 else {})
         tensors = [torch.from_numpy(np.array(a, copy=True)) for a in arrays]
-        reduced = mpi_ops.grouped_allreduce(
+        reduced = tensor_ops.grouped_allreduce(
             tensors, name=f"{self._prefix}.compute_gradients", op=options["op"],
             compression=options["compression"],
-            process_set=options["process_set"] or mpi_ops.global_process_set, **scaling)
+            process_set=options["process_set"] or global_process_set, **scaling)
         return tuple(r.numpy() for r in reduced)
 
     def _apply_reduced(self, grads, variables):

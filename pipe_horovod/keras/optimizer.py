@@ -36,6 +36,7 @@ from ..pipeline import (announce_depth, check_options, check_prediction_exchange
                         report_unapplied, resolve_depth, staleness)
 from .keras2_gradients import _Keras2Gradients
 from .naming import momentum_attribute, next_prefix
+from .variables import _backend, _dense, _same_variable
 
 SUPPORTED_BACKENDS = ("tensorflow", "torch")
 WRAPPER = "pipe_horovod.keras.DistributedOptimizer"
@@ -467,11 +468,6 @@ def _outside_the_trace():
     return eager_variables()
 
 
-def _backend():
-    import keras
-    return keras.backend.backend()
-
-
 def _check_optimizer(optimizer):
     if isinstance(optimizer, _PipelinedKeras):
         refuse_double_wrapping(getattr(optimizer, "_pipe_wrapper", WRAPPER), WRAPPER,
@@ -677,12 +673,6 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
     return wrapped
 
 
-def _same_variable(variable, other):
-    """Whether `other` names `variable`: the Keras variable itself or its backend variable."""
-    return other is variable or other is getattr(variable, "value", None) or \
-        variable is getattr(other, "value", None)
-
-
 def _variable_name(variable):
     return getattr(variable, "path", None) or variable.name
 
@@ -690,17 +680,6 @@ def _variable_name(variable):
 def _dtype(variable):
     import keras
     return keras.backend.standardize_dtype(variable.dtype)
-
-
-def _dense(grad):
-    """A gradient as the engine takes it: a TensorFlow IndexedSlices (an Embedding's)
-    made dense; None (no gradient) and dense tensors as they are."""
-    if grad is None or _backend() != "tensorflow":
-        return grad
-    import tensorflow as tf
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.convert_to_tensor(grad)
-    return grad
 
 
 _register(_PipelinedKeras)   # so load_model in a fresh process finds from_config
