@@ -363,10 +363,9 @@ def name_matching_table(matching):
 
 def plot(summary, path):
     """busbw against size, one line per algorithm/codec (colour: algorithm; style: codec)."""
-    import matplotlib
+    from pipe_horovod.tools.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     colours = {NATIVE: "black", UNMATCHED: "#937860", in_flight(NATIVE): "#666666",
                in_flight(UNMATCHED): "#da8bc3", "lp": "#c44e52", "ring": "#4c72b0",

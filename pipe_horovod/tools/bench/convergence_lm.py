@@ -583,9 +583,9 @@ def markdown(raws, command):
 
 
 def plot(raws, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pipe_horovod.tools.plotting import pyplot
+
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(raws), figsize=(5.5 * len(raws), 4.2), squeeze=False)
     for ax, raw in zip(axes[0], raws):

@@ -264,10 +264,9 @@ def markdown(summary, heading="##"):
 # ---------------------------------------------------------------------- plot
 
 def plot(summary, path):
-    import matplotlib
+    from pipe_horovod.tools.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     tasks = summary["tasks"]

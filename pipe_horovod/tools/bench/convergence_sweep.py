@@ -160,9 +160,9 @@ def markdown(rows, command):
 
 
 def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pipe_horovod.tools.plotting import pyplot
+
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(rows) + 2), 4.5))
     for i, r in enumerate(rows):

@@ -766,10 +766,9 @@ def _size(n):
 
 def plot(summaries, path):
     """Stacked bars per configuration: compute, then exposed communication; ideal as a line."""
-    import matplotlib
+    from pipe_horovod.tools.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     n = len(summaries)
     fig, axes = plt.subplots(n, 1, figsize=(14, 4.4 * n), squeeze=False)

@@ -90,10 +90,9 @@ def format_table(pred, workload):
 
 
 def plot(path, inputs):
-    import matplotlib
+    from pipe_horovod.tools.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     net, workers = inputs["network"], inputs["workers"]

@@ -182,10 +182,9 @@ def format_table(args, work, rows):
 
 
 def plot(path, args, work, rows):
-    import matplotlib
+    from pipe_horovod.tools.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [name for name, *_ in rows_of(getattr(args, "int8_two_stage", False))][::-1]  # Horovod on top
     compute = work.forward_s + work.backward_s
