@@ -66,10 +66,12 @@ import subprocess
 import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+
+from .lm_settings import CLIPPINGS, FRAMEWORKS, INITS, SCHEDULES, TARGET, Settings
 
 REPO = Path(__file__).resolve().parents[3]
 FORMAT = "pipe_horovod.convergence_lm/1"
@@ -81,8 +83,6 @@ LABELS = {"sync": "sync (K=1)", "k2-lookahead": "default (K=2, lookahead)",
 # after a colon if not the default's: k2-lookahead-int8_ef, k2-lookahead-int4_ef:64.
 CODEC_CONFIG = "k2-lookahead-"
 ENGINES = ("torch", "horovod")    # torch.distributed.run / horovodrun --gloo (PyTorch only)
-FRAMEWORKS = ("torch", "keras-tf", "keras-torch")
-TARGET = 0.02          # issue 24: the default ends within 0.02 validation loss of sync
 
 
 def label(config):
@@ -90,40 +90,6 @@ def label(config):
     if config.startswith(CODEC_CONFIG):
         return f"default + {config[len(CODEC_CONFIG):]} (engine path, no collective=)"
     return LABELS[config]
-
-
-@dataclass
-class Settings:
-    steps: int = 500
-    batch: int = 16              # windows per rank per step
-    context: int = 64
-    d_model: int = 64
-    layers: int = 2
-    heads: int = 4
-    lr: float = 3e-3             # x size (Horovod's rule)
-    warmup: int = 50
-    min_lr_ratio: float = 0.1    # cosine from peak down to this fraction of it
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    clip: float = 1.0
-    # Keras only (issue 36's sweep): the LearningRateSchedule (SCHEDULES), how the
-    # optimizer clips (CLIPPINGS: global_clipnorm=clip, clipnorm=clip, none) and whether it
-    # decays weights (weight_decay > 0: AdamW; 0: Adam).
-    schedule: str = "warmup-cosine"
-    clipping: str = "global"
-    # The kernels' initializer (INITS): "own", the framework's library's (Keras's
-    # glorot_uniform and zero biases, torch.nn's bounds), or one library's in either model
-    # (keras_model and torch_model say how): issue 36 asks whether it decides the lag.
-    init: str = "own"
-    # The lookahead configurations' prediction_exchange ("int4", "int8"; "none": the own
-    # gradient): the prediction from the ranks' exchanged average (issue 36, direction
-    # (c)). None: the adapter's default (Keras: int4; PyTorch: the own gradient).
-    exchange: str = None
-    eval_every: int = 50
-    train_chars: int = 1_000_000
-    val_chars: int = 100_000
-    val_windows: int = 256
 
 
 # ------------------------------------------------------------------------ data
@@ -339,11 +305,6 @@ def keras_model(keras, s):
         x = x + layers.Dense(s.d_model, **init)(h)
     x = layers.LayerNormalization(epsilon=1e-5)(x)
     return keras.Model(inp, layers.Dense(VOCAB, **init)(x))
-
-
-SCHEDULES = ("warmup-cosine", "cosine", "exponential", "piecewise", "constant")
-CLIPPINGS = ("global", "norm", "none")
-INITS = ("own", "keras", "torch")
 
 
 def keras_schedule(keras, s, size):
@@ -745,7 +706,7 @@ def run(args, argv=None):
         return worker(args)
     if args.sweep:
         from . import convergence_sweep
-        return convergence_sweep.run(args, argv)
+        return convergence_sweep.run(args, argv, launch)
     if not args.report_only:
         check_args(args)
     s = Settings(steps=args.steps, schedule=args.schedule, clipping=args.clipping,

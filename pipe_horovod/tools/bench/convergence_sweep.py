@@ -3,7 +3,7 @@
 
 Each cell is one `convergence_lm` launch (2 ranks, sync and the default, N seeds) with the
 cell's settings; the report puts every cell's final validation losses side by side with
-the default's gap to sync (target: within convergence_lm.TARGET in every cell) and plots
+the default's gap to sync (target: within convergence_TARGET in every cell) and plots
 the gaps per cell and seed.
 
 Designs (`--sweep NAME`):
@@ -23,7 +23,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from . import convergence_lm as lm
+from .lm_settings import CLIPPINGS, FRAMEWORKS, SCHEDULES, TARGET, Settings
 
 # Run lengths, cell by cell of issue36(): 800 steps on the held-out task's own cell
 # (CosineDecay warm-up, global_clipnorm, AdamW, TensorFlow) and two more, one of them on
@@ -52,11 +52,11 @@ class Cell:
         except ValueError:
             raise SystemExit(f"a cell is framework:schedule:clipping:weight_decay:steps, "
                              f"got {text!r}") from None
-        if framework not in lm.FRAMEWORKS[1:] or schedule not in lm.SCHEDULES or \
-                clipping not in lm.CLIPPINGS or cell.steps <= 0:
-            raise SystemExit(f"cell {text!r}: a Keras framework ({', '.join(lm.FRAMEWORKS[1:])}"
-                             f"), a schedule ({', '.join(lm.SCHEDULES)}), a clipping "
-                             f"({', '.join(lm.CLIPPINGS)}) and steps > 0")
+        if framework not in FRAMEWORKS[1:] or schedule not in SCHEDULES or \
+                clipping not in CLIPPINGS or cell.steps <= 0:
+            raise SystemExit(f"cell {text!r}: a Keras framework ({', '.join(FRAMEWORKS[1:])}"
+                             f"), a schedule ({', '.join(SCHEDULES)}), a clipping "
+                             f"({', '.join(CLIPPINGS)}) and steps > 0")
         return cell
 
 
@@ -81,8 +81,11 @@ def cells_of(text):
     return DESIGNS[text]() if text in DESIGNS else [Cell.parse(t) for t in text.split(",")]
 
 
-def run(args, argv=None):
-    """Launch every cell not already on disk (or, --report-only, none), then report."""
+def run(args, argv, launch):
+    """Launch every cell not already on disk (or, --report-only, none), then report.
+
+    `launch(args, framework, settings, out_dir)` runs one cell: convergence_lm.launch, which
+    calls this (so this module does not import it)."""
     cells = cells_of(args.sweep)
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
@@ -97,10 +100,10 @@ def run(args, argv=None):
                 continue
             print(f"[sweep] cell {i + 1}/{len(cells)}: {cell.key}", file=sys.stderr, flush=True)
             cell_args = _with(args, name=name, configs="sync,k2-lookahead")
-            s = lm.Settings(steps=cell.steps, schedule=cell.schedule, clipping=cell.clipping,
+            s = Settings(steps=cell.steps, schedule=cell.schedule, clipping=cell.clipping,
                             weight_decay=cell.weight_decay, d_model=args.d_model,
                             init=args.init, exchange=args.exchange)
-            lm.launch(cell_args, cell.framework, s, out_dir)
+            launch(cell_args, cell.framework, s, out_dir)
         with open(path) as f:
             results.append((cell, json.load(f)))
     rows = [row(cell, raw) for cell, raw in results]
@@ -143,14 +146,14 @@ def markdown(rows, command):
     lines = [f"Command: `{command}`", "",
              "| backend | schedule | clipping | weight decay | steps | sync (K=1) | default "
              "(K=2, lookahead) | gap per seed | gap (mean) | within "
-             f"{lm.TARGET} | s/run |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{TARGET} | s/run |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mean = statistics.fmean
         lines.append(
             f"| {r['framework']} | {r['schedule']} | {r['clipping']} | {r['weight_decay']:g} | "
             f"{r['steps']} | {mean(r['sync']):.4f} | {mean(r['default']):.4f} | "
             f"{' / '.join(f'{g:+.4f}' for g in r['gaps'])} | **{r['gap']:+.4f}** | "
-            f"{'yes' if r['gap'] <= lm.TARGET else 'no'} | {r['s_per_run']:.0f} |")
+            f"{'yes' if r['gap'] <= TARGET else 'no'} | {r['s_per_run']:.0f} |")
     if rows:
         worst = max(rows, key=lambda r: r["gap"])
         lines += ["", f"{len(rows)} cells x {len(rows[0]['seeds'])} seeds; the worst gap: "
@@ -169,8 +172,8 @@ def plot(rows, path):
         ax.scatter([i] * len(r["gaps"]), r["gaps"], color="tab:gray", s=12, zorder=2)
         ax.bar(i, r["gap"], color="tab:blue" if r["framework"] == "keras-tf" else "tab:orange",
                alpha=0.7, zorder=1)
-    ax.axhline(lm.TARGET, color="tab:red", linestyle="--", linewidth=1,
-               label=f"target (+{lm.TARGET})")
+    ax.axhline(TARGET, color="tab:red", linestyle="--", linewidth=1,
+               label=f"target (+{TARGET})")
     ax.axhline(0, color="black", linewidth=0.6)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([f"{r['schedule']}\n{r['clipping']}, wd {r['weight_decay']:g}\n"
