@@ -454,7 +454,7 @@ def wire_ratio(fmt, dtype=torch.float32, numel=2 ** 20):
     return fmt.shard_bytes(numel) / (numel * torch.empty((), dtype=dtype).element_size())
 
 
-# --- chunks: the two stages pipelined (issue 28) ------------------------------------------
+# --- chunks: the two stages pipelined ----------------------------------------------------
 # A large reduction runs as `count` independent two-stage reductions, so that one chunk's
 # alltoall or allgather (the wire) overlaps the next chunk's quantization and the previous
 # one's reduction (the CPU). Chunk c holds the c-th part of every rank's shard (not a

@@ -2,8 +2,7 @@
 
 With pipeline_depth K >= 2 the update of step t applies g computed at
 w_{t-K+1}. At the learning rate synchronous SGD was tuned for, that delay
-can make training oscillate early on (issue 13; docs/convergence.md
-measures it). Each option below changes either where the gradient is
+can make training oscillate early on (docs/convergence.md measures it). Each option below changes either where the gradient is
 computed or what is applied, and is a no-op for K=1 and during warm-up:
 
 * ``"lookahead"`` (ours; the best in docs/convergence.md): every rank computes its
@@ -37,7 +36,7 @@ OPTIONS = ("lookahead", "predict", "dc", "momentum")
 # of the step in flight, exchanged quantized in this wire format as backward produces it
 # and waited for at step() (the step machine's `exchange`). Every rank then predicts the
 # same point, centred on sync's next weights; the own gradient's spread about the average
-# is what costs the default its lag on some models (docs/convergence.md, issue 36).
+# is what costs the default its lag on some models (docs/convergence.md).
 EXCHANGES = ("int4", "int8")
 AUTO_EXCHANGE = "auto"
 # What a user gets without choosing: the only option that kept up with synchronous
@@ -65,7 +64,7 @@ def check_prediction_exchange(exchange, compensation):
     "auto" (the Keras adapter's default): "int4" where the compensation is
     "lookahead", else None. On Keras models the own gradient's spread cost the
     default up to 0.06 val loss against sync where the int4 exchange kept every
-    cell of issue 36's sweep within 0.02, for 1/8 of the gradient's bytes a step.
+    cell of the sweep of Keras settings within 0.02, for 1/8 of the gradient's bytes a step.
     """
     if exchange == AUTO_EXCHANGE:
         return EXCHANGES[0] if compensation == "lookahead" else None

@@ -30,7 +30,7 @@ tensor on the default group, then the same division by the world size
 (Average), as a DDP or torchrun script calls it: no name matching, no
 checks, no handle. `native/none` minus `unmatched/none` is what the torch
 engine adds to each collective (engine/negotiation.py's cycle, its thread's
-hand-off, the checks and the wait); issue 31's "cost per collective".
+hand-off, the checks and the wait): the price of the safety checks per collective.
 It also times both with IN_FLIGHT collectives started at once (distinct
 tensors, names `<name>.<i>`), then waited for (`native-8/none`,
 `unmatched-8/none`: async_op=True, then each Work's wait), as a pipeline's

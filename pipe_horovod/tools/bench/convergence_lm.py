@@ -4,13 +4,12 @@ trained with AdamW, in PyTorch and in Keras 3 (TensorFlow and torch backends).
 Why this task: the digits tasks of `pipe-horovod convergence` train CNNs with
 SGD, where a one-step delay costs little. Users who reach for a pipelined
 optimizer train transformers with AdamW, warm-up + cosine and gradient
-clipping, where a plain K=2 delay hurts (issue 24: 1.82 vs 1.49 validation
-loss) and the default staleness compensation ("lookahead") has to make up
+clipping, where a plain K=2 delay hurts (1.82 vs 1.49 validation loss at
+first measured) and the default staleness compensation ("lookahead") has to make up
 for it. This study shows, in each adapter, sync (pipeline_depth=1) vs the
 default (K=2, lookahead) vs plain K=2 (staleness_compensation=None); on
 request also the default with compression=int8_ef or int4_ef on the engine's
-own collectives (`k2-lookahead-int8_ef`, issue 28; `k2-lookahead-int4_ef`,
-issue 40), under torch.distributed.run or (`--engine horovod`, PyTorch only)
+own collectives (`k2-lookahead-int8_ef`, `k2-lookahead-int4_ef`), under torch.distributed.run or (`--engine horovod`, PyTorch only)
 horovodrun.
 
 Everything is CPU-sized (a 2-core machine runs the whole PyTorch study in
@@ -41,7 +40,7 @@ Training, as a user writes it with Horovod:
   warm-up, ExponentialDecay, PiecewiseConstantDecay, a constant: keras_schedule),
   `--clipping` (global_clipnorm, clipnorm, none) and `--weight-decay` (0: Adam)
   change what Keras's optimizer does around its rule; `--sweep` runs a design of
-  such cells (convergence_sweep.py, issue 36).
+  such cells (convergence_sweep.py).
 
 Each rank draws its own random windows of the training text (NumPy
 generator seeded with (seed, rank), the same for every configuration and
@@ -79,7 +78,7 @@ CONFIGS = ("sync", "k2-lookahead", "k2")
 LABELS = {"sync": "sync (K=1)", "k2-lookahead": "default (K=2, lookahead)",
           "k2": "plain K=2 (staleness_compensation=None)"}
 # Not in the default list: the default with a codec on the engine's own collectives
-# (issue 28's two-stage quantized allreduce; int4_ef: issue 40), the codec's block size
+# (the two-stage quantized allreduce: int8_ef, int4_ef), the codec's block size
 # after a colon if not the default's: k2-lookahead-int8_ef, k2-lookahead-int4_ef:64.
 CODEC_CONFIG = "k2-lookahead-"
 ENGINES = ("torch", "horovod")    # torch.distributed.run / horovodrun --gloo (PyTorch only)
@@ -421,7 +420,7 @@ def train_keras(s, config, seed, rank, size, train, val, on_eval, flush=True,
 
 
 def predict_unclipped(opt):
-    """Issue 24's check of one difference between the adapters: Keras's lookahead predicts by
+    """A check of one difference between the adapters: Keras's lookahead predicts by
     the optimizer's own apply(), which clips this rank's *local* gradient (global_clipnorm
     or clipnorm), while the PyTorch prediction uses the unclipped local gradient (users
     clip the averaged one after synchronize()). This makes the prediction of the Keras

@@ -26,7 +26,7 @@ from pipe_horovod.tools.bench import convergence_worker as cw
 from pipe_horovod.tools.bench.report import save_outputs
 
 FRACTIONS = (0.95, 0.99)
-# Issue 13's targets for K=2 with the best option: 99% of sync's final accuracy in at most
+# The convergence targets for K=2 with the best option: 99% of sync's final accuracy in at most
 # 1.05 x sync's epochs, and a final accuracy at most 0.3 points below sync's.
 TARGET_EPOCHS_RATIO = 1.05
 TARGET_FINAL_PP = -0.3

@@ -1,5 +1,6 @@
 """A sweep of the Keras transformer task over what Keras's optimizer does around its rule
-(issue 36): learning-rate schedules, clipping, weight decay, run length and backend.
+(learning-rate schedules, clipping, weight decay, run length and backend), to find which of
+them decides the default's lag behind sync.
 
 Each cell is one `convergence_lm` launch (2 ranks, sync and the default, N seeds) with the
 cell's settings; the report puts every cell's final validation losses side by side with

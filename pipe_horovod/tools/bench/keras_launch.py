@@ -11,7 +11,7 @@ PyTorch benchmark; the raw results are merged into one raw JSON and
 reported by `keras_report`.
 
 `--framework tf-loop` is the same machinery on TensorFlow custom loops
-(issue 38): our worker's loop-kK rows (a tf.function step with
+(what Horovod's TensorFlow users write): our worker's loop-kK rows (a tf.function step with
 pipe_horovod.tensorflow's DistributedGradientTape) against the MWMS
 worker's custom loop (strategy.run + strategy.reduce), beside compute and
 allreduce. Both sets of names may be mixed in one run.

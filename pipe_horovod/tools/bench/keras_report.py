@@ -2,10 +2,10 @@
 
 `report.summarize` / `report.markdown` / `report.plot` do the common part
 (medians, IQR, comm, exposed wait, hidden = 1 − exposed/comm, the plot).
-This adds what issue 9 asks of the Keras benchmark: each row against
+This adds what the Keras benchmark must show: each row against
 tf-keras + MultiWorkerMirroredStrategy and against our K=1, the three
 targets, and the per-step time breakdown of our TensorFlow path. Rows of
-TensorFlow custom loops (`--framework tf-loop`, issue 38: loop-kK, and
+TensorFlow custom loops (`--framework tf-loop`: loop-kK, and
 MWMS's loop tf-mwms-loop) compare against their own kind: loop-k1 and
 tf-mwms-loop are their "K=1" and "MWMS" columns.
 
@@ -166,7 +166,7 @@ def markdown(summary, keras, heading="#"):
 
 
 def _fit_target_lines(keras, heading):
-    """Issue 9's targets for the Keras fit rows."""
+    """The Keras benchmark's targets for the fit rows."""
     num, three = report._num, "{:.3f}"
     lines = [f"{heading}# Keras targets (issue 9)", "",
              "| target | measured | threshold | met? |", "|---|---:|---:|---|"]

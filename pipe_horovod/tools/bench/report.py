@@ -37,7 +37,7 @@ TARGETS = {
     # key: (description, comparison, threshold)
     "k2_vs_ideal": ("ours-k2 step / max(compute, comm)", "<=", 1.10),
     "k2_speedup_vs_horovod": ("Horovod step / ours-k2 step", ">=", 1.6),
-    # Replayed compute (issue 11): against what the overlap-aware model predicts for
+    # Replayed compute: against what the overlap-aware model predicts for
     # this run's own F, B and links, since Horovod also hides comm behind backward.
     "k2_speedup_vs_horovod_of_model": ("(Horovod / ours-k2 step) / the model's (Horovod "
                                        "sync / ours-k2) for this run", ">=", 0.95),

@@ -439,9 +439,9 @@ def make_runner(name, args, eng):
     import pipe_horovod.torch as phvd
 
     codec, collective = compression_of(name), None
-    if codec in PER_HOP:                  # per-hop codecs ride collectives' ring (issue 10)
+    if codec in PER_HOP:                  # per-hop codecs ride collectives' ring
         codec, collective = PER_HOP[codec][0], "ring"
-    elif is_two_stage(codec):             # two stages (issue 28; CPU buckets point to point)
+    elif is_two_stage(codec):             # two stages (CPU buckets point to point)
         codec = two_stage_compression(codec)
     compression = phvd.Compression.by_name(codec)
     explicit, option = staleness_of(name)

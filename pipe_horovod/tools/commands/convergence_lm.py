@@ -1,4 +1,5 @@
-"""`pipe-horovod convergence-lm`: the transformer task of the convergence study (issue 24).
+"""`pipe-horovod convergence-lm`: the transformer task of the convergence study, where a
+plain one-step delay hurts an AdamW model that synchronous training handles (docs/convergence.md).
 
 A character-level transformer trained with AdamW (warm-up + cosine, clipping of
 the averaged gradient), sync vs the default (K=2, lookahead) vs plain K=2, in
