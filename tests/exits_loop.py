@@ -1,4 +1,4 @@
-"""Issue 39's clean-exit loop: every case of tests/workers/exits_worker.py, many times
+"""The clean-exit loop (a script that ends with an error must end every rank): every case of tests/workers/exits_worker.py, many times
 under each launcher, counting exit statuses and aborts.
 
 The abort it looks for (SIGABRT at exit, "terminate called without an active

@@ -102,7 +102,7 @@ def collectives_case(engine_name, np, case):
 
 
 # --- tests/workers/hardening_worker.py: test_hardening_optimizer.py, test_misuse_optimizer.py
-# Issue 14's optimizer defects, then issue 31's optimizer misuse (misuse_optimizer_worker.py:
+# The optimizer defects a review found, then optimizer misuse (misuse_optimizer_worker.py:
 # last, as its errors raised inside step() leave reductions in flight).
 HARDENING_LAUNCHES = [("local", 1), ("horovod", 2), ("torch", 2)]
 HARDENING = ["threads", "skipped", "rollback", "rewrap", "misuse"]

@@ -104,7 +104,7 @@ _HOROVOD = launcher.horovod_missing()
 def test_horovod_engine_measures_horovod_and_ddp_in_one_run(tmp_path):
     # One horovodrun job: hvd.DistributedOptimizer and DDP (over a torch.distributed gloo
     # group the workers start next to Horovod) in the same processes, interleaved; every
-    # configuration on replayed compute (issue 11): 0.005 TFLOP/s makes the 0.1 MB MLP's
+    # configuration on replayed compute: 0.005 TFLOP/s makes the 0.1 MB MLP's
     # forward 1.6 ms and backward 3.2 ms of timed waits. --one-model: each block builds its
     # configuration (Horovod's optimizer, DDP, ours) anew and frees it after (the other
     # tests build every configuration once).

@@ -31,7 +31,7 @@ def _bench(out, *args, timeout=400):
 
 @pytest.mark.timeout(430)
 def test_tiny_keras_run_reports_every_row(tmp_path):
-    # The TensorFlow custom loops' rows (issue 38: loop-kK in our worker's launch, the
+    # The TensorFlow custom loops' rows (loop-kK in our worker's launch, the
     # MultiWorkerMirroredStrategy loop in the baseline's) ride in the same run.
     configs = ["ours-k1", "ours-k2", "compute", "allreduce", "loop-k1", "loop-k2",
                "tf-mwms-loop"]

@@ -125,7 +125,7 @@ print("ok")
 
 
 def test_keras_settings_and_the_sweep_design_and_report(tmp_path):
-    """Issue 36's sweep: the schedules a Keras user passes (peak lr x size), the fractional
+    """The sweep of Keras settings: the schedules a Keras user passes (peak lr x size), the fractional
     design's balance, the cell syntax, and the per-cell report from raw files."""
     os.environ.setdefault("KERAS_BACKEND", "torch")
     keras = pytest.importorskip("keras")

@@ -378,7 +378,7 @@ class _Listener:
     (0, b"", "address already in use"),
 ])
 def test_a_rendezvous_on_a_taken_port_names_what_answered(monkeypatch, rank, banner, said):
-    """Issue 39: under env:// (mpirun, ranks started by hand) a MASTER_PORT another program
+    """Under env:// (mpirun, ranks started by hand) a MASTER_PORT another program
     holds made rank 0 fail with EADDRINUSE and every other rank wait inside torch's
     handshake until killed. Each now raises at init, naming the address, the port and what
     answered there; a rank whose store has not started yet names the refusal."""

@@ -1,4 +1,4 @@
-"""Issue 14, engine side: regression tests for defects 2, 5 and 6.
+"""Engine side: regression tests for three defects a review found (numbered as it did).
 
 The multi-rank checks run tests/workers/hardening_engine_worker.py under the
 launchers users use, inside optimizer_worker's launch of each engine and size

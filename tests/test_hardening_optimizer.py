@@ -1,4 +1,4 @@
-"""Issue 14's optimizer defects, each reproduced on real workers and checked
+"""The optimizer defects a review found, each reproduced on real workers and checked
 against the oracle: concurrent hooks, a GradScaler-skipped last step, a
 mid-run rollback, and wrapping the same parameters twice."""
 import pytest

@@ -38,7 +38,7 @@ def _horovodrun_elastic(tmp_path, cases, backend):
 
 
 # The TensorFlow launch also runs the TensorFlow custom loop's case (pipe_horovod.tensorflow
-# .elastic with a DistributedGradientTape, issue 38) and then kills a worker's process
+# .elastic with a DistributedGradientTape) and then kills a worker's process
 # (each its own launch would cost ~30 s of start-up); the torch backend's failure surfaces
 # outside any graph, so its launch checks the restore alone.
 @pytest.mark.parametrize("backend,cases", [("tensorflow", "fail-one,tf-loop,crash"),

@@ -121,7 +121,7 @@ OPTIMIZERS = {
 }
 
 
-# What Keras's apply does around the rule (issue 36): a schedule read at the iteration
+# What Keras's apply does around the rule: a schedule read at the iteration
 # count, clipping, decoupled weight decay; each (keras, reference) pair of schedules and
 # the optimizer's other keyword arguments. Every setting moves the weights beyond
 # rounding's bound (checked below), so one applied at the wrong step or to the wrong

@@ -42,7 +42,7 @@ def test_keras_on_tensorflow_default_is_the_unwrapped_optimizer_plus_two_copies(
     # Between steps the default holds, beyond the unwrapped Keras optimizer, the averaged
     # gradient in flight (one slot buffer: the slot applied at this step is let go, since
     # TensorFlow keeps no gradient between steps) and the real weights (the shadow
-    # variables), as the PyTorch adapter does (issue 36 item 6; + 3 before). Plain K=2:
+    # variables), as the PyTorch adapter does (+ 3 before the shadow copy went). Plain K=2:
     # the gradient in flight alone. No cached zeros for the steps that fill the pipeline
     # (a whole copy until 2026-11-25), no saved optimizer state.
     pytest.importorskip("tensorflow")

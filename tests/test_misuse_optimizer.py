@@ -1,5 +1,5 @@
-"""Issue 31, the optimizer side: edits of `.grad` between backward and step, weight edits
-between steps, and the one-line checks of item 5, each asserted on every rank.
+"""Misuse, the optimizer side: edits of `.grad` between backward and step, weight edits
+between steps, and the one-line checks, each asserted on every rank.
 
 Every case (tests/workers/misuse_optimizer_worker.py) runs in the launch of
 test_hardening_optimizer.py's cases of each engine, last (tests/shared_launches.py).

@@ -31,7 +31,7 @@ def test_engine_and_oracle_under_mpi(launch, engine_name):
     env = {}
     if engine_name == "torch":
         env = {"PIPE_HOROVOD_ENGINE": "torch", "MASTER_PORT": str(free_port("127.0.0.1"))}
-    # On the horovod engine one rank ends early and the other names it (issue 31): rank 1
+    # On the horovod engine one rank ends early and the other names it: rank 1
     # under horovodrun --mpi; under mpirun rank 0, which hosts the status board.
     ender = 1 if launch == "horovod-mpi" else 0
     _, out = launcher.run(launch, 2, "mpi_worker.py", engine_name, 2, ender, env=env,

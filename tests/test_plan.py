@@ -77,7 +77,7 @@ def test_resnet50_plan_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in out
 
 
-# Issue 28 item 4: with bucket_cap_mb at its default (auto, pipeline.buckets.auto_bucket_cap_mb)
+# The automatic bucket size's promise: with bucket_cap_mb at its default (auto, pipeline.buckets.auto_bucket_cap_mb)
 # our K=1 is >= 0.97x and K=2 >= 1.0x Horovod's DistributedOptimizer for ResNet-50 (batch 64,
 # 100 TFLOP/s) and BERT-base (batch 32, 200 TFLOP/s) at 8, 64 and 256 workers on 10, 25 and
 # 100 Gbit/s (20 us). One cell misses, and docs/planner.md says why: ResNet-50 at 64 workers on

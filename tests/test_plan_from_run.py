@@ -1,4 +1,4 @@
-"""`pipe-horovod plan --from-run`: advice from a measured run (issue 40 item 5).
+"""`pipe-horovod plan --from-run`: advice from a measured run.
 
 The runtime's record in a real launch (optimizer_worker.py's case run-summary, torch
 engine, 2 ranks: recording changes no weight bit, what it records, the files it

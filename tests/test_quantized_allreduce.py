@@ -1,4 +1,4 @@
-"""The two-stage quantized allreduce on the engine's own collectives (issue 28).
+"""The two-stage quantized allreduce on the engine's own collectives.
 
 One launch per (engine, ranks) runs every reduction case against the single-process
 reference of tests/workers/quantized_worker.py, bit for bit; the "all" launches add

@@ -1,4 +1,4 @@
-"""pipe_horovod.tensorflow (issue 38): Horovod's TF2 custom-loop API on today's TensorFlow.
+"""pipe_horovod.tensorflow: Horovod's TF2 custom-loop API on today's TensorFlow.
 
 The cases (tests/workers/tensorflow_worker.py says what each checks) run in the Keras fit
 launch of their engine on the TensorFlow backend (keras_launches.py: one TensorFlow start-up

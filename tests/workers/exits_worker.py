@@ -1,6 +1,7 @@
-"""Issue 39, clean exits: a script ends with an uncaught error of ours on some rank.
+"""Clean exits: a script ends with an uncaught error of ours on some rank, and every
+rank must still end.
 
-Cases (argv[1], default "raise"), each the issue's, 2 ranks:
+Cases (argv[1], default "raise"), 2 ranks:
   raise    rank 1's script raises a ValueError of its own after one collective; rank 0,
            waiting in the next one, raises the StepMismatchError naming rank 1's error;
   complex  rank 1 allreduces a complex64 metric (our ValueError, uncaught), rank 0 a float;

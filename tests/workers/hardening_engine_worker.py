@@ -1,4 +1,4 @@
-"""Issue 14's engine-side defects, each checked against exact expected values.
+"""The engine-side defects a review found, each checked against exact expected values.
 
 argv: MODE[,MODE...] ENGINE_NAME (one launch runs several in turn, launcher.run_case;
 cuda alone)

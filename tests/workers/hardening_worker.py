@@ -1,4 +1,4 @@
-"""Launched on N ranks: the optimizer defects of issue 14, each against the oracle.
+"""Launched on N ranks: the optimizer defects a review found, each against the oracle.
 
 `python hardening_worker.py MODE[,MODE...]` (one launch runs several, launcher.run_case):
   threads   backward runs on two threads at once (as CPU and CUDA leaves do)

@@ -94,7 +94,7 @@ def make(kind):
         return keras.optimizers.SGD(0.05, momentum=0.9), ref.SGD(0.05, momentum=0.9)
     if kind == "adam":
         return keras.optimizers.Adam(0.01), ref.Adam(0.01)
-    # What Keras's apply does around the rule (issue 36): a schedule read at the iteration
+    # What Keras's apply does around the rule: a schedule read at the iteration
     # count, clipping of the gradient it is given, decoupled weight decay.
     schedules = keras.optimizers.schedules
     if kind == "adamw-cosine-global":
@@ -371,9 +371,9 @@ class ExchangeLog:
 
 
 def check_settings():
-    """A schedule, clipping and weight decay in the real update and in the prediction
-    (issue 36): lookahead runs the whole of Keras's apply on this rank's own gradient, at
-    the iteration count the update it predicts will have."""
+    """A schedule, clipping and weight decay in the real update and in the prediction:
+    lookahead runs the whole of Keras's apply on this rank's own gradient, at the
+    iteration count the update it predicts will have."""
     check_case("adamw-cosine-global", 2, 0, "lookahead")
     check_case("sgd-exponential-clipnorm", 3, 1, "lookahead")
     # prediction_exchange: the prediction from the ranks' exchanged average.

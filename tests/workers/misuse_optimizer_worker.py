@@ -1,4 +1,4 @@
-"""On N ranks: issue 31's optimizer-side misuse, every case in one launch (hardening_worker.py's
+"""On N ranks: optimizer-side misuse, every case in one launch (hardening_worker.py's
 `misuse` case).
 
 Each case either matches the oracle (the use is honoured) or raises / warns with
@@ -114,7 +114,7 @@ def check_options_and_models():
                      ({"pipeline_depth": 1000}, "depths above 64 are refused")):
         depth = kw.pop("pipeline_depth", 2)
         raises(ValueError, text, lambda: wrap(model, depth, **kw))
-    # Issue 28's options: a codec the chosen path cannot carry, a block size out of range,
+    # The compression and bucket options: a codec the chosen path cannot carry, a block size out of range,
     # a link description that is not a number (read for the automatic bucket size).
     raises(ValueError, "runs only in the two-stage reduction",
            lambda: wrap(model, 2, compression=phvd.Compression.fp8_e4m3, collective="ring"))
@@ -125,7 +125,7 @@ def check_options_and_models():
         raises(ValueError, "PIPE_HOROVOD_LINK_GBPS must be a number", lambda: wrap(model, 2))
     finally:
         del os.environ["PIPE_HOROVOD_LINK_GBPS"]
-    # prediction_exchange (issue 36): a format the exchange has not, without the lookahead
+    # prediction_exchange: a format the exchange has not, without the lookahead
     # it feeds, and one that differs between ranks (every rank raises, naming it).
     raises(ValueError, "prediction_exchange must be None, 'auto' or one of int4, int8; got 'fp16'",
            lambda: wrap(model, 2, prediction_exchange="fp16"))
@@ -141,7 +141,7 @@ def check_options_and_models():
     if phvd.size() > 1:
         # Per-rank hyper-parameters, as Horovod's test_broadcast_state_options builds them:
         # a warning on every rank at the first step, then broadcast_optimizer_state makes
-        # them rank 0's (issue 39: no longer refused at wrap time, as Horovod runs it).
+        # them rank 0's (not refused at wrap time, since Horovod's own test runs it).
         model = fresh(MLP)
         opt = wrap(model, 2, lr=0.1 + phvd.rank())
         (x, y), = data_for()(phvd.rank(), 0)
@@ -175,7 +175,7 @@ def check_calls():
     plain = torch.optim.SGD(fresh(MLP).parameters(), lr=0.1, momentum=0.9)
     raises(ValueError, "different number of parameter groups",
            lambda: plain.load_state_dict(opt.state_dict()))
-    # The documented way (issue 39): flush_into loads it into a plain optimizer and applies
+    # The documented way: flush_into loads it into a plain optimizer and applies
     # the gradient in flight as flush() does, to the bit.
     saved, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
     opt.flush()
@@ -207,7 +207,7 @@ def check_calls():
 def check_habits():
     """An LR scheduler built on the optimizer before wrapping it (a common order; its
     step-counting wrapper was bound to the original and stepped it instead): matches the
-    oracle at K=1 and K=2 under the default lookahead, with no warning (issue 39)."""
+    oracle at K=1 and K=2 under the default lookahead, with no warning."""
     size = phvd.size()
     for depth in (1, 2):
         model, ref = fresh(MLP), fresh(MLP)

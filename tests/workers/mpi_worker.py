@@ -1,7 +1,7 @@
 """Under an MPI launch (horovodrun --mpi, mpirun): the engine checks, then the
 optimizer against the single-process oracle, in one launch per launcher; last, on
 the horovod engine, rank ENDER ends after 3 steps while the other takes a 4th: that
-one raises StepMismatchError naming ENDER and its step count (issue 31: the status
+one raises StepMismatchError naming ENDER and its step count (the status
 board on MPI is a TCPStore rank 0 hosts, which stays up until the others read that
 rank 0 ended), not Horovod's "has been shut down".
 
