@@ -146,6 +146,24 @@ def test_a_collective_on_rank_0_alone_names_both_calls(engine_name):
 
 
 @pytest.mark.parametrize("engine_name", ENGINES)
+def test_a_param_group_added_on_one_rank_names_the_group(engine_name):
+    """add_param_group on rank 0 alone: rank 0 waits in the group's check, rank 1 in its next
+    step. Both named the check 'pipeN.agree.sizes' and blamed uneven data (hvd.join()), as the
+    step counts differ; both name the group, its check, and what to do."""
+    _, out, got = launch(engine_name)
+    hint = ("Parameter group 1 (2 parameter(s)) was added on some ranks only: every rank must "
+            "call add_param_group with the same group, between the same two steps")
+    for rank in (0, 1):
+        text, took = got["paramgroup", rank]
+        assert text.startswith("StepMismatchError: ") and text.endswith(hint), (rank, text)
+        assert re.search(r"so none can complete: rank 0 waits in add_param_group's check of "
+                         rf"parameter group 1{STEPS}, which rank 1 has not started; rank 1 "
+                         r"waits in allreduce 'pipe\d+\.", text), (rank, text)
+        assert "agree" not in text and "param_group1" not in text and "join" not in text, text
+        assert took < 4.5, took
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
 def test_a_rank_that_raises_alone_is_named_by_the_others(engine_name):
     """Rank 1's allreduce of a complex64 metric is refused there (caught); rank 0, waiting in
     the same call, raises rank 1's error naming the call, within about a second."""

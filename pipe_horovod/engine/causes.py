@@ -80,10 +80,15 @@ def _begun(step, stepping):
 
 
 def _hint(stall, others, ranks):
-    """The uneven-data advice where `ranks` began other steps than this rank, else the
-    advice to call the same collectives."""
+    """The hint of a labelled call some rank waits in (stall.labelled: its caller knows
+    the cause), else the uneven-data advice where `ranks` began other steps than this
+    rank, else the advice to call the same collectives."""
     mine = _begun(stall.engine.step, stall.engine.stepping)
     posts = [others.get(r) or {} for r in ranks]
+    labelled = [stall.call.posted()] + [post.get("call") or {} for post in posts]
+    said = next((call["hint"] for call in labelled if call.get("hint")), None)
+    if said:
+        return said
     begun = [_begun(post.get("step"), post.get("stepping")) for post in posts]
     if mine is not None and any(s is not None and s != mine for s in begun):
         return JOIN_HINT

@@ -33,6 +33,7 @@ off, as in Horovod; the causes and the timeout stay. A healthy wait shorter
 than STATUS_AFTER_S costs nothing beyond its polls, and an error costs one
 post.
 """
+import contextlib
 import json
 import os
 import time
@@ -79,10 +80,50 @@ def settings():
     return check, _seconds(SHUTDOWN_VARIABLE, 0.0) or None
 
 
+_LABELS = {}    # collective name -> (words, hint), while its caller's labelled() lasts
+
+
+@contextlib.contextmanager
+def labelled(name, words, hint):
+    """Inside: the collective `name` (and the parts of an object collective, `name.*`) is
+    described in messages as `words`, and a stall in it ends with `hint`, on every rank.
+
+    Why: a check an adapter runs on one rank alone (add_param_group called on rank 0
+    only) stalls against the others' next step, and its internal name said nothing
+    ("allreduce 'pipe0.agree.sizes'") while the step counts blamed uneven data. The hint
+    travels in this rank's post, so the ranks that never started the call say it too."""
+    before = _LABELS.get(name)
+    _LABELS[name] = (words, hint)
+    try:
+        yield
+    finally:
+        if before is None:
+            _LABELS.pop(name, None)
+        else:
+            _LABELS[name] = before
+
+
+def _label(name):
+    """(words, hint) of a labelled collective `name`, else None."""
+    if name is None:
+        return None
+    return _LABELS.get(name) or _LABELS.get(name.rsplit(".", 1)[0])
+
+
+def label_or_name(name):
+    """A collective's name as messages list it: its label while labelled."""
+    label = _label(name)
+    return name if label is None else label[0]
+
+
 def describe(kind, name):
-    """How messages name a call: allreduce 'x', broadcast_object 'o', barrier()."""
+    """How messages name a call: allreduce 'x', broadcast_object 'o', barrier(); a
+    labelled call by its label."""
     if kind in ("barrier", "join"):
         return f"{kind}()"
+    label = _label(name)
+    if label is not None:
+        return label[0]
     return kind if name is None else f"{kind} {name!r}"
 
 
@@ -109,8 +150,10 @@ class Call:
         return describe(self.kind, self.name)
 
     def posted(self):
+        label = _label(self.name) or _label(self.wire)
         return {"kind": self.kind, "name": self.name, "wire": self.wire, "root": self.root,
-                "count": self.count, "shapes": self.shapes, "dtypes": self.dtypes}
+                "count": self.count, "shapes": self.shapes, "dtypes": self.dtypes,
+                "hint": None if label is None else label[1]}
 
 
 class Board:

@@ -42,7 +42,7 @@ from .adasum import combine as adasum_combine
 from .base import DEFAULT_TIMEOUT_S, Adasum, Average, Done, Engine, \
     EngineError, Max, Min, Product, Sum, Then, Work, WorkList, scale_, \
     shard_sizes
-from .stall import torch_board
+from .stall import label_or_name, torch_board
 from .mismatch import DTYPES, encode
 from .negotiation import INLINE_BYTES, SLICE_S, Negotiator, Request, key_of
 
@@ -457,8 +457,9 @@ class TorchDistEngine(Engine):
                     missing.setdefault(rank, []).append(name)
         if not missing:
             return ""
-        return "; missing ranks: " + ", ".join(f"{rank}: [{', '.join(names)}]"
-                                               for rank, names in sorted(missing.items()))
+        return "; missing ranks: " + ", ".join(
+            f"{rank}: [{', '.join(map(label_or_name, names))}]"
+            for rank, names in sorted(missing.items()))
 
     # --- process sets ---------------------------------------------------
     def _add_library_set(self, process_set):

@@ -392,6 +392,7 @@ def _codec_name(compression):
         return getattr(compression, "name", type(compression).__name__)
 
 
-def _alone(obj):
-    """allgather_object for a rank that shares no collective with others."""
+def _alone(obj, name=None):
+    """allgather_object for a rank that shares no collective with others (`name`: the
+    collective's, as the others' gather takes it)."""
     return [obj]

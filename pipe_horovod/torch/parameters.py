@@ -27,6 +27,7 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..engine.stall import labelled
 from ..pipeline import compare_across_ranks
 
 _log = logging.getLogger("pipe_horovod")
@@ -87,10 +88,17 @@ class _ParameterOwnership:
         added = self.param_groups[-1]["params"]
         for i, p in enumerate(added):
             self._name_of.setdefault(p, f"param_group{index}.{i}")
-        compare_across_ranks(self._machine.gather,
-                             _describe([(self._name_of[p], p) for p in added],
-                                       [self._name_of[p] for p in added], {}),
-                             what=f"parameter group {index} added after wrapping")
+        # Named for this group, and labelled: a rank that did not add it goes on to its
+        # step's reductions, and the stall that follows names the group, not uneven data.
+        check = f"{self._machine.prefix}.param_group{index}"
+        with labelled(check, f"add_param_group's check of parameter group {index}",
+                      f"Parameter group {index} ({len(added)} parameter(s)) was added on some "
+                      "ranks only: every rank must call add_param_group with the same group, "
+                      "between the same two steps"):
+            compare_across_ranks(lambda obj: self._machine.gather(obj, name=check),
+                                 _describe([(self._name_of[p], p) for p in added],
+                                           [self._name_of[p] for p in added], {}),
+                                 what=f"parameter group {index} added after wrapping")
         self._track(added)
         self._observed, self._order_agreed = {}, False
         self._plan([self._name_of[p] for p in reversed(self._params)])

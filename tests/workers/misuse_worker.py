@@ -32,6 +32,8 @@ ranks and engines; then:
             allgather_object: both raise StepMismatchError naming both ranks' waits and
             steps (rank 0 on TensorFlow inside its UnknownError, the text of which the case
             prints);
+  paramgroup  add_param_group on rank 0 alone after a step: both ranks name the group's
+            check (rank 0's wait) and say every rank must add the group, not uneven data;
   again     both ranks shut the engine down and start it again in the same launch; rank 0
             then sleeps 2.5 s before an allreduce rank 1 already waits in: rank 1 waits
             and completes, reading none of the last engine's posts (every rank "ended",
@@ -258,6 +260,33 @@ def keras_uneven(r):
         outcome("keras.next", lambda: hvd.allgather_object(r, name="keras.next"))
 
 
+def param_group(r):
+    """A frozen head unfrozen by add_param_group on rank 0 alone, after a step: rank 0 waits
+    in the group's check, rank 1 in its next step's reduction; both name the group's check
+    and say what to do, not uneven data (the step counts differ) nor internal names."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    head = list(model[1].parameters())
+    for p in head:
+        p.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), pipeline_depth=1)
+
+    def step():
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    step()
+
+    def unfreeze_and_step():
+        if r == 0:
+            for p in head:
+                p.requires_grad_(True)
+            opt.add_param_group({"params": head})
+        step()
+    outcome("paramgroup", unfreeze_and_step)
+
+
 def again(r):
     hvd.shutdown()
     hvd.init()
@@ -301,6 +330,7 @@ def main():
     edited(r)
     keras_uneven(r)
     rank0_only(r)
+    param_group(r)
     again(r)
     ended(r)
     print(f"WORKER_OK rank={r}", flush=True)
