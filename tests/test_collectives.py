@@ -208,6 +208,78 @@ def test_abort_fails_the_waits_of_a_gloo_group_on_every_rank():
     assert "Connection closed by peer" in results[1][1], results
 
 
+class _FailingWork:
+    """A gloo point-to-point work whose wait blocks `seconds`, then raises `text`."""
+
+    def __init__(self, seconds, text):
+        self.seconds, self.text = seconds, text
+
+    def wait(self):
+        time.sleep(self.seconds)
+        raise RuntimeError(self.text)
+
+
+class _Job:
+    """What the communicator's thread reads of a collective (communicator.Job)."""
+    kind, ranks, me, set_id, op, root = "allreduce", [0, 1], 0, 0, None, None
+    tensor = torch.zeros(3)
+    spec = type("Spec", (), {"describe": staticmethod(lambda: "ring")})()
+    codec = "none"
+
+    def __init__(self, work):
+        self.work = work
+
+    def instead(self):
+        return None
+
+    def run(self, channel, pool):           # an algorithm's first receive, and its wait
+        channel.recv(torch.zeros(1), 1, 0).wait()
+
+
+def _thread_run(monkeypatch, work, check=lambda job, channel, sequence: 0, timeout_s=0.4):
+    """Communicator._run (what its thread runs) of a job whose first wait does `work`."""
+    import collections as _collections
+
+    from pipe_horovod.collectives import communicator as comm_module
+
+    monkeypatch.setattr(torch.distributed, "irecv", lambda *a, **k: work)
+    comm = comm_module.Communicator.__new__(comm_module.Communicator)
+    comm.group, comm.pool, comm.timeout_s = None, None, timeout_s
+    comm._sequence = _collections.Counter()
+    comm.agreement = type("Agreement", (), {"check": staticmethod(check)})()
+    return comm._run(_Job(work))
+
+
+def test_a_point_to_point_failure_is_told_by_what_happened_not_by_its_words(monkeypatch):
+    """A wait that blocked for the group's whole timeout is WaitTimeoutError, one that
+    failed sooner WaitError: both HorovodInternalError, so elastic resets on them (a
+    peer that hangs raised ValueError when any "timed out" text was taken for an argument
+    mismatch). gloo's words are swapped here, so only what happened can tell them."""
+    from pipe_horovod.engine import HorovodInternalError, WaitError, WaitTimeoutError
+
+    with pytest.raises(WaitTimeoutError, match=r"waited 0 s .*for a peer's message that "
+                       r"never came: a peer stopped or hangs.*Connection closed by peer"):
+        _thread_run(monkeypatch, _FailingWork(0.4, "Connection closed by peer [127.0.0.1]"))
+    with pytest.raises(WaitError, match="a peer closed the connection") as closed:
+        _thread_run(monkeypatch, _FailingWork(0.0, "Timed out waiting 2000ms for recv "
+                                                   "operation to complete"))
+    assert not isinstance(closed.value, WaitTimeoutError)
+    assert isinstance(closed.value, HorovodInternalError)
+
+
+def test_an_argument_mismatch_stays_a_value_error(monkeypatch):
+    """The agreement check found ranks passing other arguments: ValueError, as it said it
+    (elastic must not retry a misuse), not a failure of a peer."""
+    def mismatch(job, channel, sequence):
+        raise ValueError("collectives.allreduce (call #0 on this process set): the ranks "
+                         "disagree on numel: rank 0 3, rank 1 4")
+
+    with pytest.raises(ValueError, match="the ranks disagree on numel") as info:
+        _thread_run(monkeypatch, _FailingWork(0.0, "unused"), check=mismatch)
+    from pipe_horovod.engine import HorovodInternalError
+    assert not isinstance(info.value, HorovodInternalError)
+
+
 def test_collective_config_round_trips():
     """What a saved Keras model keeps of `collective=` rebuilds the same Collective."""
     for spec in (collectives.Collective("ring"),

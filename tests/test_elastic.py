@@ -251,6 +251,80 @@ def test_run_restores_on_internal_error_and_keeps_state_on_host_update(local):
     assert events == [("reset", 3), ("reset", 4)]
 
 
+def _attempts(failures):
+    """A training function that raises `failures` in order (None: returns), counting its
+    calls; past the list it stops the test instead of looping on."""
+    calls = []
+
+    def train(state):
+        calls.append(state.step)
+        if len(calls) > len(failures):
+            raise AssertionError(f"called {len(calls)} times: the loop did not end")
+        failure = failures[len(calls) - 1]
+        if failure is not None:
+            state.step += 1
+            if callable(failure):
+                failure = failure(state)
+            raise failure
+        return "done"
+    return train, calls
+
+
+def test_the_same_failure_after_every_restore_ends_the_run(local, monkeypatch):
+    """A failure that restoring does not cure (the same error at the same point every
+    time) ends `run` after PIPE_HOROVOD_ELASTIC_MAX_SAME_FAILURES (default 3) attempts in
+    a row, naming it and the count, instead of looping forever with nothing printed."""
+    from pipe_horovod.common import RepeatedFailureError
+
+    monkeypatch.delenv("PIPE_HOROVOD_ELASTIC_MAX_SAME_FAILURES", raising=False)
+    same = HorovodInternalError("rank 1 passed another size")
+    train, calls = _attempts([same] * 4)
+    with pytest.raises(RepeatedFailureError) as info:
+        phvd.elastic.run(train)(phvd.elastic.TorchState(step=0))
+    assert calls == [0, 0, 0]                   # each attempt restored to the commit
+    assert info.value.count == 3 and info.value.cause is same and info.value.__cause__ is same
+    assert str(info.value) == (
+        "elastic training stopped: the same failure ended 3 attempts in a row, each restored "
+        "from the same commit, so restoring does not cure it: HorovodInternalError: rank 1 "
+        "passed another size. Fix its cause (it is raised above); "
+        "PIPE_HOROVOD_ELASTIC_MAX_SAME_FAILURES sets how many identical failures in a row "
+        "end the run")
+    assert not isinstance(info.value, HorovodInternalError)    # no elastic loop retries it
+
+    monkeypatch.setenv("PIPE_HOROVOD_ELASTIC_MAX_SAME_FAILURES", "1")
+    train, calls = _attempts([same])
+    with pytest.raises(RepeatedFailureError, match="ended 1 attempts in a row"):
+        phvd.elastic.run(train)(phvd.elastic.TorchState(step=0))
+    assert calls == [0]
+
+
+def test_failures_that_differ_or_follow_progress_are_retried(local, monkeypatch):
+    monkeypatch.delenv("PIPE_HOROVOD_ELASTIC_MAX_SAME_FAILURES", raising=False)
+    same = HorovodInternalError("lost a peer")
+    train, calls = _attempts([same, same, None])            # twice, then it works
+    assert phvd.elastic.run(train)(phvd.elastic.TorchState(step=0)) == "done"
+    assert calls == [0, 0, 0]
+    other = HorovodInternalError("lost another peer")
+    train, calls = _attempts([same, same, other, same, same, None])   # never 3 alike in a row
+    assert phvd.elastic.run(train)(phvd.elastic.TorchState(step=0)) == "done"
+
+    def after_a_commit(state):                          # progress: the count starts again
+        state.commit()
+        return HorovodInternalError("lost a peer")
+    train, calls = _attempts([same, same, after_a_commit, same, None])
+    assert phvd.elastic.run(train)(phvd.elastic.TorchState(step=0)) == "done"
+    assert calls == [0, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("value", ["0", "three", "-2"])
+def test_a_bad_bound_on_repeated_failures_is_named(local, monkeypatch, value):
+    monkeypatch.setenv("PIPE_HOROVOD_ELASTIC_MAX_SAME_FAILURES", value)
+    train, _ = _attempts([None])
+    with pytest.raises(ValueError, match=rf"PIPE_HOROVOD_ELASTIC_MAX_SAME_FAILURES must be an "
+                                         rf"integer >= 1 .*got '{value}'"):
+        phvd.elastic.run(train)(phvd.elastic.TorchState(step=0))
+
+
 def test_a_reset_chooses_an_automatic_bucket_cap_again(local, monkeypatch):
     """bucket_cap_mb=None depends on the world size: after a reset to another size the
     optimizer's handler (TorchState.on_reset -> rebind_engine) chooses it again and plans

@@ -12,18 +12,18 @@ collectives can be in flight and waited in any order.
 import collections
 import concurrent.futures
 import queue
-import re
 import threading
+import time
 import weakref
 
 from ..compression import accumulator
 from ..engine.base import Average, Done, Work
-from ..engine.faults import WaitError
+from ..engine.faults import WaitError, WaitTimeoutError
 from .agreement import Agreement, signature
 from .buffers import Pool
 from .channel import Channel, tag_base
 from .exchange import Exchange
-from .group import open_group
+from .group import gloo_timeout, open_group
 from .layout import Layout
 
 _communicators = weakref.WeakKeyDictionary()     # engine -> Communicator
@@ -196,6 +196,9 @@ class Communicator:
     def __init__(self, eng):
         self.engine = eng
         self.group, self.owned = open_group(eng) if eng.size() > 1 else (None, False)
+        # How long gloo lets a point-to-point wait block (the group's timeout, fixed when
+        # the group opened): a wait that failed after that long timed out.
+        self.timeout_s = gloo_timeout(eng).total_seconds()
         self._thread = _Thread("pipe_horovod-collectives")
         self._sequence = collections.Counter()    # per process set: launches so far
         self.pool = Pool()
@@ -236,26 +239,34 @@ class Communicator:
         sequence = self._sequence[job.set_id]
         self._sequence[job.set_id] += 1
         try:
-            checking = Channel(torch.distributed, self.group, job.ranks,
-                               tag_base(sequence, job.set_id))
+            checking = _Watched(Channel(torch.distributed, self.group, job.ranks,
+                                        tag_base(sequence, job.set_id)))
             verified = self.agreement.check(job, checking, sequence)
-            channel = Channel(torch.distributed, self.group, job.ranks,
-                              tag_base(sequence, job.set_id, verified))
+            channel = _Watched(Channel(torch.distributed, self.group, job.ranks,
+                                       tag_base(sequence, job.set_id, verified)))
             return job.run(channel, self.pool)
-        except RuntimeError as exc:
+        except PeerWaitFailed as failed:
             where = (f"rank {job.ranks[job.me]}: collectives.{job.kind} (call #{sequence}, "
                      f"{dict(signature(job))})")
-            if "timed out" in str(exc).lower():
-                raise ValueError(
-                    f"{where} got no message from a peer within the timeout: the ranks may "
-                    f"have called it with different arguments (each a call verified "
-                    f"before), or a peer stopped") from exc
-            if isinstance(exc, WaitError) or not _CLOSED.search(str(exc)):
-                raise
-            # A peer failed, reset (its group aborted: abandon below) or exited: elastic
-            # training resets on this, as on a failed collective of the engine's.
-            raise WaitError(f"{where} failed: a peer closed the connection (it failed, "
-                            f"reset or exited): {exc}") from exc
+            raise self.peer_failure(failed, where) from failed.cause
+
+    def peer_failure(self, failed, where):
+        """The error a failed point-to-point operation of a collective is raised as, told
+        by what happened, not by gloo's words: a wait that blocked for the group's whole
+        timeout is WaitTimeoutError (a peer stopped or hangs; or the ranks run calls
+        verified before with other arguments, whose messages never meet), one that
+        failed sooner is WaitError (a peer failed, reset or exited: its connection
+        closed). Both are HorovodInternalError, so elastic training resets on them. A
+        true argument mismatch never gets here: the agreement check compares the
+        arguments and raises ValueError naming each rank's (agreement.py)."""
+        if failed.waited_s >= _TIMED_OUT * self.timeout_s:
+            return WaitTimeoutError(
+                f"{where} waited {failed.waited_s:.0f} s (the point-to-point timeout, "
+                f"PIPE_HOROVOD_TIMEOUT) for a peer's message that never came: a peer "
+                f"stopped or hangs, or the ranks called it with different arguments (each "
+                f"a call verified before): {failed.cause}")
+        return WaitError(f"{where} failed: a peer closed the connection (it failed, "
+                         f"reset or exited): {failed.cause}")
 
     def close(self):
         """Before the engine stops: let every started collective finish (the other
@@ -302,8 +313,61 @@ class Communicator:
 
 # A tag no collective's message takes (channel.py: message ids are small).
 _ABORT_TAG = (1 << 31) - 1
-# How gloo words a failure of the connection to a peer (its exit, or its aborted group).
-_CLOSED = re.compile(r"Connection closed by peer|pair closure|Connection reset", re.I)
+# The share of the group's timeout a failed wait must have blocked to count as timed out
+# (gloo counts its timeout from the wait's start; a closed connection fails at once).
+_TIMED_OUT = 0.9
+
+
+class PeerWaitFailed(RuntimeError):
+    """A point-to-point operation of a collective failed in gloo: what failed (a post or a
+    wait on a peer) and how long it had waited, which is how its failure is told apart
+    (Communicator.peer_failure). gloo raises a plain RuntimeError either way."""
+
+    def __init__(self, cause, waited_s):
+        super().__init__(str(cause))
+        self.cause, self.waited_s = cause, waited_s
+
+
+class _Watched:
+    """A Channel whose sends and receives, and the waits on them, raise PeerWaitFailed."""
+
+    def __init__(self, channel):
+        self._channel = channel
+
+    def __getattr__(self, name):
+        return getattr(self._channel, name)
+
+    def send(self, tensor, peer, message):
+        return _post(self._channel.send, tensor, peer, message)
+
+    def recv(self, tensor, peer, message):
+        return _post(self._channel.recv, tensor, peer, message)
+
+
+def _post(post, *args):
+    try:
+        return _WatchedWork(post(*args))
+    except RuntimeError as exc:
+        raise PeerWaitFailed(exc, 0.0) from exc
+
+
+class _WatchedWork:
+    """A point-to-point work whose failed wait says how long it blocked."""
+
+    def __init__(self, work):
+        self._work = work
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+    def wait(self, *args):
+        start = time.monotonic()
+        try:
+            return self._work.wait(*args)
+        except PeerWaitFailed:
+            raise
+        except RuntimeError as exc:
+            raise PeerWaitFailed(exc, time.monotonic() - start) from exc
 
 
 def _abort(group, me):
