@@ -176,9 +176,10 @@ def check_horovod_dtypes(r, n):
 
 # --- the tape against the pipelined reference ----------------------------------------------
 def tape_run(depth, warmup, steps=STEPS, model=None, start=0, eagerly=False, state=None,
-             compression=hvd.Compression.none):
+             compression=hvd.Compression.none, held=None):
     """Train `steps` steps with DistributedGradientTape and Keras SGD; return the model,
-    the optimizer and what tape.gradient returned at each step."""
+    the optimizer and what tape.gradient returned at each step (and, into `held`, the
+    returned tensors themselves, kept across the later steps)."""
     model = model or build()
     opt = keras.optimizers.SGD(0.1) if state is None else state
     returned = []
@@ -193,14 +194,22 @@ def tape_run(depth, warmup, steps=STEPS, model=None, start=0, eagerly=False, sta
         return grads
     run = step if eagerly else tf.function(step)
     for t in range(start, start + steps):
-        returned.append([g.numpy() for g in run(*rank_data(hvd.rank(), t))])
+        grads = run(*rank_data(hvd.rank(), t))
+        returned.append([g.numpy() for g in grads])
+        if held is not None:
+            held.append(grads)
     return model, opt, returned
 
 
 def check_tape():
     for depth, warmup, eagerly in ((1, 0, False), (2, 0, False), (3, 2, False), (2, 1, True)):
         what = f"tape K={depth} W={warmup}{' eagerly' if eagerly else ''}"
-        model, opt, returned = tape_run(depth, warmup, eagerly=eagerly)
+        held = []
+        model, opt, returned = tape_run(depth, warmup, eagerly=eagerly, held=held)
+        # What tape.gradient returned keeps its value while later steps refill the slots
+        for t, (grads, values) in enumerate(zip(held, returned)):
+            assert all(np.array_equal(g.numpy(), v) for g, v in zip(grads, values)), \
+                f"{what}: the gradient returned at step {t} changed later"
         start = weights_of(build())
         gradients = functools.partial(local_gradients, eagerly=eagerly)
         expected = ref.reference(start, gradients, ref.SGD(0.1), depth, warmup,
