@@ -27,7 +27,7 @@ thing from its side. An error is raised to this rank once per post.
 """
 from .faults import RankLostError
 from .mismatch import MismatchError
-from .stall import CHECK_VARIABLE, StepMismatchError, describe
+from .stall_words import CHECK_VARIABLE, StepMismatchError, describe
 
 _SHARED = {"StepMismatchError": StepMismatchError, "RankLostError": RankLostError,
            "MismatchError": MismatchError}

@@ -33,16 +33,16 @@ off, as in Horovod; the causes and the timeout stay. A healthy wait shorter
 than STATUS_AFTER_S costs nothing beyond its polls, and an error costs one
 post.
 """
-import contextlib
 import json
 import os
 import time
 import urllib.request
 import warnings
 
-from .faults import WaitError
+from . import causes
+from .stall_words import (CHECK_VARIABLE, StepMismatchError, _label, describe,  # noqa: F401
+                          label_or_name, labelled)
 
-CHECK_VARIABLE = "HOROVOD_STALL_CHECK_TIME_SECONDS"
 SHUTDOWN_VARIABLE = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
 DISABLE_VARIABLE = "HOROVOD_STALL_CHECK_DISABLE"
 DEFAULT_CHECK_S = 60.0
@@ -50,10 +50,6 @@ STATUS_AFTER_S = 1.0    # a wait this long posts its status and reads the others
 POSTED_NAMES = 256      # names in flight a waiting rank posts (more: the list says partial)
 POSTED_SHAPES = 16      # tensors of a grouped call whose shapes and dtypes are posted
 POSTED_RAISES = 8       # a rank's last errors kept on the board
-
-
-class StepMismatchError(WaitError):
-    """Ranks wait for collectives that other ranks will never start."""
 
 
 class StallWarning(UserWarning):
@@ -78,53 +74,6 @@ def settings():
     disabled = os.environ.get(DISABLE_VARIABLE, "").strip().lower() in ("1", "true", "yes")
     check = None if disabled else _seconds(CHECK_VARIABLE, DEFAULT_CHECK_S) or None
     return check, _seconds(SHUTDOWN_VARIABLE, 0.0) or None
-
-
-_LABELS = {}    # collective name -> (words, hint), while its caller's labelled() lasts
-
-
-@contextlib.contextmanager
-def labelled(name, words, hint):
-    """Inside: the collective `name` (and the parts of an object collective, `name.*`) is
-    described in messages as `words`, and a stall in it ends with `hint`, on every rank.
-
-    Why: a check an adapter runs on one rank alone (add_param_group called on rank 0
-    only) stalls against the others' next step, and its internal name said nothing
-    ("allreduce 'pipe0.agree.sizes'") while the step counts blamed uneven data. The hint
-    travels in this rank's post, so the ranks that never started the call say it too."""
-    before = _LABELS.get(name)
-    _LABELS[name] = (words, hint)
-    try:
-        yield
-    finally:
-        if before is None:
-            _LABELS.pop(name, None)
-        else:
-            _LABELS[name] = before
-
-
-def _label(name):
-    """(words, hint) of a labelled collective `name`, else None."""
-    if name is None:
-        return None
-    return _LABELS.get(name) or _LABELS.get(name.rsplit(".", 1)[0])
-
-
-def label_or_name(name):
-    """A collective's name as messages list it: its label while labelled."""
-    label = _label(name)
-    return name if label is None else label[0]
-
-
-def describe(kind, name):
-    """How messages name a call: allreduce 'x', broadcast_object 'o', barrier(); a
-    labelled call by its label."""
-    if kind in ("barrier", "join"):
-        return f"{kind}()"
-    label = _label(name)
-    if label is not None:
-        return label[0]
-    return kind if name is None else f"{kind} {name!r}"
 
 
 class Call:
@@ -241,8 +190,6 @@ class Stall:
     """One wait that has lasted STATUS_AFTER_S: posts, reads, warns, or raises its cause."""
 
     def __init__(self, engine, call, start, post=True):
-        from . import causes
-
         self.causes = causes
         self.engine, self.call, self.start = engine, call, start
         self.what = call.what
