@@ -104,6 +104,9 @@ class _PipelinedKeras(_Keras2Gradients):
             self._path = TensorFlowPath(self, variables, options, self._local)
             _built.add(self)
             engine.current().before_shutdown(__name__, _report_unapplied)
+        pending = self.__dict__.pop("_pending_in_flight", None)
+        if pending is not None:
+            self._load_in_flight(pending)
 
     def _join(self):
         """The collective half of building; every rank calls it at the same point."""
@@ -362,6 +365,11 @@ class _PipelinedKeras(_Keras2Gradients):
     # predicted ones; dc's running mean square), each {name: tensor} stored per variable.
     def save_own_variables(self, store):
         super().save_own_variables(store)
+        self._save_in_flight(store)
+
+    def _save_in_flight(self, store):
+        """What is in flight, into `store` ({key: array}): model.save's and (checkpoint_state.
+        InFlight) tf.train.Checkpoint's."""
         if self._path is None:
             return
         state = self._path.state()
@@ -394,7 +402,15 @@ class _PipelinedKeras(_Keras2Gradients):
         keys = list(store.keys())
         own = {key: store[key] for key in keys if not key.startswith("pipe_horovod")}
         super().load_own_variables(own)
-        if "pipe_horovod" not in keys:
+        self._load_in_flight(store)
+
+    def _load_in_flight(self, store):
+        """Restore what _save_in_flight stored: now, or where the optimizer is not built yet
+        (a tf.train.Checkpoint read before the first step), when build() makes its path."""
+        if "pipe_horovod" not in list(store.keys()):
+            return
+        if self._path is None:
+            object.__setattr__(self, "_pending_in_flight", dict(store))
             return
         state = json.loads(bytes(np.asarray(store["pipe_horovod"])).decode())
         names = self._path.names
@@ -633,6 +649,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         "average_aggregated_gradients": bool(average_aggregated_gradients),
         "sparse_as_dense": bool(sparse_as_dense),
         "scale_local_gradients": bool(scale_local_gradients), "flush_in_fit": bool(flush_in_fit)})
+    if _backend() == "tensorflow":              # tf.train.Checkpoint carries what is in flight
+        from .checkpoint_state import InFlight
+        optimizer.pipe_horovod_in_flight = InFlight(optimizer)
     if flush_in_fit:
         from .callbacks import flush_in_every_fit
         flush_in_every_fit()

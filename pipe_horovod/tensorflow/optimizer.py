@@ -4,8 +4,9 @@ Horovod's TensorFlow DistributedOptimizer hands a Keras optimizer to its Keras
 implementation; here too: the result is pipe_horovod.keras's pipelined
 optimizer, whose `apply_gradients` (eagerly or inside a tf.function) averages
 the local gradients across ranks, applies nothing while the pipeline fills,
-compensates the staleness ("lookahead" by default) and keeps what is in flight
-in its variables, so a tf.train.Checkpoint of it resumes exactly. Use it with a
+compensates the staleness ("lookahead" by default) and carries what is in flight
+as a checkpoint dependency of its own (the gradients live outside its variables),
+so a tf.train.Checkpoint of it resumes exactly. Use it with a
 plain tf.GradientTape (a DistributedGradientTape's gradients would be averaged twice:
 refused at the first apply), and call
 `optimizer.flush()` after the last step.
