@@ -23,7 +23,7 @@ parameter: a new bucket plan (the first step's agreed order) or a
 checkpoint moves them by name, not by offset. They are this rank's own:
 each rank must load its own checkpoint to resume them exactly.
 """
-from . import accumulator
+from .arithmetic import accumulator
 
 
 class ErrorFeedback:

@@ -14,7 +14,7 @@ cost 6-19 ms per step where it was measured.
 """
 import torch
 
-from . import SCALE_BYTES, divide_
+from .arithmetic import SCALE_BYTES, divide_
 
 
 class CastHop:

@@ -53,7 +53,8 @@ import logging
 
 import torch
 
-from . import DEFAULT_BLOCK_SIZE, SCALE_BYTES, accumulator, divide_, native
+from . import native
+from .arithmetic import DEFAULT_BLOCK_SIZE, SCALE_BYTES, accumulator, divide_
 
 MIN_BLOCK_SIZE = 16           # below, the scales cost a quarter of the bytes or more
 MAX_BLOCK_SIZE = 2 ** 20
