@@ -14,7 +14,7 @@ from .base import (Adasum, Average, Engine, EngineError, Handle, HorovodInternal
                    HostsUpdatedInterrupt, Max, Min, Product, ReduceOp, Sum)
 from .faults import RankLostError, WaitError, WaitTimeoutError, resolve_timeout
 from .horovod_install import how_to_install, without_horovod
-from .process_sets import ProcessSet, global_process_set
+from .process_sets import ProcessSet, follow_rank, global_process_set
 
 ENGINES = {
     # name -> (module, class, package it needs, how to get that package)
@@ -180,6 +180,9 @@ def shutdown():
 
 def rank():
     return current().rank()
+
+
+follow_rank(rank)        # ProcessSet.rank() and included() ask the engine running then
 
 
 def size():

@@ -13,10 +13,19 @@ allgather's result).
 """
 
 
-def _current_rank():
-    from . import current
+_rank_of_this_process = None      # engine/__init__.py gives its rank(): the running engine's
 
-    return current().rank()
+
+def follow_rank(rank):
+    """How to learn this process's global rank: `rank()`, asked at each use (the engine
+    running then). The engine package calls it when it loads, so this module, which the
+    package imports, never imports the package back."""
+    global _rank_of_this_process
+    _rank_of_this_process = rank
+
+
+def _current_rank():
+    return _rank_of_this_process()
 
 
 class ProcessSet:
