@@ -119,8 +119,9 @@ class TensorFlowPath:
                                      [token, *members], tf.int64,
                                      f"pipe_horovod_bucket_{bucket.index}")
         if self.local:
-            token = self.transfer.op(self._keep_unreduced, [token, *(grads[index[name]]
-                                                                    for name in self.local)],
+            # (keeping_failures: also settles torch's reads before TF reuses the buffers)
+            token = self.transfer.op(keeping_failures(self._keep_unreduced),
+                                     [token, *(grads[index[name]] for name in self.local)],
                                      tf.int64, "pipe_horovod_local")
         types = [tf.as_dtype(v.dtype) for v in variables]
         out = self.transfer.op(keeping_failures(self._finish), [token],
