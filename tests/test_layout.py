@@ -1,27 +1,67 @@
-"""The package's layout: the runtime never imports the tooling, and no import cycle
-between subpackages (issue 26).
+"""The package's layout: the runtime never imports the tooling, no import cycle between
+modules (so none between subpackages), and no import upward across the layers (LAYERS,
+written once here; docs/layout.md draws them).
 
-Runtime: what training imports (engine, pipeline, compression, collectives, torch,
-keras, and the top-level package with preemption). Tooling: pipe_horovod.tools
-(the CLI, benchmarks, workloads, the emulated cluster, the planner). The graph is
-read from the sources with ast, so an import inside a function counts as much as
-one at the top.
+Runtime: what training imports (engine, compression, collectives, pipeline, common, torch,
+tensorflow, keras, and the top-level package with preemption). Tooling: pipe_horovod.tools
+(the CLI, benchmarks, workloads, the emulated cluster, the planner). The graph is read
+from the sources with ast, so an import inside a function counts as much as one at the top.
 """
 import ast
 import collections
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pipe_horovod"
 RUNTIME = ("engine", "pipeline", "compression", "collectives", "common", "torch", "keras",
            "tensorflow")
 TOOLS = "pipe_horovod.tools"
-# Old names kept so users' scripts keep working; each only re-exports the tooling.
-ALIASES = {"pipe_horovod.emulate": "pipe_horovod.tools.emulate",
-           "pipe_horovod.timing": "pipe_horovod.tools.planner"}
+# Alias modules the package once had (each re-exported a tooling module); removed: a 0.1.0
+# package keeps one name per idea.
+REMOVED_ALIASES = ("pipe_horovod.emulate", "pipe_horovod.timing")
+
+# The layers, bottom first, as Horovod's (horovod/common under torch and tensorflow, keras on
+# top): a module may import modules of its own unit and of units in lower layers only, never
+# of a unit in its own layer or above. Units: the subpackages of pipe_horovod by name,
+# "pipe_horovod" for the package's own __init__ and "preemption" for that module.
+# engine and compression import nothing of pipe_horovod; collectives runs on both; the
+# pipeline core on those three; common (what every adapter shares) on the four; the
+# adapters on common (keras also on torch and tensorflow: its two backends); the tooling on
+# the whole runtime. Nothing in the runtime imports keras but keras.
+LAYERS = (
+    ("engine", "compression"),
+    ("collectives",),
+    ("pipeline",),
+    ("common", "preemption"),
+    ("torch", "tensorflow", "pipe_horovod"),
+    ("keras",),
+    ("tools",),
+)
+# An import the layering still has, each with why, while the change that removes it is
+# under way: a test that finds nothing else wrong but these is an expected failure (xfail),
+# one that finds anything else fails. Empty this once the import is gone.
+PENDING = {("pipe_horovod.tensorflow.optimizer", "pipe_horovod.keras"):
+           "pipe_horovod.tensorflow.DistributedOptimizer is still the Keras adapter's "
+           "(tensorflow/optimizer.py imports pipe_horovod.keras)"}
+
+
+def _without_pending(graph):
+    """`graph` without the PENDING imports, and whether it had any."""
+    had = any(t in graph.get(m, ()) for m, t in PENDING)
+    return {m: {t for t in targets if (m, t) not in PENDING}
+            for m, targets in graph.items()}, had
+
+
+def _expected_failure(had, what):
+    if had:
+        pytest.xfail(f"{what}, only through the pending imports: "
+                     + "; ".join(PENDING.values()))
 
 
 def _modules():
@@ -52,6 +92,16 @@ def _imports(name, path, is_init, modules):
             for alias in node.names:     # `from pkg import submodule` imports the submodule
                 sub = f"{source}.{alias.name}"
                 out.add(sub if sub in modules else source)
+    # Importing a.b.c runs the __init__ of a.b (and of a) first: an import of another
+    # package's module imports that package too. The importer's own packages are not
+    # counted: they are loaded (or loading) whenever it runs.
+    own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    if is_init:
+        own.add(name)
+    for target in list(out):
+        parts = target.split(".")
+        out.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts)))
+                   if p not in own)
     return {m for m in out if m in modules}
 
 
@@ -83,7 +133,7 @@ def _is_runtime(name):
 
 
 def _is_tooling(name):
-    return name == TOOLS or name.startswith(TOOLS + ".") or name in ALIASES
+    return name == TOOLS or name.startswith(TOOLS + ".")
 
 
 def _cycle(edges):
@@ -127,9 +177,11 @@ def test_no_runtime_module_imports_the_tooling():
 
 
 def test_aliases_only_point_into_the_tooling():
-    graph, _ = _graph()
-    for alias, target in ALIASES.items():
-        assert graph[alias] == {target}, (alias, graph[alias])
+    """The alias modules are gone (scripts import pipe_horovod.tools.emulate and
+    pipe_horovod.tools.planner), and no module of the runtime stands in for the tooling."""
+    _, modules = _graph()
+    for alias in REMOVED_ALIASES:
+        assert alias not in modules and importlib.util.find_spec(alias) is None, alias
 
 
 def _collapsed(graph, unit, keep=lambda m: True):
@@ -146,6 +198,10 @@ def _collapsed(graph, unit, keep=lambda m: True):
 def test_no_import_cycle_between_subpackages():
     graph, modules = _graph()
     cycle = _cycle(_collapsed(graph, lambda m: _unit(m, modules)))
+    if cycle is not None:
+        rest, had = _without_pending(graph)
+        if _cycle(_collapsed(rest, lambda m: _unit(m, modules))) is None:
+            _expected_failure(had, "a cycle between subpackages")
     assert cycle is None, "import cycle between subpackages: " + " -> ".join(cycle)
 
 
@@ -154,6 +210,119 @@ def test_no_import_cycle_between_tooling_subpackages():
     in_tools = lambda m: m.startswith(TOOLS + ".")  # noqa: E731
     cycle = _cycle(_collapsed(graph, lambda m: _tool_unit(m, modules), in_tools))
     assert cycle is None, "import cycle inside pipe_horovod.tools: " + " -> ".join(cycle)
+
+
+def test_no_import_cycle_between_modules():
+    """Module by module, runtime and tooling alike: a package's __init__ is a module too,
+    so a submodule importing its package back (`from . import name`) is a cycle."""
+    graph, _ = _graph()
+    cycle = _cycle(graph)
+    if cycle is not None:
+        rest, had = _without_pending(graph)
+        if _cycle(rest) is None:
+            _expected_failure(had, "a cycle between modules")
+    assert cycle is None, "import cycle between modules: " + " -> ".join(cycle)
+
+
+def _layer_unit(name):
+    """The unit of LAYERS a module belongs to."""
+    parts = name.split(".")
+    if len(parts) == 1:
+        return "pipe_horovod"
+    return parts[1]
+
+
+def _layer_of():
+    return {unit: level for level, units in enumerate(LAYERS) for unit in units}
+
+
+def _upward_imports(graph):
+    level = _layer_of()
+    found = []
+    for m, targets in sorted(graph.items()):
+        a = _layer_unit(m)
+        for t in sorted(targets):
+            b = _layer_unit(t)
+            if a != b and level[b] >= level[a]:
+                found.append(f"{m} ({a}) -> {t} ({b})")
+    return found
+
+
+def test_every_module_has_a_layer():
+    graph, _ = _graph()
+    level = _layer_of()
+    unplaced = sorted({_layer_unit(m) for m in graph} - set(level))
+    assert not unplaced, f"units in no layer of LAYERS: {unplaced}"
+    assert len(level) == sum(map(len, LAYERS)), "a unit named in two layers"
+
+
+def test_no_import_goes_up_or_across_the_layers():
+    graph, _ = _graph()
+    found = _upward_imports(graph)
+    rest, had = _without_pending(graph)
+    if found and not _upward_imports(rest):
+        _expected_failure(had, "imports up the layers")
+    assert not found, ("imports of a unit in the same layer or above (LAYERS):\n"
+                       + "\n".join(found))
+
+
+def test_the_layer_check_finds_upward_and_sideways_imports():
+    graph = {"pipe_horovod.engine.x": {"pipe_horovod.common.y"},          # up
+             "pipe_horovod.torch.a": {"pipe_horovod.tensorflow.b",        # across
+                                      "pipe_horovod.common.y"},           # down: fine
+             "pipe_horovod.common.y": {"pipe_horovod.engine.x"},          # down: fine
+             "pipe_horovod.keras.k": {"pipe_horovod.keras.l"}}            # own unit: fine
+    assert _upward_imports(graph) == [
+        "pipe_horovod.engine.x (engine) -> pipe_horovod.common.y (common)",
+        "pipe_horovod.torch.a (torch) -> pipe_horovod.tensorflow.b (tensorflow)"]
+
+
+def test_tensorflow_imports_neither_keras_nor_torch():
+    """pipe_horovod.tensorflow stands on common (as horovod.tensorflow on horovod/common):
+    neither the Keras adapter nor the PyTorch adapter, read from the sources and as
+    loaded (torch the library it does use: the bridge's DLPack and the engines)."""
+    graph, _ = _graph()
+
+    def arrows(graph):
+        return sorted(f"{m} -> {t}" for m, targets in graph.items()
+                      if m == "pipe_horovod.tensorflow"
+                      or m.startswith("pipe_horovod.tensorflow.")
+                      for t in targets if t.split(".")[1:2] in (["keras"], ["torch"]))
+    found = arrows(graph)
+    rest, had = _without_pending(graph)
+    if found and not arrows(rest):
+        _expected_failure(had, "pipe_horovod.tensorflow imports pipe_horovod.keras")
+    assert not found, "pipe_horovod.tensorflow imports another adapter:\n" + "\n".join(found)
+    if importlib.util.find_spec("tensorflow") is None:
+        return
+    code = ("import json, sys\nimport pipe_horovod.tensorflow\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('pipe_horovod.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    others = [m for m in loaded if m.split(".")[1] in ("keras", "torch")]
+    assert not others, f"import pipe_horovod.tensorflow loaded {others}"
+
+
+def test_importing_a_module_counts_its_package_init(tmp_path, monkeypatch):
+    """`from ..b.thing import x` runs b/__init__.py too, so a circle through a package's
+    __init__ is found; the importer's own package is not counted (it is loaded already)."""
+    root = tmp_path / "pipe_horovod"
+    for package, files in {"a": {"__init__.py": "from ..b.thing import x\n",
+                                 "other.py": "y = 1\n"},
+                           "b": {"__init__.py": "from . import thing\n",
+                                 "thing.py": "from ..a.other import y\nx = y\n"}}.items():
+        (root / package).mkdir(parents=True)
+        for file, text in files.items():
+            (root / package / file).write_text(text)
+    (root / "__init__.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", root)
+    graph, _ = _graph()
+    assert graph["pipe_horovod.b.thing"] == {"pipe_horovod.a", "pipe_horovod.a.other"}
+    assert graph["pipe_horovod.b"] == {"pipe_horovod.b.thing"}
+    assert _cycle(graph) == ["pipe_horovod.a", "pipe_horovod.b", "pipe_horovod.b.thing",
+                             "pipe_horovod.a"]
 
 
 def test_cycle_finder_finds_one():
