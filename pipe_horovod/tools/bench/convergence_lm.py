@@ -70,7 +70,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .lm_settings import CLIPPINGS, FRAMEWORKS, INITS, SCHEDULES, TARGET, Settings
+from .lm_settings import (CLIPPINGS, FRAMEWORKS, INITS, SCHEDULES, TARGET,  # noqa: F401
+                          Settings)
 
 REPO = Path(__file__).resolve().parents[3]
 FORMAT = "pipe_horovod.convergence_lm/1"
