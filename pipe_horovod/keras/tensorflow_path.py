@@ -168,6 +168,24 @@ class TensorFlowPath:
             return tf.constant(True)
         tf.cond(self.predicted, put_back, lambda: tf.constant(False))
 
+    def prediction(self):
+        """Copies of this rank's predicted weights, {name: array}, while the model holds
+        them (between train steps, eagerly); else None. With put_real_back() and
+        hold_prediction() a save can write the real weights as the model's and give the
+        model its prediction back bit for bit (DistributedOptimizer.real_weights)."""
+        if not (self.lookahead and bool(self.predicted.numpy())):
+            return None
+        return {n: np.array(v.numpy(), copy=True) for n, v in zip(self.names, self.variables)}
+
+    def hold_prediction(self, prediction):
+        """Put `prediction` (prediction()'s) in the model over the real weights, which
+        self.real keeps already (put_real_back() leaves them there; restore() loads them)."""
+        if not self.lookahead:
+            return
+        for v, n in zip(self.variables, self.names):
+            v.assign(prediction[n])
+        self.predicted.assign(True)
+
     def _look_ahead(self, older, current, ahead):
         """Keep the real weights, then run the user's optimizer on this rank's own
         gradients of the `ahead` steps in flight (`older` ones first, this step's
