@@ -40,7 +40,10 @@ TF_MODES = "".join(f",tf.{case}" for case in TF_CASES)
 # launch of its engine and backend (two launches of ~10 s start-up each saved); before
 # overlap (its slowed reductions stay) and api. Its resume stays a launch of its own: new
 # processes are the point.
-CHECKPOINT_MODES = {("torch", "tensorflow"): ",full,save", ("horovod", "torch"): ",full,save"}
+# midsave (files written mid-epoch hold the real weights) rides along on TensorFlow: its
+# prediction shows on several ranks only.
+CHECKPOINT_MODES = {("torch", "tensorflow"): ",full,save,midsave",
+                    ("horovod", "torch"): ",full,save"}
 CHECKPOINT_DEPTH = 3
 _FIT_DIRS = {}
 

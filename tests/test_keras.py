@@ -44,6 +44,18 @@ def test_save_load_continue_is_bit_identical(tmp_path_factory, backend, engine_n
             assert np.array_equal(want[key], got[key]), (case, key)
 
 
+def test_files_saved_mid_epoch_hold_the_real_weights(tmp_path_factory):
+    """TensorFlow, lookahead at K=2 on 2 ranks (the model holds each rank's prediction
+    between steps): ModelCheckpoint(save_freq=N) as a model and as weights, and a callback's
+    own save_weights, mid-epoch, write the real weights as the model's (loaded without the
+    optimizer: the optimizer's real weights at that batch, bit for bit); load_model of the
+    file continues bit-identically with the run that never saved; outside fit's writers a
+    save warns, and opt.real_weights() writes the real ones (keras_worker's midsave)."""
+    launcher.skip_without("torch")
+    _, code, out = fit_launch(tmp_path_factory, "torch", "tensorflow", 2)
+    launcher.assert_case(code, out, 2, "midsave", "keras_worker.py on torch tensorflow")
+
+
 def test_unsupported_backend_is_named(monkeypatch):
     import keras
     import pipe_horovod.keras as phvd

@@ -10,6 +10,8 @@ evaluate after fit) should see the real ones with every gradient applied.
 A DistributedOptimizer with flush_in_fit=True (the default) gets one in every
 fit, evaluate and predict without being asked (flush_in_every_fit).
 """
+import contextlib
+import functools
 import numbers
 import warnings
 
@@ -337,8 +339,12 @@ class PipelineFlushCallback(keras.callbacks.Callback):
     last batch (a dataset of unknown length), validation still sees the real
     weights (on_test_begin) and the flush comes at the epoch's end. evaluate()
     and predict() on their own take the real weights with no collective, so a
-    rank may call them alone. A DistributedOptimizer with flush_in_fit=True
-    (the default) gets one of these first in every fit, evaluate and predict.
+    rank may call them alone. During fit the model's save, save_weights and export
+    write the real weights as the model's, also mid-epoch (ModelCheckpoint with
+    save_freq=N, a user's callback), and the prediction comes back after
+    (DistributedOptimizer.real_weights). A DistributedOptimizer with
+    flush_in_fit=True (the default) gets one of these first in every fit, evaluate
+    and predict.
     """
 
     def _optimizer(self):
@@ -364,6 +370,7 @@ class PipelineFlushCallback(keras.callbacks.Callback):
                 f"{steps % passes} pass(es) summed but not applied. Make steps_per_epoch a "
                 f"multiple of {passes}, or pass DistributedOptimizer(..., flush_in_fit=False) "
                 "to carry them into the next epoch, as Horovod does")
+        _write_real_weights(self.model)
 
     def on_train_batch_end(self, batch, logs=None):
         if batch + 1 == self.params.get("steps"):
@@ -374,8 +381,53 @@ class PipelineFlushCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._flush()
+        _stop_writing_real_weights(self.model)
 
     on_test_begin = on_predict_begin = _real_weights
+
+
+# What writes a model's weights to a file: Keras's ModelCheckpoint and BackupAndRestore
+# call the first two, a user's callback any of them.
+_WRITERS = ("save", "save_weights", "export")
+
+
+def _write_real_weights(model):
+    """Make the model's save, save_weights and export write the real weights, in
+    fit: each runs inside its pipelined optimizer's real_weights().
+
+    Why: on TensorFlow, lookahead leaves this rank's prediction in the model between
+    train steps, where a ModelCheckpoint(save_freq=N), a BackupAndRestore or a user's
+    callback saves mid-epoch; Keras writes the layers before the optimizer, and calls
+    nothing of ours before them, so the model's own methods are the place. They are
+    wrapped on the instance (PipelineFlushCallback: from on_train_begin to
+    on_train_end), never on a class; elsewhere the optimizer warns at write time."""
+    for name in _WRITERS:
+        write = getattr(model, name, None)
+        if write is None or getattr(write, "_pipe_horovod_writes_real", False):
+            continue
+        # Set past Keras's (and TensorFlow's) attribute tracking, as a plain attribute.
+        object.__setattr__(model, name, _writer(model, write, model.__dict__.get(name)))
+
+
+def _writer(model, write, before):
+    @functools.wraps(write)
+    def writer(*args, **kwargs):
+        optimizer = pipelined_optimizer(getattr(model, "optimizer", None))
+        with optimizer.real_weights() if optimizer is not None else contextlib.nullcontext():
+            return write(*args, **kwargs)
+    writer._pipe_horovod_writes_real = True
+    writer._pipe_horovod_before = before         # the instance's own attribute, if any
+    return writer
+
+
+def _stop_writing_real_weights(model):
+    for name in _WRITERS:
+        writer = model.__dict__.get(name)
+        if getattr(writer, "_pipe_horovod_writes_real", False):
+            if writer._pipe_horovod_before is None:
+                del model.__dict__[name]
+            else:
+                object.__setattr__(model, name, writer._pipe_horovod_before)
 
 
 def flush_in_every_fit():
@@ -388,6 +440,8 @@ def flush_in_every_fit():
     this wraps its constructor (once per process) to add ours to the list it is
     given: Keras then treats it as one of the user's (it sets its model and
     parameters, and runs batch-end callbacks in order, not in the background).
+    It is the only hook: Keras 3.15's trainers build that list themselves and offer no
+    documented way to add a callback to every fit.
     """
     if _wrapped_list:
         return

@@ -219,6 +219,39 @@ class _PipelinedKeras(_Keras2Gradients):
         if self._path is not None:
             self._path.put_real_back()
 
+    @contextlib.contextmanager
+    def real_weights(self):
+        """A block in which the model holds the real weights; this rank's prediction comes
+        back, bit for bit, when it ends.
+
+        Why: with staleness_compensation="lookahead" the TensorFlow backend leaves the
+        model at this rank's predicted weights between steps, so a file written then
+        (model.save, save_weights, export) held the prediction as the model's weights.
+        Written in this block it holds the real ones, and the optimizer's own saved
+        variables carry the prediction: keras.models.load_model(path, compile=False) and
+        load_weights get the real weights, and a resume with the optimizer puts the
+        prediction back and continues exactly. fit (flush_in_fit=True) runs every
+        model.save, save_weights and export of its model in this block. No collective:
+        one rank may enter it alone. Where the model holds no prediction (the torch
+        backend predicts at the next forward pass) it does nothing.
+        """
+        path = self._path
+        prediction = getattr(path, "prediction", lambda: None)()
+        if prediction is None:
+            yield
+            return
+        steps, in_flight = path.timings["steps"], path.in_flight()
+        path.put_real_back()
+        object.__setattr__(self, "_held_prediction", prediction)   # _save_in_flight's
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_held_prediction", None)
+            # Unless the block trained, flushed or loaded (then the prediction is stale).
+            if (self._path is path and path.timings["steps"] == steps
+                    and path.in_flight() == in_flight and path.prediction() is None):
+                path.hold_prediction(prediction)
+
     def flush(self):
         """Apply every gradient still in flight, oldest first (one update each).
 
@@ -365,20 +398,44 @@ class _PipelinedKeras(_Keras2Gradients):
     # predicted ones; dc's running mean square), each {name: tensor} stored per variable.
     def save_own_variables(self, store):
         super().save_own_variables(store)
-        self._save_in_flight(store)
+        # Keras writes the model's layers before its optimizer (saving_lib._save_state),
+        # so where this finds the prediction in the model, the file holds it already.
+        # (Keras's file stores are not dicts; pipe_horovod's in-memory copies, broadcast
+        # and elastic, are, and there the prediction is what must travel.)
+        if self._save_in_flight(store) and not isinstance(store, dict):
+            warnings.warn(
+                "this file holds this rank's lookahead prediction as the model's weights, "
+                "not the real ones: on TensorFlow the model holds the prediction between "
+                "train steps, and this save ran outside fit's (or in a fit with "
+                "flush_in_fit=False). Resuming with this optimizer is exact (it saved the "
+                "real weights), but keras.models.load_model(path, compile=False) and "
+                "load_weights get the prediction. Save inside `with "
+                "model.optimizer.real_weights():` (fit with flush_in_fit=True does that for "
+                "model.save, save_weights and export), or after flush()", stacklevel=2)
 
     def _save_in_flight(self, store):
         """What is in flight, into `store` ({key: array}): model.save's and (checkpoint_state.
-        InFlight) tf.train.Checkpoint's."""
+        InFlight) tf.train.Checkpoint's. Inside real_weights() the model holds the real
+        weights and the prediction is stored here ("prediction"), for a resume to put back.
+
+        Returns:
+            True where the model's variables hold this rank's prediction now (so what is
+            saved beside them holds it as the model's weights).
+        """
         if self._path is None:
-            return
+            return False
         state = self._path.state()
         in_flight, kept = state.pop("in_flight"), state.pop("kept", [])
         real, mean_square = state.pop("real", None), state.pop("mean_square", {})
         residuals = state.pop("error_feedback", None) or {}
+        prediction = self.__dict__.get("_held_prediction")
+        if prediction is not None:               # real_weights(): the model holds them
+            real = {n: np.array(v.numpy(), copy=True)
+                    for n, v in zip(self._path.names, self._path.variables)}
         store["pipe_horovod"] = np.frombuffer(json.dumps(
             {**state, "entries": len(in_flight), "kept": [sorted(k) for k in kept],
-             "real": real is not None, "mean_square": sorted(mean_square),
+             "real": real is not None, "prediction": prediction is not None,
+             "mean_square": sorted(mean_square),
              "error_feedback": {str(slot): sorted(r) for slot, r in residuals.items()}}
         ).encode(), dtype=np.uint8)
         for k, grads in enumerate(in_flight):
@@ -387,9 +444,11 @@ class _PipelinedKeras(_Keras2Gradients):
             for kind, tensors in kinds.items():
                 self._store(store, f"pipe_horovod.kept.{k}.{kind}", tensors)
         self._store(store, "pipe_horovod.real", real or {})
+        self._store(store, "pipe_horovod.prediction", prediction or {})
         self._store(store, "pipe_horovod.mean_square", mean_square)
         for slot, tensors in residuals.items():
             self._store(store, f"pipe_horovod.error_feedback.{slot}", tensors)
+        return real is not None and prediction is None
 
     def _store(self, store, prefix, tensors):
         for i, (name, v) in enumerate(zip(self._path.names, self._path.variables)):
@@ -427,7 +486,12 @@ class _PipelinedKeras(_Keras2Gradients):
             int(slot): {n: a.reshape(-1) for n, a in
                         load(f"pipe_horovod.error_feedback.{slot}", only).items()}
             for slot, only in (state.get("error_feedback") or {}).items()}   # older: null
+        # Saved inside real_weights(): the model was written (and has loaded, layers
+        # first) the real weights; it predicted when saved, so it predicts again.
+        prediction = load("pipe_horovod.prediction") if state.pop("prediction", False) else None
         self._path.restore(in_flight, state)
+        if prediction is not None and hasattr(self._path, "hold_prediction"):
+            self._path.hold_prediction(prediction)
 
 
 _told_saving = []

@@ -36,6 +36,11 @@ NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
   overlap                with reductions slowed by a fixed delay, K=2 steps beat K=1's
   tf.CASE                on TensorFlow: tensorflow_worker.py's custom-loop CASE (api, tape,
                          optimizer, checkpoint, errors) with pipe_horovod.tensorflow
+  midsave                on TensorFlow, K=2 lookahead: files written mid-epoch in fit
+                         (ModelCheckpoint with save_freq, both formats; a callback's
+                         save_weights) hold the real weights; load_model of one resumes
+                         bit-identically; outside fit's writers, a warning or real_weights().
+                         Files in $PIPE_HOROVOD_TEST_DIR
   api                    horovod.tensorflow.keras's allreduce, allgather, broadcast,
                          reducescatter, and load_model (on rank 0 alone) of a plain and a
                          pipelined checkpoint; files in $PIPE_HOROVOD_TEST_DIR. Last in a
@@ -679,6 +684,111 @@ class EpochProbe(keras.callbacks.Callback):
         self.weights.append(weights_of(self.model))
 
 
+def check_mid_epoch_saves(tmp):
+    """On TensorFlow, lookahead (K=2, several ranks) leaves this rank's prediction in the
+    model between train steps. What fit writes mid-epoch (ModelCheckpoint with save_freq, as
+    a model and as weights; a callback's own model.save_weights) holds the real weights as
+    the model's: loaded without the optimizer, the optimizer's real weights at that batch, bit
+    for bit. load_model of such a file (with its optimizer) goes on bit-identically with the
+    run that never saved, and saving did not change the run that saved. Outside fit's
+    writers (flush_in_fit=False) the file holds the prediction and the save warns; inside
+    opt.real_weights() it holds the real weights."""
+    if keras.backend.backend() != "tensorflow" or phvd.size() == 1:
+        return          # torch predicts at the next forward pass; alone nothing is predicted
+    import warnings
+
+    r = phvd.rank()
+
+    def optimizer(**options):
+        return phvd.DistributedOptimizer(keras.optimizers.Adam(0.01), pipeline_depth=2,
+                                         bucket_cap_mb=1e-5, staleness_compensation="lookahead",
+                                         **options)
+
+    def same(a, b):
+        return all(np.array_equal(x, y) for x, y in zip(a, b))
+    plain = compiled(optimizer())
+    fit(plain, 0, STEPS)                          # the run that never saves
+    want = weights_of(plain)
+
+    model = compiled(optimizer())
+    probe = RealWeightsProbe()
+    as_model, as_weights = tmp / f"mid-{r}-{{batch}}.keras", tmp / f"mid-{r}-{{batch}}.weights.h5"
+    own = tmp / f"own-{r}.weights.h5"
+    fit(model, 0, STEPS, [
+        keras.callbacks.ModelCheckpoint(str(as_model), save_freq=SAVE_AT),
+        keras.callbacks.ModelCheckpoint(str(as_weights), save_weights_only=True,
+                                        save_freq=SAVE_AT),
+        AtBatch(SAVE_AT + 1, lambda: model.save_weights(own)), probe])
+    assert same(weights_of(model), want), "saving mid-epoch changed the run"
+    saved = {SAVE_AT: str(as_model).format(batch=SAVE_AT),
+             2 * SAVE_AT: str(as_model).format(batch=2 * SAVE_AT)}
+    for batch, path in saved.items():
+        real, predicted = probe.at[batch - 1]
+        assert not same(real, predicted), "the model held no prediction: nothing tested"
+        loaded = keras.models.load_model(path, compile=False)
+        assert same(weights_of(loaded), real), f"{path} holds other weights than the real ones"
+        weights = build(seed=1)                  # no optimizer: the weights alone
+        weights.load_weights(str(as_weights).format(batch=batch))
+        assert same(weights_of(weights), real), f"the .weights.h5 of batch {batch}"
+    weights.load_weights(own)
+    assert same(weights_of(weights), probe.at[SAVE_AT][0]), "a callback's save_weights"
+    resumed = keras.models.load_model(saved[SAVE_AT])  # with its optimizer (own file per rank)
+    assert resumed.optimizer.in_flight == 1
+    assert same(weights_of(resumed), probe.at[SAVE_AT - 1][1]), "the prediction is put back"
+    fit(resumed, SAVE_AT, STEPS)
+    assert same(weights_of(resumed), want), "a resume from a mid-epoch file differs"
+
+    # No fit writer (flush_in_fit=False): warned; inside real_weights(): the real weights.
+    opt = optimizer(flush_in_fit=False)
+    model = compiled(opt)
+    warned, real = tmp / f"warned-{r}.weights.h5", tmp / f"real-{r}.weights.h5"
+    caught = []
+
+    def save_both():
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            model.save_weights(warned)
+        caught.extend(str(w.message) for w in record)
+        with opt.real_weights():
+            model.save_weights(real)
+    probe = RealWeightsProbe()
+    fit(model, 0, STEPS, [AtBatch(SAVE_AT, save_both), probe])
+    opt.flush()
+    assert same(weights_of(model), want), "real_weights() changed the run"
+    assert any("lookahead prediction" in m and "real_weights()" in m for m in caught), caught
+    weights.load_weights(warned)
+    assert same(weights_of(weights), probe.at[SAVE_AT - 1][1]), "the warned file's weights"
+    weights.load_weights(real)
+    assert same(weights_of(weights), probe.at[SAVE_AT - 1][0]), "real_weights()'s file"
+
+
+class AtBatch(keras.callbacks.Callback):
+    """Calls `call` after batch `batch` (counted from 1) of each epoch."""
+
+    def __init__(self, batch, call):
+        super().__init__()
+        self.batch, self.call = batch, call
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 == self.batch:
+            self.call()
+
+
+class RealWeightsProbe(keras.callbacks.Callback):
+    """After each batch (and the callbacks before it): the optimizer's real weights, and the
+    model's, which hold this rank's prediction (both read from the TensorFlow path itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.at = {}
+
+    def on_train_batch_end(self, batch, logs=None):
+        path = self.model.optimizer._path
+        real = ([np.array(v.numpy()) for v in path.real] if bool(path.predicted.numpy())
+                else weights_of(self.model))
+        self.at[batch] = (real, weights_of(self.model))
+
+
 def expect_error(error, text, call):
     try:
         call()
@@ -972,6 +1082,8 @@ def main():
                   "settings": check_settings, "callbacks": check_callbacks,
                   "errors": check_errors, "overlap": check_overlap,
                   "aggregation": check_aggregation,
+                  "midsave": lambda: check_mid_epoch_saves(
+                      Path(os.environ["PIPE_HOROVOD_TEST_DIR"])),
                   "metrics": lambda: check_metrics(Path(os.environ["PIPE_HOROVOD_TEST_DIR"])),
                   "api": lambda: check_api(Path(os.environ["PIPE_HOROVOD_TEST_DIR"])),
                   "full": lambda: check_checkpoint("full", args[0], files["full"]),
