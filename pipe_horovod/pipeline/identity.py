@@ -5,12 +5,17 @@ first reduction, what each position holds. A bare name cannot tell layers
 apart: every Keras 3 Dense layer's weights are "kernel" and "bias", so a list
 in another order on one rank (same shapes) compared equal, and gradients
 were averaged into the wrong layers with nothing said. A path
-("sequential/dense_1/kernel") tells them apart, but the numbers Keras appends
-to auto-named layers and models count per process: a rank that built
-another model first calls the same layer "dense_3". So paths are compared
-with those counters renumbered within the list (the n-th distinct counter of
-a name becomes its n-th), which keeps the layers' order and drops what only
-says how many models the process made before.
+("sequential/dense_1/kernel") tells them apart, but not all of it agrees
+across ranks that hold the same model:
+- its start says where the variable was created: Horovod's resume loads the
+  model on rank 0 (load_model names it "dense_1/kernel") and builds it on the
+  others ("sequential/dense_1/kernel"), so the layer's name and the weight's,
+  the path's last two parts, are compared;
+- the numbers Keras appends to auto-named layers count per process: a rank
+  that built another model first calls the same layer "dense_3", so they are
+  renumbered within the list (the n-th distinct counter of a name becomes its
+  n-th), which keeps the layers' order and drops what only says how many
+  models the process made before.
 """
 import re
 
@@ -18,11 +23,11 @@ _COUNTED = re.compile(r"^(.*?)(?:_(\d+))?$")    # "dense_3" -> ("dense", "3")
 
 
 def comparable_paths(paths):
-    """`paths` ("model/layer/weight", one per variable, in order) with each name's
-    per-process counters renumbered from 0 within the list: equal on ranks that
-    built the same model, whatever each built before; different where two layers
+    """`paths` ("model/layer/weight", one per variable, in order) cut to "layer/weight",
+    with each name's per-process counters renumbered from 0 within the list: equal on
+    ranks that hold the same model, however each made it; different where two layers
     of one kind come in another order."""
-    split = [[_COUNTED.match(part).groups() for part in str(path).split("/")]
+    split = [[_COUNTED.match(part).groups() for part in str(path).split("/")[-2:]]
              for path in paths]
     seen = {}
     for parts in split:
