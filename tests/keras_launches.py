@@ -34,7 +34,8 @@ DLPACK_LAUNCH = ("horovod", "tensorflow")
 # pipe_horovod.tensorflow's custom-loop cases (tensorflow_worker.py, test_tensorflow.py) run
 # in the TensorFlow fit launch of their engine, before the checkpoint modes: one TensorFlow
 # start-up per engine instead of two (three launches, 8-13 s of start-up each, saved).
-TF_CASES = ("api", "tape", "optimizer", "checkpoint", "errors", "partial", "autodiff")
+TF_CASES = ("api", "tape", "optimizer", "checkpoint", "align", "errors", "partial",
+            "autodiff")
 TF_MODES = "".join(f",tf.{case}" for case in TF_CASES)
 # The checkpoint test's first launch (fit, and save with gradients in flight) is the fit
 # launch of its engine and backend (two launches of ~10 s start-up each saved); before

@@ -37,7 +37,10 @@ Overlap: TensorFlow's tape.gradient hands back every gradient at once, so a
 step's reduction starts after its backward pass and overlaps the next K-1
 steps' compute (at K=1 it overlaps nothing). `GradientsInFlight(sources)`
 puts what is in flight into a tf.train.Checkpoint, so save -> restore ->
-continue is exact.
+continue is exact. The ranks agree on the step and the gradients in flight when a
+pipeline is built (a resume where rank 0 alone restored takes rank 0's), and
+`hvd.join()` lets what is in flight land and lines the steps up again after
+uneven data, as the PyTorch optimizer's join does.
 """
 import io
 import itertools
@@ -119,8 +122,9 @@ class _Pipeline:
         if isinstance(groups, list):                 # Horovod's lists of variables -> names
             position = {_ref(s): n for s, n in zip(sources, self.names)}
             groups = [[position[ref] for ref in group] for group in groups]
+        self.number = next(_prefixes)
         self.machine = StepMachine(
-            f"tf_tape{next(_prefixes)}", options["pipeline_depth"], options["warmup_steps"],
+            f"tf_tape{self.number}", options["pipeline_depth"], options["warmup_steps"],
             compression=options["compression"], op=options["op"],
             predivide=options["gradient_predivide_factor"], process_set=ps,
             cap_bytes=bucket_cap_bytes(options["bucket_cap_mb"]), groups=groups)
@@ -149,6 +153,8 @@ class _Pipeline:
         pending = _pending_for(sources)
         if pending is not None:
             self.restore(pending)
+        if not machine.solo:
+            self._agree_on_the_state()
         _built.add(self)
 
     @property
@@ -238,6 +244,36 @@ class _Pipeline:
                                  slot: here(residuals) for slot, residuals in
                                  state.get("error_feedback", {}).items()} or None)
 
+    def _agree_on_the_state(self):
+        """Every rank starts from the same step and gradients in flight.
+
+        Why: Horovod's usual resume has rank 0 alone read the checkpoint and broadcast
+        the variables, so the other ranks' pipelines start at step 0 with nothing in
+        flight while rank 0's holds the checkpoint's. Slot names follow the step count,
+        so at one parity the ranks would pair different steps' gradients silently, at
+        the other wait on names the others never send. The averaged gradients in flight
+        are the same on every rank, so the set's first rank's state is what every rank
+        of the uninterrupted run held; error-feedback residuals are each rank's own and
+        cannot be sent instead, so there the ranks must restore alike."""
+        ps = self.options["process_set"]
+        eng = engine.current()
+        fifo = self.machine.fifo
+        held = eng.allgather_object((fifo.steps, len(fifo)), process_set=ps)
+        if len(set(held)) == 1:
+            return
+        ranks = list(range(eng.size())) if ps is None else ps.ranks
+        said = ", ".join(f"rank {r} at step {s} with {n} in flight"
+                         for r, (s, n) in zip(ranks, held))
+        if self.machine.feedback is not None:
+            raise ValueError(
+                f"the ranks' DistributedGradientTape pipelines differ at their first step "
+                f"({said}): with an error-feedback codec ({self.options['compression'].name}) "
+                "each rank's residuals are its own, so every rank must restore its own "
+                "checkpoint (GradientsInFlight) before the first step")
+        state = eng.broadcast_object(self.state() if eng.rank() == ranks[0] else None,
+                                     ranks[0], process_set=ps)
+        self.restore(state)
+
     # --- elastic (pipe_horovod.tensorflow.elastic) ----------------------------------
     def drop_in_flight(self):
         """Forget, without waiting, the gradients in flight and this step's progress: after
@@ -255,7 +291,7 @@ class _Pipeline:
         differ). The buckets stay as planned: a traced step holds this pipeline."""
         self.machine.attach()
         _built.add(self)
-        engine.current().before_shutdown(__name__, _report_unapplied)
+        _register_with(engine.current())
 
 
 def reduces_any(variables):
@@ -353,7 +389,7 @@ def _pipeline_for(sources, options):
     pipe = _pipelines.get(key)
     if pipe is None:
         pipe = _pipelines[key] = _Pipeline(sources, options)
-        engine.current().before_shutdown(__name__, _report_unapplied)
+        _register_with(engine.current())
     elif pipe.options != options:
         changed = sorted(k for k in options if options[k] != pipe.options[k])
         said = [f"{len(pipe.local)} local source(s) registered" if k == "local_sources"
@@ -362,6 +398,40 @@ def _pipeline_for(sources, options):
                          f"({', '.join(said)}); a later DistributedGradientTape for them must "
                          "pass the same ones")
     return pipe
+
+
+def _register_with(eng):
+    """What the engine calls on the tape pipelines: at shutdown, the report of gradients
+    never applied; around hvd.join(), the settle and the realignment."""
+    eng.before_shutdown(__name__, _report_unapplied)
+    eng.around_join(__name__, _settle_before_join, _align_after_join)
+
+
+def _here():
+    """The tape pipelines on the engine running now, in the order every rank built them."""
+    eng = engine.current()
+    return sorted((p for p in list(_pipelines.values()) if p.machine.engine is eng),
+                  key=lambda p: p.number)
+
+
+def _settle_before_join():
+    """A rank that joins launches no more reductions: the ones it has in flight land first
+    (the others started them too), so nothing of this rank's is on the wire while the
+    others go on. The gradients stay in the pipeline: the tape never applies, so the next
+    tape.gradient or flush() hands them back as it would have."""
+    for pipe in _here():
+        if not pipe.machine.solo:
+            pipe.machine.settle()
+
+
+def _align_after_join(last):
+    """Ranks that ran different numbers of steps (uneven data) go on from the last
+    joiner's count, so the slot names of their next reductions agree again (as the
+    PyTorch optimizer's join does)."""
+    pipes = _here()
+    steps = engine.current().broadcast_object([p.machine.fifo.steps for p in pipes], last)
+    for pipe, count in zip(pipes, steps):
+        pipe.machine.fifo.steps = count
 
 
 def _report_unapplied():

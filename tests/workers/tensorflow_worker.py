@@ -15,6 +15,9 @@ backend (tests/keras_launches.py; one TensorFlow start-up per engine):
               compression and with int8_ef (this rank's residuals); a fresh model
               restored from it continues to the uninterrupted run's weights exactly;
               the same for hvd.DistributedOptimizer's tf.train.Checkpoint
+  align       rank 0 alone restores a tape checkpoint, then broadcasts (both parities of
+              the saved step): the uninterrupted run exactly; ranks that stepped unevenly
+              before hvd.join() pair their steps again after it (Horovod's engine)
   errors      bad input: a clear error on every rank, and a collective still works after;
               variables in another order on one rank; two wrappers in a row; a tape
               checkpoint resumed at another depth
@@ -317,6 +320,47 @@ def check_checkpoint(directory):
     check_optimizer_checkpoint(directory)
 
 
+def check_align(directory):
+    """Rank 0 alone restores a K=2 tape checkpoint (Horovod's resume: rank 0 loads, then
+    broadcasts the variables), saved after an odd and after an even number of steps: every
+    rank ends at the uninterrupted run's weights exactly (the other ranks' pipelines take
+    rank 0's step and gradients in flight at their first step). Under Horovod, ranks that
+    ran different numbers of steps before hvd.join() go on stepping together after it."""
+    from pipe_horovod import engine
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    for save_at in (3, 4):
+        what = f"rank 0 alone restored a tape checkpoint saved at step {save_at}"
+        path = Path(directory) / f"align_{save_at}_rank{hvd.rank()}"
+        model, opt, _ = tape_run(2, 0, steps=save_at)
+        saved = tf.train.Checkpoint(model=model, optimizer=opt, pipeline=hvd.GradientsInFlight(
+            model.trainable_variables)).write(str(path))
+        tape_run(2, 0, steps=STEPS - save_at, model=model, start=save_at, state=opt)
+        for grads in hvd.flush(model.trainable_variables):
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        uninterrupted = weights_of(model)
+        fresh, fresh_opt = build(seed=7), keras.optimizers.SGD(0.1)
+        fresh_opt.build(fresh.trainable_variables)
+        if hvd.rank() == 0:
+            tf.train.Checkpoint(model=fresh, optimizer=fresh_opt, pipeline=hvd.GradientsInFlight(
+                fresh.trainable_variables)).read(saved).assert_consumed()
+        hvd.broadcast_variables(fresh.variables + fresh_opt.variables, root_rank=0)
+        tape_run(2, 0, steps=STEPS - save_at, model=fresh, start=save_at, state=fresh_opt)
+        for grads in hvd.flush(fresh.trainable_variables):
+            fresh_opt.apply_gradients(zip(grads, fresh.trainable_variables))
+        equal(weights_of(fresh), uninterrupted, what)
+    if engine.current().name != "horovod":      # the torch engine's join is a plain barrier
+        return
+    model = build()
+    _, opt, _ = tape_run(2, 0, steps=STEPS - hvd.rank(), model=model)
+    hvd.join()
+    _, _, returned = tape_run(2, 0, steps=2, model=model, start=STEPS, state=opt)
+    gathered = hvd.allgather_object([g.tobytes() for g in returned[-1]])
+    assert all(g == gathered[0] for g in gathered), \
+        "after hvd.join(), the ranks' averaged gradients of the same step differ"
+    hvd.flush(model.trainable_variables)
+
+
 def optimizer_run(model, opt, start, steps):
     """`steps` steps of hvd.DistributedOptimizer with a plain tape, in a tf.function."""
     @tf.function
@@ -606,4 +650,5 @@ def checks(directory):
     """The cases by name; keras_worker.py runs them as its modes tf.CASE."""
     return {"api": check_api, "tape": check_tape, "optimizer": check_optimizer,
             "checkpoint": lambda: check_checkpoint(directory), "errors": check_errors,
+            "align": lambda: check_align(directory),
             "partial": check_partial, "autodiff": check_autodiff}
