@@ -632,7 +632,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     after it. "auto": "int4" with "lookahead", else None. On Keras models the
     own gradient (None, the PyTorch adapter's default) lagged sync by up to
     0.06 val loss; int4 kept every cell of the sweep within 0.02, at about
-    +12% a step where the link is the bottleneck (docs/convergence.md, issue 36).
+    +12% a step where the link is the bottleneck (docs/convergence.md).
     collective: None (the engine's own allreduce) or "lp", "ring", "mst", "be"
     (a pipe_horovod.collectives.Collective): reduce the buckets with
     pipe_horovod's collectives, where `compression` works at every hop, so

@@ -721,7 +721,7 @@ def DistributedOptimizer(
             that format as backward produces it (1/8 or 1/4 of the gradient's
             bytes), instead of this rank's own gradient; step() waits for it, and
             the step's full reductions start after it. For models whose default
-            lags synchronous training (docs/convergence.md, issue 36).
+            lags synchronous training (docs/convergence.md).
 
     Returns:
         The optimizer to use in place of `optimizer`: an instance of a pipelined

@@ -665,8 +665,8 @@ def add_arguments(p):
                    help="Keras: no PipelineFlushCallback (fit validates at the weights the "
                         "optimizer left in the model)")
     p.add_argument("--predict-unclipped", action="store_true",
-                   help="Keras: the lookahead's prediction without global_clipnorm (issue 24's "
-                        "check; the real update still clips)")
+                   help="Keras: the lookahead's prediction without global_clipnorm (checks what "
+                        "clipping the local gradient does to it; the real update still clips)")
     p.add_argument("--out", default="docs/convergence")
     p.add_argument("--name", default="lm", help="file stem of the outputs (default lm)")
     p.add_argument("--report-only", action="store_true",

@@ -248,7 +248,7 @@ def markdown(summary, heading="##"):
                          f"{ratio} | {step} | {_time(to95)} | {_time(to99)} |")
         if t["sync_final_mean"] is not None:
             met = [c["config"] for c in t["configs"].values() if c["meets_targets"]]
-            lines += ["", f"Issue 13's targets (99% of sync's final accuracy in <= "
+            lines += ["", f"The convergence targets (99% of sync's final accuracy in <= "
                           f"{TARGET_EPOCHS_RATIO:g} x sync's epochs, final accuracy at most "
                           f"{-TARGET_FINAL_PP:g} pp below sync's): "
                           + (f"met by {', '.join(met)}." if met else "met by none.")]

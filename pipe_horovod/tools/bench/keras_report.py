@@ -168,7 +168,7 @@ def markdown(summary, keras, heading="#"):
 def _fit_target_lines(keras, heading):
     """The Keras benchmark's targets for the fit rows."""
     num, three = report._num, "{:.3f}"
-    lines = [f"{heading}# Keras targets (issue 9)", "",
+    lines = [f"{heading}# Keras targets", "",
              "| target | measured | threshold | met? |", "|---|---:|---:|---|"]
     for t in keras["targets"]:
         lines.append(f"| {t['what']} | {t['value']:.3f} | {t['target']} "
@@ -190,7 +190,7 @@ def _loop_lines(loop, heading):
             ("loop-k2 step / max(compute, comm)", "k2_vs_ideal"),
             ("communication hidden by loop-k2, 1 − exposed wait / comm", "k2_hidden")]
     return [f"{heading}# TensorFlow custom loop: DistributedGradientTape vs "
-            "MultiWorkerMirroredStrategy's loop (issue 38)", "",
+            "MultiWorkerMirroredStrategy's loop", "",
             "| ratio | measured |", "|---|---:|",
             *(f"| {what} | {report._num(loop[key], '{:.3f}')} |" for what, key in rows), ""]
 
