@@ -14,9 +14,11 @@ without a message, so that case is made harmless instead: a verified
 signature's index goes into the messages' tags (channel.SIGNATURE_BITS),
 so two different verified calls never exchange a byte, and a rank whose
 call is new waits for check answers its peers never send. Each then stops
-at the group's timeout (PIPE_HOROVOD_TIMEOUT) with a
-ValueError naming its own call (communicator.Communicator._run), not a
-crash in gloo.
+at the group's timeout (PIPE_HOROVOD_TIMEOUT), not with a crash in gloo: a
+rank whose call is new with ValueError (its check got no answer), a rank in
+a verified call with WaitTimeoutError naming that call (communicator.py:
+from inside the algorithm a wait that times out cannot tell these ranks from
+a peer that hangs, and a hang must reset elastic training).
 """
 import json
 
