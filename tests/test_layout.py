@@ -349,7 +349,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("pipe_horovod")))
     assert not tooling, f"import pipe_horovod.torch, pipe_horovod.keras loaded {tooling}"
 
 
-# --- no private name crosses packages (issue 26, item 2) -----------------------------
+# --- no private name crosses packages ------------------------------------------------
 # Adapters talk to the shared core, and to each other, through public methods. Read
 # statically, a private name (one leading underscore, not a dunder) crosses packages
 # when a module of one package (its directory: pipe_horovod.torch and
