@@ -10,6 +10,12 @@ including its conventions (allgather's and broadcast's backward average
 the incoming gradients over ranks; reducescatter's multiplies a Sum's by
 the set's size).
 
+Start, identity, build queries, process sets, barrier, join and the object
+collectives are pipe_horovod.common's, re-exported here under Horovod's
+names (the TensorFlow and Keras adapters re-export the same functions); the
+tensor collectives' math is common.tensor_ops, which the autograd Functions
+run forward.
+
 Unnamed operations get names the engine counts per kind, which agree
 across ranks that start them in the same order (Horovod's own rule).
 Under the horovod engine every call reaches `horovod.torch`; see
