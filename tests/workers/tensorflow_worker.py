@@ -386,7 +386,8 @@ def check_optimizer_checkpoint(directory):
                                             staleness_compensation=compensation)
         model, opt = build(), wrapped()
         optimizer_run(model, opt, 0, SAVE_AT)
-        assert opt.in_flight == 1, opt.in_flight
+        if hvd.size() > 1:                       # (one process may apply at once)
+            assert opt.in_flight == 1, opt.in_flight
         saved = tf.train.Checkpoint(model=model, optimizer=opt).write(
             str(Path(directory) / f"optimizer_{compensation}_rank{hvd.rank()}"))
         optimizer_run(model, opt, SAVE_AT, STEPS - SAVE_AT)
