@@ -429,9 +429,19 @@ def _align_after_join(last):
     joiner's count, so the slot names of their next reductions agree again (as the
     PyTorch optimizer's join does)."""
     pipes = _here()
-    steps = engine.current().broadcast_object([p.machine.fifo.steps for p in pipes], last)
-    for pipe, count in zip(pipes, steps):
-        pipe.machine.fifo.steps = count
+    # By number, not position: a pipeline whose model went may linger on one rank until
+    # its garbage is collected.
+    steps = engine.current().broadcast_object({p.number: p.machine.fifo.steps for p in pipes},
+                                              last)
+    for pipe in pipes:
+        machine, count = pipe.machine, steps.get(pipe.number)
+        if count is None or count == machine.fifo.steps:
+            continue
+        # What is in flight stays, as copies: its slot buffers are the ones the next
+        # steps fill once the count moved.
+        state = machine.state()
+        machine.restore(state["in_flight"], state["scales"], count, state["kept"],
+                        state["error_feedback"])
 
 
 def _report_unapplied():

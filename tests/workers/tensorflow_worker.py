@@ -352,12 +352,19 @@ def check_align(directory):
     if engine.current().name != "horovod":      # the torch engine's join is a plain barrier
         return
     model = build()
-    _, opt, _ = tape_run(2, 0, steps=STEPS - hvd.rank(), model=model)
+    _, opt, before = tape_run(2, 0, steps=STEPS - hvd.rank(), model=model)
     hvd.join()
     _, _, returned = tape_run(2, 0, steps=2, model=model, start=STEPS, state=opt)
     gathered = hvd.allgather_object([g.tobytes() for g in returned[-1]])
     assert all(g == gathered[0] for g in gathered), \
         "after hvd.join(), the ranks' averaged gradients of the same step differ"
+    # Rank 1 stopped a step early: what it held in flight (step STEPS - 2's average, which
+    # rank 0 got at its last step before the join) comes back intact after the join.
+    kept = hvd.broadcast_object([g.tobytes() for g in before[STEPS - 1]]
+                                if hvd.rank() == 0 else None, root_rank=0)
+    if hvd.rank() == 1:
+        assert [g.tobytes() for g in returned[0]] == kept, \
+            "the gradient in flight across hvd.join() changed"
     hvd.flush(model.trainable_variables)
 
 
