@@ -42,9 +42,7 @@ TensorFlow as its own error; the failure travels with that error alone
 import contextlib
 import ctypes
 import functools
-import itertools
 import os
-import re
 import threading
 import warnings
 
@@ -305,17 +303,15 @@ def _both(cls, kind):
 
 
 # --- engine failures through TensorFlow's error path ----------------------------------------
-# A failure raised inside a hand-off, by the token its TensorFlow error's message carries.
-# Only that error maps back (failure_behind), once; an unread one goes with the oldest.
-_carried = {}
-_tokens = itertools.count()
-_TOKEN = re.compile(r"\[pipe_horovod engine failure (\d+)\]")
+# A failure raised inside a hand-off, by its own words, which its TensorFlow error's message
+# carries: only that error maps back (failure_behind), once; an unread one goes with the
+# oldest. The words are the failure's own, so what the user reads is unchanged.
+_carried = []
 _KEPT = 16
 
 
-class EngineFailureInGraph(RuntimeError):
-    """What a hand-off raises to TensorFlow in place of an engine failure: its message
-    carries the failure's text and the token failure_behind finds it by."""
+def _words(failure):
+    return f"{type(failure).__name__}: {failure}"
 
 
 def keeping_failures(fn):
@@ -329,12 +325,9 @@ def keeping_failures(fn):
         try:
             return fn(*args)
         except (engine.HorovodInternalError, engine.HostsUpdatedInterrupt) as failure:
-            token = next(_tokens)
-            _carried[token] = failure
-            while len(_carried) > _KEPT:
-                _carried.pop(next(iter(_carried)))
-            raise EngineFailureInGraph(f"{type(failure).__name__}: {failure} "
-                                       f"[pipe_horovod engine failure {token}]") from failure
+            _carried.append(failure)
+            del _carried[:-_KEPT]
+            raise
         finally:
             settle()
     return call
@@ -348,13 +341,17 @@ def failure_behind(error):
 
     Returns:
         The HorovodInternalError or HostsUpdatedInterrupt a hand-off raised, when `error`
-        is the TensorFlow error that carried it (its message holds the failure's token);
-        once (it is forgotten). None for any other error, TensorFlow's own included.
+        is the TensorFlow error that carried it (its message holds the failure's own
+        words: type and text); once (it is forgotten). None for any other error,
+        TensorFlow's own included: a later out-of-memory error is not the failure.
     """
     if not isinstance(error, tf.errors.OpError):
         return None
-    found = _TOKEN.search(getattr(error, "message", None) or str(error))
-    return None if found is None else _carried.pop(int(found.group(1)), None)
+    message = getattr(error, "message", None) or str(error)
+    for i in range(len(_carried) - 1, -1, -1):
+        if _words(_carried[i]) in message:
+            return _carried.pop(i)
+    return None
 
 
 # --- graphs -------------------------------------------------------------------------------
