@@ -59,7 +59,7 @@ def test_files_saved_mid_epoch_hold_the_real_weights(tmp_path_factory):
 def test_unsupported_backend_is_named(monkeypatch):
     import keras
     import pipe_horovod.keras as phvd
-    from pipe_horovod.keras import optimizer
+    from pipe_horovod._keras import optimizer
 
     monkeypatch.setattr(optimizer, "_backend", lambda: "jax")
     with pytest.raises(ValueError, match="'jax'.*supports tensorflow and torch"):

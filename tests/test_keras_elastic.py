@@ -211,7 +211,7 @@ def test_a_failure_inside_the_graph_comes_out_as_the_engine_raised_it(hvd):
     import tensorflow as tf
 
     from pipe_horovod.engine import HorovodInternalError
-    from pipe_horovod.keras import tensorflow_path
+    from pipe_horovod.tensorflow import keras_path as tensorflow_path
 
     def collective(x):
         raise HorovodInternalError("a peer left")

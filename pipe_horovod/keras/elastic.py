@@ -43,6 +43,7 @@ common loop. What a Keras model adds:
 import keras
 import numpy as np
 
+from .._keras.callbacks import join, pipelined_optimizer
 from ..common import elastic as _common
 from ..common.model_state import ModelState
 
@@ -99,9 +100,9 @@ class KerasState(_StateBase):
         return np.array(keras.ops.convert_to_numpy(variable.value), copy=True)
 
     def _agree_on_model(self):
-        join = getattr(self.optimizer, "_join", None)
-        if join is not None:            # every rank compares its model here, together
-            join()
+        optimizer = pipelined_optimizer(self.optimizer)
+        if optimizer is not None:       # every rank compares its model here, together
+            join(optimizer)
 
 
 class CommitStateCallback(keras.callbacks.Callback):

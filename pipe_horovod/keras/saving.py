@@ -8,8 +8,9 @@ as it was saved, with a pipelined optimizer holding the saved state:
 iterations and slots, and for a pipe_horovod checkpoint the gradients in
 flight too.
 """
+from .._keras.optimizer import PipelinedKeras, pipe_options
 from ..compression import Compression
-from .optimizer import DistributedOptimizer, _PipelinedKeras
+from .optimizer import DistributedOptimizer
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None,
@@ -33,8 +34,8 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     saved = getattr(model, "optimizer", None)
     if saved is None:
         return model                              # saved uncompiled: nothing to wrap
-    if isinstance(saved, _PipelinedKeras):
-        own = saved._pipe_options["compression"]
+    if isinstance(saved, PipelinedKeras):
+        own = pipe_options(saved)["compression"]
         if compression is not Compression.none and compression is not own:
             raise ValueError(f"{filepath} was saved with compression {own.name}; load_model's "
                              f"compression={compression.name} would change it mid-run (the "

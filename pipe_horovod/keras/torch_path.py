@@ -14,7 +14,7 @@ import torch
 from .. import engine
 from ..pipeline.local_scale import LocalScale
 from ..torch import optimizer as torch_optimizer
-from .naming import momentum_attribute, variable_names
+from .._keras.naming import momentum_attribute, variable_names
 
 
 class _KerasUpdate(torch.optim.Optimizer):
@@ -82,9 +82,12 @@ class TorchPath:
     reduces every parameter it is given: their gradients, divided by size() with
     scale_local_gradients, wait in `local_in_flight` (one entry per step the adapter
     holds, oldest first) and go into the update that applies their step. A prediction
-    ("lookahead", "predict") moves the reduced variables only."""
+    ("lookahead", "predict") moves the reduced variables only. `base_apply(grads,
+    variables)` is the user's optimizer's own update (one iteration); `join()` the
+    optimizer's collective half of building, which the PyTorch adapter calls at the
+    first gradient."""
 
-    def __init__(self, optimizer, variables, options, local=()):
+    def __init__(self, optimizer, variables, options, local=(), *, base_apply, join):
         self.optimizer = optimizer
         self.variables = variables
         self.names = variable_names(variables)
@@ -99,16 +102,16 @@ class TorchPath:
         def update():
             with torch.no_grad():
                 if not self.local:
-                    optimizer._base_apply([p.grad for p in params], variables)
+                    base_apply([p.grad for p in params], variables)
                 elif self.torch_optimizer.simulating:          # not predicted: put back
                     held = [(p, p.detach().clone()) for p in self._local_params.values()]
-                    optimizer._base_apply([p.grad for p in params], variables)
+                    base_apply([p.grad for p in params], variables)
                     for p, value in held:
                         p.copy_(value)
                 else:
                     grads = self.local_in_flight.pop(0)
-                    optimizer._base_apply([grads.get(n, p.grad)
-                                           for n, p in zip(self.names, params)], variables)
+                    base_apply([grads.get(n, p.grad)
+                                for n, p in zip(self.names, params)], variables)
 
         self.params = params
         stand_in = _KerasUpdate([p for _, p, _ in reduced], optimizer, update,
@@ -131,7 +134,7 @@ class TorchPath:
             groups=options["groups"],
             staleness_compensation=options["staleness_compensation"],
             prediction_exchange=options["prediction_exchange"],
-            collective=options["collective"], join_ranks=optimizer._join)
+            collective=options["collective"], join_ranks=join)
 
     def apply(self, grads, variables):
         opt = self.torch_optimizer

@@ -1,8 +1,9 @@
-"""horovod.tensorflow.DistributedOptimizer for TF2 custom loops: the Keras adapter's.
+"""horovod.tensorflow.DistributedOptimizer for TF2 custom loops: the shared Keras one.
 
 Horovod's TensorFlow DistributedOptimizer hands a Keras optimizer to its Keras
-implementation; here too: the result is pipe_horovod.keras's pipelined
-optimizer, whose `apply_gradients` (eagerly or inside a tf.function) averages
+implementation (horovod/_keras); here too: the result is the pipelined Keras
+optimizer of pipe_horovod/_keras (pipe_horovod.keras's too), on this package's data
+path (keras_path.py), whose `apply_gradients` (eagerly or inside a tf.function) averages
 the local gradients across ranks, applies nothing while the pipeline fills,
 compensates the staleness ("lookahead" by default) and carries what is in flight
 as a checkpoint dependency of its own (the gradients live outside its variables),
@@ -11,9 +12,9 @@ plain tf.GradientTape (a DistributedGradientTape's gradients would be averaged t
 refused at the first apply), and call
 `optimizer.flush()` after the last step.
 """
+from .._keras import optimizer as keras_optimizer
 from ..compression import Compression
 from ..engine import Average, global_process_set
-from ..keras import DistributedOptimizer as _KerasDistributedOptimizer
 from ..pipeline.option_checks import refuse_double_wrapping
 
 WRAPPER = "pipe_horovod.tensorflow.DistributedOptimizer"
@@ -44,9 +45,17 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                         "DistributedGradientTape")
     if hasattr(optimizer, "_pipe_wrapper"):     # one of ours: named by the one who wrapped it
         refuse_double_wrapping(optimizer._pipe_wrapper, WRAPPER, "Keras optimizer")
-    wrapped = _KerasDistributedOptimizer(
+    wrapped = keras_optimizer.DistributedOptimizer(
         optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
         gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
         num_groups, groups, process_set, scale_local_gradients, **pipelined)
     wrapped._pipe_wrapper = WRAPPER
     return wrapped
+
+
+def _keras_path():
+    from .keras_path import TensorFlowPath
+    return TensorFlowPath
+
+
+keras_optimizer.use_data_path("tensorflow", _keras_path)

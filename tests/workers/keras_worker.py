@@ -172,7 +172,7 @@ def count_traces():
     """Count, per optimizer, the traces of the train step's apply on TensorFlow: a fit
     traces its train step once (the optimizer's variables are made outside the trace;
     made inside it, TensorFlow traced the whole step twice)."""
-    from pipe_horovod.keras.tensorflow_path import TensorFlowPath
+    from pipe_horovod.tensorflow.keras_path import TensorFlowPath
 
     traced = TensorFlowPath.apply
 

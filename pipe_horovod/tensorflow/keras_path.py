@@ -1,5 +1,10 @@
 """Keras 3 on TensorFlow: gradients leave the graph through numpy_function hand-offs.
 
+The data path of the pipelined Keras optimizer (pipe_horovod/_keras/optimizer.py) on
+the TensorFlow backend, whichever wrapper made it (pipe_horovod.keras's or this
+package's DistributedOptimizer): it lives here, beside the TF<->torch bridge it runs on,
+so that Keras on the torch backend never needs TensorFlow.
+
 A reduction must outlive the graph step that starts it (step t's runs
 while step t+1 computes), so it cannot be a graph op. Each bucket gets one
 stateful `tf.numpy_function` that copies the bucket's gradients (numpy
@@ -44,15 +49,23 @@ import torch
 from ..pipeline import StepGradient, StepMachine
 from ..pipeline.buckets import bucket_cap_bytes
 from ..pipeline.local_scale import LocalScale
-from ..tensorflow.bridge import DLPack, NumPy, keeping_failures, refuse_xla, torch_device
-# The Keras adapter's callers (optimizer, elastic) have found these here: they are the bridge's.
-from ..tensorflow.bridge import eager_variables, failure_behind  # noqa: F401
-from .naming import next_prefix, variable_names
+from .._keras.naming import next_prefix, variable_names
+from .bridge import DLPack, NumPy, keeping_failures, refuse_xla, torch_device
+# The Keras adapter's callers (elastic, tests) have found these here: they are the bridge's.
+from .bridge import eager_variables, failure_behind  # noqa: F401
 
 
 class TensorFlowPath:
-    def __init__(self, optimizer, variables, options, local=()):
+    """`base_apply(grads, variables)` is the user's optimizer's own update (one
+    iteration), which the path runs when a gradient is due."""
+
+    # Where the optimizer builds its variables when Keras first builds it inside the
+    # traced train step (the optimizer's build): eagerly, unseen by the trace.
+    outside_the_trace = staticmethod(eager_variables)
+
+    def __init__(self, optimizer, variables, options, local=(), *, base_apply):
         self.optimizer = optimizer
+        self._base_apply = base_apply
         self.variables = variables
         self.names = variable_names(variables)
         self.shapes = dict(zip(self.names, (tuple(v.shape) for v in variables)))
@@ -153,7 +166,7 @@ class TensorFlowPath:
 
     def _step(self, grads):
         """One update of the user's optimizer (a tf.cond branch: returns a tensor)."""
-        self.optimizer._base_apply(grads, self.variables)
+        self._base_apply(grads, self.variables)
         return tf.constant(True)
 
     def put_real_back(self):
@@ -304,7 +317,7 @@ class TensorFlowPath:
         self.put_real_back()
         for entry in self.machine.drain():
             grads = entry.gradients()
-            self.optimizer._base_apply(
+            self._base_apply(
                 [tf.convert_to_tensor(self.transfer.to_tf(grads[n].reshape(self.shapes[n])))
                  for n in self.names], self.variables)
             self.machine.release(entry)

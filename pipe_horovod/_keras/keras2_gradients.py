@@ -16,7 +16,7 @@ import numpy as np
 
 from ..common import global_process_set, tensor_ops
 from ..engine import Average
-from .variables import _backend, _dense, _same_variable
+from .variables import backend as _backend, dense as _dense, same_variable as _same_variable
 
 
 class _Keras2Gradients:
