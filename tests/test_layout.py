@@ -15,8 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pipe_horovod"
 RUNTIME = ("engine", "pipeline", "compression", "collectives", "common", "_keras", "torch",
@@ -46,23 +44,6 @@ LAYERS = (
     ("keras",),
     ("tools",),
 )
-# An import the layering still has, each with why, while the change that removes it is
-# under way: a test that finds nothing else wrong but these is an expected failure (xfail),
-# one that finds anything else fails. Empty this once the import is gone.
-PENDING = {}
-
-
-def _without_pending(graph):
-    """`graph` without the PENDING imports, and whether it had any."""
-    had = any(t in graph.get(m, ()) for m, t in PENDING)
-    return {m: {t for t in targets if (m, t) not in PENDING}
-            for m, targets in graph.items()}, had
-
-
-def _expected_failure(had, what):
-    if had:
-        pytest.xfail(f"{what}, only through the pending imports: "
-                     + "; ".join(PENDING.values()))
 
 
 def _modules():
@@ -199,10 +180,6 @@ def _collapsed(graph, unit, keep=lambda m: True):
 def test_no_import_cycle_between_subpackages():
     graph, modules = _graph()
     cycle = _cycle(_collapsed(graph, lambda m: _unit(m, modules)))
-    if cycle is not None:
-        rest, had = _without_pending(graph)
-        if _cycle(_collapsed(rest, lambda m: _unit(m, modules))) is None:
-            _expected_failure(had, "a cycle between subpackages")
     assert cycle is None, "import cycle between subpackages: " + " -> ".join(cycle)
 
 
@@ -218,10 +195,6 @@ def test_no_import_cycle_between_modules():
     so a submodule importing its package back (`from . import name`) is a cycle."""
     graph, _ = _graph()
     cycle = _cycle(graph)
-    if cycle is not None:
-        rest, had = _without_pending(graph)
-        if _cycle(rest) is None:
-            _expected_failure(had, "a cycle between modules")
     assert cycle is None, "import cycle between modules: " + " -> ".join(cycle)
 
 
@@ -260,9 +233,6 @@ def test_every_module_has_a_layer():
 def test_no_import_goes_up_or_across_the_layers():
     graph, _ = _graph()
     found = _upward_imports(graph)
-    rest, had = _without_pending(graph)
-    if found and not _upward_imports(rest):
-        _expected_failure(had, "imports up the layers")
     assert not found, ("imports of a unit in the same layer or above (LAYERS):\n"
                        + "\n".join(found))
 
@@ -290,9 +260,6 @@ def test_tensorflow_imports_neither_keras_nor_torch():
                       or m.startswith("pipe_horovod.tensorflow.")
                       for t in targets if t.split(".")[1:2] in (["keras"], ["torch"]))
     found = arrows(graph)
-    rest, had = _without_pending(graph)
-    if found and not arrows(rest):
-        _expected_failure(had, "pipe_horovod.tensorflow imports pipe_horovod.keras")
     assert not found, "pipe_horovod.tensorflow imports another adapter:\n" + "\n".join(found)
     if importlib.util.find_spec("tensorflow") is None:
         return
