@@ -71,16 +71,9 @@ from .state import ObjectState, State, TorchState
 
 
 def run(func):
-    """Decorator: run `func(state, ...)` until it returns, surviving resets.
-
-    Why: a lost or added worker should cost the steps since the last commit,
-    not the whole job. Before each attempt the state is synchronized from
-    rank 0 (skipped after a HostsUpdatedInterrupt that only removed hosts).
-    On HorovodInternalError the state is restored to its last commit; on
-    HostsUpdatedInterrupt it is kept; either way the engine is reset, the
-    state's reset callbacks run, and `func` is called again. The same failure
-    ending several attempts in a row (no commit between) ends the run with
-    RepeatedFailureError (pipe_horovod.common.elastic).
+    """Decorator: Horovod's `horovod.torch.elastic.run`, the one loop every adapter
+    runs (pipe_horovod.common.elastic.run says what it does on a failure, a host
+    update and a failure that repeats).
 
     Args:
         func: the training function, called with the State (a TorchState, say)
