@@ -211,13 +211,13 @@ def test_a_failure_inside_the_graph_comes_out_as_the_engine_raised_it(hvd):
     import tensorflow as tf
 
     from pipe_horovod.engine import HorovodInternalError
-    from pipe_horovod.tensorflow import keras_path as tensorflow_path
+    from pipe_horovod.tensorflow import bridge
 
     def collective(x):
         raise HorovodInternalError("a peer left")
 
     step = tf.function(lambda x: tf.numpy_function(
-        tensorflow_path.keeping_failures(collective), [x], tf.float32))
+        bridge.keeping_failures(collective), [x], tf.float32))
     calls = []
 
     @hvd.elastic.run
@@ -229,7 +229,7 @@ def test_a_failure_inside_the_graph_comes_out_as_the_engine_raised_it(hvd):
 
     model, _ = _model(hvd)
     assert train(hvd.elastic.KerasState(model)) == 2
-    assert tensorflow_path.failure_behind(tf.errors.UnknownError(None, None, "x")) is None
+    assert bridge.failure_behind(tf.errors.UnknownError(None, None, "x")) is None
 
 
 def test_bad_input_is_named(hvd):

@@ -50,9 +50,8 @@ from ..pipeline import StepGradient, StepMachine
 from ..pipeline.buckets import bucket_cap_bytes
 from ..pipeline.local_scale import LocalScale
 from .._keras.naming import next_prefix, variable_names
-from .bridge import DLPack, NumPy, keeping_failures, refuse_xla, torch_device
-# The Keras adapter's callers (elastic, tests) have found these here: they are the bridge's.
-from .bridge import eager_variables, failure_behind  # noqa: F401
+from .bridge import (DLPack, NumPy, eager_variables, keeping_failures, refuse_xla,
+                     torch_device)
 
 
 class TensorFlowPath:
