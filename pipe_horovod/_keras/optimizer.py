@@ -34,6 +34,7 @@ from ..compression import Compression, config_name
 from ..pipeline.buckets import AutoBucketCap, resolve_bucket_cap_mb
 from ..pipeline.identity import describe_variables
 from ..pipeline.option_checks import refuse_double_wrapping
+from ..pipeline.resume_agreement import agree_on_the_state
 from ..pipeline import (announce_depth, check_options, check_prediction_exchange,
                         check_reduction, check_staleness, compare_across_ranks, opens_group,
                         report_unapplied, resolve_depth, staleness)
@@ -154,6 +155,13 @@ class PipelinedKeras(_Keras2Gradients):
         if ps is None or ps.included():
             compare_across_ranks(lambda obj: engine.current().allgather_object(
                 obj, process_set=ps), description)
+            machine = getattr(self._path, "machine", None)   # the torch path's: its optimizer's
+            if machine is not None and not machine.solo:
+                with _outside_the_trace():       # reads and assigns variables eagerly
+                    agree_on_the_state(
+                        machine, ps, self._path.state,
+                        lambda state: self._path.restore(state.pop("in_flight"), state),
+                        self._pipe_wrapper)
         if opens_group(options["collective"], options["compression"],
                        self._path_options()["prediction_exchange"]):
             communicator(engine.current())

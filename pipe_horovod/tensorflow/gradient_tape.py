@@ -58,6 +58,7 @@ from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options
 from ..pipeline.buckets import bucket_cap_bytes, resolve_bucket_cap_mb
 from ..pipeline.local_scale import LocalScale
 from ..pipeline.identity import describe_variables
+from ..pipeline.resume_agreement import agree_on_the_state
 from . import bridge
 
 # (source ids, process set) -> _Pipeline. The pipeline holds its sources by weak reference
@@ -245,34 +246,10 @@ class _Pipeline:
                                  state.get("error_feedback", {}).items()} or None)
 
     def _agree_on_the_state(self):
-        """Every rank starts from the same step and gradients in flight.
-
-        Why: Horovod's usual resume has rank 0 alone read the checkpoint and broadcast
-        the variables, so the other ranks' pipelines start at step 0 with nothing in
-        flight while rank 0's holds the checkpoint's. Slot names follow the step count,
-        so at one parity the ranks would pair different steps' gradients silently, at
-        the other wait on names the others never send. The averaged gradients in flight
-        are the same on every rank, so the set's first rank's state is what every rank
-        of the uninterrupted run held; error-feedback residuals are each rank's own and
-        cannot be sent instead, so there the ranks must restore alike."""
-        ps = self.options["process_set"]
-        eng = engine.current()
-        fifo = self.machine.fifo
-        held = eng.allgather_object((fifo.steps, len(fifo)), process_set=ps)
-        if len(set(held)) == 1:
-            return
-        ranks = list(range(eng.size())) if ps is None else ps.ranks
-        said = ", ".join(f"rank {r} at step {s} with {n} in flight"
-                         for r, (s, n) in zip(ranks, held))
-        if self.machine.feedback is not None:
-            raise ValueError(
-                f"the ranks' DistributedGradientTape pipelines differ at their first step "
-                f"({said}): with an error-feedback codec ({self.options['compression'].name}) "
-                "each rank's residuals are its own, so every rank must restore its own "
-                "checkpoint (GradientsInFlight) before the first step")
-        state = eng.broadcast_object(self.state() if eng.rank() == ranks[0] else None,
-                                     ranks[0], process_set=ps)
-        self.restore(state)
+        """Every rank starts from the same step and gradients in flight (rank 0 alone may
+        have restored a checkpoint): pipeline/resume_agreement.py."""
+        agree_on_the_state(self.machine, self.options["process_set"], self.state,
+                           self.restore, "DistributedGradientTape")
 
     # --- elastic (pipe_horovod.tensorflow.elastic) ----------------------------------
     def drop_in_flight(self):

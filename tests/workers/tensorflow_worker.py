@@ -407,6 +407,17 @@ def check_optimizer_checkpoint(directory):
         fresh_opt.flush()
         equal(weights_of(fresh), uninterrupted,
               f"DistributedOptimizer restored from tf.train.Checkpoint ({compensation})")
+        # Horovod's resume: rank 0 alone reads, then broadcasts the variables. The other
+        # ranks' pipelines take rank 0's step and gradients in flight at the first step.
+        fresh, fresh_opt = build(seed=7 + hvd.rank()), wrapped()
+        fresh_opt.build(fresh.trainable_variables)
+        if hvd.rank() == 0:
+            tf.train.Checkpoint(model=fresh, optimizer=fresh_opt).read(saved).assert_consumed()
+        hvd.broadcast_variables(fresh.variables + fresh_opt.variables, root_rank=0)
+        optimizer_run(fresh, fresh_opt, SAVE_AT, STEPS - SAVE_AT)
+        fresh_opt.flush()
+        equal(weights_of(fresh), uninterrupted,
+              f"DistributedOptimizer restored by rank 0, then broadcast ({compensation})")
 
 
 def check_partial():
