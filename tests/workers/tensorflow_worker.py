@@ -317,6 +317,18 @@ def check_checkpoint(directory):
         for grads in hvd.flush(fresh.trainable_variables):
             fresh_opt.apply_gradients(zip(grads, fresh.trainable_variables))
         equal(weights_of(fresh), uninterrupted, what)
+    # Rank 0 alone restores: the others take its step and gradients in flight, except an
+    # error-feedback codec's residuals, which are each rank's own: refused on every rank.
+    fresh = build(seed=7)
+    if hvd.rank() == 0:
+        tf.train.Checkpoint(pipeline=hvd.GradientsInFlight(fresh.trainable_variables)).read(
+            saved).expect_partial()
+    if hvd.size() == 2:                      # (one process has no one to agree with)
+        expect_error(ValueError, f"the ranks' DistributedGradientTape pipelines differ at their "
+                     f"first step (rank 0 at step {SAVE_AT} with 1 in flight, rank 1 at step "
+                     f"0 with 0 in flight): with an error-feedback codec (int8_ef)",
+                     lambda: tape_run(2, 0, steps=1, model=fresh, start=SAVE_AT,
+                                      compression=hvd.Compression.int8_ef))
     check_optimizer_checkpoint(directory)
 
 
