@@ -12,7 +12,9 @@ import pytest
 
 import launcher
 
-from pipe_horovod.tools import cli, emulate, planner
+from pipe_horovod.collectives import cost_model
+from pipe_horovod.pipeline import timing_model
+from pipe_horovod.tools import cli, emulate
 from pipe_horovod.tools.bench import report, worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -371,15 +373,15 @@ def test_report_predicts_two_stage_codecs_with_the_planner_and_the_cpu_floor():
         return report.markdown(summary), summary
 
     # the oracle, from the planner's functions: beta from the model-sized allreduce
-    net = planner.Network(0.0, 0.300 / planner.ring_allreduce(planner.Network(0.0, 1.0), p,
+    net = cost_model.Network(0.0, 0.300 / timing_model.ring_allreduce(cost_model.Network(0.0, 1.0), p,
                                                                  model_bytes))
-    ratio = planner.two_stage_wire_ratio(256, 1)
-    link = planner.ring_allreduce(net, p, model_bytes * ratio)
+    ratio = timing_model.two_stage_wire_ratio(256, 1)
+    link = timing_model.ring_allreduce(net, p, model_bytes * ratio)
     codec_wall = 4e-9 * model_bytes                               # 200 ms > the bytes' 76 ms
-    planned = planner.step_time(0.07, 0.01, max(link, codec_wall), pipeline_depth=2)
+    planned = timing_model.step_time(0.07, 0.01, max(link, codec_wall), pipeline_depth=2)
     need = 0.5 * 0.080 + 0.4 * 0.300 * ratio + 0.4e-9 * model_bytes   # CPU a rank, a step
     # 4 ranks share 2 cores fairly with the median background's 0.5 busy cores
-    floor = planner.cpu_floor(need, p, 2 * p / (p + 0.5))
+    floor = timing_model.cpu_floor(need, p, 2 * p / (p + 0.5))
     assert floor > planned
     text, summary = summarize()
     row = summary["configs"]["ours-k2-int8eng"]
@@ -393,15 +395,15 @@ def test_report_predicts_two_stage_codecs_with_the_planner_and_the_cpu_floor():
     raw["meta"]["background_busy_cores"] = [0.0]
     text, summary = summarize()
     row = summary["configs"]["ours-k2-int8eng"]
-    assert planner.cpu_floor(need, p, 2) < planned
+    assert timing_model.cpu_floor(need, p, 2) < planned
     assert row["predicted_s"] == pytest.approx(planned) and row["prediction_bound"] == "codec"
     # int4_ef, its codec not measured (a raw from before the measurement): the bytes alone
     raw["configs"]["ours-k2-int4eng"] = _cfg("train", [_block(0.1, 0.0, 0.07, 0.01)],
                                              "int4eng", 2)
     text, summary = summarize()
     assert summary["configs"]["ours-k2-int4eng"]["predicted_s"] == pytest.approx(
-        planner.step_time(0.07, 0.01, planner.ring_allreduce(
-            net, p, model_bytes * planner.two_stage_wire_ratio(256, 0.5)), pipeline_depth=2))
+        timing_model.step_time(0.07, 0.01, timing_model.ring_allreduce(
+            net, p, model_bytes * timing_model.two_stage_wire_ratio(256, 0.5)), pipeline_depth=2))
     assert "int4eng (int4_ef): wire x0.1289" in text and "not measured in this run" in text
     # ... and without the optimizer's own work (a raw from before optimizer_step_costs):
     # not in the floor, and the text says so
@@ -440,7 +442,7 @@ def test_cpu_floor_counts_the_optimizers_own_work_measured_alone():
            "optimizer_step_costs": step_costs}
     summary = report.summarize(json.loads(json.dumps(raw)))
     text = report.markdown(summary)
-    ratio = planner.two_stage_wire_ratio(256, 1)
+    ratio = timing_model.two_stage_wire_ratio(256, 1)
     base = 0.5 * 0.080 + 0.4 * 0.300 * ratio + 0.4e-9 * model_bytes   # as before
     cores = 2 * p / (p + 1.0)                      # 2 ranks, 1 core busy elsewhere: 1.33
     expect = {"ours-k2-int8eng": base + 0.015 + 0.04,         # copy + lookahead (default)
@@ -448,7 +450,7 @@ def test_cpu_floor_counts_the_optimizers_own_work_measured_alone():
               "ours-k2-int8eng-dc": base + 0.015}             # dc: no lookahead pass
     floors = summary["timing_model"]["two_stage"]["int8eng"]["cpu_floor"]
     for name, need in expect.items():
-        floor = planner.cpu_floor(need, p, cores)
+        floor = timing_model.cpu_floor(need, p, cores)
         assert floors[name]["cpu_s_per_step"] == pytest.approx(need), name
         assert floors[name]["floor_s"] == pytest.approx(floor), name
         row = summary["configs"][name]

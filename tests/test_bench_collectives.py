@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from pipe_horovod.tools import planner as timing
+from pipe_horovod.collectives import cost_model
+from pipe_horovod.pipeline import timing_model
 from pipe_horovod.tools.bench import collectives_report, collectives_worker
 from pipe_horovod.collectives import layout
 
@@ -25,20 +26,20 @@ def test_bus_bandwidth_is_nccl_tests_allreduce_definition():
 
 
 def test_prediction_uses_the_wire_bytes_of_the_codec():
-    net = timing.Network(alpha=1e-4, beta=8e-9)
+    net = cost_model.Network(alpha=1e-4, beta=8e-9)
     assert collectives_report.predicted_seconds(net, 4, 2**26, "ring/int8") == pytest.approx(
-        timing.ring_allreduce(net, 4, 2**24))
+        timing_model.ring_allreduce(net, 4, 2**24))
     assert collectives_report.predicted_seconds(net, 3, 2**26, "native/none") == pytest.approx(
-        timing.ring_allreduce(net, 3, 2**26))
+        timing_model.ring_allreduce(net, 3, 2**26))
     # with measured codec costs, the busiest rank's per-hop codec CPU is added
     costs = {"int8": (1e-9, 2e-9, 3e-9)}
     assert collectives_report.predicted_seconds(net, 4, 2**26, "lp/int8", costs) == pytest.approx(
-        timing.lp_allreduce(net, 4, 2**24, chunks=layout.lp_chunks(4, 2**24))
+        timing_model.lp_allreduce(net, 4, 2**24, chunks=layout.lp_chunks(4, 2**24))
         + 2**26 * 6e-9)
 
 
 def test_prediction_with_per_block_costs_and_message_cost():
-    net = timing.Network(alpha=1e-4, beta=8e-9)
+    net = cost_model.Network(alpha=1e-4, beta=8e-9)
     p, n = 4, 2**26
     # ring/int8: 2^24 wire bytes, 4 MiB per segment -> 4 pieces of 1 MiB wire, 16 blocks
     # of 4 MiB float32; be: q = 4 blocks; lp: the collective's own chunk count
@@ -46,16 +47,16 @@ def test_prediction_with_per_block_costs_and_message_cost():
     assert collectives_report.blocks(p, n, "be", "int8") == 4
     assert collectives_report.blocks(p, n, "lp", "int8") == layout.lp_chunks(p, 2**24)
     table = {"int8": {str(2**22): (1e-9, 2e-9, 3e-9), str(2**24): (4e-9, 4e-9, 4e-9)}}
-    slow = timing.Network(alpha=1.5e-4, beta=8e-9)           # alpha + 50 us per message
+    slow = cost_model.Network(alpha=1.5e-4, beta=8e-9)           # alpha + 50 us per message
     assert collectives_report.predicted_seconds(net, p, n, "ring/int8", table, 5e-5) == \
-        pytest.approx(timing.ring_allreduce(slow, p, 2**24)
+        pytest.approx(timing_model.ring_allreduce(slow, p, 2**24)
                       + n * (1e-9 / 4 + 0.75 * 2e-9 / 4 + 3e-9))
     # be: 16 MiB blocks, all of its codec work on the path
     assert collectives_report.predicted_seconds(net, p, n, "be/int8", table, 5e-5) == \
-        pytest.approx(timing.be_allreduce(slow, p, 2**24) + n * (1 + 0.75 + 1) * 4e-9)
+        pytest.approx(timing_model.be_allreduce(slow, p, 2**24) + n * (1 + 0.75 + 1) * 4e-9)
     # the engine's own allreduce pays neither
     assert collectives_report.predicted_seconds(net, p, n, "native/none", table, 5e-5) == \
-        pytest.approx(timing.ring_allreduce(net, p, n))
+        pytest.approx(timing_model.ring_allreduce(net, p, n))
 
 
 def test_chain_run_predicts_lp_with_one_stream_and_no_mst():
@@ -67,11 +68,11 @@ def test_chain_run_predicts_lp_with_one_stream_and_no_mst():
            "times": [times] * 3, "launch": {"emulate": "1gbit", "topology": "chain"}}
     summary = collectives_report.summarize(raw)
     assert summary["topology"] == "chain"
-    net = timing.Network(summary["network"]["alpha_s"], summary["network"]["beta_s_per_byte"])
+    net = cost_model.Network(summary["network"]["alpha_s"], summary["network"]["beta_s_per_byte"])
     rows = {(r["config"], r["bytes"]): r for r in summary["rows"]}
     lp = rows["lp/none", 2**24]
-    assert lp["predicted_s"] == pytest.approx(timing.lp_allreduce(
-        timing.with_message_cost(net, 5e-5), 3, 2**24,
+    assert lp["predicted_s"] == pytest.approx(timing_model.lp_allreduce(
+        timing_model.with_message_cost(net, 5e-5), 3, 2**24,
         chunks=collectives_report.blocks(3, 2**24, "lp", "none"), topology="chain"))
     assert all(rows["mst/none", n]["predicted_s"] is None for n in sizes)
     text = collectives_report.markdown(summary)
@@ -181,10 +182,10 @@ def test_two_stage_configs_run_only_codecs_with_a_wire_format():
     names = collectives_worker.config_names(("ring", "two-stage"), ("none", "int8", "fp8_e4m3"))
     assert names == ["native/none", "ring/none", "ring/int8", "two-stage/int8",
                      "two-stage/fp8_e4m3"]
-    # the report predicts two-stage from planner.two_stage_allreduce and adds the speed-up
-    net = timing.Network(alpha=1e-4, beta=8e-9)
+    # the report predicts two-stage from timing_model.two_stage_allreduce and adds the speed-up
+    net = cost_model.Network(alpha=1e-4, beta=8e-9)
     assert collectives_report.predicted_seconds(net, 4, 2**26, "two-stage/int8") == \
-        pytest.approx(timing.two_stage_allreduce(net, 4, 2**26))
+        pytest.approx(timing_model.two_stage_allreduce(net, 4, 2**26))
     # the target: int8 two-stage >= 3x the engine's allreduce at 64 MB
     sizes, configs = [2**20, 2**26], ["native/none", "two-stage/int8"]
     seconds = {"native/none": 0.6, "two-stage/int8": 0.15}

@@ -18,7 +18,7 @@ import torch
 import shared_launches
 import pipe_horovod.torch as phvd
 from pipe_horovod import collectives
-from pipe_horovod.tools import planner as timing
+from pipe_horovod.collectives import cost_model
 from pipe_horovod.collectives import layout
 from pipe_horovod.collectives.arrivals import InOrder
 from pipe_horovod.compression import Compression
@@ -284,18 +284,18 @@ def test_collective_config_round_trips():
     """What a saved Keras model keeps of `collective=` rebuilds the same Collective."""
     for spec in (collectives.Collective("ring"),
                  collectives.Collective("lp", chunks=32,
-                                        network=timing.Network(alpha=2e-4, beta=1e-8))):
+                                        network=cost_model.Network(alpha=2e-4, beta=1e-8))):
         back = collectives.Collective.from_config(json.loads(json.dumps(spec.config())))
         assert back.describe() == spec.describe()
         assert back.network == spec.network
 
 
 def test_lp_chunks_follow_the_cost_model():
-    net = timing.Network(alpha=1e-4, beta=8e-9)
+    net = cost_model.Network(alpha=1e-4, beta=8e-9)
     # The optimum sqrt(fill * n * b / a): allreduce fill 2p-3 = 5, two streams (b = 2 beta);
     # a broadcast's one-way chain of 4, fill 2.
-    assert layout.lp_chunks(4, 25e6, net) == timing.lp_allreduce_chunks(net, 4, 25e6) == 141
-    assert layout.lp_chunks(4, 25e6, net, hops=4) == timing.optimal_chunks(net, 4, 25e6) == 63
+    assert layout.lp_chunks(4, 25e6, net) == cost_model.lp_allreduce_chunks(net, 4, 25e6) == 141
+    assert layout.lp_chunks(4, 25e6, net, hops=4) == cost_model.optimal_chunks(net, 4, 25e6) == 63
     assert layout.lp_chunks(1, 25e6, net) == 1
     spec = collectives.Collective("lp", chunks=3)
     assert collectives.linear_pipeline.blocks("allreduce", 2, 4, 8, spec) == [1, 1]   # never more than numel

@@ -141,25 +141,26 @@ def test_sweep_refuses_a_plot(capsys, tmp_path):
 
 
 def test_two_stage_int8_model():
-    from pipe_horovod.tools import planner
+    from pipe_horovod.collectives import cost_model
+    from pipe_horovod.pipeline import timing_model
 
-    net = planner.Network(alpha=1e-3, beta=1e-9)
+    net = cost_model.Network(alpha=1e-3, beta=1e-9)
     n = 1e8                                            # float32 bytes
     # int8 values + a float32 scale per 256: 0.25 + 1/256 of the float32 bytes.
-    assert planner.two_stage_wire_ratio() == pytest.approx(0.25 + 1 / 256)
+    assert timing_model.two_stage_wire_ratio() == pytest.approx(0.25 + 1 / 256)
     wire = n * (0.25 + 1 / 256)
     # 4 ranks: alltoall 3 messages + 3/4 of the wire, allgather the same.
     expected = 2 * (3 * 1e-3 + 0.75 * wire * 1e-9)
-    assert planner.two_stage_allreduce(net, 4, n) == pytest.approx(expected)
+    assert timing_model.two_stage_allreduce(net, 4, n) == pytest.approx(expected)
     # what the plan's row uses: a ring allreduce of the wire bytes costs the same (gamma 0)
-    assert planner.allreduce_time(net, 4, wire) == pytest.approx(expected)
+    assert timing_model.allreduce_time(net, 4, wire) == pytest.approx(expected)
     # the float32 sum of the own shard: (p-1)/p of the float32 bytes through gamma
-    with_gamma = planner.Network(1e-3, 1e-9, gamma=1e-10)
-    assert planner.two_stage_allreduce(with_gamma, 4, n) == pytest.approx(expected + 0.75 * n * 1e-10)
-    assert planner.two_stage_allreduce(net, 1, n) == 0.0
-    assert planner.two_stage_wire_ratio(16) == pytest.approx(0.25 + 1 / 16)
+    with_gamma = cost_model.Network(1e-3, 1e-9, gamma=1e-10)
+    assert timing_model.two_stage_allreduce(with_gamma, 4, n) == pytest.approx(expected + 0.75 * n * 1e-10)
+    assert timing_model.two_stage_allreduce(net, 1, n) == 0.0
+    assert timing_model.two_stage_wire_ratio(16) == pytest.approx(0.25 + 1 / 16)
     with pytest.raises(ValueError, match="block_size"):
-        planner.two_stage_wire_ratio(0)
+        timing_model.two_stage_wire_ratio(0)
 
 
 def test_plan_shows_the_two_stage_row_on_request(monkeypatch, capsys):

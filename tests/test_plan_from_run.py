@@ -4,7 +4,7 @@ The runtime's record in a real launch (optimizer_worker.py's case run-summary, t
 engine, 2 ranks: recording changes no weight bit, what it records, the files it
 writes); the advice on run summaries recorded from real runs (tests/data/run-*.json,
 tests/workers/run_summary_worker.py's `record`) against an oracle that predicts every
-candidate itself with planner.predict and applies docs/convergence.md's rule; the
+candidate itself with timing_model.predict and applies docs/convergence.md's rule; the
 errors a bad summary or bad flags give.
 """
 import json
@@ -14,7 +14,9 @@ import pytest
 
 import launcher
 import shared_launches
-from pipe_horovod.tools import planner, run_advice
+from pipe_horovod.pipeline import measured_run, timing_model
+from pipe_horovod.pipeline.convergence_rule import convergence_failure
+from pipe_horovod.tools import run_advice
 from pipe_horovod.tools.cli import main
 
 DATA = launcher.REPO / "tests" / "data"
@@ -22,7 +24,7 @@ RUNS = sorted(DATA.glob("run-*.json"))
 # docs/convergence.md: within 0.02 val loss of sync on the transformer tasks (int4_ef at
 # blocks of 256 and 64 missed it, at 32 met it); K=2 with lookahead met it.
 MEETS_THE_RULE = {"none", "int8_ef", "int4_ef:32"}
-CAPS = {"as run": None, **{f"{mb} MiB": mb * planner.MIB for mb in (1, 4, 16, 25, 64)}}
+CAPS = {"as run": None, **{f"{mb} MiB": mb * timing_model.MIB for mb in (1, 4, 16, 25, 64)}}
 
 
 # --- the runtime's record, in the shared torch launch --------------------------------
@@ -62,11 +64,11 @@ def test_recorded_runs_are_there():
 
 
 def _oracle(summary):
-    """Every candidate's predicted step, by planner.predict directly; the fastest that
+    """Every candidate's predicted step, by timing_model.predict directly; the fastest that
     meets the rule, and the fastest of all."""
-    measured = run_advice.measure(summary)
-    per_param, per_bucket = run_advice.workloads(summary, measured)
-    network = run_advice.calibrate(summary, measured, per_bucket, 0.0)
+    measured = measured_run.measure(summary)
+    per_param, per_bucket = measured_run.workloads(summary, measured)
+    network = measured_run.calibrate(summary, measured, per_bucket, 0.0)
     p = summary["config"]["workers"]
     steps = {}
     for depth in (1, 2):
@@ -75,9 +77,9 @@ def _oracle(summary):
             bits = 1.0 if codec == "none" else (
                 (1 if codec == "int8_ef" else 0.5) + 4 / block) / 4
             for cap, nbytes in CAPS.items():
-                work, bucketing = ((per_bucket, planner.Bucketing("cap", 1)) if nbytes is None
-                                   else (per_param, planner.Bucketing("cap", nbytes)))
-                rows = planner.predict(work, p, network, compressions={"c": (bits, 0.0)},
+                work, bucketing = ((per_bucket, timing_model.Bucketing("cap", 1)) if nbytes is None
+                                   else (per_param, timing_model.Bucketing("cap", nbytes)))
+                rows = timing_model.predict(work, p, network, compressions={"c": (bits, 0.0)},
                                        bucketing=bucketing).rows
                 steps[depth, codec, cap] = rows[("sync" if depth == 1 else "pipelined") + "+c"].step_s
     allowed = min(s for (_, codec, _), s in steps.items() if codec in MEETS_THE_RULE)
@@ -88,8 +90,8 @@ def _oracle(summary):
 def test_recommendation_is_the_fastest_that_meets_the_convergence_rule(path):
     summary = run_advice.load(path)
     steps, fastest_allowed, fastest, network, measured = _oracle(summary)
-    _, every = run_advice.candidates(summary, measured)
-    best, refused = run_advice.recommend(every)
+    _, every = measured_run.candidates(summary, measured)
+    best, refused = measured_run.recommend(every)
     assert best.codec in MEETS_THE_RULE
     assert best.step_s == pytest.approx(fastest_allowed, rel=1e-12)
     assert steps[best.depth, best.codec, best.cap] == pytest.approx(best.step_s, rel=1e-12)
@@ -110,7 +112,7 @@ def test_plan_from_run_prints_the_recommendation(path, capsys):
     _, fastest_allowed, fastest, _, measured = _oracle(summary)
     assert main(["plan", "--from-run", str(path), "--latency", "0us"]) == 0
     out = capsys.readouterr().out
-    best, refused = run_advice.recommend(run_advice.candidates(summary, measured)[1])
+    best, refused = measured_run.recommend(measured_run.candidates(summary, measured)[1])
     assert (f"Recommended: K={best.depth}, compression={best.codec}, buckets {best.cap}: "
             f"predicted step {fastest_allowed * 1e3:.2f} ms, "
             f"{measured.step_s / fastest_allowed:.2f}x the measured "
@@ -122,14 +124,14 @@ def test_plan_from_run_prints_the_recommendation(path, capsys):
 
 
 def test_convergence_rule_reads_block_sizes():
-    assert run_advice.convergence_failure("int4_ef:32") is None
-    assert run_advice.convergence_failure("int4_ef:16") is None
-    assert "+0.037" in run_advice.convergence_failure("int4_ef")
-    assert "blocks of 64" in run_advice.convergence_failure("int4_ef:64")
-    assert "not measured" in run_advice.convergence_failure("fp16")
+    assert convergence_failure("int4_ef:32") is None
+    assert convergence_failure("int4_ef:16") is None
+    assert "+0.037" in convergence_failure("int4_ef")
+    assert "blocks of 64" in convergence_failure("int4_ef:64")
+    assert "not measured" in convergence_failure("fp16")
     # int4_ef:32 on the wire: half a byte a value and a float32 scale per 32 values
-    assert run_advice.wire_ratio("int4_ef:32") == pytest.approx((0.5 + 4 / 32) / 4)
-    assert run_advice.wire_ratio("int8_ef") == pytest.approx((1 + 4 / 256) / 4)
+    assert measured_run.wire_ratio("int4_ef:32") == pytest.approx((0.5 + 4 / 32) / 4)
+    assert measured_run.wire_ratio("int8_ef") == pytest.approx((1 + 4 / 256) / 4)
 
 
 # --- bad input ---------------------------------------------------------------------
@@ -198,7 +200,7 @@ def test_nothing_exposed_gives_a_bound_not_a_gain(tmp_path, capsys):
     assert main(["plan", "--from-run", str(path), "--latency", "0us"]) == 0
     out = capsys.readouterr().out
     assert "nothing was exposed" in out and "1.00x the measured" in out
-    assert not math.isnan(run_advice.measure(run_advice.load(path)).compute_s)
+    assert not math.isnan(measured_run.measure(run_advice.load(path)).compute_s)
 
 
 def test_a_faster_refused_codec_is_named(tmp_path, capsys):
@@ -212,7 +214,7 @@ def test_a_faster_refused_codec_is_named(tmp_path, capsys):
     assert summary["config"]["compression"] == "int8_ef"
     steps, fastest_allowed, fastest, _, measured = _oracle(summary)
     assert fastest < fastest_allowed
-    best, refused = run_advice.recommend(run_advice.candidates(summary, measured)[1])
+    best, refused = measured_run.recommend(measured_run.candidates(summary, measured)[1])
     assert (best.codec, best.step_s) == ("int4_ef:32", pytest.approx(fastest_allowed, rel=1e-12))
     assert refused and all(c.codec == "int4_ef" for c in refused)
     assert main(["plan", "--from-run", str(path), "--latency", "0us"]) == 0

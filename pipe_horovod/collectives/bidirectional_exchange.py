@@ -5,7 +5,7 @@ p not a power of two, q = 2**floor(log2 p) ranks run the exchange: of the
 first 2(p-q) ranks each even one hands its vector to the odd one above it
 first and gets the result back last (Thakur, Rabenseifner & Gropp 2005):
 two whole-message transfers on that pair's link, 3n at 3 ranks against
-ring's 4n/3 (pipe_horovod.tools.planner.be_allreduce). Sending the fold and the hand-back in
+ring's 4n/3 (pipe_horovod.pipeline.timing_model.be_allreduce). Sending the fold and the hand-back in
 pieces that overlap the exchange was tried and measured the same (1.71 s
 for 64 MB at 3 workers): the partner's link is ingress-bound until the
 fold is in, and egress-bound once results exist.

@@ -5,7 +5,7 @@ Sending m bytes costs alpha + m*beta, reducing m bytes costs m*gamma
 times in seconds. The linear pipeline (collectives/linear_pipeline.py) cuts a message
 into the chunk count that minimises its cost under these formulas
 (layout.lp_chunks), and a `Collective("lp", network=Network(...))` names the
-link it is tuned for. The planner (pipe_horovod.tools.planner) builds every
+link it is tuned for. The timing model (pipe_horovod.pipeline.timing_model) builds every
 other collective's cost and the step-time predictions on top of this module.
 Pure Python on purpose.
 """
@@ -53,7 +53,7 @@ def check_topology(topology):
 
 def lp_streams(p, topology="star"):
     """Chunks the busiest link carries per pipeline step, each way, in the linear
-    pipeline's allreduce (see pipe_horovod.tools.planner.lp_allreduce)."""
+    pipeline's allreduce (see pipe_horovod.pipeline.timing_model.lp_allreduce)."""
     check_topology(topology)
     return 1 if p <= 2 or topology == "chain" else 2
 

@@ -33,7 +33,7 @@ def measure_costs(hop, numel=1 << 18, seconds=0.02, span_bytes=32 << 20):
     walking through `span_bytes` of memory, so they come cold from memory as in a
     collective (a hot, repeated block measured 3-7x below the codec time inside a
     4-worker collective). Run by every worker at once (the benchmark does), it includes
-    their contention for the cores. pipe_horovod.tools.planner.hop_codec_time's calibration."""
+    their contention for the cores. pipe_horovod.pipeline.timing_model.hop_codec_time's calibration."""
     import time
 
     import torch

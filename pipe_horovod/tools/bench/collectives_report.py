@@ -5,15 +5,15 @@ each repetition's time is the slowest rank's (the allreduce is done when
 every rank has its result), each figure the median over repetitions.
 Bandwidths follow nccl-tests' allreduce definitions: algbw = bytes / time,
 busbw = algbw * 2(p-1)/p, comparable with the link's rate whatever p is.
-The prediction is `pipe_horovod.tools.planner.allreduce_time` of the algorithm
+The prediction is `pipe_horovod.pipeline.timing_model.allreduce_time` of the algorithm
 (the engine's own allreduce as "ring") for the bytes on the wire, plus
-`planner.hop_codec_time` for a per-hop codec (its encode/add/decode cost
+`timing_model.hop_codec_time` for a per-hop codec (its encode/add/decode cost
 measured by the workers at several block sizes, the part on the critical
 path), our collectives' per-message software cost (measured by the workers,
-planner.with_message_cost) added to alpha, with alpha and beta fitted (`planner.fit`, ring
+timing_model.with_message_cost) added to alpha, with alpha and beta fitted (`planner.fit`, ring
 formula) to the engine's own allreduce at the sizes >= 1 MB, all for the emulated cluster's
 topology (launch.topology, star where absent): on a chain lp's links carry one stream each
-way, and mst and be have no prediction (planner.MODELLED). With the worker's `unmatched/none`
+way, and mst and be have no prediction (timing_model.MODELLED). With the worker's `unmatched/none`
 (plain torch.distributed all_reduce, --unmatched; no prediction), a table of what the
 engine's name-matched allreduce costs per collective beyond it (`name_matching`: both
 medians, their difference and ratio), one at a time and IN_FLIGHT at once. Outputs:
@@ -21,6 +21,8 @@ markdown (printed and saved), a JSON summary, a PNG of bus bandwidth against siz
 """
 import json
 
+from pipe_horovod.collectives import cost_model
+from pipe_horovod.pipeline import timing_model
 from pipe_horovod.tools import planner
 from pipe_horovod.tools.bench.collectives_worker import FORMAT, IN_FLIGHT, NATIVE, TWO_STAGES, \
     UNMATCHED, in_flight
@@ -50,8 +52,8 @@ def wire_bytes(nbytes, codec, algorithm=None):
     """Bytes an uncompressed float32 message of `nbytes` puts on the wire under `codec`
     (in the two-stage reduction: one byte per value plus a float32 scale per block)."""
     if algorithm in TWO_STAGES:
-        return nbytes * planner.two_stage_wire_ratio()
-    return nbytes * (1.0 if codec == "none" else planner.DEFAULT_COMPRESSIONS[codec][0])
+        return nbytes * timing_model.two_stage_wire_ratio()
+    return nbytes * (1.0 if codec == "none" else timing_model.DEFAULT_COMPRESSIONS[codec][0])
 
 
 def blocks(p, nbytes, algorithm, codec):
@@ -68,32 +70,32 @@ def predicted_seconds(network, p, nbytes, config, codec_costs=None, message_s=No
                       topology="star"):
     """planner's cost of `config` ("algorithm/codec") for a float32 message of `nbytes`:
     the bytes on the wire, for our collectives with each message's software cost
-    `message_s` (planner.with_message_cost), plus the per-hop codec's CPU on the critical
-    path (planner.hop_codec_time) where `codec_costs` has the codec's measured (encode,
+    `message_s` (timing_model.with_message_cost), plus the per-hop codec's CPU on the critical
+    path (timing_model.hop_codec_time) where `codec_costs` has the codec's measured (encode,
     decode-add, decode) s per byte, one triple or {block bytes: triple}. None where
     the planner does not model the algorithm on `topology`."""
     algorithm, codec = config.split("/")
     if algorithm in TWO_STAGES:    # an alltoall + an allgather at the fitted rates
-        return planner.two_stage_allreduce(network, p, nbytes) if topology == "star" else None
+        return timing_model.two_stage_allreduce(network, p, nbytes) if topology == "star" else None
     wire = wire_bytes(nbytes, codec)
     if algorithm == NATIVE:
-        return planner.allreduce_time(network, p, wire, "ring", topology)
+        return timing_model.allreduce_time(network, p, wire, "ring", topology)
     if algorithm in YARDSTICKS:
         return None
-    if algorithm not in planner.MODELLED[topology]:
+    if algorithm not in timing_model.MODELLED[topology]:
         return None
-    net = planner.with_message_cost(network, message_s or 0.0)
+    net = timing_model.with_message_cost(network, message_s or 0.0)
     # lp: the chunks the collective cut, which it picks for a star whatever the wiring
     count = blocks(p, nbytes, algorithm, codec)
     if algorithm == "lp":
-        seconds = planner.allreduce_time(net, p, wire, "lp", topology, chunks=count)
+        seconds = timing_model.allreduce_time(net, p, wire, "lp", topology, chunks=count)
     else:
-        seconds = planner.allreduce_time(net, p, wire, algorithm, topology)
+        seconds = timing_model.allreduce_time(net, p, wire, algorithm, topology)
     costs = (codec_costs or {}).get(codec)
     if not costs:
         return seconds
     per_block = isinstance(costs, dict)
-    return seconds + planner.hop_codec_time(p, nbytes, algorithm, costs,
+    return seconds + timing_model.hop_codec_time(p, nbytes, algorithm, costs,
                                            count if per_block else None)
 
 
@@ -141,7 +143,7 @@ def summarize(raw):
     for r in rows:
         r["predicted_s"] = r["prediction_error"] = None
         if network is not None:
-            net = planner.Network(network["alpha_s"], network["beta_s_per_byte"])
+            net = cost_model.Network(network["alpha_s"], network["beta_s_per_byte"])
             costs = (meta.get("codec_costs_s_per_byte_by_block")
                      or meta.get("codec_costs_s_per_byte"))
             r["predicted_s"] = predicted_seconds(net, p, r["bytes"], r["config"], costs,
@@ -293,7 +295,7 @@ def markdown(summary, heading="#"):
     unmodelled = sorted({r["algorithm"] for r in rows
                          if r["algorithm"] not in (NATIVE, *TWO_STAGES)
                          and r["algorithm"] not in YARDSTICKS
-                         and r["algorithm"] not in planner.MODELLED[summary["topology"]]})
+                         and r["algorithm"] not in timing_model.MODELLED[summary["topology"]]})
     if unmodelled:
         lines.append(f"- no prediction for {', '.join(unmodelled)} on a "
                      f"{summary['topology']}: not modelled (their exchanges between "

@@ -13,10 +13,10 @@ gathers them and writes the raw JSON (format pipe_horovod.bench_collectives/1)
 with the machine's load (busy cores from /proc/stat) during each size, and
 before it, while every worker sleeps (the load from everything else), and
 each per-hop codec's encode/add/decode cost measured by every rank at once
-at several block sizes (the median over ranks: planner.hop_codec_time's
+at several block sizes (the median over ranks: timing_model.hop_codec_time's
 calibration), and the one-way time of a small point-to-point message on the
 collectives' own group, every pair of ranks at once (the per-message cost of
-our collectives: planner.with_message_cost).
+our collectives: timing_model.with_message_cost).
 
 `--algorithms ...,two-stage,two-stage-p2p` adds the two-stage quantized allreduce
 (`two-stage/int8`, `two-stage/fp8_e4m3`: collectives/quantized.py on the

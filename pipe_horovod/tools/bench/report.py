@@ -11,7 +11,7 @@ of per-round medians beside it. For each run (one raw JSON from
   wait: ours' `opt.timings["wait_s"]`, Horovod's `synchronize()`), step minus
   compute (what communication costs the step, CPU contention included), and
   fraction hidden = 1 - exposed / communication;
-* the timing model's prediction (`pipe_horovod.tools.planner.predict`, alpha/beta
+* the timing model's prediction (`pipe_horovod.pipeline.timing_model.predict`, alpha/beta
   fitted from the allreduce sweep, or beta from the allreduce measurement);
 * CPU cores each worker used (every thread of the process), and how busy the
   whole machine was meanwhile;
@@ -29,6 +29,8 @@ import os
 import statistics
 import sys
 
+from pipe_horovod.collectives import cost_model
+from pipe_horovod.pipeline import timing_model
 from pipe_horovod.tools import planner
 from pipe_horovod.tools.bench import models
 
@@ -129,7 +131,7 @@ def _network(raw, stats, p, model_bytes):
     """(Network, description) from the sweep fit, else from the allreduce median."""
     sweep = raw.get("sweep")
     if p < 2:
-        return planner.Network(0.0, 0.0), {"source": "one process: no communication"}
+        return cost_model.Network(0.0, 0.0), {"source": "one process: no communication"}
     if sweep and len(sweep["sizes"]) >= 2:
         med = [statistics.median(t) for t in sweep["seconds"]]
         # Absolute least squares: the predictions are for model-sized transfers, and the
@@ -143,9 +145,9 @@ def _network(raw, stats, p, model_bytes):
                              "sweep_sizes": sweep["sizes"], "sweep_median_s": med}
     ar = stats.get("allreduce")
     if ar and ar["step_s"]:
-        unit = planner.allreduce_time(planner.Network(0.0, 1.0), p, model_bytes)
+        unit = timing_model.allreduce_time(cost_model.Network(0.0, 1.0), p, model_bytes)
         beta = ar["step_s"] / unit
-        return planner.Network(0.0, beta), {"source": "beta from the model-sized allreduce "
+        return cost_model.Network(0.0, beta), {"source": "beta from the model-sized allreduce "
                                                      "(alpha = 0; run with --fit for a sweep)",
                                            "alpha_s": 0.0, "beta_s_per_byte": beta}
     return None, {"source": "no allreduce measured: no prediction"}
@@ -206,7 +208,7 @@ def summarize(raw):
     # the cores compute uses: what they take from compute is charged to the compute side,
     # as the Horovod-style codecs' encode is (hop_codec: seconds per gradient byte).
     hop_costs = raw.get("hop_codec_s_per_byte") or {}
-    hop_codec = {name: planner.hop_codec_time(p, model_bytes, "ring", costs) / model_bytes
+    hop_codec = {name: timing_model.hop_codec_time(p, model_bytes, "ring", costs) / model_bytes
                  for name, costs in hop_costs.items()}
     hop_source = {name: "codec work measured alone" for name in hop_codec}
     if hop_codec:
@@ -232,7 +234,7 @@ def summarize(raw):
             hop_codec[name] = max(0.0, slowdown) / model_bytes
             hop_source[name] = f"contention-{name}"
     # The two-stage rows' CPU floor: every rank's CPU per step over the cores the ranks
-    # had (planner.cpu_floor; its parts: _floor_parts).
+    # had (timing_model.cpu_floor; its parts: _floor_parts).
     cores_had = _cores_had(meta, p)
     step_costs = raw.get("optimizer_step_costs")
     cpu_floor = {}                                # row name -> its floor
@@ -246,7 +248,7 @@ def summarize(raw):
             cpu_floor[name] = {"cpu_s_per_step": need,
                                **{f"{k}_cpu_s": v for k, v in parts.items()},
                                "cores": cores_had,
-                               "floor_s": planner.cpu_floor(need, p, cores_had)}
+                               "floor_s": timing_model.cpu_floor(need, p, cores_had)}
     if network is not None and compute:
         compressions = {"fp16": (0.5, codec.get("fp16", 0.0) / model_bytes),
                         "bf16": (bf16_ratio, codec.get("bf16", 0.0) / model_bytes),
@@ -258,7 +260,7 @@ def summarize(raw):
                            for name, two in two_stage.items()}}
         depths = sorted({s["pipeline_depth"] for s in stats.values()
                          if (s["pipeline_depth"] or 0) >= 2}) or [2]
-        workload = planner.Workload.aggregate(compute["fwdbwd_s"], compute["opt_s"], model_bytes)
+        workload = timing_model.Workload.aggregate(compute["fwdbwd_s"], compute["opt_s"], model_bytes)
         bucketings = {}                          # one aggregate gradient: no system's buckets
         model_info["overlap"] = 0.0
         if replayed_model:
@@ -269,12 +271,12 @@ def summarize(raw):
 
         @functools.cache
         def predictions(system, compensation_s, exchange=None):
-            """{depth: planner.Prediction} of one system, pipelined steps charged
+            """{depth: timing_model.Prediction} of one system, pipelined steps charged
             `compensation_s` (Schedule's P) and `exchange` (prediction_exchange's)."""
             work = dataclasses.replace(workload, compensation_s=compensation_s)
-            return {d: planner.predict(work, p, network, compressions=compressions,
+            return {d: timing_model.predict(work, p, network, compressions=compressions,
                                       pipeline_depth=d, comm_cpu_per_byte=cpu_per_byte,
-                                      bucketing=bucketings.get(system, planner.OURS),
+                                      bucketing=bucketings.get(system, timing_model.OURS),
                                       exchange=exchange)
                     for d in depths}
         model_info["comm_cpu_s_per_byte"] = cpu_per_byte
@@ -323,7 +325,7 @@ def summarize(raw):
         # separates the error of the step model from the error of the alpha-beta fit.
         s["predicted_measured_comm_s"] = None
         if s["kind"] == "train" and name != "compute" and compute and s["comm_s"] is not None:
-            s["predicted_measured_comm_s"] = planner.step_time(
+            s["predicted_measured_comm_s"] = timing_model.step_time(
                 compute["fwdbwd_s"], compute["opt_s"] + charged, s["comm_s"],
                 s["pipeline_depth"] or 1,
                 comm_cpu_s=comm_cpu.get(c, 0.0) + hop_codec.get(c, 0.0) * model_bytes)
@@ -385,11 +387,11 @@ def summarize(raw):
 
 
 def _replay_workload(replayed, measured):
-    """planner.Workload of a replayed run: its layers' configured times, scaled so forward
+    """timing_model.Workload of a replayed run: its layers' configured times, scaled so forward
     + backward equal the measured `compute` configuration's, and their gradient bytes."""
     configured = replayed["forward_s"] + replayed["backward_s"]
     scale = measured["fwdbwd_s"] / configured if configured else 1.0
-    return planner.Workload.from_layers(
+    return timing_model.Workload.from_layers(
         [(layer["forward_s"] * scale, layer["backward_s"] * scale,
           tuple(4 * n for n in layer["param_numel"])) for layer in replayed["layers"]],
         update_s=measured["opt_s"])
@@ -400,12 +402,12 @@ def _bucketings(meta):
     at --horovod-fusion-mb (0: no fusion, one allreduce per tensor) or its default."""
     cap = meta.get("bucket_cap_mb", 25.0)
     fusion = meta.get("horovod_fusion_mb")
-    systems = planner.bucketings(
-        (planner.DDP.cap_bytes if cap is None else cap * planner.MIB),
-        *(() if fusion is None else (max(fusion * planner.MIB, 1.0),)))
+    systems = timing_model.bucketings(
+        (timing_model.DDP.cap_bytes if cap is None else cap * timing_model.MIB),
+        *(() if fusion is None else (max(fusion * timing_model.MIB, 1.0),)))
     if cap is None:              # --bucket-cap-mb auto: ours as the optimizer sized it
-        systems["ours"] = planner.Bucketing("cap", meta["bucket_cap_auto_mb"] * planner.MIB,
-                                            first_cap_bytes=meta["bucket_first_mb"] * planner.MIB)
+        systems["ours"] = timing_model.Bucketing("cap", meta["bucket_cap_auto_mb"] * timing_model.MIB,
+                                            first_cap_bytes=meta["bucket_first_mb"] * timing_model.MIB)
     return systems
 
 
@@ -417,13 +419,13 @@ def _predicted(name, s, prediction, network, p, model_bytes, compute, wire_ratio
     if name.startswith("allreduce"):
         if network is None:
             return None
-        return planner.allreduce_time(network, p, model_bytes * wire_ratio[s["compression"]])
+        return timing_model.allreduce_time(network, p, model_bytes * wire_ratio[s["compression"]])
     row = _planner_row(prediction, s)
     return None if row is None else row.step_s
 
 
 def _planner_row(prediction, s):
-    """The planner.Row that predicts training configuration `s` ({depth: Prediction}
+    """The timing_model.Row that predicts training configuration `s` ({depth: Prediction}
     of its system), or None."""
     if not prediction or s["kind"] != "train" or s["name"] == "compute":
         return None
@@ -437,11 +439,11 @@ def _planner_row(prediction, s):
 
 def _two_stage_codecs(raw, stats):
     """{two-stage codec of this run ('int8eng', 'int4eng'): what the planner needs of it}:
-    its compression, the wire bytes per gradient byte (run_advice.wire_ratio, i.e.
-    planner.two_stage_wire_ratio of its block size and value bytes), and, where the worker
+    its compression, the wire bytes per gradient byte (measured_run.wire_ratio, i.e.
+    timing_model.two_stage_wire_ratio of its block size and value bytes), and, where the worker
     measured the codec (two_stage_codec_s_per_byte), the sums of its stages' wall and
     CPU seconds per gradient byte (None where not)."""
-    from pipe_horovod.tools import run_advice
+    from pipe_horovod.pipeline import measured_run
     from pipe_horovod.tools.bench.worker import is_two_stage, two_stage_compression
 
     measured = raw.get("two_stage_codec_s_per_byte") or {}
@@ -451,7 +453,7 @@ def _two_stage_codecs(raw, stats):
         costs = measured.get(name) or {}
         compression = costs.get("compression") or two_stage_compression(name)
         out[name] = {"compression": compression,
-                     "wire_ratio": run_advice.wire_ratio(compression),
+                     "wire_ratio": measured_run.wire_ratio(compression),
                      **{key: sum(costs[key]) if key in costs else None
                         for key in ("wall_s_per_byte", "cpu_s_per_byte")},
                      "stages_cpu_s_per_byte": costs.get("cpu_s_per_byte")}
@@ -639,10 +641,10 @@ def markdown(summary, heading="##"):
                                 for k, v in model["compressions"].items()
                                 if "beside_codec_s" not in v))
         if model.get("workload"):
-            lines.append("- step prediction: `planner.predict` (ring allreduce, overlap-aware) "
+            lines.append("- step prediction: `timing_model.predict` (ring allreduce, overlap-aware) "
                          "of a per-layer `Workload`: " + model["workload"] + codecs)
         else:
-            lines.append("- step prediction: `planner.predict(compute_s=fwd+bwd, update_s=local "
+            lines.append("- step prediction: `timing_model.predict(compute_s=fwd+bwd, update_s=local "
                          "step, ...)` of the `compute` configuration, ring allreduce, overlap = 0 "
                          "for sync rows" + codecs)
         lines += _two_stage_lines(summary)
@@ -714,7 +716,7 @@ def _two_stage_lines(summary):
     costs = summary["timing_model"].get("optimizer_step_costs")
     for name, two in summary["timing_model"].get("two_stage", {}).items():
         text = (f"- two stages, {name} ({two['compression']}): wire x{two['wire_ratio']:.4f} "
-                "(planner.two_stage_wire_ratio), reduced like a ring allreduce of those bytes; ")
+                "(timing_model.two_stage_wire_ratio), reduced like a ring allreduce of those bytes; ")
         if two["wall_s_per_byte"] is None:
             lines.append(text + "its codec was not measured in this run: the bytes alone")
             continue

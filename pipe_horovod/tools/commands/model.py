@@ -7,6 +7,8 @@ parses, formats and plots.
 """
 import re
 
+from pipe_horovod.collectives import cost_model
+from pipe_horovod.pipeline import timing_model
 from pipe_horovod.tools import planner
 from pipe_horovod.tools.validators import checked, number
 
@@ -36,7 +38,7 @@ def add_arguments(parser):
                         help="forward + backward time per step on one worker, ms")
     parser.add_argument("--update-ms", type=number(0, what="update time"), default=0.0,
                         help="optimizer update time per step, ms (default 0)")
-    parser.add_argument("--algorithm", choices=sorted(planner.ALLREDUCE), default="ring",
+    parser.add_argument("--algorithm", choices=sorted(timing_model.ALLREDUCE), default="ring",
                         help="allreduce algorithm: ring, lp (linear pipeline), mst (binomial tree), "
                              "be (bidirectional exchange) (default ring)")
     parser.add_argument("--pipeline-depth", type=number(2, kind=int, what="pipeline depth"), default=2,
@@ -50,15 +52,15 @@ def add_arguments(parser):
 
 
 def _inputs(args):
-    """The keyword arguments of planner.predict, shared by the table and the sweeps."""
-    compressions = planner.DEFAULT_COMPRESSIONS
+    """The keyword arguments of timing_model.predict, shared by the table and the sweeps."""
+    compressions = timing_model.DEFAULT_COMPRESSIONS
     if args.codec_ns_per_byte is not None:
         compressions = {name: (ratio, args.codec_ns_per_byte * 1e-9) for name, (ratio, _) in compressions.items()}
     model_bytes = args.model_size if args.model_size is not None else args.model_mb * 1e6
     return dict(
-        workload=planner.Workload.aggregate(args.compute_ms / 1e3, args.update_ms / 1e3, model_bytes),
+        workload=timing_model.Workload.aggregate(args.compute_ms / 1e3, args.update_ms / 1e3, model_bytes),
         workers=args.workers,
-        network=planner.Network(alpha=args.latency, beta=1.0 / args.bandwidth),
+        network=cost_model.Network(alpha=args.latency, beta=1.0 / args.bandwidth),
         algorithm=args.algorithm,
         compressions=compressions,
         pipeline_depth=args.pipeline_depth,
@@ -101,8 +103,8 @@ def plot(path, inputs):
     worker_counts = sorted({int(round(w)) for w in np.geomspace(1, max(64, 4 * workers), 30)} | {workers})
     sweeps = [
         ("bandwidth (Gbit/s)", bandwidths * 8 / 1e9, bandwidth * 8 / 1e9,
-         [planner.predict(**{**inputs, "network": planner.Network(net.alpha, 1.0 / b, net.gamma)}) for b in bandwidths]),
-        ("workers", worker_counts, workers, [planner.predict(**{**inputs, "workers": p}) for p in worker_counts]),
+         [timing_model.predict(**{**inputs, "network": cost_model.Network(net.alpha, 1.0 / b, net.gamma)}) for b in bandwidths]),
+        ("workers", worker_counts, workers, [timing_model.predict(**{**inputs, "workers": p}) for p in worker_counts]),
     ]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, (xlabel, xs, given, preds) in zip(axes, sweeps):
@@ -124,7 +126,7 @@ def plot(path, inputs):
 
 def run(args):
     inputs = _inputs(args)
-    print(format_table(planner.predict(**inputs), inputs["workload"]))
+    print(format_table(timing_model.predict(**inputs), inputs["workload"]))
     if args.plot:
         plot(args.plot, inputs)
         print(f"\nwrote {args.plot}")

@@ -5,13 +5,15 @@ device and network, how fast is Horovod's synchronous training, DDP's, ours
 at K=1 and K=2, and with each codec, and what limits each. The per-layer
 FLOPs and parameter sizes come from the real architecture
 (pipe_horovod.tools.workloads.architectures.layer_table); all timing arithmetic
-lives in pipe_horovod.tools.planner (Workload, Bucketing, predict); this module
+lives in pipe_horovod.pipeline.timing_model (Workload, Bucketing, predict); this module
 parses, picks the rows, formats and plots.
 """
 import dataclasses
 import math
 
-from pipe_horovod.tools import planner, run_advice
+from pipe_horovod.collectives import cost_model
+from pipe_horovod.pipeline import measured_run, timing_model
+from pipe_horovod.tools import run_advice
 from pipe_horovod.tools.commands.model import add_cluster_arguments
 from pipe_horovod.tools.validators import checked, number
 
@@ -79,15 +81,15 @@ def _codecs(two_stage=False):
     the device beside backward, so they cost no time here. int8 (int4) carries one float32
     scale per block of at most PIECE_BYTES of the float32 gradient per ring hop, and
     one per block of the engine's block size in two stages ("int8-2stage": a ring
-    allreduce of that many bytes costs what planner.two_stage_allreduce does, its
+    allreduce of that many bytes costs what timing_model.two_stage_allreduce does, its
     reduction's gamma aside)."""
     from pipe_horovod.tools.hop_codecs import PER_HOP, wire_ratio
 
     codecs = {"fp16": (0.5, 0.0), **{name: (wire_ratio(name), 0.0) for name in PER_HOP}}
     if two_stage:                 # int8 values, the runtime's default block of scales
-        codecs["int8-2stage"] = (planner.two_stage_wire_ratio(), 0.0)
-        # int4 values at blocks of 32 (run_advice.wire_ratio("int4_ef:32"))
-        codecs["int4-2stage"] = (run_advice.wire_ratio(INT4_TWO_STAGE), 0.0)
+        codecs["int8-2stage"] = (timing_model.two_stage_wire_ratio(), 0.0)
+        # int4 values at blocks of 32 (measured_run.wire_ratio("int4_ef:32"))
+        codecs["int4-2stage"] = (measured_run.wire_ratio(INT4_TWO_STAGE), 0.0)
     return codecs
 
 
@@ -113,12 +115,12 @@ TWO_STAGE_ROWS = (
 
 
 def workload(layers, device_tflops):
-    """planner.Workload of `layers` (architectures.Layer, forward order), timed as the
+    """timing_model.Workload of `layers` (architectures.Layer, forward order), timed as the
     benchmark's replay times them (replay.layer_times: FLOPs / device throughput,
     backward twice forward)."""
     from pipe_horovod.tools.workloads.replay import layer_times
 
-    return planner.Workload.from_layers(
+    return timing_model.Workload.from_layers(
         (t.forward_s, t.backward_s, tuple(FP32 * math.prod(shape) for _, shape in layer.params))
         for t, layer in zip(layer_times(layers, device_tflops), layers))
 
@@ -130,17 +132,17 @@ def rows_of(two_stage=False):
 
 def plan(layers, device_tflops, workers, network, bucket_cap_bytes=None, work=None,
          two_stage=False):
-    """(planner.Workload, {row name: planner.Row} for rows_of(two_stage)); speedup is over
+    """(timing_model.Workload, {row name: timing_model.Row} for rows_of(two_stage)); speedup is over
     the "horovod" row. bucket_cap_bytes None: ours at its automatic size
-    (planner.auto_bucketing), DDP at 25 MiB. `work`: the workload of `layers`, when the
+    (timing_model.auto_bucketing), DDP at 25 MiB. `work`: the workload of `layers`, when the
     caller has it already."""
     work = workload(layers, device_tflops) if work is None else work
-    systems = planner.bucketings(bucket_cap_bytes, workers=workers, network=network)
-    predictions = {name: planner.predict(work, workers, network,
+    systems = timing_model.bucketings(bucket_cap_bytes, workers=workers, network=network)
+    predictions = {name: timing_model.predict(work, workers, network,
                                          compressions=_codecs(two_stage) if name == "ours" else {},
                                          bucketing=b)
                    for name, b in systems.items()}
-    predictions["ours-x4"] = planner.predict(work, workers, network, bucketing=systems["ours"],
+    predictions["ours-x4"] = timing_model.predict(work, workers, network, bucketing=systems["ours"],
                                              exchange="int4")
     rows = {name: predictions[system].rows[row] for name, _, system, row in rows_of(two_stage)}
     base = rows["horovod"].step_s
@@ -176,7 +178,7 @@ def format_table(args, work, rows):
         "the automatic size, its first bucket closing at 4 MiB, and DDP at 25 MiB); Horovod fuses "
         "whatever is ready, up to 128 MiB (its defaults; its 1 ms cycle not counted). "
         "comm ms: the link's busy time per step; step ms: max(compute, comm) for K=2, "
-        "forward + the last bucket's landing for sync (see pipe_horovod/tools/planner.py).",
+        "forward + the last bucket's landing for sync (see pipe_horovod/pipeline/timing_model.py).",
     ]
     return "\n".join(lines)
 
@@ -213,23 +215,23 @@ def _buckets(args, model_bytes):
     """The header's bucket size: the cap given, or the automatic one for this model."""
     if args.bucket_cap_mb is not None:
         return f"{args.bucket_cap_mb:g} MiB"
-    ours = planner.auto_bucketing(args.workers, _network(args))
-    return (f"auto ({ours.cap_for(model_bytes) / planner.MIB:.1f} MiB, first "
-            f"{ours.first_cap_bytes / planner.MIB:g} MiB; DDP 25 MiB)")
+    ours = timing_model.auto_bucketing(args.workers, _network(args))
+    return (f"auto ({ours.cap_for(model_bytes) / timing_model.MIB:.1f} MiB, first "
+            f"{ours.first_cap_bytes / timing_model.MIB:g} MiB; DDP 25 MiB)")
 
 
 def _network(args):
-    return planner.Network(alpha=args.latency, beta=1.0 / args.bandwidth)
+    return cost_model.Network(alpha=args.latency, beta=1.0 / args.bandwidth)
 
 
 def sweep(layers, device_tflops, workers, bandwidths, latency, bucket_cap_bytes=None):
-    """[(workers, bandwidth bytes/s, our cap in bytes, {row name: planner.Row})] for every
+    """[(workers, bandwidth bytes/s, our cap in bytes, {row name: timing_model.Row})] for every
     pair: the rows of `plan` (speedup over Horovod) at each cluster size and link."""
     work, out = workload(layers, device_tflops), []
     for p in workers:
         for bandwidth in bandwidths:
-            network = planner.Network(alpha=latency, beta=1.0 / bandwidth)
-            cap = (planner.auto_bucketing(p, network).cap_for(work.model_bytes)
+            network = cost_model.Network(alpha=latency, beta=1.0 / bandwidth)
+            cap = (timing_model.auto_bucketing(p, network).cap_for(work.model_bytes)
                    if bucket_cap_bytes is None else bucket_cap_bytes)
             _, rows = plan(layers, device_tflops, p, network, bucket_cap_bytes, work=work)
             out.append((p, bandwidth, cap, rows))
@@ -249,7 +251,7 @@ def format_sweep(args, work, results):
         "|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for p, bandwidth, cap_bytes, rows in results:
-        lines.append(f"| {p} | {bandwidth * 8 / 1e9:g} Gbit/s | {cap_bytes / planner.MIB:.1f} | "
+        lines.append(f"| {p} | {bandwidth * 8 / 1e9:g} Gbit/s | {cap_bytes / timing_model.MIB:.1f} | "
                      f"{rows['horovod'].step_s * 1e3:.2f} | {rows['ours-k1'].speedup:.3f}x | "
                      f"{rows['ours-k2'].speedup:.3f}x | {rows['ddp'].speedup:.3f}x | "
                      f"{rows['horovod'].bottleneck} |")
@@ -284,7 +286,7 @@ def run(args):
         return 0
 
     layers = layer_table(args.model, args.batch_size)
-    cap_bytes = None if args.bucket_cap_mb is None else args.bucket_cap_mb * planner.MIB
+    cap_bytes = None if args.bucket_cap_mb is None else args.bucket_cap_mb * timing_model.MIB
     if len(args.workers) > 1 or len(args.bandwidth) > 1:
         if args.plot:
             raise SystemExit("pipe-horovod plan: --plot draws one cluster; give one --workers "
