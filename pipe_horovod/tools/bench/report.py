@@ -35,6 +35,7 @@ from pipe_horovod.tools import planner
 from pipe_horovod.tools.bench import models
 
 TRAIN_ORDER = ("horovod", "horovod-fp16", "ddp")
+UNPREDICTED = ("ddp-powersgd", "ours-auto")
 TARGETS = {
     # key: (description, comparison, threshold)
     "k2_vs_ideal": ("ours-k2 step / max(compute, comm)", "<=", 1.10),
@@ -163,7 +164,7 @@ def _target(key, value):
 
 def summarize(raw):
     """Everything the markdown, JSON summary and plot show, for one raw run."""
-    from pipe_horovod.tools.bench.worker import exchange_of
+    from pipe_horovod.tools.bench.worker import exchange_of, is_ddp
 
     meta = raw["meta"]
     p = meta["workers"]
@@ -307,7 +308,7 @@ def summarize(raw):
                                      else None)
         s["ideal_s"] = ideal.get(c) if name.startswith("ours-k") and s["pipeline_depth"] >= 2 \
             else None
-        system = "horovod" if name.startswith("horovod") else "ddp" if name == "ddp" else "ours"
+        system = "horovod" if name.startswith("horovod") else "ddp" if is_ddp(name) else "ours"
         charged = (s["compensation_s"] or 0.0) if (s["pipeline_depth"] or 1) > 1 else 0.0
         prediction = predictions and predictions(system, charged, exchange_of(name))
         s["predicted_s"] = _predicted(name, s, prediction, network, p, model_bytes, compute,
@@ -412,7 +413,8 @@ def _bucketings(meta):
 
 
 def _predicted(name, s, prediction, network, p, model_bytes, compute, wire_ratio):
-    if s["kind"] == "contention":
+    # No model here for PowerSGD's low-rank exchange nor for what tune="auto" picks.
+    if s["kind"] == "contention" or name in UNPREDICTED:
         return None
     if name == "compute":
         return (compute["fwdbwd_s"] + compute["opt_s"]) if compute else None

@@ -71,7 +71,8 @@ from pipe_horovod.tools.validators import bucket_cap, checked, number, positive
 
 DEFAULT_CONFIGS = ["horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-fp16", "ours-k2-bf16",
                    "compute", "contention", "allreduce"]
-_CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp|compute|contention(?:-int8|-int4|-bf16hop)?"
+_CONFIG = re.compile(r"^(?:horovod(?:-fp16)?|ddp(?:-powersgd|-bf16)?|ours-auto|compute"
+                     r"|contention(?:-int8|-int4|-bf16hop)?"
                      r"|allreduce(?:-fp16|-bf16)?"
                      r"|tf-keras-mwms|tf-mwms-loop"
                      r"|(?:ours|loop)-k([1-9][0-9]*)"
@@ -97,8 +98,9 @@ def parse_configs(value):
                     m.group(3) and m.group(2) not in (None, "lookahead")):
                 raise ValueError(
                     f"unknown configuration {name!r}; choose from horovod, horovod-fp16, ddp, "
-                    "ours-kK, ours-kK-fp16, ours-kK-bf16, ours-kK-int8, ours-kK-int4, "
-                    "ours-kK-bf16hop, ours-kK-int8eng, ours-kK-int4eng (a block size: "
+                    "ddp-powersgd (PowerSGD hook, rank 4), ddp-bf16 (bf16 compression hook), "
+                    "ours-auto (tune=\"auto\"), ours-kK, ours-kK-fp16, ours-kK-bf16, "
+                    "ours-kK-int8, ours-kK-int4, ours-kK-bf16hop, ours-kK-int8eng, ours-kK-int4eng (a block size: "
                     "ours-kK-int4eng:32) "
                     "(K = pipeline depth 1..16; any of "
                     "them -none, -momentum, -dc, -predict, -lookahead: that "
@@ -204,7 +206,11 @@ def skip_reason(name, engine_name, size):
                     "--engine horovod, which measures horovod and ddp side by side")
         return ("Horovod's DistributedOptimizer needs the horovod engine "
                 "(launch with horovodrun, or pipe-horovod bench --engine horovod)")
-    if name == "ddp":
+    if name == "ours-auto" and not _tune_supported():
+        return ("this pipe_horovod's DistributedOptimizer has no tune argument: "
+                "tune=\"auto\" (the run choosing K, codec and buckets from its first steps) "
+                "is not built in this checkout")
+    if is_ddp(name):
         if engine_name not in ("torch", "horovod"):
             return ("DistributedDataParallel needs several workers in a process group "
                     "(pipe-horovod bench --engine horovod or --engine torch); not measured "
@@ -215,6 +221,19 @@ def skip_reason(name, engine_name, size):
     if name.startswith(("allreduce", "contention")) and size < 2:
         return "one process: there is nothing to communicate"
     return None
+
+
+def is_ddp(name):
+    """Whether `name` trains with DistributedDataParallel (ddp, ddp-powersgd, ddp-bf16)."""
+    return name == "ddp" or name.startswith("ddp-")
+
+
+def _tune_supported():
+    import inspect
+
+    import pipe_horovod.torch as phvd
+
+    return "tune" in inspect.signature(phvd.DistributedOptimizer).parameters
 
 
 def _torch_distributed_missing():
@@ -233,7 +252,7 @@ def config_backends(configs, engine_name):
     for name in configs:
         if name.startswith("horovod"):
             out[name] = "horovod (hvd.DistributedOptimizer, Horovod's gloo controller)"
-        elif name == "ddp":
+        elif is_ddp(name):
             out[name] = (f"{DDP_BACKEND} (a process group next to Horovod)"
                          if engine_name == "horovod" else f"{DDP_BACKEND} (engine torch's group)")
         elif name == "compute":
@@ -392,6 +411,64 @@ class ContentionRunner:
         pass
 
 
+# PowerSGD as its authors and torch's docs run it: rank 4, error feedback and warm start on.
+# Compression starts at DDP's iteration 2, the earliest torch accepts with error feedback
+# or warm start (DDP's first iterations rebuild its buckets): every benchmark block's
+# untimed warm-up (>= 2 steps, REGIME_WARMUP in regimes) covers it, so every timed step
+# is compressed. Training runs would start later (torch suggests ~10% of the steps) for
+# accuracy; a step time is the same once compression runs.
+POWERSGD = {"matrix_approximation_rank": 4, "start_powerSGD_iter": 2,
+            "use_error_feedback": True, "warm_start": True}
+
+
+# How each ddp-<hook> configuration's hook was registered in this process (raw meta).
+_HOOKS_REGISTERED = {}
+
+
+def ddp_hook_meta(name):
+    """What a ddp-<hook> configuration registers (recorded in the raw meta)."""
+    if name == "ddp-powersgd":
+        return {"hook": "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook."
+                        "powerSGD_hook", **POWERSGD}
+    if name == "ddp-bf16":
+        return {"hook": "torch.distributed.algorithms.ddp_comm_hooks.default_hooks."
+                        "bf16_compress_hook",
+                "registered": _HOOKS_REGISTERED.get(name, "not built in this process")}
+    return None
+
+
+def _bf16_hook_under_another_name(state, bucket):
+    """PyTorch's bf16_compress_hook itself. DDP refuses that function by its name unless
+    CUDA with NCCL >= 2.10 (or XPU) is there, yet its casts and gloo's bfloat16 allreduce
+    run on CPU: registered under this name, the hook's own code runs on a CPU-only machine
+    exactly as it would on a GPU one."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+def register_ddp_hook(ddp, name):
+    """ddp-powersgd / ddp-bf16: PyTorch's own compression hook on `ddp` (plain ddp: none),
+    what a DDP user who wants fewer bytes on the wire would pick."""
+    if name == "ddp-powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        state = powerSGD_hook.PowerSGDState(process_group=None, **POWERSGD)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif name == "ddp-bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        try:
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            _HOOKS_REGISTERED[name] = "as is"
+        except TypeError as exc:              # no CUDA + NCCL here: the same hook, renamed
+            if "BF16" not in str(exc):
+                raise
+            ddp.register_comm_hook(None, _bf16_hook_under_another_name)
+            _HOOKS_REGISTERED[name] = ("through a wrapper of another name: DDP said "
+                                       f"{exc} (a check on the hook's name)")
+
+
 def runner_kind(name):
     """The `kind` of make_runner(name, ...)'s runner, without building it."""
     return next((k for k in ("allreduce", "contention") if name.startswith(k)), "train")
@@ -419,11 +496,12 @@ def make_runner(name, args, eng):
     model, data, target = model.to(device), data.to(device), target.to(device)
     # The convergence tasks' models get their task's SGD (momentum: what 'momentum' adjusts).
     sgd = convergence_tasks.bench_sgd(args.model) or {"lr": 0.01}
-    if name == "ddp":
+    if is_ddp(name):
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model, bucket_cap_mb=25.0 if args.bucket_cap_mb is None
                                       else args.bucket_cap_mb)
+        register_ddp_hook(ddp, name)
         return TrainRunner(name, "ddp", ddp, torch.optim.SGD(ddp.parameters(), **sgd),
                            data, target)
     opt = torch.optim.SGD(model.parameters(), **sgd)
@@ -438,6 +516,10 @@ def make_runner(name, args, eng):
         return TrainRunner(name, "horovod", model, opt, data, target)
     import pipe_horovod.torch as phvd
 
+    if name == "ours-auto":               # the run chooses K, codec and buckets itself
+        opt = phvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                        tune="auto")
+        return TrainRunner(name, "ours", model, opt, data, target)
     codec, collective = compression_of(name), None
     if codec in PER_HOP:                  # per-hop codecs ride collectives' ring
         codec, collective = PER_HOP[codec][0], "ring"
@@ -736,7 +818,7 @@ def run_benchmark(args):
     for name, why in skipped.items():
         log(f"skipping {name}: {why}")
     ddp_group = None
-    if "ddp" in configs and eng.name == "horovod":
+    if any(map(is_ddp, configs)) and eng.name == "horovod":
         ddp_group = DdpGroup(eng)
         log(f"ddp: {DDP_BACKEND} group next to Horovod at {ddp_group.describe()['init_method']}")
 
@@ -766,7 +848,11 @@ def run_benchmark(args):
         for name in configs:
             runner = runners[name] or make_runner(name, args, eng)
             eng.barrier()
-            for _ in range(args.warmup):
+            # tune="auto" measures its first steps and decides: the timed steps run what
+            # it chose, as a long training run would.
+            settle = args.auto_warmup if name == "ours-auto" and (
+                rnd == 0 or args.one_model) else 0
+            for _ in range(args.warmup + settle):
                 runner.step()
             ticks0, cpu0, wall0 = _machine_ticks(), _cpu_s(), time.perf_counter()
             recs = [runner.step() for _ in range(args.steps)]
@@ -820,6 +906,7 @@ def run_benchmark(args):
             "horovod_fusion_mb": args.horovod_fusion_mb, "horovod_cycle_ms": args.horovod_cycle_ms,
             "params": numel, "model_bytes": numel * 4, "batch_size": args.batch_size,
             "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+            "auto_warmup": args.auto_warmup if "ours-auto" in configs else None,
             "bucket_cap_mb": args.bucket_cap_mb, "threads": args.threads,
             "one_model": args.one_model,
             **auto_bucket_meta(args.bucket_cap_mb, size),
@@ -827,9 +914,11 @@ def run_benchmark(args):
             "cpu_count": os.cpu_count(), "hostname": socket.gethostname(),
             "threads_before_configs": threads_before, "versions": _versions(),
             "config_backends": config_backends(configs, eng.name),
-            "ddp_backend": DDP_BACKEND if "ddp" in configs else None,
+            "ddp_backend": DDP_BACKEND if any(map(is_ddp, configs)) else None,
             "ddp_process_group": (ddp_group.describe() if ddp_group is not None else
-                                  "engine torch's group" if "ddp" in configs else None),
+                                  "engine torch's group" if any(map(is_ddp, configs))
+                                  else None),
+            "ddp_comm_hooks": {n: ddp_hook_meta(n) for n in configs if n.startswith("ddp-")},
             "background_busy_cores": background,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },
@@ -926,6 +1015,11 @@ def add_model_arguments(parser):
     parser.add_argument("--idle-probe-s", type=float, default=0.5,
                         help="seconds all workers sleep at the start of each round while the "
                              "machine's load from everything else is measured (default 0.5)")
+    parser.add_argument("--auto-warmup", type=int, default=20, choices=range(0, 10001),
+                        metavar="N",
+                        help="untimed steps ours-auto trains before its first block, beyond "
+                             "--warmup: its measured first steps and its decision, so the "
+                             "timed steps run the configuration it chose (default 20)")
     parser.add_argument("--seed", type=int, default=0)
 
 

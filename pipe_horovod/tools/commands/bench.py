@@ -28,7 +28,8 @@ from pipe_horovod.tools.bench import keras_launch, models
 from pipe_horovod.tools.bench import worker as bench_worker
 from pipe_horovod.tools.emulate import read_progress, tail_file
 from pipe_horovod.tools.launch import UsageError, check, horovodrun, worker_env
-from pipe_horovod.tools.validators import bucket_cap_flag, link_rate, positive_int, seconds
+from pipe_horovod.tools.validators import (bucket_cap_flag, link_rate, names, positive_int,
+                                           seconds)
 
 ENGINES = ("horovod", "torch", "local")
 _POLL = 0.5
@@ -58,6 +59,25 @@ def add_arguments(parser):
     bench_worker.add_model_arguments(parser)
     keras_launch.add_arguments(parser)
     add_output_arguments(parser, "bench")
+    from pipe_horovod.tools.bench import regimes
+
+    parser.add_argument("--regimes", nargs="?", const=list(regimes.REGIMES), default=None,
+                        type=names(tuple(regimes.REGIMES), "regime"), metavar="NAMES",
+                        help="run the regimes side by side instead of one bench: "
+                             f"{', '.join(regimes.REGIMES)} (default: all three), each on "
+                             "the emulated cluster (needs root) under every --regime-engines, "
+                             "replayed compute sized so the regime's comm / compute holds; "
+                             "rows: the sync baseline, each fixed candidate, ours-auto and, "
+                             "network-bound, Horovod fp16, DDP PowerSGD and DDP bf16. Prints "
+                             "one table per regime and which targets hold, and writes "
+                             "<out>/<name>.md/.json/.png (name default regimes) beside each "
+                             "run's own report. Uses --workers, --steps, --rounds, --warmup "
+                             f"(at least {regimes.REGIME_WARMUP}), --auto-warmup, --timeout; "
+                             "the model is the regimes' own")
+    parser.add_argument("--regime-engines", type=names(regimes.ENGINES, "engine"),
+                        default=list(regimes.ENGINES), metavar="NAMES",
+                        help="--regimes: the engines each regime runs under (default "
+                             f"{','.join(regimes.ENGINES)})")
 
 
 def add_output_arguments(parser, name):
@@ -100,6 +120,8 @@ def command_line(args):
         parts += ["--layers", str(args.layers)]
     parts += ["--steps", str(args.steps), "--warmup", str(args.warmup),
               "--rounds", str(args.rounds), "--configs", *args.configs]
+    if "ours-auto" in args.configs and args.auto_warmup != 20:
+        parts += ["--auto-warmup", str(args.auto_warmup)]
     if args.bucket_cap_mb != 25.0:
         parts += ["--bucket-cap-mb", bucket_cap_flag(args.bucket_cap_mb)]
     if args.fit:
@@ -126,8 +148,8 @@ def _worker_argv(args, raw, progress):
             "--configs", ",".join(args.configs), "--bucket-cap-mb", bucket_cap_flag(args.bucket_cap_mb),
             "--threads", str(args.threads), "--seed", str(args.seed),
             "--idle-probe-s", repr(args.idle_probe_s), "--compute", args.compute,
-            "--seq-len", str(args.seq_len), "--device", args.device, "--out", raw,
-            "--progress", progress]
+            "--seq-len", str(args.seq_len), "--device", args.device,
+            "--auto-warmup", str(args.auto_warmup), "--out", raw, "--progress", progress]
     for flag, value in (("--device-tflops", args.device_tflops),
                         ("--horovod-fusion-mb", args.horovod_fusion_mb),
                         ("--horovod-cycle-ms", args.horovod_cycle_ms)):
@@ -144,7 +166,8 @@ def _worker_argv(args, raw, progress):
 
 def _needs_ddp_group(args):
     """Horovod workers run ddp over a torch.distributed group of their own."""
-    return args.engine == "horovod" and "ddp" in getattr(args, "configs", ())
+    return args.engine == "horovod" and any(map(bench_worker.is_ddp,
+                                                getattr(args, "configs", ())))
 
 
 def _ddp_env(addr, port):
@@ -309,6 +332,8 @@ def run_workers(args, out, worker_argv, command, module=WORKER, prog="bench"):
 def run(args):
     from pipe_horovod.tools.bench import report
 
+    if args.regimes:
+        return run_regimes(args)
     if args.framework in ("keras", "tf-loop"):
         if args.device != "cpu":
             return _error("--device cuda is the PyTorch benchmark's (--framework torch); the "
@@ -340,4 +365,110 @@ def run(args):
     text, paths = report.write_report([raw], out, args.name)
     print(text)
     print("wrote " + ", ".join([raw, *paths.values()]))
+    return 0
+
+
+# The regimes' model: an MLP whose 8 MB of gradients take ~70 ms at 1 Gbit between 2
+# workers, long enough for the link to dominate its messages' overheads, short enough
+# that every row of three regimes under two engines runs in minutes on 2 cores.
+REGIME_MODEL = {"model": "mlp", "model_mb": 8.0, "layers": 5, "batch_size": 32}
+
+
+def regime_args(args, regime, engine, sizes):
+    """The one-bench arguments of `regime` under `engine` (sizes: regimes.sizing's)."""
+    import argparse
+
+    from pipe_horovod.tools.bench import regimes
+
+    sub = argparse.Namespace(**vars(args))
+    sub.__dict__.update(REGIME_MODEL)
+    sub.engine, sub.emulate = engine, regimes.REGIMES[regime].rate
+    sub.compute, sub.device, sub.profile = "replay", "cpu", None
+    sub.device_tflops = sizes[regime]["device_tflops"]
+    sub.bucket_cap_mb = None               # ours at its default sizing, DDP at its 25 MB
+    sub.configs = regimes.configs_for(regime, engine)
+    sub.warmup = max(args.warmup, regimes.REGIME_WARMUP)
+    sub.fit, sub.one_model = False, False
+    sub.name = f"{args.name}-{regime}-{engine}"
+    return sub
+
+
+def _commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_regimes(args):
+    """`pipe-horovod bench --regimes`: every regime under every engine, one launch each,
+    then one table per regime (pipe_horovod.tools.bench.regimes) and its targets."""
+    from pipe_horovod.tools.bench import regimes, report
+    from pipe_horovod.tools.emulate.network import rate_bytes
+
+    if args.framework != "torch":
+        return _error("--regimes runs the PyTorch benchmark (--framework torch)")
+    if args.name == "bench":
+        args.name = "regimes"
+    args.regimes = [r for r in regimes.REGIMES if r in args.regimes]     # the table's order
+    out = os.path.abspath(args.out)
+    flops, numel = regimes.forward_flops(REGIME_MODEL["model"], REGIME_MODEL["batch_size"],
+                                         REGIME_MODEL["model_mb"], REGIME_MODEL["layers"])
+    sizes = {r: regimes.sizing(regimes.REGIMES[r], flops, numel * 4, args.workers,
+                               rate_bytes("1gbit")) for r in args.regimes}
+    launches = [(r, e) for r in args.regimes for e in args.regime_engines]
+    if not args.report_only:
+        for regime, engine in launches:
+            try:
+                check(regime_args(args, regime, engine, sizes), models.check_compute)
+            except UsageError as exc:
+                return _error(f"--regimes ({regime}, engine {engine}): {exc}")
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(launches), desc="regimes", unit="run", file=sys.stderr,
+                   dynamic_ncols=True)
+    results = {r: {} for r in args.regimes}
+    commit = _commit()
+    for regime, engine in launches:
+        sub = regime_args(args, regime, engine, sizes)
+        raw = os.path.join(out, f"{sub.name}-raw.json")
+        if bar is not None:
+            bar.set_postfix_str(f"{regime}, {engine} engine")
+        failed = 0
+        if not args.report_only:
+            failed = run_workers(sub, out, lambda progress: _worker_argv(sub, raw, progress),
+                                 command_line(sub))
+            if not failed:                   # which code measured it, for the docs
+                with open(raw) as f:
+                    data = json.load(f)
+                data["launch"]["commit"] = commit
+                with open(raw, "w") as f:
+                    json.dump(data, f)
+        if failed or not os.path.exists(raw):
+            why = (f"the workers failed (see {os.path.join(out, sub.name + '-logs')})"
+                   if failed else f"no result {raw}")
+            results[regime][engine] = {"error": why, "steps": {}, "skipped": {}}
+        else:
+            with open(raw) as f:
+                results[regime][engine] = regimes.run_result(json.load(f))
+            try:                                            # each run's own full report
+                report.write_report([raw], out, sub.name)
+            except Exception as exc:  # noqa: BLE001 - the regimes' table does not need it
+                print(f"pipe-horovod bench: {sub.name}'s own report failed ({exc!r}); the "
+                      f"regime table reads {raw}", file=sys.stderr)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    text = regimes.heading(results, args.workers, REGIME_MODEL) + "\n\n" + regimes.markdown(
+        results, sizes)
+    paths = report.save_outputs(out, args.name, text, {
+        **regimes.summary(results, sizes), "workers": args.workers, "model": REGIME_MODEL})
+    regimes.plot(results, paths["png"])
+    print(text)
+    print("wrote " + ", ".join(paths.values()))
     return 0
