@@ -501,9 +501,10 @@ class PipelinedKeras(_Keras2Gradients):
         super().load_own_variables(own)
         self._load_in_flight(store)
 
-    def _load_in_flight(self, store):
+    def _load_in_flight(self, store, after_read=False):
         """Restore what _save_in_flight stored: now, or where the optimizer is not built yet
-        (a tf.train.Checkpoint read before the first step), when build() makes its path."""
+        (a tf.train.Checkpoint read before the first step), when build() makes its path.
+        after_read: a prediction saved with it waits for _hold_read_prediction."""
         if "pipe_horovod" not in list(store.keys()):
             return
         if self._path is None:
@@ -529,6 +530,16 @@ class PipelinedKeras(_Keras2Gradients):
         prediction = load("pipe_horovod.prediction") if state.pop("prediction", False) else None
         self._path.restore(in_flight, state)
         if prediction is not None and hasattr(self._path, "hold_prediction"):
+            if after_read:
+                object.__setattr__(self, "_read_prediction", prediction)
+            else:
+                self._path.hold_prediction(prediction)
+
+    def _hold_read_prediction(self):
+        """Hold the prediction a tf.train.Checkpoint read brought (checkpoint_state.py), now
+        that the model's variables hold the real weights it read."""
+        prediction = self.__dict__.pop("_read_prediction", None)
+        if prediction is not None:
             self._path.hold_prediction(prediction)
 
 
@@ -751,8 +762,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         "sparse_as_dense": bool(sparse_as_dense),
         "scale_local_gradients": bool(scale_local_gradients), "flush_in_fit": bool(flush_in_fit)})
     if _backend() == "tensorflow":              # tf.train.Checkpoint carries what is in flight
-        from .checkpoint_state import InFlight
+        from .checkpoint_state import InFlight, write_real_weights
         optimizer.pipe_horovod_in_flight = InFlight(optimizer)
+        write_real_weights(lambda: list(_built))
     if flush_in_fit:
         from .callbacks import flush_in_every_fit
         flush_in_every_fit()

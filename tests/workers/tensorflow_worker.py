@@ -407,11 +407,17 @@ def check_optimizer_checkpoint(directory):
         optimizer_run(model, opt, 0, SAVE_AT)
         if hvd.size() > 1:                       # (one process may apply at once)
             assert opt.in_flight == 1, opt.in_flight
+        with opt.real_weights():                 # (lookahead: the model holds a prediction)
+            real = weights_of(model)
         saved = tf.train.Checkpoint(model=model, optimizer=opt).write(
             str(Path(directory) / f"optimizer_{compensation}_rank{hvd.rank()}"))
         optimizer_run(model, opt, SAVE_AT, STEPS - SAVE_AT)
         opt.flush()
         uninterrupted = weights_of(model)
+        # The model read alone (for inference) holds the real weights, not the prediction.
+        inference = build(seed=11)
+        tf.train.Checkpoint(model=inference).read(saved).expect_partial()
+        equal(weights_of(inference), real, f"the model's weights in the checkpoint ({compensation})")
         fresh, fresh_opt = build(seed=7), wrapped()
         fresh_opt.build(fresh.trainable_variables)
         tf.train.Checkpoint(model=fresh, optimizer=fresh_opt).read(saved).assert_consumed()
