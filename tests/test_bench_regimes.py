@@ -269,3 +269,28 @@ def test_new_ddp_rows_train_under_the_torch_engine(tmp_path):
     # on a CPU-only torch DDP refuses the hook by its name; where CUDA + NCCL is, as is
     registered = hooks["ddp-bf16"]["registered"]
     assert registered == "as is" or registered.startswith("through a wrapper of another name")
+
+
+def test_what_auto_says_is_kept_for_the_raw_result():
+    import logging
+
+    lines = worker.AutoLines()
+    logger = logging.getLogger("pipe_horovod")
+    logger.addHandler(lines)
+    try:
+        logger.warning("%s", "pipe_horovod auto: compute 12 ms, exposed wait 60 ms -> K=2")
+        logger.warning("something else")
+    finally:
+        logger.removeHandler(lines)
+    assert lines.lines == ["pipe_horovod auto: compute 12 ms, exposed wait 60 ms -> K=2"]
+    raw = {"meta": {"skipped": {}, "steps": 10, "rounds": 2, "warmup": 3, "auto_warmup": 20,
+                    "time": "t", "auto_decision": lines.lines[-1]},
+           "configs": {"ours-auto": {"rounds": [{"step_s": [0.1, 0.3]}]},
+                       "compute": {"rounds": [{"step_s": [0.05, 0.05]}]},
+                       "allreduce": {"rounds": [{"step_s": [0.2, 0.2]}]}}}
+    result = regimes.run_result(raw)
+    assert result["auto_decision"] == lines.lines[-1]
+    assert result["steps"]["ours-auto"] == pytest.approx(0.2)
+    assert result["comm_over_compute"] == pytest.approx(4.0)
+    text = regimes.markdown({"network-bound": {"torch": result}})
+    assert f"auto's decision (torch engine): {lines.lines[-1]}" in text

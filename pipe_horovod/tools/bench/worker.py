@@ -53,6 +53,7 @@ Gloo binds to GLOO_SOCKET_IFNAME, else to Horovod's HOROVOD_GLOO_IFACE.
 import argparse
 import gc
 import json
+import logging
 import math
 import os
 import platform
@@ -540,6 +541,23 @@ def make_runner(name, args, eng):
 
 # ------------------------------------------------------------------ measuring
 
+AUTO_LINE = "pipe_horovod auto:"
+
+
+class AutoLines(logging.Handler):
+    """Keeps what tune="auto" says on the pipe_horovod logger (its decision, or that the
+    run was too short to decide), so the raw result records what the ours-auto row ran."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        text = record.getMessage()
+        if text.startswith(AUTO_LINE):
+            self.lines.append(text)
+
+
 def _cpu_s():
     t = os.times()          # every thread of this process: compute and communication
     return t.user + t.system
@@ -817,6 +835,9 @@ def run_benchmark(args):
     log = (lambda *a: print("[bench]", *a, flush=True)) if rank == 0 else (lambda *a: None)
     for name, why in skipped.items():
         log(f"skipping {name}: {why}")
+    auto_lines = AutoLines()
+    if "ours-auto" in configs:
+        logging.getLogger("pipe_horovod").addHandler(auto_lines)
     ddp_group = None
     if any(map(is_ddp, configs)) and eng.name == "horovod":
         ddp_group = DdpGroup(eng)
@@ -907,6 +928,9 @@ def run_benchmark(args):
             "params": numel, "model_bytes": numel * 4, "batch_size": args.batch_size,
             "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
             "auto_warmup": args.auto_warmup if "ours-auto" in configs else None,
+            # rank 0's words (the rank that decides logs the decision)
+            "auto_decision": auto_lines.lines[-1] if auto_lines.lines else None,
+            "auto_lines": auto_lines.lines,
             "bucket_cap_mb": args.bucket_cap_mb, "threads": args.threads,
             "one_model": args.one_model,
             **auto_bucket_meta(args.bucket_cap_mb, size),
