@@ -18,18 +18,28 @@ two-stage path, for the prediction (`estimates()`); the buckets' own
 reductions start only at `launch_rest()`, after every exchange, so that no
 exchange waits behind a full-size reduction on the same link: they then
 overlap the next step's compute alone (at K=2, the step Pipe-SGD gives them).
+
+With `tune` (a pipeline/auto.py Tuner: the adapters' tune="auto"), the machine decides
+its own depth, codec and bucket cap at the step boundary after its measured steps
+(`_tune`), applies the decision there for every adapter alike (`_apply_tuning`), tells
+the adapter through `on_tuned`, and carries the decision in its state.
 """
 import functools
+import logging
 import threading
 import time
+import weakref
 
 from .. import collectives, engine
 from ..collectives import quantized
 from ..compression import Compression, config_name, two_stage, wire_format
 from ..compression.feedback import ErrorFeedback
+from . import auto
 from .buckets import plan_buckets
 from .fifo import GradientFifo
 from .run_record import RunRecord, write_at_exit
+
+_log = logging.getLogger("pipe_horovod")
 
 
 class BucketReduction:
@@ -101,10 +111,9 @@ class StepGradient:
 class StepMachine:
     def __init__(self, prefix, pipeline_depth, warmup_steps, *, compression=Compression.none,
                  op=engine.Average, predivide=1.0, process_set=None, cap_bytes=25 * 2**20,
-                 groups=None, collective=None, exchange=None):
+                 groups=None, collective=None, exchange=None, tune=None):
         self.prefix = prefix                  # tensor names: the same on every rank
         self.fifo = GradientFifo(pipeline_depth, warmup_steps)
-        self.compression = compression
         self.op = op
         self.predivide = predivide
         self.process_set = process_set        # None: every rank
@@ -113,13 +122,13 @@ class StepMachine:
         # A pipe_horovod.collectives.Collective runs the codec per hop; None: the
         # engine's allreduce of the compressed tensor.
         self.collective = collective
-        # A codec that quantizes inside the reduction, with no collective=: two stages
-        # on the engine's own alltoall and allgather (collectives/quantized.py).
-        self.wire = wire_format(compression) if collective is None else None
-        if self.wire is not None and op not in (engine.Average, engine.Sum):
-            raise ValueError(f"compression {compression.name!r} reduces with Average or Sum "
-                             f"only (it sums dequantized shards), got op={op}")
-        self.feedback = ErrorFeedback() if getattr(compression, "error_feedback", False) else None
+        self._use_compression(compression)
+        # tune="auto": a pipeline/auto.py Tuner; on_tuned: the adapter's callbacks,
+        # each called with the Decision once it is applied.
+        self.tuner = tune
+        self.on_tuned = []
+        if tune is not None and tune.initial_cap_bytes is None:
+            tune.initial_cap_bytes = cap_bytes
         # None, or the prediction's wire format (staleness.EXCHANGES)
         self.exchange = None if exchange is None else two_stage.WireFormat(exchange)
         # Autograd runs CPU and CUDA leaves (or several GPUs') on different
@@ -133,6 +142,16 @@ class StepMachine:
         self.record = RunRecord(self.timings, self.run_config)
         self.attach()
         self.begin_step()
+
+    def _use_compression(self, compression):
+        self.compression = compression
+        # A codec that quantizes inside the reduction, with no collective=: two stages
+        # on the engine's own alltoall and allgather (collectives/quantized.py).
+        self.wire = wire_format(compression) if self.collective is None else None
+        if self.wire is not None and self.op not in (engine.Average, engine.Sum):
+            raise ValueError(f"compression {compression.name!r} reduces with Average or Sum "
+                             f"only (it sums dequantized shards), got op={self.op}")
+        self.feedback = ErrorFeedback() if getattr(compression, "error_feedback", False) else None
 
     def attach(self):
         """Use the engine running now (a new one after an elastic reset)."""
@@ -153,8 +172,23 @@ class StepMachine:
             self.compression is Compression.none or self.wire is not None))
         rank = self.engine.rank()
         self.engine.before_shutdown("pipe_horovod.run_summary", lambda: write_at_exit(rank))
+        if self.tuner is not None:
+            decision = self.tuner.decision
+            if decision is not None and decision.workers != self.size:
+                # Another number of ranks (an elastic reset): what was measured no longer
+                # holds; back to the measured configuration, and decide again.
+                self._apply_tuning(self.tuner.measuring(), decided=False)
+                self.tuner.restart(self.fifo.steps)
+            ref = weakref.ref(self)
+            self.engine.before_shutdown(f"pipe_horovod.auto.{self.prefix}",
+                                        lambda: _say_too_short(ref))
 
     # --- buckets ----------------------------------------------------------
+    def members(self):
+        """The planned buckets' members, in ready order, as plan() takes them."""
+        return [(name, numel, b.kind[0].itemsize, b.kind) for b in self.buckets
+                for name, numel in zip(b.names, b.numels)]
+
     def plan(self, members):
         """Fuse `members` [(name, numel, element_size, (dtype, device))], in ready order."""
         self.buckets = plan_buckets(members, self.cap_bytes, self.groups)
@@ -306,12 +340,17 @@ class StepMachine:
         """What produced the recorded run: a run summary's "config"."""
         def nbytes(bucket):
             return [n * bucket.kind[0].itemsize for n in bucket.numels]
-        return {"pipeline_depth": self.fifo.pipeline_depth,
-                "compression": _codec_name(self.compression),
-                "collective": getattr(self.collective, "algorithm", None),
-                "bucket_cap_bytes": int(self.cap_bytes), "workers": self.size,
-                "model_bytes": sum(sum(nbytes(b)) for b in self.buckets),
-                "buckets": [nbytes(b) for b in self.buckets]}
+        config = {"pipeline_depth": self.fifo.pipeline_depth,
+                  "compression": _codec_name(self.compression),
+                  "collective": getattr(self.collective, "algorithm", None),
+                  "bucket_cap_bytes": int(self.cap_bytes), "workers": self.size,
+                  "model_bytes": sum(sum(nbytes(b)) for b in self.buckets),
+                  "buckets": [nbytes(b) for b in self.buckets]}
+        if self.tuner is not None:          # tune="auto": what it chose, or that it measures
+            decision = self.tuner.decision
+            config["auto"] = ({"measuring": self.tuner.steps} if decision is None
+                              else decision.as_dict())
+        return config
 
     def write_run_summary(self, path):
         """Rank 0 writes the measured run (RunRecord.summary) to `path`; returns `path`
@@ -328,11 +367,77 @@ class StepMachine:
         self.engine.stepping = False
         if self.record is not None:
             self.record.finished(self.fifo.steps - 1)
+        if self.tuner is not None and self.tuner.due(self.fifo.steps):
+            self._tune()
         self.begin_step()
         return ready
 
     def drain(self):
+        self.say_if_too_short()
         return self.fifo.drain()
+
+    # --- tune="auto" (pipeline/auto.py) ---------------------------------------
+    def _first_rank(self):
+        return self.engine.rank() == (0 if self.process_set is None
+                                      else self.process_set.ranks[0])
+
+    def _tune(self):
+        """At the step boundary after the measured steps: the first rank decides from the
+        run record, every rank applies its decision (broadcast through the object
+        collective, so all apply the same at the same step)."""
+        mine = None
+        if self._first_rank():
+            try:
+                mine = auto.decide(self.record.summary(), self.tuner.pins).as_dict()
+            except ValueError as exc:       # a record the model cannot read: stay as run
+                mine = auto.unchanged(self.size, f"no decision ({exc})",
+                                      self.tuner.pins).as_dict()
+        everyone = self.gather(mine)
+        chosen = next((d for d in everyone if d is not None), None)
+        decision = (auto.Decision.from_dict(chosen) if chosen is not None
+                    else auto.unchanged(self.size, "no rank decided", self.tuner.pins))
+        self._apply_tuning(decision)
+        if self._first_rank():
+            auto.log(auto.describe(decision))
+
+    def _apply_tuning(self, decision, decided=True):
+        """Depth, codec and bucket cap of `decision`, at a step boundary (what the FIFO
+        pops later follows the new depth; a landed reduction keeps its own codec and
+        buffers), then the adapter's callbacks."""
+        self.tuner.decision = decision if decided else None
+        self.fifo.pipeline_depth = decision.pipeline_depth
+        if decision.compression != _codec_name(self.compression):
+            self._use_compression(Compression.by_name(decision.compression))
+        cap = (self.tuner.initial_cap_bytes if decision.bucket_cap_mb is None
+               else int(decision.bucket_cap_mb * auto.MIB))
+        if cap is not None and (int(cap) != int(self.cap_bytes) or type(cap) is not type(
+                self.cap_bytes)):
+            self.cap_bytes = cap
+            if self.buckets and self.groups is None:
+                self.plan(self.members())
+        for callback in list(self.on_tuned):
+            callback(decision)
+
+    def restore_tuning(self, saved, steps):
+        """A checkpoint's decision ("tune" in state()), applied without measuring again
+        where it was taken for as many ranks as reduce now; else measure from `steps`."""
+        if self.tuner is None:
+            return
+        if saved is not None and saved.get("workers") == self.size:
+            self._apply_tuning(auto.Decision.from_dict(saved))
+            return
+        if self.tuner.decision is not None:
+            self._apply_tuning(self.tuner.measuring(), decided=False)
+        self.tuner.restart(steps)
+
+    def say_if_too_short(self):
+        """Once, on the first rank: the run stops (flush, state taken, exit) before auto
+        decided, so it trained as measured throughout."""
+        if self.tuner is None:
+            return
+        words = self.tuner.too_short(self.fifo.steps)
+        if words is not None and self._first_rank():
+            auto.log(words)
 
     def release(self, entry):
         """Let go of the slot buffers `entry`'s reductions landed in, once the adapter has
@@ -347,7 +452,10 @@ class StepMachine:
     # --- checkpoints --------------------------------------------------------
     def state(self):
         """What a checkpoint carries: waits for (local) reductions still in flight."""
-        return {"steps": self.fifo.steps,
+        self.say_if_too_short()
+        tuned = {} if self.tuner is None else {
+            "tune": None if self.tuner.decision is None else self.tuner.decision.as_dict()}
+        return {"steps": self.fifo.steps, **tuned,
                 "in_flight": [{n: g.detach().clone() for n, g in e.gradients().items()}
                               for e in self.fifo],
                 "scales": [e.scale for e in self.fifo],
@@ -390,6 +498,12 @@ def _codec_name(compression):
         return config_name(compression)
     except (AttributeError, ValueError):
         return getattr(compression, "name", type(compression).__name__)
+
+
+def _say_too_short(ref):
+    machine = ref()
+    if machine is not None:
+        machine.say_if_too_short()
 
 
 def _alone(obj, name=None):

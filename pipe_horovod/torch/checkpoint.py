@@ -2,7 +2,8 @@
 
 `state_dict()` adds a "pipe_horovod" entry: the step machine's state (the
 averaged gradients in flight, their GradScaler scales, the step count,
-what compensation keeps with each step, error-feedback residuals), the
+what compensation keeps with each step, error-feedback residuals, what tune="auto"
+decided), the
 bucket order and whether the ranks agreed on it, the sparse gradients'
 names, and compensation's own state (the real weights while the parameters
 hold a prediction, "predict"'s previous weights, "dc"'s running mean
@@ -80,6 +81,9 @@ class _PipelineCheckpoint:
 
         def here(tensors):
             return {n: t.to(device_of[n]) for n, t in tensors.items()}
+        # tune="auto": the decision first (its depth is the one the gradients in flight
+        # were saved at); none saved, or for another number of ranks: measure again.
+        self._machine.restore_tuning(pipe.get("tune"), pipe["steps"])
         fifo = self._machine.fifo
         alone, fifo.pipeline_depth = fifo.pipeline_depth, self._pipeline_depth
         try:        # (alone, a checkpoint's K-1 gradients in flight all pop at the next step)

@@ -37,7 +37,8 @@ from ..engine.process_sets import ProcessSet, global_process_set
 from ..collectives import check_collective
 from ..collectives.communicator import communicator
 from ..compression import Compression
-from ..compression import describe as describe_compression
+from ..compression import config_name, describe as describe_compression
+from ..pipeline import auto
 from ..pipeline.buckets import BucketCapBytes, bucket_cap_bytes, resolve_bucket_cap_mb
 from ..pipeline.option_checks import refuse_double_wrapping
 from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
@@ -68,13 +69,18 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
     def _setup_pipeline(self, name_of, compression, backward_passes_per_step, op,
                         pipeline_depth, warmup_steps, bucket_cap_mb, grad_scaler,
                         predivide, groups, sparse_as_dense, process_set, compensation,
-                        collective=None, exchange=None):
+                        collective=None, exchange=None, tuner=None):
         self._number = next(_instances)          # creation order: the same on every rank
         self._machine = StepMachine(f"pipe{self._number}", pipeline_depth, warmup_steps,
                                     compression=compression, op=op, predivide=predivide,
                                     process_set=process_set,
                                     cap_bytes=bucket_cap_bytes(bucket_cap_mb),
-                                    groups=groups, collective=collective, exchange=exchange)
+                                    groups=groups, collective=collective, exchange=exchange,
+                                    tune=tuner)
+        # tune="auto": the compensation asked for, set up once auto chose K >= 2; the
+        # machine calls _tuned at that step boundary (and on resume, and to go back).
+        self._tuned_compensation = compensation
+        self._machine.on_tuned.append(_weak_tuned(self))
         self._process_set = process_set          # None: every rank
         self._passes_per_step = backward_passes_per_step
         self._op = op
@@ -100,6 +106,20 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
         self._setup_compensation(compensation, pipeline_depth, _user_class(type(self)))
         _live.add(self)
         self._attach_engine()
+
+    def _tuned(self, decision):
+        """tune="auto" decided (or a resume restored its decision): this optimizer's depth
+        and compensation follow it; a codec that sends point to point gets its group
+        (every rank is at this step boundary)."""
+        machine = self._machine
+        self._pipeline_depth = decision.pipeline_depth
+        self._setup_compensation(self._tuned_compensation, decision.pipeline_depth,
+                                 _user_class(type(self)))
+        alone = self._compensation == "lookahead" and machine.solo
+        machine.fifo.pipeline_depth = 1 if alone else decision.pipeline_depth
+        if self._join_ranks is None and not machine.solo and opens_group(
+                machine.collective, machine.compression, machine.exchange):
+            communicator(machine.engine)
 
     # Read by tests and by join: the machine's FIFO and bucket plan.
     _fifo = property(lambda self: self._machine.fifo)
@@ -527,6 +547,17 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
         self._plan(self._order)
 
 
+def _weak_tuned(opt):
+    """The machine's on_tuned callback, not keeping `opt` alive."""
+    ref = weakref.ref(opt)
+
+    def tuned(decision):
+        owner = ref()
+        if owner is not None:
+            owner._tuned(decision)
+    return tuned
+
+
 def _weak_end(opt):
     """The end-of-backward callback, not keeping `opt` alive."""
     ref = weakref.ref(opt)
@@ -672,7 +703,8 @@ def DistributedOptimizer(
         bucket_cap_mb: Optional[float] = None, grad_scaler: Any = None,
         collective: Any = None,
         staleness_compensation: Optional[str] = staleness.DEFAULT,
-        prediction_exchange: Optional[str] = None) -> torch.optim.Optimizer:
+        prediction_exchange: Optional[str] = None,
+        tune: Optional[str] = None) -> torch.optim.Optimizer:
     """Wrap `optimizer` so its gradients are averaged across ranks, pipelined.
 
     Why pipelined: the reduction of step t's gradient runs while step t+1
@@ -722,6 +754,13 @@ def DistributedOptimizer(
             bytes), instead of this rank's own gradient; step() waits for it, and
             the step's full reductions start after it. For models whose default
             lags synchronous training (docs/convergence.md).
+        tune: None (default): the configuration as given. "auto": the run tunes
+            itself (docs/auto.md): its first $PIPE_HOROVOD_TUNE_STEPS steps (20) train
+            synchronously while it measures compute, exposed wait and the link; then
+            every rank applies the depth (1 or 2), codec and bucket cap predicted
+            fastest among those the convergence rule allows, and rank 0 logs one line
+            saying why. An explicit pipeline_depth, compression or bucket_cap_mb pins
+            that choice. Default: $PIPE_HOROVOD_TUNE ("auto") if set, else None.
 
     Returns:
         The optimizer to use in place of `optimizer`: an instance of a pipelined
@@ -741,7 +780,7 @@ def DistributedOptimizer(
                  pipeline_depth=pipeline_depth, warmup_steps=warmup_steps,
                  bucket_cap_mb=bucket_cap_mb, grad_scaler=grad_scaler, collective=collective,
                  staleness_compensation=staleness_compensation,
-                 prediction_exchange=prediction_exchange)
+                 prediction_exchange=prediction_exchange, tune=tune)
 
 
 def wrap_for_adapter(optimizer, named_parameters, *, join_ranks, **options):
@@ -783,7 +822,7 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
           num_groups=0, groups=None, sparse_as_dense=False, process_set=None, *,
           pipeline_depth=None, warmup_steps=0, bucket_cap_mb=None, grad_scaler=None,
           collective=None, staleness_compensation=staleness.DEFAULT, prediction_exchange=None,
-          join_ranks=None):
+          tune=None, join_ranks=None):
     """DistributedOptimizer's work; `join_ranks`: see wrap_for_adapter. Warnings
     given here name the caller of DistributedOptimizer or wrap_for_adapter (one frame
     above this one: stacklevel counts it)."""
@@ -797,6 +836,8 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
             if isinstance(optimizer, _PipelinedOptimizer)
             else "horovod.torch.DistributedOptimizer",
             "pipe_horovod.torch.DistributedOptimizer", "torch.optim optimizer")
+    tune = auto.resolve_tune(tune)
+    pinned_cap = bucket_cap_mb
     pipeline_depth, depth_source = resolve_depth(pipeline_depth)
     bucket_cap_mb = resolve_bucket_cap_mb(bucket_cap_mb, process_set)   # None: auto
     check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket_cap_mb)
@@ -804,6 +845,11 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
     check_reduction(op, gradient_predivide_factor)
     compensation = check_staleness(staleness_compensation)
     exchange = check_prediction_exchange(prediction_exchange, compensation)
+    tuner = None
+    if tune is not None:
+        tuner, compression, pipeline_depth, warmup_steps = _tuned_options(
+            pipeline_depth if depth_source != "default" else None, compression, pinned_cap,
+            warmup_steps, collective, op)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise TypeError(
             "LBFGS evaluates its closure (forward and backward) several times inside one "
@@ -837,7 +883,8 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
                "gradient_predivide_factor": float(gradient_predivide_factor),
                "groups": bucket_groups, "staleness_compensation": compensation,
                "prediction_exchange": exchange,
-               "collective": None if collective is None else collective.describe()}
+               "collective": None if collective is None else collective.describe(),
+               "tune": tune if tuner is None else f"{tune} ({tuner.steps} steps)"}
     if process_set is not None and not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
     if process_set is global_process_set:
@@ -855,7 +902,10 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
         # deadlock; elastic's sync gives it rank 0's state instead.
         compare_across_ranks(functools.partial(eng.allgather_object, process_set=process_set),
                              _describe(named, [n for n, _ in named], options))
-    announce_depth(pipeline_depth, warmup_steps, depth_source, process_set, _announced)
+    if tuner is None:
+        announce_depth(pipeline_depth, warmup_steps, depth_source, process_set, _announced)
+    else:
+        auto.announce(tuner, process_set, _announced)
 
     if compensation == "lookahead" and pipeline_depth > 1:
         _say_how_lookahead_predicts(optimizer)
@@ -875,12 +925,29 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
                             warmup_steps, bucket_cap_mb, grad_scaler,
                             float(gradient_predivide_factor), bucket_groups,
                             bool(sparse_as_dense), process_set, compensation, collective,
-                            exchange)
+                            exchange, tuner)
     if join_ranks is not None:
         wrapped._join_ranks = join_ranks
     elif opens_group(collective, compression, exchange):
         communicator(eng)            # collective: every rank is here, after the comparison
     return wrapped
+
+
+def _tuned_options(pinned_depth, compression, pinned_cap, warmup_steps, collective, op):
+    """tune="auto": (Tuner, the codec, depth and warm-up the measured steps run with).
+    Pins and conflicts are auto.check_pins's (a ValueError naming both)."""
+    steps = auto.tune_steps()
+    codec = None
+    if compression is not Compression.none:
+        try:
+            codec = config_name(compression)
+        except (AttributeError, ValueError):
+            codec = getattr(compression, "name", type(compression).__name__)
+    pins = auto.check_pins(steps, pinned_depth, codec, pinned_cap, warmup_steps,
+                           None if collective is None else collective.describe(),
+                           op in (engine.Average, engine.Sum))
+    tuner = auto.Tuner(steps, pins)
+    return tuner, compression, 1, auto.warmup_steps(steps, warmup_steps)
 
 
 __all__ = ["DistributedOptimizer"]

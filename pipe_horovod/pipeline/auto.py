@@ -1,0 +1,306 @@
+"""A run that tunes itself: `tune="auto"` (or PIPE_HOROVOD_TUNE=auto) in an adapter.
+
+Why: what pays on one cluster loses on another. Where backward already hides the
+allreduce, a pipeline (K=2) and a codec only cost; where the network is the bound, K=2
+with a codec is several times faster. The run measures which it is from its own first
+steps and decides, so a user who never reads the docs is never slower than synchronous
+training and, where the network shows, much faster.
+
+How: the first N steps (TUNE_STEPS, default 20; PIPE_HOROVOD_TUNE_STEPS) train
+synchronously, at K=1 without codec (exact: what warm-up does), while the step
+machine's run record measures compute, exposed wait and each bucket's launch and
+landing. At the boundary after step N-1 the first rank of the set takes the record's
+summary and predicts every candidate with the one timing model
+(pipeline/measured_run.py: K in 1 and 2, each codec the convergence rule allows,
+pipeline/convergence_rule.py; the run's buckets and each bucket cap), and picks the
+fastest that meets the rule, or stays at K=1, no codec, its own buckets where nothing is
+predicted faster than the measured step by MARGIN (5%). Its decision is broadcast
+through the machine's object collective, so every rank applies the same one at the same
+step. That rank logs one line (`describe`). A run of the chosen configuration with
+warmup_steps=N computes the same weights, bit for bit: the FIFO's warm-up already ends
+at step N, and the decision only raises its depth there.
+
+The API an adapter wires (the PyTorch optimizer does; Keras and the tape take the same):
+
+- `resolve_tune(tune)` -> "auto" or None: the argument, else $PIPE_HOROVOD_TUNE;
+  ValueError on anything else. `tune_steps()` -> N from $PIPE_HOROVOD_TUNE_STEPS.
+- `check_pins(...)` -> Pins at wrap time: the explicit pipeline_depth, compression and
+  bucket_cap_mb pin their dimension; a pin auto cannot honour (a depth other than 1 or
+  2, a codec the convergence rule or the model refuses, warmup_steps shorter than N) is
+  a ValueError naming both. `warmup_steps(N, W)` -> the FIFO's warm-up to build with.
+- `Tuner(steps, pins, cap_bytes)`: give it to StepMachine(tune=...). The machine decides
+  in finish_step (`Tuner.due`), applies the decision at that step boundary (depth,
+  codec, wire format and error feedback, bucket cap: re-planned from its buckets'
+  members) and calls each `StepMachine.on_tuned` callback with the Decision, so the
+  adapter updates what it keeps itself (its depth, staleness compensation, the gloo
+  group a codec needs). `StepMachine.state()` carries the decision ("tune") and
+  `StepMachine.restore_tuning(saved)` applies it again on resume without measuring; a
+  decision taken for another number of ranks is dropped and measured again, and
+  `attach()` after an elastic reset that changed the size goes back to K=1 and decides
+  again. `run_config()` records it in the run summary ("auto").
+- `decide(summary, pins)` -> Decision: the pure decision (unit-testable with a summary
+  built by hand); `Decision.as_dict()` / `Decision.from_dict()` for the wire and
+  checkpoints; `describe(decision)` the line; `Tuner.too_short()` the words said once
+  when a run ends (flush, or state taken) before it decided.
+"""
+import logging
+import math
+import numbers
+import os
+from dataclasses import asdict, dataclass
+
+from .convergence_rule import CAPS_MB, CONVERGENCE, DEPTHS, convergence_failure, depth_failure
+from .measured_run import candidates, measure, recommend, wire_ratio
+
+TUNE_VARIABLE = "PIPE_HOROVOD_TUNE"
+STEPS_VARIABLE = "PIPE_HOROVOD_TUNE_STEPS"
+TUNE_STEPS = 20
+MARGIN = 0.05              # a candidate must be predicted this much faster than K=1 as run
+MIN_STEPS = 3              # measure() needs two recorded steps (the first has no start)
+VALUES = ("auto",)
+MIB = 2**20
+_log = logging.getLogger("pipe_horovod")
+
+
+def resolve_tune(tune, environ=None):
+    """The tuning in force: `tune` when given ("auto"), else $PIPE_HOROVOD_TUNE, else None
+    (the configuration as given). Raises ValueError naming the bad value."""
+    if tune is None:
+        environ = os.environ if environ is None else environ
+        text = (environ.get(TUNE_VARIABLE) or "").strip()
+        if not text or text.lower() in ("0", "off", "none", "false"):
+            return None
+        if text.lower() not in VALUES:
+            raise ValueError(f"{TUNE_VARIABLE} must be 'auto' (or unset), got {text!r}")
+        return "auto"
+    if tune not in VALUES:
+        raise ValueError(f"tune must be 'auto' or None, got {tune!r}")
+    return tune
+
+
+def tune_steps(environ=None):
+    """N, the synchronous steps measured before deciding: $PIPE_HOROVOD_TUNE_STEPS or 20."""
+    environ = os.environ if environ is None else environ
+    text = (environ.get(STEPS_VARIABLE) or "").strip()
+    if not text:
+        return TUNE_STEPS
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = -1
+    if steps < MIN_STEPS:
+        raise ValueError(f"{STEPS_VARIABLE} must be an integer >= {MIN_STEPS} (steps measured "
+                         f"before tune='auto' decides), got {text!r}")
+    return steps
+
+
+@dataclass(frozen=True)
+class Pins:
+    """What the user fixed beside tune="auto": None where auto chooses."""
+
+    pipeline_depth: int = None
+    compression: str = None        # a config name ("int8_ef", "int4_ef:32", "none")
+    bucket_cap_mb: float = None
+    codecs_allowed: bool = True    # False where the path cannot take a two-stage codec
+
+
+def check_pins(steps, pipeline_depth=None, compression=None, bucket_cap_mb=None,
+               warmup_steps=0, collective=None, op_allows_codecs=True):
+    """Pins for tune="auto" from the options the user gave explicitly (None: not given;
+    `compression` a config name, given only where it is not the default "none").
+
+    Raises ValueError naming the option and auto where auto cannot honour it: a depth
+    whose convergence the rule does not know (auto chooses K in DEPTHS), a codec the rule
+    refuses or the model does not price, warmup_steps shorter than the N steps auto
+    measures synchronously."""
+    if pipeline_depth is not None and depth_failure(pipeline_depth) is not None:
+        raise ValueError(f"pipeline_depth={pipeline_depth} with tune='auto': auto chooses K "
+                         f"in {DEPTHS} under the convergence rule "
+                         f"({depth_failure(pipeline_depth)}); pass pipeline_depth="
+                         f"{' or '.join(map(str, DEPTHS))}, or leave tune unset")
+    if compression is not None and compression != "none":
+        if collective is not None:
+            raise ValueError(f"compression={compression!r} with collective={collective!r} and "
+                             f"tune='auto': auto prices codecs on the engine's path only; "
+                             f"drop the collective or leave tune unset")
+        failure = convergence_failure(compression)
+        try:
+            wire_ratio(compression)
+        except ValueError:
+            failure = failure or "the timing model does not price it"
+        if failure is not None:
+            raise ValueError(f"compression={compression!r} with tune='auto': auto chooses only "
+                             f"codecs that meet the convergence rule ({failure}); pass one of "
+                             f"{', '.join(c for c in CONVERGENCE if not CONVERGENCE[c])}, or "
+                             f"leave tune unset")
+    if warmup_steps and warmup_steps < steps:
+        raise ValueError(f"warmup_steps={warmup_steps} with tune='auto': auto trains the first "
+                         f"{steps} steps synchronously to measure them ({STEPS_VARIABLE}); pass "
+                         f"warmup_steps >= {steps}, or none")
+    return Pins(pipeline_depth, compression, bucket_cap_mb,
+                codecs_allowed=collective is None and op_allows_codecs)
+
+
+def warmup_steps(steps, given):
+    """The FIFO's warm-up for a tuned run: its first `steps` are synchronous (the
+    measured ones), or more where the user asked for more."""
+    return max(steps, given or 0)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What auto chose and why, as every rank applies it and a checkpoint keeps it."""
+
+    pipeline_depth: int
+    compression: str                  # config name
+    bucket_cap_mb: float = None       # None: the buckets as run
+    workers: int = 1
+    compute_s: float = math.nan       # measured, per step (medians)
+    wait_s: float = math.nan
+    link_gbps: float = math.nan       # the link that reproduces the measured step
+    predicted_s: float = math.nan     # the chosen candidate's step
+    gain: float = 1.0                 # measured K=1 step / predicted_s
+    steps: int = 0                    # how many steps the medians are of
+    reason: str = ""                  # why K=1 as run, where it is that
+
+    def as_dict(self):
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data):
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**{k: (math.nan if v is None and k in ("compute_s", "wait_s", "link_gbps",
+                                                            "predicted_s") else v)
+                      for k, v in known.items()})
+
+
+def unchanged(workers, reason, pins=Pins(), measured=None, link_gbps=math.nan):
+    """K=1 (or the pinned depth), no codec (or the pinned one), the buckets as run."""
+    figures = {} if measured is None else {
+        "compute_s": measured.compute_s, "wait_s": measured.wait_s, "link_gbps": link_gbps,
+        "predicted_s": measured.step_s, "steps": measured.steps}
+    return Decision(pins.pipeline_depth or 1, pins.compression or "none", pins.bucket_cap_mb,
+                    workers, reason=reason, **figures)
+
+
+def decide(summary, pins=Pins(), margin=MARGIN, latency_s=0.0):
+    """The decision from a run summary (RunRecord.summary()) of synchronous steps at K=1.
+
+    Candidates are predicted by measured_run.candidates (one model with `plan
+    --from-run`), narrowed to the pins; the fastest that meets the convergence rule wins
+    where it is predicted faster than the measured step by `margin`, else the run stays
+    as it is (K=1 or the pinned depth, no codec or the pinned one, its buckets)."""
+    config = summary["config"]
+    workers = config["workers"]
+    if workers < 2:
+        return unchanged(workers, "one rank: nothing to reduce", pins)
+    if len(summary.get("steps") or ()) < 2 or not summary.get("reductions"):
+        return unchanged(workers, "too few steps measured", pins)
+    measured = measure(summary)
+    if not measured.step_s > 0:
+        return unchanged(workers, "no step time measured", pins, measured)
+    depths = (pins.pipeline_depth,) if pins.pipeline_depth else DEPTHS
+    if pins.compression is not None:
+        codecs = (pins.compression,)
+    else:
+        codecs = tuple(c for c in CONVERGENCE if convergence_failure(c) is None)
+        codecs = codecs if pins.codecs_allowed else ("none",)
+    caps = () if pins.bucket_cap_mb is not None else CAPS_MB
+    network, every = candidates(summary, measured, latency_s, depths=depths, codecs=codecs,
+                                caps_mb=caps)
+    link = 8 / network.beta / 1e9 if network.beta > 0 else math.inf
+    best, _ = recommend(every)
+    # The baseline: what the run does without auto (the pins honoured, as run).
+    base = [c for c in every if c.depth == depths[0] and c.codec == codecs[0]
+            and c.cap == "as run"]
+    base_s = base[0].step_s if base and pins.pipeline_depth else measured.step_s
+    if not best.step_s * (1 + margin) < base_s:
+        gained = base_s / best.step_s if best.step_s > 0 else 1.0
+        return unchanged(workers, f"nothing predicted {margin:.0%} faster (best: K="
+                         f"{best.depth} + {best.codec}, {gained:.2f}x)", pins, measured, link)
+    return Decision(best.depth, best.codec, best.cap_mb if pins.bucket_cap_mb is None
+                    else pins.bucket_cap_mb, workers, measured.compute_s, measured.wait_s, link,
+                    best.step_s, measured.step_s / best.step_s, measured.steps)
+
+
+def describe(decision):
+    """The one line rank 0 logs: the inputs and the predicted gain."""
+    d = decision
+    if math.isnan(d.compute_s):
+        return f"pipe_horovod auto: K={d.pipeline_depth}, compression {d.compression} ({d.reason})"
+    link = "unbounded" if math.isinf(d.link_gbps) else f"{d.link_gbps:.3g} Gbit/s"
+    head = (f"pipe_horovod auto: compute {d.compute_s * 1e3:.0f} ms, exposed wait "
+            f"{d.wait_s * 1e3:.0f} ms, link {link} (median of {d.steps} steps)")
+    codec = ", no codec" if d.compression == "none" else (
+        f" + {d.compression} (two-stage)" if wire_ratio(d.compression) < 0.5
+        else f" + {d.compression}")
+    buckets = "as run" if d.bucket_cap_mb is None else f"{d.bucket_cap_mb:g} MiB"
+    if d.reason:
+        return f"{head} -> K={d.pipeline_depth}{codec}, buckets as run: {d.reason}"
+    return (f"{head} -> K={d.pipeline_depth}{codec}, buckets {buckets}: predicted "
+            f"{d.gain:.2f}x over K=1")
+
+
+class Tuner:
+    """A step machine's tuning state (StepMachine(tune=Tuner(...)))."""
+
+    def __init__(self, steps, pins=Pins(), cap_bytes=None):
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or \
+                steps < MIN_STEPS:
+            raise ValueError(f"tune steps must be an integer >= {MIN_STEPS}, got {steps!r}")
+        self.steps = int(steps)
+        self.pins = pins
+        self.initial_cap_bytes = cap_bytes   # the cap the measured steps ran with
+        self.decision = None
+        self.measure_from = 0                # the step count measuring began at
+        self._told_short = False
+
+    def due(self, steps_pushed):
+        return self.decision is None and steps_pushed - self.measure_from >= self.steps
+
+    def measuring(self):
+        """The configuration the measured steps run in: K=1, no codec (or the pinned
+        one), the buckets the machine was built with."""
+        return Decision(1, self.pins.compression or "none", None, reason="measuring")
+
+    def restart(self, steps_pushed):
+        """Measure again from here (an elastic reset changed the ranks)."""
+        self.decision = None
+        self.measure_from = steps_pushed
+        self._told_short = False
+
+    def too_short(self, steps_pushed):
+        """The words said once where the run flushes, saves or ends before it decided
+        (a run shorter than the measured steps trains at K=1 throughout), else None."""
+        if self.decision is not None or self._told_short:
+            return None
+        self._told_short = True
+        done = steps_pushed - self.measure_from
+        return (f"pipe_horovod auto: {done} step(s) measured of the {self.steps} auto needs "
+                f"({STEPS_VARIABLE}) before it decides: the run trains at K=1"
+                f"{'' if not self.pins.compression else ' with ' + self.pins.compression}"
+                f"{' without codec' if not self.pins.compression else ''} until then (a run "
+                f"that ends sooner, throughout)")
+
+
+def announce(tuner, process_set, announced):
+    """Rank 0 of the set says, once per setting, that the run tunes itself and when."""
+    from .. import engine
+
+    first = 0 if process_set is None else process_set.ranks[0]
+    key = ("auto", tuner.steps, tuner.pins)
+    if engine.rank() != first or key in announced:
+        return
+    announced.add(key)
+    pins = ", ".join(f"{name}={value!r}" for name, value in (
+        ("pipeline_depth", tuner.pins.pipeline_depth), ("compression", tuner.pins.compression),
+        ("bucket_cap_mb", tuner.pins.bucket_cap_mb)) if value is not None)
+    log(f"pipe_horovod: tune='auto': the first {tuner.steps} steps train synchronously "
+        f"(K=1) while they are measured, then the depth, codec and bucket size predicted "
+        f"fastest under the convergence rule apply on every rank"
+        + (f" (pinned: {pins})" if pins else ""))
+
+
+def log(line):
+    _log.warning("%s", line)
