@@ -16,6 +16,14 @@ across ranks that hold the same model:
   renumbered within the list (the n-th distinct counter of a name becomes its
   n-th), which keeps the layers' order and drops what only says how many
   models the process made before.
+
+A list handed to broadcast_variables mixes the model's variables with the
+optimizer's, and an optimizer slot's path embeds its model variable's whole path
+("sgd/sequential_1_dense_2_kernel_momentum"), counters and model name included,
+which a loaded and a built model spell differently. There each position is compared
+by its kind (the path's last word without counters: kernel, bias, momentum,
+velocity, iteration), shape and dtype: a weaker signature than a path, but one no
+correct list fails.
 """
 import re
 
@@ -62,3 +70,24 @@ def describe_variables(entries, what="variable"):
                 [path] + ([] if shape is None else [f"shape {tuple(shape)} {dtype}"])
                 + ([note] if note else []))
             for i, (path, (_, shape, dtype, note)) in enumerate(zip(paths, entries))}
+
+
+def broadcast_description(entries):
+    """The description compare_across_ranks compares for a list to broadcast.
+
+    Args:
+        entries: one (path, shape, dtype name) per variable, in the order the ranks pair
+            their broadcasts.
+
+    Returns:
+        {"variable <position>": "<kind>, shape <shape> <dtype>"}.
+    """
+    return {f"variable {i}": f"{_kind(path)}, shape {tuple(shape)} {dtype}"
+            for i, (path, shape, dtype) in enumerate(entries)}
+
+
+def _kind(path):
+    """"sgd/sequential_1_dense_2_kernel_momentum" -> "momentum", "dense_3/kernel" -> "kernel",
+    "batch_normalization/moving_mean" -> "mean" (the last word, its counter dropped)."""
+    last = str(path).split("/")[-1].split(":")[0]
+    return _COUNTED.match(last).group(1).split("_")[-1]

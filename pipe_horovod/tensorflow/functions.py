@@ -10,6 +10,8 @@ import tensorflow as tf
 
 from ..engine import global_process_set
 from ..common import objects
+from ..pipeline.identity import broadcast_description
+from ..pipeline.option_checks import compare_across_ranks
 from . import bridge
 from .mpi_ops import broadcast
 
@@ -26,6 +28,9 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
 
     Raises:
         TypeError: an entry is not a tf.Variable (its index says which).
+        ValueError: eagerly, on every rank, where a position holds another kind, shape or
+            dtype on some rank (pipeline/identity.py: what is compared, and why): root's
+            values would be assigned to the wrong variables, with nothing said.
     """
     variables = list(variables)
     for i, variable in enumerate(variables):
@@ -33,6 +38,12 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
             raise TypeError(f"broadcast_variables: entry {i} is a {type(variable).__name__}, "
                             "not a tf.Variable or Keras variable")
     bridge.refuse_xla("broadcast_variables")
+    if tf.executing_eagerly() and process_set.included():
+        compare_across_ranks(
+            lambda obj: objects.allgather_object(obj, process_set=process_set),
+            broadcast_description((getattr(v, "path", None) or v.name, v.shape,
+                                   tf.as_dtype(v.dtype).name) for v in variables),
+            what="list of variables to broadcast")
     for variable in variables:                   # in a graph: ordered by control dependencies
         variable.assign(broadcast(variable, root_rank, process_set=process_set))
 

@@ -585,6 +585,18 @@ def check_reordered_variables(r):
                  "dense/kernel, shape (4, 4) float32 on rank 0",
                  through_the_optimizer)
 
+    # broadcast_variables: an optimizer's slots in another order on rank 1 (same shape);
+    # the slots' paths embed the model's auto-numbered name, so kinds are compared.
+    adam = keras.optimizers.Adam()
+    adam.build(model.trainable_variables)
+    slots = list(adam.variables)
+    if r == 1:
+        slots[2], slots[3] = slots[3], slots[2]
+    expect_error(ValueError, "the list of variables to broadcast differs between ranks: "
+                 "variable 2 is velocity, shape (4, 4) float32 on rank 1 but momentum, "
+                 "shape (4, 4) float32 on rank 0",
+                 lambda: hvd.broadcast_variables(slots, root_rank=0))
+
 
 def check_double_wrapping(r):
     """Two of our wrappers in a row reduce every gradient twice (at K=2 each: an effective
