@@ -49,3 +49,18 @@ def test_first_position_is_the_lowest_number():
 def test_a_local_variable_is_compared_without_its_shape():
     mine = describe_variables([("seq/dense/kernel", None, None, "local")])
     assert mine == {"variable 0": "dense/kernel, local"}
+
+
+def test_nested_blocks_with_the_same_inner_names_are_told_apart():
+    """Two attention blocks hold "query/kernel" each: the last two parts alone compared
+    them equal in either order. The shared leading parts (the model's name, which a loaded
+    model lacks) are dropped; the blocks' own names stay, renumbered within the list."""
+    built = ["transformer_3/mha_4/query/kernel", "transformer_3/mha_5/query/kernel"]
+    loaded = ["mha/query/kernel", "mha_1/query/kernel"]
+    assert comparable_paths(built) == comparable_paths(loaded) == \
+        ["mha/query/kernel", "mha_1/query/kernel"]
+    assert comparable_paths(built[::-1]) == ["mha_1/query/kernel", "mha/query/kernel"]
+    # A list within one block: its name is shared, so down to layer/weight.
+    assert comparable_paths(["model/mha/query/kernel", "model/mha/key/kernel"]) == \
+        comparable_paths(["mha/query/kernel", "mha/key/kernel"]) == \
+        ["query/kernel", "key/kernel"]

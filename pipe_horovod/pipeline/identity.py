@@ -9,8 +9,11 @@ were averaged into the wrong layers with nothing said. A path
 across ranks that hold the same model:
 - its start says where the variable was created: Horovod's resume loads the
   model on rank 0 (load_model names it "dense_1/kernel") and builds it on the
-  others ("sequential/dense_1/kernel"), so the layer's name and the weight's,
-  the path's last two parts, are compared;
+  others ("sequential/dense_1/kernel"), so the leading parts every path of the
+  list shares (the model's name: they tell no two positions apart) are dropped,
+  down to the layer's name and the weight's. What is left keeps the nested
+  blocks apart: two attention blocks' "mha/query/kernel" and "mha_1/query/kernel",
+  where the last two parts alone were alike;
 - the numbers Keras appends to auto-named layers count per process: a rank
   that built another model first calls the same layer "dense_3", so they are
   renumbered within the list (the n-th distinct counter of a name becomes its
@@ -31,12 +34,16 @@ _COUNTED = re.compile(r"^(.*?)(?:_(\d+))?$")    # "dense_3" -> ("dense", "3")
 
 
 def comparable_paths(paths):
-    """`paths` ("model/layer/weight", one per variable, in order) cut to "layer/weight",
-    with each name's per-process counters renumbered from 0 within the list: equal on
-    ranks that hold the same model, however each made it; different where two layers
-    of one kind come in another order."""
-    split = [[_COUNTED.match(part).groups() for part in str(path).split("/")[-2:]]
-             for path in paths]
+    """`paths` ("model/block/layer/weight", one per variable, in order) without the
+    leading parts they all share (each keeps its last two), with each name's
+    per-process counters renumbered from 0 within the list: equal on ranks that hold
+    the same model, however each made it; different where two layers or blocks of one
+    kind come in another order."""
+    parts = [str(path).split("/") for path in paths]
+    shared = 0
+    while all(len(p) > shared + 2 and p[shared] == parts[0][shared] for p in parts):
+        shared += 1
+    split = [[_COUNTED.match(part).groups() for part in p[shared:]] for p in parts]
     seen = {}
     for parts in split:
         for base, number in parts:
