@@ -350,6 +350,8 @@ def step_overhead(ctx):
              "| configuration | median step (ms) | vs plain torch |", "|---|---:|---:|"]
     lines += [f"| {name} | {row['median_ms']} | {row['vs_plain']:.3f}x |"
               for name, row in res["configs"].items()]
+    for name, decision in (res.get("auto") or {}).items():
+        lines += ["", f"{name} decided: {json.dumps(decision)}"]
     if res["prediction_share_of_step"] is not None:
         lines += ["", f"The default's extra pass (lookahead's prediction) took "
                       f"{100 * res['prediction_share_of_step']:.1f}% of its step (median)."]
@@ -366,7 +368,7 @@ def step_time(ctx):
     reason = ctx.machine.get("emulation", "the machine step did not run")
     base = [sys.executable, "-m", "pipe_horovod.tools.cli", "bench", "--engine", "horovod",
             "--workers", "2", "--device", ctx.device, "--model", "mlp", *size, "--configs",
-            "horovod", "ddp", "ours-k1", "ours-k2", "--out", str(out_dir), "--no-progress"]
+            "horovod", "ddp", "ours-k1", "ours-k2", "ours-auto", "--out", str(out_dir), "--no-progress"]
     # The rehearsal stays on loopback (tests/test_bench.py runs the emulated cluster).
     attempts = [("emulated 10 Gbit links", ["--emulate", "10gbit"])] \
         if reason == "available" and not ctx.no_gpu else []
@@ -374,7 +376,8 @@ def step_time(ctx):
                      f"loopback (no emulated links: {reason})", []))
     text = ""
     for where, flags in attempts:
-        code, out, _ = ctx.run(base + flags, ctx.env("cpu"), 240)
+        # ours-auto decides after 5 measured steps, inside the run's warm-up and steps.
+        code, out, _ = ctx.run(base + flags, ctx.env("cpu", PIPE_HOROVOD_TUNE_STEPS="5"), 240)
         text += out
         report = out_dir / "bench.md"
         if code == 0 and report.is_file():

@@ -4,7 +4,8 @@ GPT-2 small (124 M parameters, tools/workloads/networks.py) with AdamW, one proc
 (engine local: the reduction is a copy), three configurations on their own copies of the
 same weights, in interleaved rounds so that a slow moment hits each alike: plain torch
 (zero_grad, forward, backward, AdamW's step), ours at K=1, ours at the default (K=2 with
-lookahead, whose extra pass of AdamW's rule predicts the weights in flight). A step's
+lookahead, whose extra pass of AdamW's rule predicts the weights in flight), ours with
+tune="auto" (its decision, from the run summary, is printed beside). A step's
 clock waits for the compute stream. Prints `OVERHEAD <json>`: each configuration's
 median step, its ratio to plain torch, and for the default the median share of the step
 its prediction took (the optimizer's own `timings["compensation_s"]`).
@@ -15,6 +16,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -23,7 +25,10 @@ import torch.nn.functional as F
 import pipe_horovod.torch as phvd
 from pipe_horovod.tools.workloads import networks
 
-CONFIGS = {"plain torch": None, "ours K=1": (1, None), "ours default (K=2, lookahead)": (2, "lookahead")}
+# name -> None (plain torch) or (pipeline_depth, staleness_compensation, tune)
+CONFIGS = {"plain torch": None, "ours K=1": (1, None, None),
+           "ours default (K=2, lookahead)": (2, "lookahead", None),
+           "ours tune='auto'": (None, "lookahead", "auto")}
 SMALL = {"vocab": 512, "hidden": 64, "layers": 2, "heads": 4, "intermediate": 128,
          "max_positions": 64}                       # the CPU rehearsal's stand-in
 
@@ -34,7 +39,7 @@ def make(config, device, small, seed=0):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     spec = CONFIGS[config]
     if spec is not None:
-        depth, compensation = spec
+        depth, compensation, tune = spec
         # Alone, the default's prediction would be the next update itself and it would run
         # as K=1 (StepMachine.solo); a predivide factor makes the one rank's "average" a
         # gradient of its own, so the prediction runs as it does with several ranks (as
@@ -42,7 +47,7 @@ def make(config, device, small, seed=0):
         opt = phvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                         pipeline_depth=depth,
                                         staleness_compensation=compensation,
-                                        gradient_predivide_factor=2.0)
+                                        gradient_predivide_factor=2.0, tune=tune)
     return model, opt
 
 
@@ -81,11 +86,16 @@ def main(argv=None):
                 dt = time.perf_counter() - t0
                 if t >= 2:
                     steps[name].append(dt)
-                    if timings and CONFIGS[name][1]:
+                    if timings and CONFIGS[name][1] and CONFIGS[name][2] is None:
                         shares.append((timings["compensation_s"] - before) / dt)
+    decisions = {}
     for name, (model, opt) in runs.items():
         if hasattr(opt, "flush"):
             opt.flush()
+        if CONFIGS[name] and CONFIGS[name][2]:           # what tune="auto" chose, and why
+            with tempfile.TemporaryDirectory() as scratch:
+                path = opt.write_run_summary(f"{scratch}/summary.json")
+                decisions[name] = json.load(open(path))["config"].get("auto")
     plain = statistics.median(steps["plain torch"])
     rows = {name: {"median_ms": round(1e3 * statistics.median(v), 3),
                    "vs_plain": round(statistics.median(v) / plain, 3)}
@@ -93,7 +103,7 @@ def main(argv=None):
     params = sum(p.numel() for p in runs["plain torch"][0].parameters())
     result = {"device": str(device), "model": "gpt2-small" if not small else "gpt2 (tiny)",
               "params": params, "batch": [args.batch, tokens], "steps": args.steps,
-              "rounds": args.rounds, "configs": rows,
+              "rounds": args.rounds, "configs": rows, "auto": decisions,
               "prediction_share_of_step": round(statistics.median(shares), 4) if shares else None}
     print("OVERHEAD " + json.dumps(result), flush=True)
     phvd.shutdown()
