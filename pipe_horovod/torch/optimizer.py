@@ -845,6 +845,9 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
     check_reduction(op, gradient_predivide_factor)
     compensation = check_staleness(staleness_compensation)
     exchange = check_prediction_exchange(prediction_exchange, compensation)
+    # What ranks compare: the options as given (auto's own depth and warm-up follow from
+    # tune, compared itself), so ranks whose tune differs are told that.
+    given_depth, given_warmup = pipeline_depth, warmup_steps
     tuner = None
     if tune is not None:
         tuner, compression, pipeline_depth, warmup_steps = _tuned_options(
@@ -876,7 +879,7 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
             "(model.to_empty(device=...) and initialize it, or "
             "model.load_state_dict(state, assign=True)), then create the optimizer")
     bucket_groups = _group_names(groups, num_groups, name_of)
-    options = {"pipeline_depth": pipeline_depth, "warmup_steps": warmup_steps,
+    options = {"pipeline_depth": given_depth, "warmup_steps": given_warmup,
                "backward_passes_per_step": backward_passes_per_step,
                "compression": describe_compression(compression),
                "op": op.value, "bucket_cap_mb": bucket_cap_mb,

@@ -15,6 +15,8 @@ Cases:
 - resume: a K=2 decision saved in the optimizer's state_dict; a new optimizer with
   tune="auto" that loads it applies it at once (no measuring), and training on from it
   equals, bit for bit, the run that never stopped.
+- differ: rank 0 asks for tune="auto", rank 1 not: every rank raises at wrap time,
+  naming tune and both values.
 """
 import os
 import sys
@@ -148,8 +150,19 @@ def resume():
     _assert_equal(resumed, straight, "resumed auto run against the one that never stopped")
 
 
+def differ():
+    model = _model()
+    try:
+        _optimizer(model, tune="auto" if hvd.rank() == 0 else None)
+    except ValueError as exc:
+        assert "tune is None on rank 1 but auto (8 steps) on rank 0" in str(exc), exc
+    else:
+        raise AssertionError("ranks whose tune differs were not told")
+
+
 if __name__ == "__main__":
     os.environ["PIPE_HOROVOD_TUNE_STEPS"] = str(STEPS)
     hvd.init()
-    launcher.worker_cases({"k1": k1, "k2": k2, "resume": resume}, sys.argv[1], hvd.rank)
+    launcher.worker_cases({"k1": k1, "k2": k2, "resume": resume,
+                                                "differ": differ}, sys.argv[1], hvd.rank)
     print(f"WORKER_OK rank={hvd.rank()}", flush=True)

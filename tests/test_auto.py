@@ -1,0 +1,229 @@
+"""tune="auto" (pipeline/auto.py): the decision against hand-computed predictions, the
+pins and conflicts at wrap time, the too-short run, and a real launch.
+
+The summaries are built here, as the run record writes them, for one bucket of B bytes
+launched at the end of each step's compute C and waited for W (exposed): K=1 measures
+C + W, so on a link without latency (alpha 0) the model's ring allreduce of the bucket
+on 2 ranks takes W, and a candidate at K=2 with a codec of wire ratio r takes
+max(C, r * W) (timing_model: T_2 = max(F + B + U, C_link, (F + L + U) / 2)). Those are
+the oracles below; measured_run and timing_model hold the same arithmetic in one place.
+"""
+import logging
+import math
+
+import pytest
+import torch
+
+import launcher
+import pipe_horovod.torch as phvd
+from pipe_horovod.compression import Compression
+from pipe_horovod.pipeline import auto
+from pipe_horovod.pipeline.auto import Decision, Pins, check_pins, decide, describe
+from pipe_horovod.pipeline.measured_run import wire_ratio
+
+INT8 = wire_ratio("int8_ef")            # (1 + 4/256) / 4
+INT4_32 = wire_ratio("int4_ef:32")      # (0.5 + 4/32) / 4
+INT4_256 = wire_ratio("int4_ef")        # refused by the convergence rule
+
+
+def summary(compute, wait, nbytes=4_000_000, steps=20, workers=2, codec="none"):
+    """A run summary of `steps` synchronous steps: compute, then the one bucket launched,
+    then the wait for it (counted, as the record counts it, in the next step)."""
+    recorded, reductions, finish = [], [], 1.0
+    for step in range(1, steps):
+        recorded.append({"step": step, "finished_s": finish, "compute_s": compute,
+                         "wait_s": wait})
+        reductions.append({"step": step, "bucket": 0, "bytes": nbytes, "launched_s": finish,
+                           "landed_s": finish + wait, "wait_s": wait})
+        finish += wait + compute
+    return {"format": "pipe_horovod.run_summary/1",
+            "config": {"pipeline_depth": 1, "compression": codec, "collective": None,
+                       "bucket_cap_bytes": 2**25, "workers": workers, "model_bytes": nbytes,
+                       "buckets": [[nbytes]]},
+            "totals": {}, "steps": recorded, "reductions": reductions}
+
+
+def chosen(decision):
+    return decision.pipeline_depth, decision.compression, decision.bucket_cap_mb
+
+
+# --- the decision ------------------------------------------------------------------------
+
+def test_compute_bound_stays_at_k1():
+    # K=2 would take max(C, W) = 100 ms against 102 measured: 1.02x, under the 5% margin
+    d = decide(summary(0.100, 0.002))
+    assert chosen(d) == (1, "none", None)
+    assert d.reason.startswith("nothing predicted 5% faster")
+    assert d.compute_s == pytest.approx(0.100) and d.wait_s == pytest.approx(0.002)
+
+
+def test_network_bound_chooses_k2_and_the_smallest_codec_the_rule_allows():
+    # C = 50 ms, W = 200 ms: K=2 none 200 ms, int8_ef max(50, 0.254 * 200) = 50.8 ms,
+    # int4_ef:32 max(50, 0.156 * 200) = 50 ms (int4_ef at 256 ties at 50 but is refused)
+    d = decide(summary(0.050, 0.200))
+    assert chosen(d) == (2, "int4_ef:32", None)
+    assert d.predicted_s == pytest.approx(0.050, rel=1e-6)
+    assert d.gain == pytest.approx(0.250 / 0.050, rel=1e-6)
+    assert d.link_gbps == pytest.approx(8 * 4_000_000 / 0.200 / 1e9, rel=1e-6)
+
+
+def test_a_faster_codec_the_convergence_rule_refuses_is_never_chosen():
+    # C = 10 ms: int4_ef at blocks of 256 would take 0.129 * 200 = 25.8 ms, faster than
+    # int4_ef:32's 31.25 ms, but it missed the transformer target
+    assert 0.010 < 0.200 * INT4_256 < 0.200 * INT4_32
+    d = decide(summary(0.010, 0.200))
+    assert chosen(d) == (2, "int4_ef:32", None)
+    assert d.predicted_s == pytest.approx(0.200 * INT4_32, rel=1e-6)
+
+
+def test_balanced_chooses_k2_without_codec():
+    # C = 100 ms, W = 60 ms: every K=2 candidate takes max(100, r * 60) = 100 ms; the tie
+    # goes to the fewest bits lost (none) and the run's own buckets
+    d = decide(summary(0.100, 0.060))
+    assert chosen(d) == (2, "none", None)
+    assert d.gain == pytest.approx(0.160 / 0.100, rel=1e-6)
+
+
+@pytest.mark.parametrize("wait, depth", [(0.004, 1), (0.006, 2)])
+def test_the_margin(wait, depth):
+    # K=2 predicted 100 ms against 104 (1.04x: stays) or 106 measured (1.06x: goes)
+    assert decide(summary(0.100, wait)).pipeline_depth == depth
+
+
+def test_pinned_depth_is_honoured():
+    # K=1 pinned, network-bound: the codec alone, C + r * W: int4_ef:32 50 + 31.25 ms
+    d = decide(summary(0.050, 0.200), Pins(pipeline_depth=1))
+    assert chosen(d) == (1, "int4_ef:32", None)
+    assert d.predicted_s == pytest.approx(0.050 + 0.200 * INT4_32, rel=1e-6)
+    # K=2 pinned, compute-bound: nothing beats K=2 as run by 5%: K=2 stays, no codec
+    d = decide(summary(0.100, 0.002), Pins(pipeline_depth=2))
+    assert chosen(d) == (2, "none", None) and d.reason
+
+
+def test_pinned_codec_and_cap_are_honoured():
+    # int8_ef pinned (the measured steps ran with it: W is its wire time)
+    d = decide(summary(0.050, 0.200, codec="int8_ef"), Pins(compression="int8_ef"))
+    assert chosen(d) == (2, "int8_ef", None)
+    assert d.predicted_s == pytest.approx(0.200, rel=1e-6)
+    d = decide(summary(0.050, 0.200), Pins(bucket_cap_mb=8.0))
+    assert chosen(d) == (2, "int4_ef:32", 8.0)
+
+
+def test_one_rank_and_too_few_steps_stay():
+    assert chosen(decide(summary(0.05, 0.2, workers=1))) == (1, "none", None)
+    assert decide(summary(0.05, 0.2, steps=2)).reason == "too few steps measured"
+
+
+def test_the_line_and_the_round_trip():
+    # at K=2 int8_ef and int4_ef:32 both hide under the 182 ms of compute: the tie goes
+    # to the fewer bits lost; 422 / 182 = 2.32x
+    d = decide(summary(0.182, 0.240))
+    line = describe(d)
+    assert line.startswith("pipe_horovod auto: compute 182 ms, exposed wait 240 ms, link ")
+    assert line.endswith("-> K=2 + int8_ef (two-stage), buckets as run: predicted 2.32x "
+                         "over K=1"), line
+    assert Decision.from_dict(d.as_dict()) == d
+    stay = decide(summary(0.100, 0.002))
+    assert describe(stay).endswith(f"-> K=1, no codec, buckets as run: {stay.reason}")
+
+
+# --- pins and conflicts ------------------------------------------------------------------
+
+@pytest.mark.parametrize("options, words", [
+    ({"pipeline_depth": 3}, "pipeline_depth=3 with tune='auto': auto chooses K in (1, 2)"),
+    ({"compression": "fp16"}, "compression='fp16' with tune='auto': auto chooses only codecs "
+                              "that meet the convergence rule (fp16's convergence was not "
+                              "measured"),
+    ({"compression": "int4_ef"}, "compression='int4_ef' with tune='auto'"),
+    ({"warmup_steps": 5}, "warmup_steps=5 with tune='auto': auto trains the first 20 steps "
+                          "synchronously"),
+    ({"compression": "int8_ef", "collective": "ring"},
+     "compression='int8_ef' with collective='ring' and tune='auto'"),
+])
+def test_conflicting_pins_are_refused_naming_both(options, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        check_pins(20, **options)
+
+
+def test_pins_auto_can_honour():
+    assert check_pins(20, pipeline_depth=2, compression="int8_ef", bucket_cap_mb=8,
+                      warmup_steps=30) == Pins(2, "int8_ef", 8, True)
+    assert auto.warmup_steps(20, 30) == 30 and auto.warmup_steps(20, 0) == 20
+
+
+def test_the_argument_and_the_environment(monkeypatch):
+    assert auto.resolve_tune(None, {}) is None
+    assert auto.resolve_tune(None, {"PIPE_HOROVOD_TUNE": "auto"}) == "auto"
+    assert auto.resolve_tune("auto", {}) == "auto"
+    with pytest.raises(ValueError, match="tune must be 'auto' or None, got 'fast'"):
+        auto.resolve_tune("fast")
+    with pytest.raises(ValueError, match="PIPE_HOROVOD_TUNE must be 'auto' .or unset., got 'yes'"):
+        auto.resolve_tune(None, {"PIPE_HOROVOD_TUNE": "yes"})
+    assert auto.tune_steps({}) == 20 and auto.tune_steps({"PIPE_HOROVOD_TUNE_STEPS": "8"}) == 8
+    with pytest.raises(ValueError, match="PIPE_HOROVOD_TUNE_STEPS must be an integer >= 3"):
+        auto.tune_steps({"PIPE_HOROVOD_TUNE_STEPS": "2"})
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+
+def test_wrap_time_errors_name_both():
+    phvd.init("local")
+    try:
+        model = _model()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(ValueError, match=r"pipeline_depth=3 with tune='auto'"):
+            phvd.DistributedOptimizer(sgd, tune="auto", pipeline_depth=3)
+        with pytest.raises(ValueError, match=r"compression='fp16' with tune='auto'"):
+            phvd.DistributedOptimizer(sgd, tune="auto", compression=Compression.fp16)
+        with pytest.raises(ValueError, match=r"warmup_steps=4 with tune='auto'"):
+            phvd.DistributedOptimizer(sgd, tune="auto", warmup_steps=4)
+        with pytest.raises(ValueError, match="tune must be 'auto' or None"):
+            phvd.DistributedOptimizer(sgd, tune="on")
+    finally:
+        phvd.shutdown()
+
+
+def test_a_run_shorter_than_the_measured_steps_says_so_once(caplog, monkeypatch):
+    monkeypatch.setenv("PIPE_HOROVOD_TUNE", "auto")     # the environment alone turns it on
+    phvd.init("local")
+    try:
+        model = _model()
+        opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        with caplog.at_level(logging.WARNING, logger="pipe_horovod"):
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+            opt.flush()
+            opt.state_dict()
+        said = [r.getMessage() for r in caplog.records if "measured of the" in r.getMessage()]
+        assert said == ["pipe_horovod auto: 3 step(s) measured of the 20 auto needs "
+                        "(PIPE_HOROVOD_TUNE_STEPS) before it decides: the run trains at K=1 "
+                        "without codec until then (a run that ends sooner, throughout)"]
+        assert opt._machine.tuner.decision is None
+        assert opt._machine.run_config()["auto"] == {"measuring": 20}
+        assert opt._machine.fifo.pipeline_depth == 1
+    finally:
+        phvd.shutdown()
+
+
+# --- a real launch: torchrun, 2 ranks, one launch for every case ---------------------------
+
+CASES = ["k1", "k2", "resume", "differ"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_auto_launch(case):
+    """K=1 and K=2 outcomes forced by injected timings, bit for bit against the chosen
+    configuration with warmup_steps=N; the same decision on every rank; the resume keeps
+    it; ranks whose tune differs are told at wrap time (tests/workers/auto_worker.py)."""
+    launcher.skip_without("torch")
+    launcher.run_case("torch", 2, "auto_worker.py", CASES, case, timeout=300)
+
+
+def test_isnan_is_none_in_the_summary():
+    d = auto.unchanged(2, "why")
+    assert d.as_dict()["compute_s"] is None and math.isnan(Decision.from_dict(d.as_dict()).compute_s)
