@@ -210,6 +210,32 @@ def test_a_run_shorter_than_the_measured_steps_says_so_once(caplog, monkeypatch)
         phvd.shutdown()
 
 
+def test_a_decision_for_another_number_of_ranks_is_measured_again():
+    # an elastic reset to other ranks: what was measured no longer holds
+    phvd.init("local")
+    try:
+        model = _model()
+        opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        tune="auto")
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        state = opt.state_dict()
+        assert state["pipe_horovod"]["tune"] is None
+        state["pipe_horovod"]["tune"] = Decision(2, "int8_ef", None, workers=2).as_dict()
+        opt.load_state_dict(state)
+        tuner = opt._machine.tuner
+        assert tuner.decision is None and tuner.measure_from == 2
+        assert opt._machine.fifo.pipeline_depth == 1 and opt._machine.compression is \
+            Compression.none
+        state["pipe_horovod"]["tune"] = Decision(1, "none", None, workers=1).as_dict()
+        opt.load_state_dict(state)                      # taken for one rank: kept
+        assert tuner.decision == Decision(1, "none", None, workers=1)
+    finally:
+        phvd.shutdown()
+
+
 # --- a real launch: torchrun, 2 ranks, one launch for every case ---------------------------
 
 CASES = ["k1", "k2", "resume", "differ"]

@@ -58,7 +58,6 @@ TUNE_STEPS = 20
 MARGIN = 0.05              # a candidate must be predicted this much faster than K=1 as run
 MIN_STEPS = 3              # measure() needs two recorded steps (the first has no start)
 VALUES = ("auto",)
-MIB = 2**20
 _log = logging.getLogger("pipe_horovod")
 
 

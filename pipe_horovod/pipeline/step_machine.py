@@ -38,6 +38,7 @@ from . import auto
 from .buckets import plan_buckets
 from .fifo import GradientFifo
 from .run_record import RunRecord, write_at_exit
+from .timing_model import MIB
 
 _log = logging.getLogger("pipe_horovod")
 
@@ -389,9 +390,10 @@ class StepMachine:
         if self._first_rank():
             try:
                 mine = auto.decide(self.record.summary(), self.tuner.pins).as_dict()
-            except ValueError as exc:       # a record the model cannot read: stay as run
-                mine = auto.unchanged(self.size, f"no decision ({exc})",
-                                      self.tuner.pins).as_dict()
+            except Exception as exc:        # noqa: BLE001 - the others wait in the gather
+                # below: whatever went wrong, this rank answers, and the run stays as run
+                mine = auto.unchanged(self.size, f"no decision ({type(exc).__name__}: "
+                                      f"{exc})", self.tuner.pins).as_dict()
         everyone = self.gather(mine)
         chosen = next((d for d in everyone if d is not None), None)
         decision = (auto.Decision.from_dict(chosen) if chosen is not None
@@ -409,7 +411,7 @@ class StepMachine:
         if decision.compression != _codec_name(self.compression):
             self._use_compression(Compression.by_name(decision.compression))
         cap = (self.tuner.initial_cap_bytes if decision.bucket_cap_mb is None
-               else int(decision.bucket_cap_mb * auto.MIB))
+               else int(decision.bucket_cap_mb * MIB))
         if cap is not None and (int(cap) != int(self.cap_bytes) or type(cap) is not type(
                 self.cap_bytes)):
             self.cap_bytes = cap
