@@ -238,14 +238,15 @@ def test_a_decision_for_another_number_of_ranks_is_measured_again():
 
 # --- a real launch: torchrun, 2 ranks, one launch for every case ---------------------------
 
-CASES = ["k1", "k2", "resume", "differ"]
+CASES = ["k1", "k2", "resume", "codec", "differ"]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_auto_launch(case):
     """K=1 and K=2 outcomes forced by injected timings, bit for bit against the chosen
     configuration with warmup_steps=N; the same decision on every rank; the resume keeps
-    it; ranks whose tune differs are told at wrap time (tests/workers/auto_worker.py)."""
+    it; a codec chosen and applied on every rank; ranks whose tune differs are told at
+    wrap time (tests/workers/auto_worker.py)."""
     launcher.skip_without("torch")
     launcher.run_case("torch", 2, "auto_worker.py", CASES, case, timeout=300)
 

@@ -31,10 +31,14 @@ The API an adapter wires (the PyTorch optimizer does; Keras and the tape take th
 - `Tuner(steps, pins, cap_bytes)`: give it to StepMachine(tune=...). The machine decides
   in finish_step (`Tuner.due`), applies the decision at that step boundary (depth,
   codec, wire format and error feedback, bucket cap: re-planned from its buckets'
-  members) and calls each `StepMachine.on_tuned` callback with the Decision, so the
-  adapter updates what it keeps itself (its depth, staleness compensation, the gloo
-  group a codec needs). `StepMachine.state()` carries the decision ("tune") and
-  `StepMachine.restore_tuning(saved)` applies it again on resume without measuring; a
+  members; the gloo group a two-stage codec needs, opened there by every rank) and
+  calls each `StepMachine.on_tuned` callback with the Decision, so the adapter updates
+  what it keeps itself (its own depth, staleness compensation: K=2 uses the adapter's
+  default, as the convergence rule measured it). Build the machine at K=1 with the
+  pinned codec or none (`Tuner.measuring()`), warm-up `warmup_steps(N, W)`.
+  `StepMachine.state()` carries the decision ("tune") and
+  `StepMachine.restore_tuning(saved, steps)` applies it again on resume without
+  measuring (call it before restoring the gradients in flight); a
   decision taken for another number of ranks is dropped and measured again, and
   `attach()` after an elastic reset that changed the size goes back to K=1 and decides
   again. `run_config()` records it in the run summary ("auto").

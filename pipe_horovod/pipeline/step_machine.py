@@ -32,6 +32,7 @@ import weakref
 
 from .. import collectives, engine
 from ..collectives import quantized
+from ..collectives.communicator import communicator
 from ..compression import Compression, config_name, two_stage, wire_format
 from ..compression.feedback import ErrorFeedback
 from . import auto
@@ -399,6 +400,11 @@ class StepMachine:
         decision = (auto.Decision.from_dict(chosen) if chosen is not None
                     else auto.unchanged(self.size, "no rank decided", self.tuner.pins))
         self._apply_tuning(decision)
+        if not self.solo and opens_group(self.collective, self.compression, self.exchange):
+            # A codec that sends point to point needs pipe_horovod's gloo group, opened by
+            # every rank at one point: here, where all of them apply the decision (a resume
+            # leaves it to the first reduction: rank 0 may load alone).
+            communicator(self.engine)
         if self._first_rank():
             auto.log(auto.describe(decision))
 

@@ -108,18 +108,14 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
         self._attach_engine()
 
     def _tuned(self, decision):
-        """tune="auto" decided (or a resume restored its decision): this optimizer's depth
-        and compensation follow it; a codec that sends point to point gets its group
-        (every rank is at this step boundary)."""
+        """tune="auto" decided (or a resume restored its decision, or an elastic reset
+        went back to measuring): this optimizer's depth and compensation follow it."""
         machine = self._machine
         self._pipeline_depth = decision.pipeline_depth
         self._setup_compensation(self._tuned_compensation, decision.pipeline_depth,
                                  _user_class(type(self)))
         alone = self._compensation == "lookahead" and machine.solo
         machine.fifo.pipeline_depth = 1 if alone else decision.pipeline_depth
-        if self._join_ranks is None and not machine.solo and opens_group(
-                machine.collective, machine.compression, machine.exchange):
-            communicator(machine.engine)
 
     # Read by tests and by join: the machine's FIFO and bucket plan.
     _fifo = property(lambda self: self._machine.fifo)

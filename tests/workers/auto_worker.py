@@ -15,6 +15,10 @@ Cases:
 - resume: a K=2 decision saved in the optimizer's state_dict; a new optimizer with
   tune="auto" that loads it applies it at once (no measuring), and training on from it
   equals, bit for bit, the run that never stopped.
+- codec: the link far slower than compute (WAIT_S * 4 against COMPUTE_S / 4): K=2 with
+  a two-stage codec the rule allows; every rank applies it (the gloo group it needs is
+  opened at the decision) and trains on to the same weights (the average is the same on
+  every rank).
 - differ: rank 0 asks for tune="auto", rank 1 not: every rank raises at wrap time,
   naming tune and both values.
 """
@@ -63,11 +67,14 @@ def _train(model, optimizer, steps, first=0, compute_s=0.0):
 class _SlowWaits:
     """Every wait for a reduction blocks WAIT_S longer: an exposed wait, as a slow link's."""
 
+    def __init__(self, seconds=WAIT_S):
+        self.seconds = seconds
+
     def __enter__(self):
         self.wait = engine_module.wait
 
         def slow(handle):
-            time.sleep(WAIT_S)
+            time.sleep(self.seconds)
             return self.wait(handle)
         engine_module.wait = slow
 
@@ -150,6 +157,22 @@ def resume():
     _assert_equal(resumed, straight, "resumed auto run against the one that never stopped")
 
 
+def codec():
+    model = _model()
+    optimizer = _optimizer(model, tune="auto")
+    with _SlowWaits(4 * WAIT_S):
+        _train(model, optimizer, STEPS + AFTER, compute_s=COMPUTE_S / 4)
+    decision = optimizer._machine.tuner.decision
+    assert decision.pipeline_depth == 2 and decision.compression in ("int8_ef", "int4_ef:32"), \
+        decision
+    assert optimizer._machine.wire is not None and optimizer._machine.feedback is not None
+    _same_everywhere(decision)
+    optimizer.flush()
+    weights = hvd.allgather_object([p.detach().clone() for p in model.parameters()])
+    for theirs in weights[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(weights[0], theirs))
+
+
 def differ():
     model = _model()
     try:
@@ -164,5 +187,5 @@ if __name__ == "__main__":
     os.environ["PIPE_HOROVOD_TUNE_STEPS"] = str(STEPS)
     hvd.init()
     launcher.worker_cases({"k1": k1, "k2": k2, "resume": resume,
-                                                "differ": differ}, sys.argv[1], hvd.rank)
+                                                "codec": codec, "differ": differ}, sys.argv[1], hvd.rank)
     print(f"WORKER_OK rank={hvd.rank()}", flush=True)
