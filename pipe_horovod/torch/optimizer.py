@@ -776,7 +776,7 @@ def DistributedOptimizer(
                  pipeline_depth=pipeline_depth, warmup_steps=warmup_steps,
                  bucket_cap_mb=bucket_cap_mb, grad_scaler=grad_scaler, collective=collective,
                  staleness_compensation=staleness_compensation,
-                 prediction_exchange=prediction_exchange, tune=tune)
+                 prediction_exchange=prediction_exchange, tune=auto.resolve_tune(tune))
 
 
 def wrap_for_adapter(optimizer, named_parameters, *, join_ranks, **options):
@@ -832,7 +832,9 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
             if isinstance(optimizer, _PipelinedOptimizer)
             else "horovod.torch.DistributedOptimizer",
             "pipe_horovod.torch.DistributedOptimizer", "torch.optim optimizer")
-    tune = auto.resolve_tune(tune)
+    # (the environment is DistributedOptimizer's to read: an adapter that drives this one
+    # passes its own choice, so PIPE_HOROVOD_TUNE does not reach inside it twice)
+    tune = auto.resolve_tune(tune, environ={})
     pinned_cap = bucket_cap_mb
     pipeline_depth, depth_source = resolve_depth(pipeline_depth)
     bucket_cap_mb = resolve_bucket_cap_mb(bucket_cap_mb, process_set)   # None: auto
