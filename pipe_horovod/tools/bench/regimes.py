@@ -259,6 +259,15 @@ def _targets_of(regime, engine, result):
 
 # ------------------------------------------------------------------- outputs
 
+def _row_order(rows):
+    """The rows of every engine ({engine: {name: ...}}): the sync baselines first, then
+    the others in the order they ran."""
+    names = [BASELINE[e] for e in ENGINES if any(BASELINE[e] in r for r in rows.values())]
+    for by_name in rows.values():
+        names += [n for n in by_name if n not in names]
+    return names
+
+
 def heading(results, workers, model):
     """What ran, when and on which commit (from the runs' own records), in one paragraph."""
     runs = [r["run"] for by in results.values() for r in by.values() if r.get("run")]
@@ -319,9 +328,7 @@ def markdown(results, sizes=None, heading="###"):
         rows = {e: {n: (st, vb, vf) for n, st, vb, vf in
                     (rows_of(by_engine[e], e) if not by_engine[e].get("error") else [])}
                 for e in engines}
-        names = []
-        for engine in engines:
-            names += [n for n in rows[engine] if n not in names]
+        names = _row_order(rows)
         for name in names:
             label = f"**{name}**" if name == AUTO else name
             if name == DEFAULT_ROW:
@@ -369,9 +376,7 @@ def plot(results, path):
         by_engine = results[regime]
         engines = [e for e in by_engine if not by_engine[e].get("error")]
         rows = {e: {n: vb for n, _, vb, _ in rows_of(by_engine[e], e)} for e in engines}
-        names = []
-        for engine in engines:
-            names += [n for n in rows[engine] if n not in names]
+        names = _row_order(rows)
         width = 0.8 / max(len(engines), 1)
         for i, engine in enumerate(engines):
             xs = [k + (i - (len(engines) - 1) / 2) * width for k in range(len(names))]

@@ -394,12 +394,20 @@ def regime_args(args, regime, engine, sizes):
 
 
 def _commit():
+    """HEAD of the checkout these tools run from, and whether the package differs from it
+    (a figure measured on uncommitted code must say so), or None outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                              timeout=10).stdout.strip() or None
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=here, timeout=10).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "../.."],
+                                 capture_output=True, text=True, cwd=here,
+                                 timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
+    if not head:
+        return None
+    return f"{head} + uncommitted changes in pipe_horovod/" if changed else head
 
 
 def run_regimes(args):
