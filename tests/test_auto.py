@@ -17,7 +17,7 @@ import torch
 import launcher
 import pipe_horovod.torch as phvd
 from pipe_horovod.compression import Compression
-from pipe_horovod.pipeline import auto
+from pipe_horovod.pipeline import auto, measured_run
 from pipe_horovod.pipeline.auto import Decision, Pins, check_pins, decide, describe
 from pipe_horovod.pipeline.measured_run import wire_ratio
 
@@ -88,6 +88,34 @@ def test_balanced_chooses_k2_without_codec():
 def test_the_margin(wait, depth):
     # K=2 predicted 100 ms against 104 (1.04x: stays) or 106 measured (1.06x: goes)
     assert decide(summary(0.100, wait)).pipeline_depth == depth
+
+
+def test_k2_is_priced_with_the_prediction_exchange():
+    # The Keras default's lookahead sends an int4 exchange of each bucket at K=2, on the
+    # same link, before the step's reductions: T_2 = C + x (x: its two-stage allreduce at
+    # the calibrated link; timing_model's Schedule with exchange)
+    from pipe_horovod.collectives.cost_model import Network
+    from pipe_horovod.pipeline.timing_model import two_stage_allreduce
+
+    def exchange_s(d):
+        beta = 8 / (d.link_gbps * 1e9)
+        return two_stage_allreduce(Network(0.0, beta), 2, 4_000_000, value_bytes=0.5)
+    d = decide(summary(0.100, 0.060), Pins(exchange="int4"))
+    assert chosen(d) == (2, "none", None)
+    assert d.predicted_s == pytest.approx(0.100 + exchange_s(d), rel=1e-9)
+    assert d.predicted_s > decide(summary(0.100, 0.060)).predicted_s
+    # 1.055x without it (K=2), under the 5% margin with it (K=1 as run)
+    assert decide(summary(0.100, 0.0055)).pipeline_depth == 2
+    d = decide(summary(0.100, 0.0055), Pins(exchange="int4"))
+    assert chosen(d) == (1, "none", None) and d.reason.startswith("nothing predicted 5%")
+
+
+@pytest.mark.parametrize("compute, wait", [(0.050, 0.200), (0.010, 0.200), (0.100, 0.060)])
+def test_auto_chooses_what_plan_from_run_recommends(compute, wait):
+    # one table, one model: where the gain passes the margin, the same configuration
+    s = summary(compute, wait)
+    best, _ = measured_run.recommend(measured_run.candidates(s, measured_run.measure(s))[1])
+    assert chosen(decide(s)) == (best.depth, best.codec, best.cap_mb)
 
 
 def test_pinned_depth_is_honoured():

@@ -105,17 +105,21 @@ class Pins:
     compression: str = None        # a config name ("int8_ef", "int4_ef:32", "none")
     bucket_cap_mb: float = None
     codecs_allowed: bool = True    # False where the path cannot take a two-stage codec
+    # The prediction exchange a K=2 step adds ("int4", "int8"; the Keras default's
+    # lookahead sends one): K=2 candidates are priced with its wire bytes. Not a pin.
+    exchange: str = None
 
 
 def check_pins(steps, pipeline_depth=None, compression=None, bucket_cap_mb=None,
-               warmup_steps=0, collective=None, op_allows_codecs=True):
+               warmup_steps=0, collective=None, op_allows_codecs=True, exchange=None):
     """Pins for tune="auto" from the options the user gave explicitly (None: not given;
     `compression` a config name, given only where it is not the default "none").
 
     Raises ValueError naming the option and auto where auto cannot honour it: a depth
     whose convergence the rule does not know (auto chooses K in DEPTHS), a codec the rule
     refuses or the model does not price, warmup_steps shorter than the N steps auto
-    measures synchronously."""
+    measures synchronously. `exchange`: the prediction exchange the adapter's staleness
+    compensation sends at K=2 (staleness.check_prediction_exchange's), priced with K=2."""
     if pipeline_depth is not None and depth_failure(pipeline_depth) is not None:
         raise ValueError(f"pipeline_depth={pipeline_depth} with tune='auto': auto chooses K "
                          f"in {DEPTHS} under the convergence rule "
@@ -141,7 +145,7 @@ def check_pins(steps, pipeline_depth=None, compression=None, bucket_cap_mb=None,
                          f"{steps} steps synchronously to measure them ({STEPS_VARIABLE}); pass "
                          f"warmup_steps >= {steps}, or none")
     return Pins(pipeline_depth, compression, bucket_cap_mb,
-                codecs_allowed=collective is None and op_allows_codecs)
+                codecs_allowed=collective is None and op_allows_codecs, exchange=exchange)
 
 
 def warmup_steps(steps, given):
@@ -211,7 +215,7 @@ def decide(summary, pins=Pins(), margin=MARGIN, latency_s=0.0):
         codecs = codecs if pins.codecs_allowed else ("none",)
     caps = () if pins.bucket_cap_mb is not None else CAPS_MB
     network, every = candidates(summary, measured, latency_s, depths=depths, codecs=codecs,
-                                caps_mb=caps)
+                                caps_mb=caps, exchange=pins.exchange)
     link = 8 / network.beta / 1e9 if network.beta > 0 else math.inf
     best, _ = recommend(every)
     # The baseline: what the run does without auto (the pins honoured, as run).

@@ -124,11 +124,12 @@ class Candidate:
     cap_mb: float = None       # the cap in MiB; None: the run's own buckets ("as run")
 
 
-def predict_one(work, workers, network, depth, codec, bucketing):
-    """predict's row for one configuration."""
+def predict_one(work, workers, network, depth, codec, bucketing, exchange=None):
+    """predict's row for one configuration; `exchange`: the prediction exchange a
+    pipelined step also sends ("int4", "int8"; timing_model.predict's)."""
     ratio = wire_ratio(codec)
     prediction = predict(work, workers, network, compressions={codec: (ratio, 0.0)},
-                         bucketing=bucketing)
+                         bucketing=bucketing, exchange=exchange)
     mode = "sync" if depth == 1 else "pipelined"
     return prediction.rows[mode if codec == "none" else f"{mode}+{codec}"]
 
@@ -168,10 +169,12 @@ def calibrate(summary, measured, per_bucket, latency_s, ratio=None):
 
 
 def candidates(summary, measured, latency_s=0.0, ratio=None, depths=DEPTHS,
-               codecs=tuple(CONVERGENCE), caps_mb=CAPS_MB):
+               codecs=tuple(CONVERGENCE), caps_mb=CAPS_MB, exchange=None):
     """(network, [Candidate]): every configuration predicted, K in `depths`, each codec
     of `codecs` (config names), the run's own buckets and each cap of `caps_mb` (a run
-    that tunes itself narrows them to what the user pinned). `ratio`: calibrate's."""
+    that tunes itself narrows them to what the user pinned). `ratio`: calibrate's.
+    `exchange`: the prediction exchange K >= 2 adds on the wire where the adapter's
+    compensation sends one (the Keras default's int4); None: none."""
     config = summary["config"]
     p = config["workers"]
     per_param, per_bucket = workloads(summary, measured)
@@ -182,7 +185,7 @@ def candidates(summary, measured, latency_s=0.0, ratio=None, depths=DEPTHS,
             for cap, mb, work, bucketing in (("as run", None, per_bucket, AS_MEASURED), *(
                     (f"{mb:g} MiB", mb, per_param, Bucketing("cap", mb * MIB))
                     for mb in caps_mb)):
-                row = predict_one(work, p, network, depth, codec, bucketing)
+                row = predict_one(work, p, network, depth, codec, bucketing, exchange)
                 out.append(Candidate(depth, codec, cap, row.step_s, row.comm_s,
                                      convergence_failure(codec), mb))
     return network, out

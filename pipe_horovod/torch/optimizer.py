@@ -850,7 +850,7 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
     if tune is not None:
         tuner, compression, pipeline_depth, warmup_steps = _tuned_options(
             pipeline_depth if depth_source != "default" else None, compression, pinned_cap,
-            warmup_steps, collective, op)
+            warmup_steps, collective, op, exchange)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise TypeError(
             "LBFGS evaluates its closure (forward and backward) several times inside one "
@@ -934,9 +934,12 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
     return wrapped
 
 
-def _tuned_options(pinned_depth, compression, pinned_cap, warmup_steps, collective, op):
+def _tuned_options(pinned_depth, compression, pinned_cap, warmup_steps, collective, op,
+                   exchange=None):
     """tune="auto": (Tuner, the codec, depth and warm-up the measured steps run with).
-    Pins and conflicts are auto.check_pins's (a ValueError naming both)."""
+    Pins and conflicts are auto.check_pins's (a ValueError naming both); `exchange`, the
+    lookahead's prediction exchange, is priced with K=2 (the Keras adapter's default
+    sends one through here on the torch backend)."""
     steps = auto.tune_steps()
     codec = None
     if compression is not Compression.none:
@@ -946,7 +949,7 @@ def _tuned_options(pinned_depth, compression, pinned_cap, warmup_steps, collecti
             codec = getattr(compression, "name", type(compression).__name__)
     pins = auto.check_pins(steps, pinned_depth, codec, pinned_cap, warmup_steps,
                            None if collective is None else collective.describe(),
-                           op in (engine.Average, engine.Sum))
+                           op in (engine.Average, engine.Sum), exchange)
     tuner = auto.Tuner(steps, pins)
     return tuner, compression, 1, auto.warmup_steps(steps, warmup_steps)
 
