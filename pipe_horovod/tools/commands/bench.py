@@ -440,7 +440,6 @@ def run_regimes(args):
         bar = tqdm(total=len(launches), desc="regimes", unit="run", file=sys.stderr,
                    dynamic_ncols=True)
     results = {r: {} for r in args.regimes}
-    commit = _commit()
     for regime, engine in launches:
         sub = regime_args(args, regime, engine, sizes)
         raw = os.path.join(out, f"{sub.name}-raw.json")
@@ -448,6 +447,7 @@ def run_regimes(args):
             bar.set_postfix_str(f"{regime}, {engine} engine")
         failed = 0
         if not args.report_only:
+            commit = _commit()       # per launch: each one imports the package afresh
             failed = run_workers(sub, out, lambda progress: _worker_argv(sub, raw, progress),
                                  command_line(sub))
             if not failed:                   # which code measured it, for the docs
