@@ -266,7 +266,7 @@ def test_a_stale_waiting_post_is_not_taken_for_a_deadlock():
         return {0: {"state": "waiting", "what": "allgather_object 'object.noname.8'",
                     "call": Call("allgather_object", "object.noname.8",
                                  "object.noname.8.sz").posted(),
-                    "step": 8, "since": 100.0, "beat": beat, "names": ["object.noname.8.sz"],
+                    "step": 8, "wait": 8, "beat": beat, "names": ["object.noname.8.sz"],
                     "partial": False}}
 
     stale = Stall(_SecondOfTwo(), Call("allreduce", "keras1.0.43.0"), time.monotonic())
@@ -294,7 +294,7 @@ def test_a_stale_waiting_post_is_not_taken_for_a_rank_stuck_past_the_stall_time(
         def read(self, ranks):
             return {0: {"state": "waiting", "what": "allgather_object 'object.noname.8'",
                         "call": Call("allgather_object", "object.noname.8").posted(),
-                        "step": 8, "since": 100.0, "beat": self.beat}}
+                        "step": 8, "waited": 100.0, "beat": self.beat}}
         def raised(self, ranks):
             return {}
 

@@ -5,9 +5,17 @@ a small id that both sides compute from the algorithm's schedule. The tag
 puts the collective's sequence number, call signature and process set above
 that id, so two collectives (or two phases of one) never match each other's
 messages, even when a rank runs ahead to the next step's collective.
+
+The process set is there as its tag slot (engine/process_set_registry.py), not its id:
+the tag had room for 4 bits of the id, so sets 1 and 17 (on the same ranks) sent
+messages the other could receive. Slots are unique among the live sets that share a
+pair of ranks, whatever their ids.
 """
+from ..engine import current, is_initialized
+from ..engine.process_set_registry import TAG_SLOTS
+
 MESSAGE_BITS = 17
-SET_BITS = 4
+SET_BITS = TAG_SLOTS.bit_length() - 1
 # The verified call signature's index (collectives/agreement.py): ranks that run two
 # different verified signatures at once send on different tags, so their messages
 # never meet (a wait that times out) instead of meeting with the wrong size (gloo aborts).
@@ -15,13 +23,19 @@ SIGNATURE_BITS = 4
 SEQUENCE_BITS = 31 - MESSAGE_BITS - SET_BITS - SIGNATURE_BITS
 
 
-def tag_base(sequence, set_id, signature=0):
+def tag_base(sequence, set_id, signature=0, slot=None):
     """Tags stay below 2**31 (gloo's tags are C ints): sequence numbers wrap, which is
     safe because a collective 2**6 launches back finished long ago on every rank (a
-    rank cannot finish a collective before its peers have started it)."""
+    rank cannot finish a collective before its peers have started it). `slot`: the set's
+    tag slot; None: the engine's for `set_id` (no engine, as in a test's stand-in: the
+    id's low bits)."""
+    if slot is None:
+        slot = current().tag_slot(set_id) if is_initialized() else set_id % (1 << SET_BITS)
+    if not 0 <= slot < (1 << SET_BITS):
+        raise AssertionError(f"tag slot {slot} of process set {set_id} out of range")
     seq = sequence % (1 << SEQUENCE_BITS)
     high = (((seq << SIGNATURE_BITS) | (signature % (1 << SIGNATURE_BITS))) << SET_BITS
-            | (set_id % (1 << SET_BITS)))
+            | slot)
     return high << MESSAGE_BITS
 
 

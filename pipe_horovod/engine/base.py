@@ -24,7 +24,7 @@ from .argument_checks import (check_name, check_op, check_reducible, check_root,
 from .faults import (DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, EngineError,  # noqa: F401
                      HorovodInternalError, HostsUpdatedInterrupt, RankLostError, WaitError,
                      WaitTimeoutError, wait_until)
-from . import objects
+from . import objects, summary
 from .handles import Handle
 from .mismatch import MismatchError
 from .stall import POSTED_RAISES, STATUS_AFTER_S, Call, Stall, StepMismatchError, describe
@@ -101,6 +101,7 @@ class Engine(ProcessSetRegistry, TwoStageOperations, FailureReports):
         self._around_join = {}    # key -> (before(), after(last_rank))
         self._closed = False
         self._process_sets = {}   # process_set_id -> (ProcessSet, the library's object)
+        self._tag_slots = {}      # process_set_id -> its slot in message tags (the registry)
         self._unnamed = collections.Counter()   # kind -> operations started without a name
         self._timeline = None
         self.timeout_s = timeout_s  # how long a wait may block (faults.py)
@@ -410,7 +411,10 @@ class Engine(ProcessSetRegistry, TwoStageOperations, FailureReports):
         how to pause between polls, when the backend can wake the wait sooner."""
         start = time.monotonic()
         deadline = start + self.timeout_s
-        if wait_until(poll, min(deadline, start + STATUS_AFTER_S), nap):
+        first = STATUS_AFTER_S + summary.phase(self.rank(), self.size(), STATUS_AFTER_S)
+        if wait_until(poll, min(deadline, start + first), nap):
+            if getattr(self._board, "failed", False):   # it went on (Stall.gave_up)
+                self._board.post(self.rank(), state="running", step=self.step)
             return True
         if self._board is None:
             return wait_until(poll, deadline, nap)

@@ -50,8 +50,17 @@ def _after(step):
     return "" if step is None else f" after {step} step(s)"
 
 
+def waited(status, now):
+    """How long a rank has waited, by its own clock: the seconds it posted, and since this
+    rank first read that post (`seen`, set by summary.Look), `now` being this rank's
+    monotonic clock."""
+    seen = status.get("seen")
+    return status.get("waited", 0.0) + (0.0 if seen is None else max(0.0, now - seen))
+
+
 def doing(rank, status, now):
-    """One rank's part of a report: what it does, at which step, for how long."""
+    """One rank's part of a report: what it does, at which step, for how long (`now`:
+    this rank's monotonic clock at the look)."""
     if status is None:
         return (f"rank {rank} is not waiting in any collective (computing, or stopped outside "
                 "pipe_horovod)")
@@ -63,7 +72,7 @@ def doing(rank, status, now):
         return f"rank {rank} gave up waiting in {status['what']}{step} (it raised)"
     if status["state"] == "waiting":
         return (f"rank {rank} waits in {status['what']}{step} (for "
-                f"{max(0.0, now - status['since']):.0f} s)")
+                f"{max(0.0, waited(status, now)):.0f} s)")
     return f"rank {rank} runs{step}"
 
 
@@ -95,10 +104,19 @@ def _hint(stall, others, ranks):
     return ORDER_HINT
 
 
+def _raised_posts(stall):
+    """{rank: its raised errors}: as the stall's last look read them (summary.py), or
+    read now (a failed collective's one look, reporting.FailureReports._who_ended)."""
+    if stall.raised_view is not None:
+        return stall.raised_view
+    engine = stall.engine
+    return engine._board.raised([r for r in range(engine.size()) if r != stall.me])
+
+
 def raised(stall, others):
     """1. Another rank's error that this wait cannot complete without."""
     engine, board = stall.engine, stall.engine._board
-    for rank, posts in board.raised([r for r in range(engine.size()) if r != stall.me]).items():
+    for rank, posts in _raised_posts(stall).items():
         for post in posts:
             if (rank, post["seq"]) in engine._told or engine.raised_alike(post):
                 continue
@@ -131,8 +149,7 @@ def concluded(stall, wires):
     """This rank raised its own cause for the waits `wires`: the same cause another rank
     concluded at the same tick and posted is no news to a later wait of this rank."""
     engine = stall.engine
-    for rank, posts in engine._board.raised(
-            [r for r in range(engine.size()) if r != stall.me]).items():
+    for rank, posts in _raised_posts(stall).items():
         for post in posts:
             if set(post.get("wires") or ()) & set(wires):
                 engine._told.add((rank, post["seq"]))
@@ -205,7 +222,7 @@ def deadlock(stall, others, now, confirmed=False):
     if blocked is None and not confirmed:
         return None
     if not confirmed:
-        seen = tuple((r, (others.get(r) or {}).get("since"), w) for r, (w, _) in
+        seen = tuple((r, (others.get(r) or {}).get("wait"), w) for r, (w, _) in
                      sorted(blocked.items()))
         beats = {r: (others.get(r) or {}).get("beat") for r in blocked if r != stall.me}
         if seen != stall.seen_deadlock:

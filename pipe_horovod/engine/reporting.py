@@ -16,7 +16,7 @@ from .faults import (RankLostError, WaitTimeoutError, describe_lost, lost_ranks,
                      whoami)
 from .mismatch import MismatchError, from_library
 from .process_sets import global_process_set
-from .stall import STATUS_AFTER_S, Stall, StepMismatchError, describe
+from .stall import STATUS_AFTER_S, Stall, StepMismatchError, describe, read_pause
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -147,7 +147,7 @@ class FailureReports:
                 or any(self.raised_alike(post) for post in raised[r])
                 or (statuses[r] and statuses[r]["state"] == "ended"))]
             if others:
-                time.sleep(0.05)
+                time.sleep(read_pause(len(others)))
 
     def _leave_after_raisers(self, bound_s=2 * STATUS_AFTER_S + 1.0):
         """A rank whose script ends with another rank's error (read off the board) leaves
@@ -175,4 +175,4 @@ class FailureReports:
             return None
         stall = Stall(self, call, time.monotonic(), post=False)
         others = self._board.read([r for r in range(self.size()) if r != self.rank()])
-        return causes.raised(stall, others) or causes.ended(stall, others, time.time())
+        return causes.raised(stall, others) or causes.ended(stall, others, time.monotonic())

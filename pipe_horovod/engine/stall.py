@@ -23,9 +23,10 @@ store rank 0 hosts):
   the status, with the call it was raised in and where;
 - "ended" at shutdown, with the cause when a rank was lost.
 
-Each wait that has lasted STATUS_AFTER_S reads the others' posts every
-STATUS_AFTER_S and raises the cause, in words, as soon as the posts tell
-it (causes.py); otherwise, at HOROVOD_STALL_CHECK_TIME_SECONDS, a warning in
+Each wait that has lasted STATUS_AFTER_S looks at the others' posts every
+STATUS_AFTER_S (itself up to summary.DIRECT_UP_TO ranks; above, through one
+summary key a leading rank publishes, summary.py) and raises the cause, in
+words, as soon as the posts tell it (causes.py); otherwise, at HOROVOD_STALL_CHECK_TIME_SECONDS, a warning in
 Horovod's words, then one per period, and StepMismatchError past
 HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (default 0: never).
 HOROVOD_STALL_CHECK_DISABLE=1 turns the warnings and the stall-time check
@@ -33,13 +34,15 @@ off, as in Horovod; the causes and the timeout stay. A healthy wait shorter
 than STATUS_AFTER_S costs nothing beyond its polls, and an error costs one
 post.
 """
+import concurrent.futures
+import http.client
+import itertools
 import json
 import os
 import time
-import urllib.request
 import warnings
 
-from . import causes
+from . import causes, summary
 from .stall_words import (CHECK_VARIABLE, StepMismatchError, _label, describe,  # noqa: F401
                           label_or_name, labelled)
 
@@ -50,6 +53,8 @@ STATUS_AFTER_S = 1.0    # a wait this long posts its status and reads the others
 POSTED_NAMES = 256      # names in flight a waiting rank posts (more: the list says partial)
 POSTED_SHAPES = 16      # tensors of a grouped call whose shapes and dtypes are posted
 POSTED_RAISES = 8       # a rank's last errors kept on the board
+PARALLEL_READS = 8      # reads in flight at once when one rank reads many posts
+_WAITS = itertools.count(1)     # this process's stalled waits, numbered: a post's wait
 
 
 class StallWarning(UserWarning):
@@ -110,6 +115,10 @@ class Board:
 
     def __init__(self, put, get, size):
         self._put, self._get, self.size = put, get, size
+        self.last = None            # this rank's last status post (tell_raised posts it again)
+        self.raises = 0             # the number of its last error posted (in every status)
+        self.failed = False         # its last status says a wait failed (see Stall.end)
+        self._pool = None           # threads for reading many posts (a leader's sweep)
         # The engine's session (Engine.learn_peers): the launcher's store outlives an engine,
         # and a script that shuts down and starts again in one job must not read the last
         # engine's posts ("rank 0 ended") as news.
@@ -119,21 +128,47 @@ class Board:
         return f"pipe_horovod{self.session}.{kind}.{rank}"
 
     def read(self, ranks, kind="status"):
-        """{rank: post or None}."""
-        out = {}
-        for rank in ranks:
+        """{rank: post or None} (a rank that posted only its count of errors: None, it
+        posted no status). Many ranks: PARALLEL_READS at a time, so that a leader's sweep
+        (summary.py) over a thousand ranks takes a fraction of a period."""
+        def one(rank):
             try:
                 raw = self._get(self._key(kind, rank))
-                out[rank] = None if raw is None else json.loads(raw)
+                post = None if raw is None else json.loads(raw)
             except Exception:
-                out[rank] = None
-        return out
+                return None
+            return None if post is not None and post.get("state") == "unposted" else post
+        ranks = list(ranks)
+        if len(ranks) <= 2 * PARALLEL_READS:
+            return {rank: one(rank) for rank in ranks}
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(PARALLEL_READS,
+                                                               "pipe_horovod-board")
+        return dict(zip(ranks, self._pool.map(one, ranks)))
+
+    def put_raw(self, kind, data):
+        """One key of `kind` for the whole board (summary.py's summary)."""
+        try:
+            self._put(self._key(kind, "all"), data)
+        except Exception:
+            pass
+
+    def get_raw(self, kind):
+        try:
+            return self._get(self._key(kind, "all"))
+        except Exception:
+            return None
 
     def tell_raised(self, rank, raised):
         """Rank `rank`'s last errors (each: seq, error, call, name, where, step, final,
         shared, wires, key, at), oldest first: kept apart from its status, which later waits
-        overwrite, and several, as a rank may raise again before the others look."""
+        overwrite, and several, as a rank may raise again before the others look. Its
+        status is posted again with the number of the last (`raises`): a rank that looks
+        reads the raised key of a rank only when that number moved (summary.py)."""
         self.post(rank, kind="raised", raised=list(raised))
+        self.raises = max([post["seq"] for post in raised] + [self.raises])
+        last = self.last or {"state": "unposted"}
+        self.post(rank, **{k: v for k, v in last.items() if k != "raises"})
 
     def raised(self, ranks):
         """{rank: [its last errors, oldest first]}."""
@@ -151,39 +186,66 @@ class Board:
         while ranks and time.monotonic() < deadline:
             ranks = [r for r, s in self.read(ranks).items() if not s or s["state"] != "ended"]
             if ranks:
-                time.sleep(0.05)
+                time.sleep(read_pause(len(ranks)))
 
     def post(self, rank, kind="status", **status):
+        if kind == "status":
+            self.last, self.failed = status, status.get("state") == "failed"
+            status = dict(status, raises=self.raises)
         try:
             self._put(self._key(kind, rank), json.dumps(status))
         except Exception:           # the store is gone (its host ended): nothing to tell
             pass
 
 
+def read_pause(posts):
+    """Between two reads of `posts` posts each by one rank that waits for them to change
+    (a rank leaving after its error, the board's host at its end): 50 ms up to 32 posts,
+    longer above, so that such a rank reads at most about 640 posts a second."""
+    return max(0.05, posts / 640)
+
+
 def torch_board(store, size):
     """On torch.distributed's rendezvous store (torchrun's agent, or rank 0)."""
+    return Board(*torch_store(store), size)
+
+
+def torch_store(store):
+    """(put, get) of a Board on torch's store (get: None for a key not set)."""
     def get(key):
         return store.get(key) if store.check([key]) else None
-    return Board(store.set, get, size)
+    return store.set, get
 
 
 def http_board(addr, port, size):
     """On horovodrun's rendezvous key-value server (HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT)."""
-    base = f"http://{addr}:{port}/pipe_horovod"
+    return Board(*http_store(addr, port), size)
+
+
+def http_store(addr, port):
+    """(put, get) of a Board on horovodrun's server: one connection per request, as the
+    server closes each (HTTP/1.0), made by http.client itself (urllib's opener costs the
+    rank several times the CPU of the request)."""
+    def request(method, key, data=None):
+        connection = http.client.HTTPConnection(addr, int(port), timeout=2)
+        try:
+            connection.request(method, f"/pipe_horovod/{key}", body=data)
+            reply = connection.getresponse()
+            body = reply.read()
+        finally:
+            connection.close()
+        if method == "GET" and reply.status == 404:
+            return None
+        if reply.status != 200:
+            raise OSError(f"{method} {key}: HTTP {reply.status}")
+        return body
 
     def put(key, value):
-        request = urllib.request.Request(f"{base}/{key}", data=value.encode(), method="PUT")
-        urllib.request.urlopen(request, timeout=2).close()
+        request("PUT", key, value.encode() if isinstance(value, str) else value)
 
     def get(key):
-        try:
-            with urllib.request.urlopen(f"{base}/{key}", timeout=2) as reply:
-                return reply.read()
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404:
-                return None
-            raise
-    return Board(put, get, size)
+        return request("GET", key)
+    return put, get
 
 
 class Stall:
@@ -196,18 +258,22 @@ class Stall:
         self.board = engine._board
         self.check_s, self.shutdown_s = settings()
         self.warned_at = 0.0
-        self.since = time.time() - (time.monotonic() - start)
+        self.wait = next(_WAITS)    # this wait, told apart from the rank's others
         self.me = engine.rank()
         self.seen_deadlock = None   # a deadlock seen at the last tick, confirmed at the next
         self.seen_beats = {}        # the others' beats at that sighting
         self.beat = 0               # this wait's posts so far (see renew)
         self.tick_beats = {}        # the others' beats at the last tick (see tick's stuck)
+        self.renewing = True        # post again each half period (the look says: summary.py)
+        self.raised_view = None     # the others' raised errors, as the last look read them
         if engine._closed:          # shutting down: the board keeps saying "ended"
             self.board = None
         self.posting = self.board is not None and post
-        self.renew()
+        if self.posting:
+            summary.look(self.board, self).start()
+        self.renew(first=True)
 
-    def renew(self):
+    def renew(self, first=False):
         """Post (again) that this rank waits in this call, with the next `beat`.
 
         Why again and again: a post is one PUT that may be lost (the store's server
@@ -215,36 +281,44 @@ class Stall:
         an earlier wait may never land, and that rank's stale "waiting" would read as a
         wait it is no longer in. A rank that still waits renews its post; one whose beat
         has not moved may have gone on (causes.deadlock). Called when the wait starts and
-        every half period after (Engine._wait_for)."""
-        if not self.posting:
+        every half period after (Engine._wait_for) while `renewing`: above
+        summary.DIRECT_UP_TO ranks, only while the summary asks for it (every rank
+        waits, so a deadlock or the stall time may have to be confirmed)."""
+        if not self.posting or not (first or self.renewing):
             return
-        names = self.engine.names_in_flight()
-        self.board.post(self.me, state="waiting", what=self.what, call=self.call.posted(),
-                        step=self.engine.step, stepping=self.engine.stepping,
-                        since=self.since, beat=self.beat,
-                        names=names[:POSTED_NAMES], partial=len(names) > POSTED_NAMES)
+        self.board.post(self.me, **self.posted_status())
         self.beat += 1
 
+    def posted_status(self):
+        """This rank's post while it waits here: the call, its step, which wait, the
+        seconds it has waited (its own monotonic clock: no clock is compared across
+        hosts), the beat, the names in flight."""
+        names = self.engine.names_in_flight()
+        return dict(state="waiting", what=self.what, call=self.call.posted(),
+                    step=self.engine.step, stepping=self.engine.stepping, wait=self.wait,
+                    waited=round(time.monotonic() - self.start, 1), beat=self.beat,
+                    names=names[:POSTED_NAMES], partial=len(names) > POSTED_NAMES)
+
     def gave_up(self, status):
-        """A rank whose wait failed during this one (it raised and went on): it will not
-        start this rank's collective for that wait."""
-        return status is not None and status["state"] == "failed" and \
-            status.get("at", 0.0) >= self.since
+        """A rank whose wait failed and that has not completed a wait since (Engine._wait_for
+        posts "running" at its next): it will not start this rank's collective for that
+        wait."""
+        return status is not None and status["state"] == "failed"
 
     def mine(self):
         """This rank's post, as the others read it."""
         return {"state": "waiting", "what": self.what, "call": self.call.posted(),
                 "step": self.engine.step, "stepping": self.engine.stepping,
-                "since": self.since}
+                "waited": time.monotonic() - self.start}
 
     def tick(self, matched):
         """Called every STATUS_AFTER_S while the wait goes on; `matched()` tells whether
         every rank has started the collective (then it is slow, not stalled)."""
         if self.board is None:
             return
-        elapsed = time.monotonic() - self.start
-        now = time.time()
-        others = self.board.read([r for r in range(self.engine.size()) if r != self.me])
+        now = time.monotonic()
+        elapsed = now - self.start
+        others = summary.look(self.board, self)(self)
         if not matched():
             cause = self.causes.find(self, others, now)
             if cause is not None:
@@ -258,7 +332,7 @@ class Stall:
             # waiting still: its post renewed since the last tick (a lost "running" post
             # leaves a rank that went on "waiting", with a beat that no longer moves)
             return self.gave_up(status) or (status is not None and status["state"] == "waiting"
-                                            and now - status["since"] >= self.check_s / 2
+                                            and causes.waited(status, now) >= self.check_s / 2
                                             and rank in beats
                                             and status.get("beat") != beats[rank])
 
@@ -289,7 +363,7 @@ class Stall:
             return
         if failed:
             self.board.post(self.me, state="failed", what=self.what, call=self.call.posted(),
-                            step=self.engine.step, since=self.since, at=time.time())
+                            step=self.engine.step, wait=self.wait)
         else:
             self.board.post(self.me, state="running", step=self.engine.step)
 
