@@ -91,6 +91,12 @@ def board_of(spec, size, shared, counted):
 
 
 # --- a simulated rank ------------------------------------------------------------------
+def simulated_rank(rank, size, board):
+    """An engine as the stall checks read it (Stall, causes, FailureReports), for rank
+    `rank` of `size` that waits in allreduce 'grad.0' in its 5th step, posting on `board`."""
+    return _sim_rank_class()(rank, size, board)
+
+
 def _sim_rank_class():
     import collections
 
@@ -163,7 +169,7 @@ def _run_rank(rank, size, spec, scenario, odd, t0, shared, counted, said, result
     from pipe_horovod.engine.summary import phase
     board = board_of(spec, size, shared, counted)
     board.session = ".load"
-    engine = _sim_rank_class()(rank, size, board)
+    engine = simulated_rank(rank, size, board)
     time.sleep(max(0.0, t0 + random.Random(rank).uniform(0, SPREAD_S) - time.time()))
     if rank == odd:
         if scenario == "failed":    # it computes, then its script ends with an error
