@@ -18,7 +18,8 @@ import launcher
 MODES = {"local": "oracle,staleness,errors,callbacks,overlap",
          "torch": "oracle,staleness,errors,callbacks,aggregation",
          "horovod": "oracle,callbacks,metrics"}
-EXTRA_MODES = {("horovod", "torch"): ",staleness", ("torch", "tensorflow"): ",overlap"}
+EXTRA_MODES = {("horovod", "torch"): ",staleness", ("torch", "tensorflow"): ",overlap",
+               ("torch", "torch"): ",auto"}
 ONLY_MODES = {("local", "tensorflow"): "memory,oracle"}
 # test_memory's measurement of the Keras adapter on TensorFlow (keras_memory_worker with
 # these arguments) needs one fresh TensorFlow process started with the BFC allocator: the
@@ -35,7 +36,7 @@ DLPACK_LAUNCH = ("horovod", "tensorflow")
 # in the TensorFlow fit launch of their engine, before the checkpoint modes: one TensorFlow
 # start-up per engine instead of two (three launches, 8-13 s of start-up each, saved).
 TF_CASES = ("api", "tape", "optimizer", "checkpoint", "align", "errors", "partial",
-            "autodiff")
+            "autodiff", "auto")
 TF_MODES = "".join(f",tf.{case}" for case in TF_CASES)
 # The checkpoint test's first launch (fit, and save with gradients in flight) is the fit
 # launch of its engine and backend (two launches of ~10 s start-up each saved); before

@@ -31,6 +31,7 @@ from .. import engine
 from ..collectives import Collective, check_collective
 from ..collectives.communicator import communicator
 from ..compression import Compression, config_name
+from ..pipeline import auto
 from ..pipeline.buckets import AutoBucketCap, resolve_bucket_cap_mb
 from ..pipeline.identity import describe_variables
 from ..pipeline.option_checks import refuse_double_wrapping
@@ -80,8 +81,11 @@ class PipelinedKeras(_Keras2Gradients):
 
     _local_vars = ()     # register_local_var's: a list per instance (_setup_pipeline)
 
-    def _setup_pipeline(self, options):
+    def _setup_pipeline(self, options, tune=None):
         self._pipe_options = options
+        # tune="auto": (the steps it measures, its auto.Pins), checked at wrap time; each
+        # build gives its data path a Tuner of them (_path_options). Past Keras's tracking.
+        object.__setattr__(self, "_tuning", tune)
         self._path = None                        # the backend's data path, made by build()
         self._joined = False
         # register_local_var's, until build(): set past Keras's attribute tracking, which
@@ -151,6 +155,8 @@ class PipelinedKeras(_Keras2Gradients):
             for v, local in zip(self._path.variables, self._local))
         description.update({f"option {k}": repr(v) for k, v in options.items()
                             if k != "process_set"})
+        if self._tuning is not None:         # ranks measuring a different number of steps
+            description["option tune"] = repr(f"auto ({self._tuning[0]} steps)")
         ps = options["process_set"]
         if ps is None or ps.included():
             compare_across_ranks(lambda obj: engine.current().allgather_object(
@@ -162,8 +168,11 @@ class PipelinedKeras(_Keras2Gradients):
                         machine, ps, self._path.state,
                         lambda state: self._path.restore(state.pop("in_flight"), state),
                         self._pipe_wrapper)
+        # (tune="auto": the exchange's group is the step machine's to open, where every
+        # rank applies a decision that sends one; at K=1 it is never needed)
         if opens_group(options["collective"], options["compression"],
-                       self._path_options()["prediction_exchange"]):
+                       None if self._tuning is not None
+                       else self._path_options()["prediction_exchange"]):
             communicator(engine.current())
 
     def _path_options(self):
@@ -171,8 +180,15 @@ class PipelinedKeras(_Keras2Gradients):
         staleness.check_prediction_exchange). The options keep what the user asked for,
         which the ranks compare and a saved model keeps."""
         options = self._pipe_options
-        return {**options, "prediction_exchange": check_prediction_exchange(
+        resolved = {**options, "prediction_exchange": check_prediction_exchange(
             options["prediction_exchange"], options["staleness_compensation"])}
+        if self._tuning is not None:
+            # tune="auto": the TensorFlow path builds its machine with this Tuner (the
+            # measured steps at K=1, its graph ready for the deepest K auto may choose);
+            # the torch path hands tune to the PyTorch adapter, which checks the same pins.
+            steps, pins = self._tuning
+            resolved.update(tuner=auto.Tuner(steps, pins), pinned_depth=pins.pipeline_depth)
+        return resolved
 
     def _base_apply(self, grads, variables):
         """The user's optimizer's own update (one iteration)."""
@@ -415,7 +431,10 @@ class PipelinedKeras(_Keras2Gradients):
                               "config": inner.get_config(self),
                               "registered_name": None if builtin else _registered_name(inner)},
                 **{k: _config_value(k, v) for k, v in self._pipe_options.items()
-                   if k != "process_set"}}
+                   if k != "process_set"},
+                # tune="auto" chooses the depth: saved unpinned, a reload chooses again
+                **({"pipeline_depth": self._tuning[1].pipeline_depth}
+                   if self._tuning is not None else {})}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -635,7 +654,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          num_groups=0, groups=None, process_set=None,
                          scale_local_gradients=True, *, pipeline_depth=None, warmup_steps=0,
                          bucket_cap_mb=None, staleness_compensation=staleness.DEFAULT,
-                         collective=None, flush_in_fit=True, prediction_exchange="auto"):
+                         collective=None, flush_in_fit=True, prediction_exchange="auto",
+                         tune=None):
     """Wrap a Keras 3 optimizer so its gradients are averaged across ranks, pipelined.
 
     The arguments up to `scale_local_gradients` are horovod.tensorflow.keras's,
@@ -697,6 +717,14 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     weights, the same on every rank, with every computed gradient applied.
     False keeps the gradients in flight across epochs and fits (flush() is
     then the caller's, as before).
+    tune: None (default): the configuration as given. "auto": the run tunes
+    itself (docs/auto.md): its first $PIPE_HOROVOD_TUNE_STEPS steps (20) train
+    synchronously while it measures compute, exposed wait and the link; then
+    every rank applies the depth (1 or 2), codec and bucket cap predicted fastest
+    among those the convergence rule allows (K=2 priced with the prediction
+    exchange it sends), and rank 0 logs one line saying why. An explicit
+    pipeline_depth, compression or bucket_cap_mb pins that choice; one auto cannot
+    honour is a ValueError naming both. Default: $PIPE_HOROVOD_TUNE ("auto") if set.
     Every rank must build the same model: differences are raised as
     ValueError on every rank at the first step (or at
     BroadcastGlobalVariablesCallback's on_train_begin), not when the
@@ -715,13 +743,18 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                                or groups < 0):
         raise ValueError(f"groups must be a bucket count (an int >= 0) in the Keras adapter, "
                          f"got {groups!r}")
+    tune = auto.resolve_tune(tune)
+    pinned_cap = bucket_cap_mb
     pipeline_depth, depth_source = resolve_depth(pipeline_depth)
     bucket_cap_mb = resolve_bucket_cap_mb(bucket_cap_mb, process_set)   # None: auto
     check_options(pipeline_depth, warmup_steps, backward_passes_per_step, bucket_cap_mb)
     collective = check_collective(collective, compression)
     check_reduction(op, gradient_predivide_factor)
     compensation = check_staleness(staleness_compensation)
-    check_prediction_exchange(prediction_exchange, compensation)
+    exchange = check_prediction_exchange(prediction_exchange, compensation)
+    tuned = None if tune is None else _tune_pins(
+        pipeline_depth if depth_source != "default" else None, compression, pinned_cap,
+        warmup_steps, collective, op, exchange)
     supported = COMPENSATION[_backend()]
     if compensation is not None and compensation not in supported:
         raise ValueError(f"staleness_compensation={compensation!r} is not available on the "
@@ -736,7 +769,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if process_set is not None and not isinstance(process_set, engine.ProcessSet):
         raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
     engine.current()                             # a clear error before init()
-    announce_depth(pipeline_depth, warmup_steps, depth_source, process_set, _announced)
+    if tuned is None:
+        announce_depth(pipeline_depth, warmup_steps, depth_source, process_set, _announced)
+    elif _backend() == "tensorflow":             # (on torch the PyTorch adapter says it)
+        auto.announce(auto.Tuner(*tuned), process_set, _announced)
     if optimizer.built:
         raise ValueError("wrap the optimizer before it is built (before compile/fit), so "
                          "every rank builds the pipeline with it")
@@ -760,7 +796,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         "backward_passes_per_step": backward_passes_per_step,
         "average_aggregated_gradients": bool(average_aggregated_gradients),
         "sparse_as_dense": bool(sparse_as_dense),
-        "scale_local_gradients": bool(scale_local_gradients), "flush_in_fit": bool(flush_in_fit)})
+        "scale_local_gradients": bool(scale_local_gradients), "flush_in_fit": bool(flush_in_fit),
+        "tune": tune}, tuned)
     if _backend() == "tensorflow":              # tf.train.Checkpoint carries what is in flight
         from .checkpoint_state import InFlight, write_real_weights
         optimizer.pipe_horovod_in_flight = InFlight(optimizer)
@@ -803,6 +840,24 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
         for variable in layer.trainable_weights:
             wrapped.register_local_var(variable)
     return wrapped
+
+
+def _tune_pins(pinned_depth, compression, pinned_cap, warmup_steps, collective, op, exchange):
+    """tune="auto": (the steps it measures, auto.Pins) from the options given explicitly;
+    a conflict is auto.check_pins's ValueError naming both. K=2 is priced with the
+    prediction exchange the lookahead sends (`exchange`, resolved)."""
+    steps = auto.tune_steps()
+    codec = None
+    if compression is not Compression.none:
+        try:
+            codec = config_name(compression)
+        except (AttributeError, ValueError):
+            codec = getattr(compression, "name", type(compression).__name__)
+    pins = auto.check_pins(steps, pinned_depth, codec, pinned_cap, warmup_steps,
+                           None if collective is None else collective.describe(),
+                           op in (engine.Average, engine.Sum),
+                           exchange if pinned_depth != 1 else None)
+    return steps, pins
 
 
 def _variable_name(variable):

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .. import engine
+from ..pipeline.buckets import AutoBucketCap
 from ..pipeline.local_scale import LocalScale
 from ..torch import optimizer as torch_optimizer
 from .._keras.naming import momentum_attribute, variable_names
@@ -123,18 +124,25 @@ class TorchPath:
                                       lambda: ps.size() if ps is not None else engine.size())
         # Not DistributedOptimizer: the Keras wrapper has told the user the depth already,
         # and its _join compares the ranks at the first gradient (this may be built on one
-        # rank alone, inside load_model).
+        # rank alone, inside load_model). tune="auto" is the PyTorch adapter's to run: the
+        # depth goes down pinned or not (None: auto chooses), the cap automatic or not.
+        tuner = options.get("tuner")
+        depth, cap = options["pipeline_depth"], options["bucket_cap_mb"]
+        if tuner is not None:
+            depth = options["pinned_depth"]
+            cap = None if isinstance(cap, AutoBucketCap) else cap
         self.torch_optimizer = torch_optimizer.wrap_for_adapter(
             stand_in, named_parameters=[(n, p) for n, p, _ in reduced],
             backward_passes_per_step=options["backward_passes_per_step"],
             compression=options["compression"], op=options["op"],
             gradient_predivide_factor=options["gradient_predivide_factor"],
-            process_set=options["process_set"], pipeline_depth=options["pipeline_depth"],
-            warmup_steps=options["warmup_steps"], bucket_cap_mb=options["bucket_cap_mb"],
+            process_set=options["process_set"], pipeline_depth=depth,
+            warmup_steps=options["warmup_steps"], bucket_cap_mb=cap,
             groups=options["groups"],
             staleness_compensation=options["staleness_compensation"],
             prediction_exchange=options["prediction_exchange"],
-            collective=options["collective"], join_ranks=join)
+            collective=options["collective"], join_ranks=join,
+            tune=None if tuner is None else "auto")
 
     def apply(self, grads, variables):
         opt = self.torch_optimizer
@@ -181,7 +189,8 @@ class TorchPath:
         return {"steps": pipe["steps"], "in_flight": in_flight, "kept": pipe["kept"],
                 "real": pipe["real_weights"], "mean_square": pipe["mean_square"],
                 "order": pipe["bucket_order"], "order_agreed": pipe["order_agreed"],
-                "error_feedback": pipe["error_feedback"], "due": pipe["prediction_due"]}
+                "error_feedback": pipe["error_feedback"], "due": pipe["prediction_due"],
+                "tune": pipe.get("tune")}
 
     def restore(self, in_flight, state):
         def tensors(arrays):
@@ -200,7 +209,7 @@ class TorchPath:
             order_agreed=state.get("order_agreed", False),
             kept=[{kind: tensors(t) for kind, t in k.items()} for k in state.get("kept", [])],
             real_weights=tensors(real) if real else None,
-            prediction_due=bool(state.get("due")),
+            prediction_due=bool(state.get("due")), tune=state.get("tune"),
             mean_square=tensors(state.get("mean_square", {})),
             error_feedback={slot: tensors(r) for slot, r in
                             (state.get("error_feedback") or {}).items()} or None)

@@ -235,9 +235,12 @@ class StepMachine:
         self.launched = []                    # BucketReduction per bucket, in bucket order
         self._deferred = []                   # (bucket, flat) to reduce after the exchanges
         self._exchanges = []                  # (bucket, handle) of this step's exchanges
-        # The prediction needs this step's exchange only where the step stays in flight.
-        self._exchanging = (self.exchange is not None and not self.solo
-                            and self.fifo.threshold(self.fifo.steps) > 1)
+        self._exchanging = self._exchanges_now()
+
+    def _exchanges_now(self):
+        """The prediction needs this step's exchange only where the step stays in flight."""
+        return (self.exchange is not None and not self.solo
+                and self.fifo.threshold(self.fifo.steps) > 1)
 
     def ready(self, name, fill):
         """`name`'s gradient is final for this step: launch every bucket now complete.
@@ -484,6 +487,9 @@ class StepMachine:
         kept = kept or [None] * len(in_flight)
         self.fifo.replace([StepGradient(loaded=grads, scale=scale, kept=k)
                            for grads, scale, k in zip(in_flight, scales, kept)], steps)
+        # The next step is `steps`, maybe at another depth (a restored tune="auto"
+        # decision): whether it exchanges follows them, not the step it was built at.
+        self._exchanging = self._exchanges_now()
 
     def forget(self):
         """Drop, without waiting, everything in flight (after a failed collective)."""

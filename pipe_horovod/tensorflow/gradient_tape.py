@@ -44,6 +44,7 @@ uneven data, as the PyTorch optimizer's join does.
 """
 import io
 import itertools
+import json
 import warnings
 import weakref
 
@@ -52,8 +53,8 @@ import tensorflow as tf
 import torch
 
 from .. import engine
-from ..compression import Compression
-from ..pipeline import (StepGradient, StepMachine, announce_depth, check_options,
+from ..compression import Compression, config_name
+from ..pipeline import (StepGradient, StepMachine, announce_depth, auto, check_options,
                         check_reduction, compare_across_ranks, report_unapplied, resolve_depth)
 from ..pipeline.buckets import bucket_cap_bytes, resolve_bucket_cap_mb
 from ..pipeline.local_scale import LocalScale
@@ -124,11 +125,16 @@ class _Pipeline:
             position = {_ref(s): n for s, n in zip(sources, self.names)}
             groups = [[position[ref] for ref in group] for group in groups]
         self.number = next(_prefixes)
+        depth, warmup, tuner = options["pipeline_depth"], options["warmup_steps"], None
+        if options["tune"] is not None:          # tune="auto": its measured steps at K=1
+            steps, pins = options["tune"]
+            tuner = auto.Tuner(steps, pins)
+            depth, warmup = 1, auto.warmup_steps(steps, warmup)
         self.machine = StepMachine(
-            f"tf_tape{self.number}", options["pipeline_depth"], options["warmup_steps"],
+            f"tf_tape{self.number}", depth, warmup,
             compression=options["compression"], op=options["op"],
             predivide=options["gradient_predivide_factor"], process_set=ps,
-            cap_bytes=bucket_cap_bytes(options["bucket_cap_mb"]), groups=groups)
+            cap_bytes=bucket_cap_bytes(options["bucket_cap_mb"]), groups=groups, tune=tuner)
         # Ready order: backward produces the last layer's gradients first.
         self.machine.plan([(name, int(np.prod(shape, dtype=np.int64)), dtype.size,
                             (_torch_dtype(dtype), self.devices[name]))
@@ -144,6 +150,8 @@ class _Pipeline:
             what="source")
         description.update({f"option {k}": repr(v) for k, v in options.items()
                             if k not in ("process_set", "groups", "local_sources")})
+        tune = options["tune"]                   # ranks measuring other numbers of steps
+        description["option tune"] = repr(tune and f"auto ({tune[0]} steps)")
         if ps is None or ps.included():
             compare_across_ranks(lambda obj: engine.current().allgather_object(
                 obj, process_set=ps), description, what="list of variables to differentiate")
@@ -217,9 +225,13 @@ class _Pipeline:
     # --- checkpoints ------------------------------------------------------------------
     def state(self):
         state = self.machine.state()
+        fifo = self.machine.fifo
+        tuned = {} if self.machine.tuner is None else {"tune": state["tune"]}
         # The depth and warm-up saved with it: a resume under others names them (restore).
-        return {"steps": state["steps"], "pipeline_depth": self.options["pipeline_depth"],
-                "warmup_steps": self.options["warmup_steps"],
+        # tune="auto": the depth in force (its decision's), and the decision itself.
+        return {"steps": state["steps"], **tuned,
+                "pipeline_depth": fifo.pipeline_depth if tuned else self.options["pipeline_depth"],
+                "warmup_steps": fifo.warmup_steps if tuned else self.options["warmup_steps"],
                 "in_flight": [{n: g.cpu().numpy() for n, g in e.items()}
                               for e in state["in_flight"]],
                 "error_feedback": {slot: {n: r.cpu().numpy() for n, r in residuals.items()}
@@ -228,6 +240,9 @@ class _Pipeline:
 
     def restore(self, state):
         fifo = self.machine.fifo
+        # tune="auto": the decision first (its depth is the one the gradients in flight
+        # were saved at); none saved, or for another number of ranks: measure again
+        self.machine.restore_tuning(state.get("tune"), state["steps"])
         in_flight = state["in_flight"]
         if in_flight and len(in_flight) >= fifo.threshold(state["steps"]):
             raise ValueError(_cannot_resume(state, fifo))
@@ -560,6 +575,8 @@ class GradientsInFlight(tf.train.experimental.PythonState):
         buffer = io.BytesIO()
         settings = {key: np.int64(state[key]) for key in ("pipeline_depth", "warmup_steps")
                     if state.get(key) is not None}
+        if "tune" in state:                        # tune="auto": its decision, as JSON
+            settings["tune"] = np.frombuffer(json.dumps(state["tune"]).encode(), np.uint8)
         np.savez(buffer, steps=np.int64(state["steps"]),
                  entries=np.int64(len(state["in_flight"])), **settings, **arrays)
         return buffer.getvalue()
@@ -579,6 +596,8 @@ class GradientsInFlight(tf.train.experimental.PythonState):
                      "error_feedback": residuals,
                      **{key: int(data[key]) for key in ("pipeline_depth", "warmup_steps")
                         if key in data.files}}
+            if "tune" in data.files:
+                state["tune"] = json.loads(bytes(data["tune"]).decode())
         pipe = self._pipeline()
         if pipe is None:
             _set_pending(self._sources, state)
@@ -591,7 +610,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
                             op=engine.Average, gradient_predivide_factor=1.0, num_groups=0,
                             groups=None, process_set=engine.global_process_set,
                             scale_local_gradients=True, *, pipeline_depth=None,
-                            warmup_steps=0, bucket_cap_mb=None):
+                            warmup_steps=0, bucket_cap_mb=None, tune=None):
     """Wrap `gradtape` so its gradient() averages the gradients across ranks, pipelined.
 
     The arguments up to `scale_local_gradients` are horovod.tensorflow's, in its
@@ -607,6 +626,14 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     Default: $PIPE_HOROVOD_PIPELINE_DEPTH, else 2. warmup_steps: steps at depth 1
     before the pipeline starts. bucket_cap_mb: MiB per fused reduction (None: chosen
     from the ranks and the link, as in the other adapters).
+    tune: None (default): the configuration as given. "auto": the run tunes itself
+    (docs/auto.md): its first $PIPE_HOROVOD_TUNE_STEPS steps (20) return this step's
+    average (K=1) while it measures compute, exposed wait and the link; then every
+    rank applies the depth (1 or 2), codec and bucket cap predicted fastest among those
+    the convergence rule allows, and rank 0 logs one line saying why. An explicit
+    pipeline_depth, compression or bucket_cap_mb pins that choice; one auto cannot
+    honour is a ValueError naming both. GradientsInFlight carries the decision, so a
+    resume keeps it. Default: $PIPE_HOROVOD_TUNE ("auto") if set, else None.
 
     Returns:
         `gradtape` itself, its class now a subclass of its own with gradient() and
@@ -637,12 +664,19 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
         process_set = None
     if process_set is not None and not isinstance(process_set, engine.ProcessSet):
         raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
+    tune = auto.resolve_tune(tune)
     pipeline_depth, source = resolve_depth(pipeline_depth)
     check_options(pipeline_depth, warmup_steps, 1, 25 if bucket_cap_mb is None else bucket_cap_mb)
     check_reduction(op, gradient_predivide_factor)
+    tuned = None if tune is None else _tune_pins(
+        pipeline_depth if source != "default" else None, compression, bucket_cap_mb,
+        warmup_steps, op)
     engine.current()                             # a clear error before init()
     bucket_cap_mb = resolve_bucket_cap_mb(bucket_cap_mb, process_set)
-    announce_depth(pipeline_depth, warmup_steps, source, process_set, _announced)
+    if tuned is None:
+        announce_depth(pipeline_depth, warmup_steps, source, process_set, _announced)
+    else:
+        auto.announce(auto.Tuner(*tuned), process_set, _announced)
     cls = type(gradtape)
     gradtape.__class__ = type(cls.__name__, (_DistributedGradientTape, cls),
                               {"__module__": __name__})
@@ -651,10 +685,26 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
         "compression": compression, "op": op,
         "gradient_predivide_factor": float(gradient_predivide_factor),
         "bucket_cap_mb": bucket_cap_mb, "groups": groups or None, "process_set": process_set,
-        "scale_local_gradients": scale_local_gradients}
+        "scale_local_gradients": scale_local_gradients, "tune": tuned}
     gradtape._tape_pipeline = None
     gradtape._local_sources = set()
     return gradtape
+
+
+def _tune_pins(pinned_depth, compression, pinned_cap, warmup_steps, op):
+    """tune="auto": (the steps it measures, auto.Pins) from the options given explicitly;
+    a conflict is auto.check_pins's ValueError naming both. (No compensation: the tape
+    sends no prediction exchange.)"""
+    steps = auto.tune_steps()
+    codec = None
+    if compression is not Compression.none:
+        try:
+            codec = config_name(compression)
+        except (AttributeError, ValueError):
+            codec = getattr(compression, "name", type(compression).__name__)
+    pins = auto.check_pins(steps, pinned_depth, codec, pinned_cap, warmup_steps, None,
+                           op in (engine.Average, engine.Sum))
+    return steps, pins
 
 
 def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",

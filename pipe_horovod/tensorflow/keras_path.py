@@ -38,16 +38,26 @@ not reduced and not predicted: their gradient travels with its step.
 With prediction_exchange the prediction takes the ranks' exchanged average
 (StepMachine.estimates) in place of this rank's own gradients: the last
 hand-off returns it beside the average that pops.
+
+tune="auto" (pipeline/auto.py): the step is traced once, before auto decides, so the
+graph is built for the deepest K auto may choose (the lookahead's shadow weights and
+branches, the exchange's outputs) while the step machine runs the measured steps at
+K=1. Whatever it decides, the graph stays: at K=1 nothing is in flight after a step, so
+the lookahead's branch never runs (the hand-off reports none ahead), no exchange is sent
+(the machine sends one only for a step that stays in flight) and the exchange's outputs
+are empty; at K=2 the graph is the one a run built at K=2 traces.
 """
 import os
 import time
+import weakref
 
 import numpy as np
 import tensorflow as tf
 import torch
 
-from ..pipeline import StepGradient, StepMachine
+from ..pipeline import StepGradient, StepMachine, auto
 from ..pipeline.buckets import bucket_cap_bytes
+from ..pipeline.convergence_rule import DEPTHS
 from ..pipeline.local_scale import LocalScale
 from .._keras.naming import next_prefix, variable_names
 from .bridge import (DLPack, NumPy, eager_variables, keeping_failures, refuse_xla,
@@ -78,12 +88,20 @@ class TensorFlowPath:
             raise ValueError(f"PIPE_HOROVOD_KERAS_TRANSFER must be numpy or dlpack, got {choice!r}")
         dlpack = choice == "dlpack" or (choice is None and any(d.type != "cpu" for d in devices))
         self.transfer = DLPack() if dlpack else NumPy()
+        tuner = options.get("tuner")             # tune="auto": a pipeline/auto.py Tuner
+        depth, warmup = options["pipeline_depth"], options["warmup_steps"]
+        if tuner is not None:                    # measured at K=1; built for auto's deepest
+            depth = options["pinned_depth"] or max(DEPTHS)
+            warmup = auto.warmup_steps(tuner.steps, warmup)
         self.machine = StepMachine(
-            next_prefix(), options["pipeline_depth"], options["warmup_steps"],
+            next_prefix(), 1 if tuner is not None else depth, warmup,
             compression=options["compression"], op=options["op"],
             predivide=options["gradient_predivide_factor"], process_set=options["process_set"],
             cap_bytes=bucket_cap_bytes(options["bucket_cap_mb"]), groups=options["groups"],
-            collective=options["collective"], exchange=options["prediction_exchange"])
+            collective=options["collective"], exchange=options["prediction_exchange"],
+            tune=tuner)
+        if tuner is not None:
+            self.machine.on_tuned.append(_weak_tuned(self))
         # 1/size with scale_local_gradients, of the engine running now (rebind_engine)
         self.scale_local = LocalScale(options["scale_local_gradients"],
                                       lambda: self.machine.size)
@@ -95,7 +113,6 @@ class TensorFlowPath:
                            if name not in self.local])
         self._arrays = {}                        # this step's gradients (torch views), by name
         self.timings = self.machine.timings      # steps, waits and the measured run
-        depth = options["pipeline_depth"]
         self.lookahead = options["staleness_compensation"] == "lookahead" and depth > 1
         # "lookahead": how many in-flight steps older than this one a prediction may use,
         # and (when there are some and ranks differ) this step's own gradients, kept.
@@ -105,7 +122,8 @@ class TensorFlowPath:
         # Alone, the prediction is exactly the next update (K=1's numbers, as the PyTorch
         # adapter does): the FIFO runs at depth 1, with no copy and no extra update,
         # except while gradients a checkpoint brought are in flight (until a flush).
-        self.depth, self.alone = depth, self.lookahead and self.machine.solo
+        self.depth = self.machine.fifo.pipeline_depth
+        self.alone = self.lookahead and self.machine.solo
         self._set_depth()
         if self.lookahead:
             with tf.init_scope():
@@ -150,9 +168,11 @@ class TensorFlowPath:
         current = grads
         if self.exchanging:                      # the ranks' average where one was exchanged
             at = n + 1 + self.older * n
-            exchanged = [g if name in self.local else e for g, e, name in
-                         zip(grads, shaped(out[at:at + n]), self.names)]
-            current = tf.cond(tf.ensure_shape(out[at + n], ()), lambda: exchanged,
+            # (shaped inside the branch: a step that exchanged nothing hands back empty
+            # tensors, not a model's worth of zeros: K=1 under tune="auto", warm-up)
+            current = tf.cond(tf.ensure_shape(out[at + n], ()),
+                              lambda: [g if name in self.local else e for g, e, name in
+                                       zip(grads, shaped(out[at:at + n]), self.names)],
                               lambda: grads)
         self.put_real_back()                     # after backward, before the real update
 
@@ -293,7 +313,7 @@ class TensorFlowPath:
             if self.exchanging:
                 # (local variables are not exchanged: the graph keeps their own gradient)
                 out += [self.transfer.to_tf(estimates[n].reshape(self.shapes[n]))
-                        if n in estimates else self._zero(n) for n in self.names]
+                        if n in estimates else self._empty(n) for n in self.names]
                 out.append(self.transfer.flag(bool(estimates)))
             out.append(self.transfer.count(len(ahead)))
         return tuple(out)
@@ -310,6 +330,19 @@ class TensorFlowPath:
     def _zero(self, name):
         return self.transfer.to_tf(torch.zeros(self.shapes[name], dtype=self.kinds[name][0],
                                                device=self.kinds[name][1]))
+
+    def _empty(self, name):
+        """An output the graph does not read (its branch is not taken): no elements."""
+        return self.transfer.to_tf(torch.zeros(0, dtype=self.kinds[name][0],
+                                               device=self.kinds[name][1]))
+
+    # --- tune="auto" ----------------------------------------------------------------
+    def _tuned(self, decision):
+        """The machine applied `decision` (or a resume restored it, or an elastic reset
+        went back to measuring): this path's depth follows it. The graph holds the
+        lookahead for K=2 already; at K=1 it finds nothing ahead and does not run."""
+        self.depth = decision.pipeline_depth
+        self._set_depth(len(self.machine.fifo))
 
     # --- outside the step ---------------------------------------------------------
     def flush(self):
@@ -357,6 +390,9 @@ class TensorFlowPath:
     def restore(self, in_flight, state):
         steps = state["steps"]
         fifo = self.machine.fifo
+        # tune="auto": the decision first (its depth is the one the gradients in flight
+        # were saved at); none saved, or for another number of ranks: measure again
+        self.machine.restore_tuning(state.get("tune"), steps)
         self._set_depth(len(in_flight))
         if in_flight and len(in_flight) >= fifo.threshold(steps):   # would pop several at once
             raise ValueError(f"a checkpoint with {len(in_flight)} gradients in flight at step "
@@ -383,6 +419,17 @@ class TensorFlowPath:
                 v.assign(real[n])
         if self.lookahead:
             self.predicted.assign(bool(real))
+
+
+def _weak_tuned(path):
+    """The machine's on_tuned callback, not keeping `path` alive."""
+    ref = weakref.ref(path)
+
+    def tuned(decision):
+        owner = ref()
+        if owner is not None:
+            owner._tuned(decision)
+    return tuned
 
 
 def _dtype(variable):

@@ -30,7 +30,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
 
     The arguments are horovod.tensorflow's, in its order; `use_locking` (TF1's) is
     accepted and unused. Keyword-only: pipe_horovod.keras.DistributedOptimizer's
-    pipeline_depth, warmup_steps, bucket_cap_mb, staleness_compensation, collective.
+    pipeline_depth, warmup_steps, bucket_cap_mb, staleness_compensation, collective,
+    tune ("auto": the run chooses depth, codec and buckets from its first steps).
 
     Raises:
         TypeError: a TensorFlow 1 optimizer (tf.compat.v1.train.Optimizer), which needs

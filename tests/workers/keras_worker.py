@@ -33,6 +33,9 @@ NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
                          checkpoint callbacks see the real weights, the same on every rank, on
                          a model built by its first batch (broadcast after it)
   errors                 bad input: a clear error on every rank, and no hang after it
+  auto                   tune="auto" on the torch backend (keras_auto.py): K=1 and K=2
+                         outcomes bit for bit against the chosen configuration with
+                         warmup_steps=N, its decision everywhere, in the summary and state
   overlap                with reductions slowed by a fixed delay, K=2 steps beat K=1's
   tf.CASE                on TensorFlow: tensorflow_worker.py's custom-loop CASE (api, tape,
                          optimizer, checkpoint, errors) with pipe_horovod.tensorflow
@@ -1085,6 +1088,8 @@ def main():
                   "midsave": lambda: check_mid_epoch_saves(
                       Path(os.environ["PIPE_HOROVOD_TEST_DIR"])),
                   "metrics": lambda: check_metrics(Path(os.environ["PIPE_HOROVOD_TEST_DIR"])),
+                  "auto": lambda: __import__("keras_auto").check_auto(
+                      Path(os.environ["PIPE_HOROVOD_TEST_DIR"])),
                   "api": lambda: check_api(Path(os.environ["PIPE_HOROVOD_TEST_DIR"])),
                   "full": lambda: check_checkpoint("full", args[0], files["full"]),
                   "save": lambda: check_checkpoint("save", args[0], files["save"])}

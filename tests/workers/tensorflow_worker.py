@@ -25,6 +25,10 @@ backend (tests/keras_launches.py; one TensorFlow start-up per engine):
               (this rank's own gradient / size), the others averaged, both one step late,
               zeros first; get_local_and_global_gradients; the *_op identity ops; a local
               source shaped differently on each rank
+  auto        tune="auto" for the tape and hvd.DistributedOptimizer (tensorflow_auto.py):
+              K=1 and K=2 outcomes bit for bit against the chosen configuration with
+              warmup_steps=N, the same decision everywhere, in the run summary and
+              kept by a checkpoint's resume; wrap-time conflicts; ranks that differ told
   autodiff    gradients through allreduce, grouped_allreduce, allgather and broadcast
               (Horovod's rules, exact values), eagerly and in a tf.function;
               SyncBatchNormalization against Keras's BatchNormalization on every rank's
@@ -44,6 +48,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_reference as ref  # noqa: E402
+from tensorflow_auto import check_auto  # noqa: E402
 import pipe_horovod.tensorflow as hvd  # noqa: E402
 from tolerance import gamma, relative_error, training_rtol  # noqa: E402
 
@@ -700,4 +705,5 @@ def checks(directory):
     return {"api": check_api, "tape": check_tape, "optimizer": check_optimizer,
             "checkpoint": lambda: check_checkpoint(directory), "errors": check_errors,
             "align": lambda: check_align(directory),
-            "partial": check_partial, "autodiff": check_autodiff}
+            "partial": check_partial, "autodiff": check_autodiff,
+            "auto": lambda: check_auto(directory)}

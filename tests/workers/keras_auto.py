@@ -1,0 +1,114 @@
+"""tune="auto" for the Keras DistributedOptimizer on the torch backend, in model.fit
+(keras_worker.py's mode `auto`, in the torchrun launch of that backend): the PyTorch
+adapter underneath runs it, priced with the Keras default's int4 prediction exchange.
+
+Timings are injected as tests/workers/auto_worker.py does: a callback sleeps COMPUTE_S
+after every batch (compute, as the run record counts it); the network-bound run also
+sleeps WAIT_S in every wait for a reduction (engine.wait: exposed wait). Compute alone:
+K=1; with the wait: K=2, no codec. Each outcome: the same decision on every rank, in the
+run summary, and fit's weights equal, bit for bit, a fit of the chosen configuration with
+warmup_steps=N (the Keras default lookahead and exchange at K=2). The optimizer's state
+(what model.save and broadcasts carry) holds the decision; a fresh optimizer loading it
+applies it without measuring.
+"""
+import json
+import os
+import time
+
+import keras
+import numpy as np
+
+import pipe_horovod.engine as engine_module
+import pipe_horovod.keras as phvd
+from pipe_horovod.compression import Compression
+
+N = 8
+BATCHES = N + 4
+COMPUTE_S = 0.08
+WAIT_S = 0.04
+
+
+class _Compute(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(COMPUTE_S)
+
+
+def _build():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"),
+                             keras.layers.Dense(3)])
+
+
+def _data():
+    rng = np.random.default_rng(phvd.rank())
+    return (rng.normal(size=(8 * BATCHES, 4)).astype("float32"),
+            rng.normal(size=(8 * BATCHES, 3)).astype("float32"))
+
+
+def _fit(options, slow=False, timed=False):
+    model = _build()
+    opt = phvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                    flush_in_fit=False, **options)
+    model.compile(opt, "mse")
+    wait = engine_module.wait
+    if slow:
+        def slowly(handle):
+            time.sleep(WAIT_S)
+            return wait(handle)
+        engine_module.wait = slowly
+    try:
+        model.fit(*_data(), batch_size=8, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[_Compute()] if timed else [])
+    finally:
+        engine_module.wait = wait
+    opt.flush()
+    return model, opt
+
+
+def _outcome(slow, folder):
+    what = f"Keras torch auto ({'network' if slow else 'compute'}-bound)"
+    model, opt = _fit({"tune": "auto"}, slow=slow, timed=True)
+    machine = opt._path.torch_optimizer._machine
+    decision = machine.tuner.decision
+    assert decision is not None, f"{what}: auto did not decide"
+    assert (decision.pipeline_depth, decision.compression, decision.bucket_cap_mb) == (
+        2 if slow else 1, "none", None), (what, decision)
+    assert machine.tuner.pins.exchange == "int4", machine.tuner.pins
+    everyone = phvd.allgather_object(decision.as_dict())
+    assert all(d == everyone[0] for d in everyone), (what, everyone)
+    path = str(folder / f"keras-auto-{int(slow)}-{phvd.rank()}.json")
+    assert opt.write_run_summary(path) == (path if phvd.rank() == 0 else None), what
+    if phvd.rank() == 0:
+        with open(path) as f:
+            assert json.load(f)["config"]["auto"] == json.loads(
+                json.dumps(decision.as_dict())), what
+    oracle, _ = _fit({"pipeline_depth": decision.pipeline_depth, "warmup_steps": N,
+                      "compression": Compression.by_name(decision.compression),
+                      "bucket_cap_mb": decision.bucket_cap_mb})
+    for i, (a, b) in enumerate(zip(model.get_weights(), oracle.get_weights())):
+        assert np.array_equal(a, b), f"{what}: weight {i} differs from its oracle"
+    return model, opt, decision
+
+
+def check_auto(folder):
+    before = os.environ.get("PIPE_HOROVOD_TUNE_STEPS")
+    os.environ["PIPE_HOROVOD_TUNE_STEPS"] = str(N)
+    try:
+        _outcome(False, folder)
+        model, opt, decision = _outcome(True, folder)
+        store = {}
+        opt.save_own_variables(store)         # what model.save and the broadcasts carry
+        saved = json.loads(bytes(np.asarray(store["pipe_horovod"])).decode())
+        assert saved["tune"] == json.loads(json.dumps(decision.as_dict())), saved["tune"]
+        fresh = phvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                          tune="auto")
+        fresh.build(model.trainable_variables)
+        fresh.load_own_variables(store)
+        machine = fresh._path.torch_optimizer._machine
+        assert machine.tuner.decision == decision, machine.tuner.decision
+        assert machine.fifo.pipeline_depth == 2 and not machine.tuner.due(machine.fifo.steps)
+    finally:
+        if before is None:
+            os.environ.pop("PIPE_HOROVOD_TUNE_STEPS")
+        else:
+            os.environ["PIPE_HOROVOD_TUNE_STEPS"] = before
