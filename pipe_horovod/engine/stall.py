@@ -169,6 +169,12 @@ class Board:
         self.raises = max([post["seq"] for post in raised] + [self.raises])
         last = self.last or {"state": "unposted"}
         self.post(rank, **{k: v for k, v in last.items() if k != "raises"})
+        self.tell_news(rank)
+
+    def tell_news(self, rank):
+        """Something a waiting rank must hear of at once happened at `rank` (an error, its
+        end): the leader of the looks sweeps at its next (summary.py)."""
+        self.put_raw("news", f"{rank}.{os.urandom(6).hex()}")
 
     def raised(self, ranks):
         """{rank: [its last errors, oldest first]}."""
@@ -195,7 +201,9 @@ class Board:
         try:
             self._put(self._key(kind, rank), json.dumps(status))
         except Exception:           # the store is gone (its host ended): nothing to tell
-            pass
+            return
+        if status.get("state") == "ended":
+            self.tell_news(rank)
 
 
 def read_pause(posts):

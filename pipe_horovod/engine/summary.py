@@ -14,6 +14,10 @@ one rendezvous server of horovodrun should take; every other costs a second more
 cause). Each rank names the cause from the same posts as before (causes.py), so the words
 do not change; only where it read them.
 
+A rank that raises or ends also writes one `news` key (any new value: its rank and a
+nonce); the leader reads it at each look, and sweeps at once when it changed, so a cause
+waits for no second period (one GET more for the leader, one PUT per such event).
+
 The leader is rank 0 while it waits. When it does not (it is the straggler, it raised, it
 died, it ended), the summary stops advancing, and the lowest rank the last summary saw
 waiting takes over after that many periods more (the next one after one more, ...), so one
@@ -72,6 +76,7 @@ class Look:
         self.summary_seen = 0.0     # when the summary read last was first seen here
         self.looks = 0              # looks since this rank began to lead
         self.view = {}              # the others' posts, as the leader's last sweep read them
+        self.news = None            # the news key as the leader last read it
 
     def start(self):
         """A new stalled wait: rank 0 leads; a rank that took over last time follows again
@@ -111,8 +116,9 @@ class Look:
 
     def _lead(self, stall, now):
         self.looks += 1
-        if (self.looks - 1) % SWEEP_EVERY:     # between two sweeps: the last one's view
-            return dict(self.view)
+        news, self.news = self.news, self.board.get_raw("news")
+        if (self.looks - 1) % SWEEP_EVERY and news == self.news:
+            return dict(self.view)          # between two sweeps, nothing new: the last view
         if self.me != 0:            # a deputy: has a lower rank's summary moved on?
             summary = self._read_summary()
             if summary is not None and summary["by"] < self.me and \
