@@ -443,8 +443,10 @@ class StepMachine:
 
     def say_if_too_short(self):
         """Once, on the first rank: the run stops (flush, state taken, exit) before auto
-        decided, so it trained as measured throughout."""
-        if self.tuner is None:
+        decided, so it trained as measured throughout. Not before the first measured step:
+        the ranks' agreement at the start (resume_agreement) reads the state then, and
+        nothing has ended early."""
+        if self.tuner is None or self.fifo.steps == self.tuner.measure_from:
             return
         words = self.tuner.too_short(self.fifo.steps)
         if words is not None and self._first_rank():
