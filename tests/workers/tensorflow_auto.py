@@ -30,6 +30,7 @@ import tensorflow as tf
 import pipe_horovod.engine as engine_module
 import pipe_horovod.tensorflow as hvd
 from pipe_horovod.compression import Compression
+from pipe_horovod.pipeline import auto
 from pipe_horovod.tensorflow import gradient_tape
 
 N = 8                             # PIPE_HOROVOD_TUNE_STEPS for these runs
@@ -279,6 +280,14 @@ def _conflicts():
     expect_error(ValueError, "compression='int8_ef' with collective='ring",
                  lambda: _optimizer(tune="auto", collective="ring",
                                     compression=hvd.Compression.int8_ef))
+    # A saved model keeps tune and an unpinned depth (a reload chooses again), or the pin
+    config = _optimizer(tune="auto").get_config()
+    assert config["tune"] == "auto" and config["pipeline_depth"] is None, config
+    again = _optimizer(tune="auto").from_config(config)
+    assert again._tuning == (N, auto.Pins(exchange="int4")), again._tuning
+    config = _optimizer(tune="auto", pipeline_depth=2).get_config()
+    assert config["pipeline_depth"] == 2, config
+    assert _optimizer().get_config()["tune"] is None
     if hvd.size() == 1:
         return
     mine = "auto" if hvd.rank() == 0 else None
