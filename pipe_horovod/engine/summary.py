@@ -96,7 +96,7 @@ class Look:
                 others = self._lead(stall, now)
             else:
                 others = self._follow(stall, now)
-            stall.raised_view = {r: self.raised.get(r, []) for r in others}
+            stall.raised_view = {r: p for r, p in self.raised.items() if r != self.me}
             return others
 
     # --- reading the posts ---------------------------------------------------------
@@ -105,6 +105,7 @@ class Look:
         others = self.board.read(ranks)
         behind = [r for r, s in others.items() if s and s.get("raises", 0) > self.raises.get(r, 0)]
         if behind:                  # only ranks whose count of errors moved: rare
+            self.raised = dict(self.raised)     # (a follower's was a summary's, shared)
             for rank, posts in self.board.raised(behind).items():
                 self.raised[rank] = posts
                 self.raises[rank] = max([p.get("seq", 0) for p in posts] + [0])
@@ -166,11 +167,11 @@ class Look:
         return waiting.index(self.me) if self.me in waiting else len(waiting) + self.me
 
     def _adopt(self, stall, summary, now):
-        posts = decode(summary, self.summary_seen)
+        posts, self.waiting, self.raised = _decoded(summary, self.summary_seen)
         stall.renewing = summary.get("renew", False)
-        self.raised = {int(r): p for r, p in summary.get("raised", {}).items()}
-        self.waiting = sorted(r for r, s in posts.items() if s and s["state"] == "waiting")
-        return {r: posts.get(r) for r in range(self.size) if r != self.me}
+        others = dict(posts)
+        others.pop(self.me, None)
+        return others
 
     def _read_summary(self):
         global _parsed
@@ -188,9 +189,26 @@ class Look:
         return summary
 
 
-_parsed = (None, None)      # the last summary parsed in this process, as (bytes, summary):
-# read-only once parsed; where one process simulates many ranks (tools/stall_load.py),
-# they parse each summary once
+# The last summary parsed in this process, as (bytes, summary), and its decoding: read-only
+# once made, so that where one process simulates many ranks (tools/stall_load.py) they
+# parse and decode each summary once, as one rank does; `seen` is then when this process
+# first read it.
+_parsed = (None, None)
+_decoding = (None, None)
+
+
+def _decoded(summary, seen):
+    """(posts, the ranks waiting, raised errors by rank) of `summary`, first read at
+    `seen`: shared, not to be changed."""
+    global _decoding
+    last = _decoding
+    if last[0] is summary:
+        return last[1]
+    posts = decode(summary, seen)
+    made = (posts, sorted(r for r, s in posts.items() if s and s["state"] == "waiting"),
+            {int(r): p for r, p in summary.get("raised", {}).items()})
+    _decoding = (summary, made)
+    return made
 
 
 def look(board, stall):

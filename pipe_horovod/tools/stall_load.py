@@ -52,7 +52,7 @@ def start_store(kind):
         import torch.distributed as dist
         store = dist.TCPStore("127.0.0.1", 0, None, True,
                               timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
-        return ("tcp", "127.0.0.1", store.port), lambda: None
+        return ("tcp", "127.0.0.1", store.port), lambda: store.num_keys()   # kept alive till then
     raise ValueError(f"unknown store {kind!r}: http or tcp")
 
 
@@ -282,6 +282,7 @@ def run(size, store, scenario, processes=4):
         word, kind = f"rank {odd} raised ValueError: the data of rank {odd} is broken", "named"
     named = [(at - began, text) for r, what, at, text in results
              if what == kind and word in text]
+    first = sorted((at - began, r) for r, what, at, text in results if what == kind)[:3]
     waiting = size - 1
     times = sorted(t for t, _ in named)
     return {"size": size, "store": store, "scenario": scenario,
@@ -291,7 +292,7 @@ def run(size, store, scenario, processes=4):
             "named_s": (statistics.median(times), times[-1]) if times else (None, None),
             "probe_ms": (1000 * statistics.median(latencies), 1000 * max(latencies))
             if latencies else (None, None),
-            "per_second": seconds, "times": [round(t, 2) for t in times],
+            "per_second": seconds, "times": [round(t, 2) for t in times], "first": first,
             "example": named[0][1][:300] if named else
             next((text[:300] for r, what, at, text in results if text), "")}
 
