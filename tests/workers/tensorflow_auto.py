@@ -106,8 +106,22 @@ def _fixed(decision):
 
 
 def _expected(slow):
-    """The decision auto must take here: (K, codec, cap)."""
+    """The decision auto must take here: (K, codec, cap); None: whichever it takes (the
+    oracle still holds for it). Under Horovod's engine a reduction is answered by its
+    background cycle, so a K=1 step there waits for real (about 10 ms against the 80 ms
+    injected), and K=2 is rightly predicted faster (1.1x): the K=1 outcome is checked
+    under torchrun and in one process."""
+    if not slow and hvd.size() > 1 and engine_module.current().name == "horovod":
+        return None
     return (2 if slow and hvd.size() > 1 else 1), "none", None
+
+
+def _check_decision(decision, slow, what):
+    assert decision is not None, f"{what}: auto did not decide"
+    expected = _expected(slow)
+    if expected is not None:
+        assert (decision.pipeline_depth, decision.compression, decision.bucket_cap_mb) == \
+            expected, (what, decision)
 
 
 # --- the tape -----------------------------------------------------------------------------
@@ -144,9 +158,7 @@ def _tape_outcome(slow):
                                              compute_s=COMPUTE_S))
     machine = _tape_machine(model)
     decision = machine.tuner.decision
-    assert decision is not None, f"{what}: auto did not decide"
-    assert (decision.pipeline_depth, decision.compression, decision.bucket_cap_mb) == \
-        _expected(slow), (what, decision)
+    _check_decision(decision, slow, what)
     assert machine.fifo.pipeline_depth == decision.pipeline_depth, what
     if hvd.size() == 1:
         assert decision.reason == "one rank: nothing to reduce", decision
@@ -219,9 +231,7 @@ def _optimizer_outcome(slow):
     assert len(traces) == 1, f"{what}: the step was traced {len(traces)} times"
     machine = opt._path.machine
     decision = machine.tuner.decision
-    assert decision is not None, f"{what}: auto did not decide"
-    assert (decision.pipeline_depth, decision.compression, decision.bucket_cap_mb) == \
-        _expected(slow), (what, decision)
+    _check_decision(decision, slow, what)
     if hvd.size() > 1:
         # K=2 was priced with the lookahead's int4 exchange (the Keras default)
         assert machine.tuner.pins.exchange == "int4", machine.tuner.pins
