@@ -53,7 +53,8 @@ STATUS_AFTER_S = 1.0    # a wait this long posts its status and reads the others
 POSTED_NAMES = 256      # names in flight a waiting rank posts (more: the list says partial)
 POSTED_SHAPES = 16      # tensors of a grouped call whose shapes and dtypes are posted
 POSTED_RAISES = 8       # a rank's last errors kept on the board
-PARALLEL_READS = 8      # reads in flight at once when one rank reads many posts
+PARALLEL_READS = 3      # reads in flight at once when one rank reads many posts (below the
+#                         listen queue of horovodrun's server, 5, which drops connections past it)
 _WAITS = itertools.count(1)     # this process's stalled waits, numbered: a post's wait
 
 

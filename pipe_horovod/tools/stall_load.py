@@ -199,11 +199,18 @@ def _run_rank(rank, size, spec, scenario, odd, t0, shared, counted, said, result
         stall.end(failed=True)
 
 
-def _worker(ranks, size, spec, scenario, odd, t0, queue):
-    """One process of simulated ranks, each a thread; puts (results, requests by second)."""
+def _worker(ranks, size, spec, scenario, odd, start, queue):
+    """One process of simulated ranks, each a thread; says it is ready, then starts them
+    at the time the driver sets in `start`; puts (results, requests by second)."""
     os.environ["HOROVOD_STALL_CHECK_TIME_SECONDS"] = \
         str(STRAGGLER_CHECK_S if scenario == "straggler" else 60)
     from pipe_horovod.engine import stall as stall_module
+    if spec[0] == "tcp":
+        import torch.distributed  # noqa: F401  (imported before the clock starts)
+    queue.put("ready")
+    while start.value == 0.0:
+        time.sleep(0.01)
+    t0 = start.value
     said = _Said()
     stall_module.warnings = said
     counted, results = _Counted(), []
@@ -251,14 +258,16 @@ def run(size, store, scenario, processes=4):
     spec, stop = start_store(store)
     odd = size // 2 if size > 2 else 1      # the straggler, or the rank that fails
     context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    t0 = time.time() + 3.0 + 0.004 * size   # time for the processes to start
+    queue, start = context.Queue(), context.Value("d", 0.0)
     per = [list(range(size))[i::processes] for i in range(processes)]
-    procs = [context.Process(target=_worker, args=(ranks, size, spec, scenario, odd, t0,
+    procs = [context.Process(target=_worker, args=(ranks, size, spec, scenario, odd, start,
                                                   queue), daemon=True)
              for ranks in per if ranks]
     for proc in procs:
         proc.start()
+    for _ in procs:
+        assert queue.get(timeout=300) == "ready"
+    t0 = start.value = time.time() + 1.0 + 0.002 * size     # the threads' start
     latencies = []
     storm_end = t0 + (STRAGGLER_CHECK_S if scenario == "straggler" else FAIL_AT_S)
     probe = threading.Thread(target=_probe, args=(spec, t0, storm_end, latencies), daemon=True)
@@ -292,6 +301,7 @@ def run(size, store, scenario, processes=4):
             "named_s": (statistics.median(times), times[-1]) if times else (None, None),
             "probe_ms": (1000 * statistics.median(latencies), 1000 * max(latencies))
             if latencies else (None, None),
+            "probe_over_100ms": f"{sum(t > 0.1 for t in latencies)}/{len(latencies)}",
             "per_second": seconds, "times": [round(t, 2) for t in times], "first": first,
             "example": named[0][1][:300] if named else
             next((text[:300] for r, what, at, text in results if text), "")}
@@ -300,15 +310,17 @@ def run(size, store, scenario, processes=4):
 def table(rows):
     """The rows as a Markdown table."""
     lines = ["| store | ranks | scenario | requests/rank/s | ranks that named it | "
-             "cause named after (median / slowest) | new key answered in (median / worst) |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+             "cause named after (median / slowest) | new key answered in (median / worst) | "
+             "probes over 100 ms |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
     for row in rows:
         med, worst = row["named_s"]
         pmed, pworst = row["probe_ms"]
         named = "-" if med is None else f"{med:.1f} s / {worst:.1f} s"
         probe = "-" if pmed is None else f"{pmed:.0f} ms / {pworst:.0f} ms"
         lines.append(f"| {row['store']} | {row['size']} | {row['scenario']} | "
-                     f"{row['rate']:.2f} | {row['named']} | {named} | {probe} |")
+                     f"{row['rate']:.2f} (peak {row['peak']:.2f}) | {row['named']} | {named} | "
+                     f"{probe} | {row['probe_over_100ms']} |")
     return "\n".join(lines)
 
 
