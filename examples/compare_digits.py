@@ -23,6 +23,7 @@ run failed, timed out or wrote no result.
     python examples/compare_digits.py --np 2
     python examples/compare_digits.py --np 2 --framework keras
     python examples/compare_digits.py --np 2 --epochs 10 -- --compression fp16
+    python examples/compare_digits.py --np 2 --framework keras --auto   # + tune='auto'
 """
 import argparse
 import json
@@ -68,6 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", help="keep each run's JSON and full log here "
                                      "(default: a temporary folder)")
     p.add_argument("--json", metavar="PATH", help="write the comparison here as JSON")
+    p.add_argument("--auto", action="store_true",
+                   help="also run it with tune='auto' (Keras: --tune auto), a third row: the "
+                        "depth, codec and buckets chosen from its first steps")
     p.add_argument("extra", nargs="*",
                    help="more flags for the example, after `--` (e.g. -- --compression fp16)")
     return p.parse_args(argv)
@@ -141,8 +145,9 @@ def _reader(stream, log, progress, last_epoch):
 def run_one(label, depth, args, horovodrun, json_path, log_path, example):
     """Run the example under horovodrun, its output to log_path. Returns (rc, seconds)."""
     cmd = [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo",
-           sys.executable, str(example), "--pipeline-depth", str(depth), "--seed", str(args.seed),
-           "--json", str(json_path), "--no-progress"]
+           sys.executable, str(example),
+           *(["--tune", "auto"] if depth == "auto" else ["--pipeline-depth", str(depth)]),
+           "--seed", str(args.seed), "--json", str(json_path), "--no-progress"]
     if args.epochs is not None:
         cmd += ["--epochs", str(args.epochs)]
     cmd += args.extra
@@ -247,7 +252,9 @@ def main(argv=None):
           f"(full logs under {out_dir})", flush=True)
 
     rows, failed = [], False
-    for label, depth in RUNS:
+    if args.auto and args.framework != "keras":
+        sys.exit("--auto: the Keras example takes --tune auto; use --framework keras")
+    for label, depth in RUNS + ([("auto", "auto")] if args.auto else []):
         json_path = out_dir / f"{stem}_depth{depth}.json"
         log_path = out_dir / f"{stem}_depth{depth}.log"
         json_path.unlink(missing_ok=True)
@@ -267,12 +274,17 @@ def main(argv=None):
             failed = True
         rows.append(row)
 
-    sync, pipe = rows
+    sync, pipe = rows[:2]
     diff_pp = None
     if sync["accuracy"] is not None and pipe["accuracy"] is not None:
         diff_pp = 100 * (pipe["accuracy"] - sync["accuracy"])
     print(f"\n{title(args.framework, rows, args)}\n")
     print(table(rows, diff_pp, args.tolerance))
+    if args.auto and rows[2]["train_time_s"] and sync["train_time_s"]:
+        chosen = (rows[2].get("result_data") or {}).get("auto") or {}
+        print(f"\nauto: train time {rows[2]['train_time_s'] / sync['train_time_s']:.2f}x "
+              f"synchronous; chose K={chosen.get('pipeline_depth')}, compression "
+              f"{chosen.get('compression')} ({chosen.get('reason') or 'predicted faster'})")
     print(flush=True)
     for row in rows:
         row.pop("result_data", None)

@@ -69,6 +69,9 @@ def parse_args(argv=None):
                    help="1: synchronous (Horovod's math); K>=2: apply the gradient of K-1 steps ago")
     p.add_argument("--warmup-steps", type=int, default=0, help="synchronous steps before pipelining")
     p.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none")
+    p.add_argument("--tune", choices=["none", "auto"], default="none",
+                   help="auto: the run chooses depth, codec and buckets from its first steps "
+                        "(tune='auto'; --pipeline-depth is then not passed)")
     p.add_argument("--seed", type=int, default=42, help="model init, data shards and order")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
     p.add_argument("--no-progress", action="store_true",
@@ -144,8 +147,9 @@ def main(argv=None):
     peak_lr = args.lr * size
     optimizer = hvd.DistributedOptimizer(
         keras.optimizers.SGD(peak_lr, momentum=args.momentum),
-        pipeline_depth=args.pipeline_depth, warmup_steps=args.warmup_steps,
-        compression=hvd.Compression.by_name(args.compression))
+        pipeline_depth=None if args.tune == "auto" else args.pipeline_depth,
+        warmup_steps=args.warmup_steps, compression=hvd.Compression.by_name(args.compression),
+        tune=None if args.tune == "none" else args.tune)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
@@ -201,7 +205,8 @@ def main(argv=None):
     if rank == 0:
         print(f"digits: {len(x_train)} train / {len(x_test)} test images; keras "
               f"{keras.__version__} backend={args.backend} engine={engine} size={size} "
-              f"pipeline_depth={args.pipeline_depth} warmup_steps={args.warmup_steps} "
+              f"pipeline_depth={'auto' if args.tune == 'auto' else args.pipeline_depth} "
+              f"warmup_steps={args.warmup_steps} "
               f"compression={args.compression} batch={args.batch_size}/rank lr={args.lr}*{size} "
               f"momentum={args.momentum} seed={args.seed}; {steps_per_epoch} steps/epoch",
               flush=True)
@@ -221,12 +226,19 @@ def main(argv=None):
                          for v in model.trainable_variables))
     checksums = hvd.allgather_object(checksum)
     ranks_agree = all(c == checksums[0] for c in checksums)
+    decision = None
+    if args.tune == "auto" and args.json:         # what auto chose: the run summary says
+        summary = optimizer.write_run_summary(args.json + ".run_summary")
+        if summary is not None:
+            with open(summary) as f:
+                decision = json.load(f)["config"].get("auto")
     if rank == 0:
         print(f"final held-out accuracy {100 * final:.2f}% after {args.epochs} epochs "
               f"in {train_time:.1f}s (ranks agree on the weights: {ranks_agree})", flush=True)
         if args.json:
             result = {
-                "pipeline_depth": args.pipeline_depth, "accuracy": final, "epochs": args.epochs,
+                "pipeline_depth": args.pipeline_depth if args.tune == "none" else None,
+                "tune": args.tune, "auto": decision, "accuracy": final, "epochs": args.epochs,
                 "warmup_steps": args.warmup_steps, "compression": args.compression,
                 "batch_size": args.batch_size, "lr": args.lr, "momentum": args.momentum,
                 "lr_warmup_epochs": warmup_epochs,
