@@ -185,6 +185,7 @@ def _tape_resume(directory):
         model=model, optimizer=opt,
         pipeline=hvd.GradientsInFlight(model.trainable_variables)).write(
         str(directory / f"tape_auto_rank{hvd.rank()}"))
+    _flush_tape(model, opt)                  # (nothing left in flight for the exit report)
     fresh, fresh_opt = build(seed=7), keras.optimizers.SGD(0.1)
     fresh_opt.build(fresh.trainable_variables)
     tf.train.Checkpoint(model=fresh, optimizer=fresh_opt,
@@ -263,6 +264,7 @@ def _optimizer_resume(directory):
     assert saved_decision.pipeline_depth == 2 and opt.in_flight == 1, saved_decision
     saved = tf.train.Checkpoint(model=model, optimizer=opt).write(
         str(directory / f"optimizer_auto_rank{hvd.rank()}"))
+    opt.flush()
     fresh, fresh_opt = build(seed=7), _optimizer(tune="auto")
     fresh_opt.build(fresh.trainable_variables)
     tf.train.Checkpoint(model=fresh, optimizer=fresh_opt).read(saved).assert_consumed()
