@@ -166,7 +166,9 @@ class Board:
         overwrite, and several, as a rank may raise again before the others look. Its
         status is posted again with the number of the last (`raises`): a rank that looks
         reads the raised key of a rank only when that number moved (summary.py)."""
-        self.post(rank, kind="raised", raised=list(raised))
+        for _ in range(3):          # the cause of the others' errors: not lost to one timeout
+            if self.post(rank, kind="raised", raised=list(raised)):
+                break
         self.raises = max([post["seq"] for post in raised] + [self.raises])
         last = self.last or {"state": "unposted"}
         self.post(rank, **{k: v for k, v in last.items() if k != "raises"})
@@ -196,15 +198,17 @@ class Board:
                 time.sleep(read_pause(len(ranks)))
 
     def post(self, rank, kind="status", **status):
+        """True once the store took it."""
         if kind == "status":
             self.last, self.failed = status, status.get("state") == "failed"
             status = dict(status, raises=self.raises)
         try:
             self._put(self._key(kind, rank), json.dumps(status))
-        except Exception:           # the store is gone (its host ended): nothing to tell
-            return
+        except Exception:           # the store is gone (its host ended), or did not answer
+            return False
         if status.get("state") == "ended":
             self.tell_news(rank)
+        return True
 
 
 def read_pause(posts):

@@ -202,6 +202,7 @@ def _run_rank(rank, size, spec, scenario, odd, t0, shared, counted, said, result
 def _worker(ranks, size, spec, scenario, odd, start, queue):
     """One process of simulated ranks, each a thread; says it is ready, then starts them
     at the time the driver sets in `start`; puts (results, requests by second)."""
+    os.nice(10)     # the store's server (this driver) first: on a cluster it has a host of its own
     os.environ["HOROVOD_STALL_CHECK_TIME_SECONDS"] = \
         str(STRAGGLER_CHECK_S if scenario == "straggler" else 60)
     from pipe_horovod.engine import stall as stall_module
