@@ -109,10 +109,12 @@ class Look:
             for rank, posts in self.board.raised(behind).items():
                 self.raised[rank] = posts
                 self.raises[rank] = max([p.get("seq", 0) for p in posts] + [0])
+        seen = {}                   # (only the posts read now: the dict stays N long)
         for rank, status in others.items():
             if status is not None and "waited" in status:
                 key = (rank, status["state"], status.get("wait"), status.get("beat"))
-                status["seen"] = self.first_seen.setdefault(key, now)
+                status["seen"] = seen[key] = self.first_seen.get(key, now)
+        self.first_seen = seen
         return others
 
     def _lead(self, stall, now):
@@ -125,6 +127,7 @@ class Look:
             if summary is not None and summary["by"] < self.me and \
                     (summary["by"], summary["n"]) != self.last:
                 self.leading = False
+                self.last, self.stale, self.summary_seen = (summary["by"], summary["n"]), 0, now
                 return self._adopt(stall, summary, now)
         others = self._sweep(now)
         waiting = [r for r, s in others.items() if s and s["state"] == "waiting"]
