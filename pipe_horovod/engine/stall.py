@@ -120,6 +120,7 @@ class Board:
         self.raises = 0             # the number of its last error posted (in every status)
         self.failed = False         # its last status says a wait failed (see Stall.end)
         self._pool = None           # threads for reading many posts (a leader's sweep)
+        self.serves_per_s = None    # requests a second the store serves, if few (summary.py)
         # The engine's session (Engine.learn_peers): the launcher's store outlives an engine,
         # and a script that shuts down and starts again in one job must not read the last
         # engine's posts ("rank 0 ended") as news.
@@ -172,11 +173,12 @@ class Board:
         self.raises = max([post["seq"] for post in raised] + [self.raises])
         last = self.last or {"state": "unposted"}
         self.post(rank, **{k: v for k, v in last.items() if k != "raises"})
-        self.tell_news(rank)
+        if self.size > summary.DIRECT_UP_TO:
+            self.tell_news(rank)
 
     def tell_news(self, rank):
-        """Something a waiting rank must hear of at once happened at `rank` (an error, its
-        end): the leader of the looks sweeps at its next (summary.py)."""
+        """`rank`'s posts changed (a wait stalled or ended, an error, its end): the leader
+        of the looks reads them again at its next (summary.py)."""
         self.put_raw("news", f"{rank}.{os.urandom(6).hex()}")
 
     def raised(self, ranks):
@@ -199,14 +201,18 @@ class Board:
 
     def post(self, rank, kind="status", **status):
         """True once the store took it."""
-        if kind == "status":
+        news = False
+        if kind == "status":        # a new state or wait, not a renewal: news (summary.py)
+            last = self.last or {}
+            news = (last.get("state"), last.get("wait")) != (status.get("state"),
+                                                             status.get("wait"))
             self.last, self.failed = status, status.get("state") == "failed"
             status = dict(status, raises=self.raises)
         try:
             self._put(self._key(kind, rank), json.dumps(status))
         except Exception:           # the store is gone (its host ended), or did not answer
             return False
-        if status.get("state") == "ended":
+        if news and self.size > summary.DIRECT_UP_TO:
             self.tell_news(rank)
         return True
 
@@ -230,9 +236,14 @@ def torch_store(store):
     return store.set, get
 
 
+HTTP_SERVES_PER_S = 1000    # horovodrun's server: Python, a thread per request, one core
+
+
 def http_board(addr, port, size):
     """On horovodrun's rendezvous key-value server (HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT)."""
-    return Board(*http_store(addr, port), size)
+    board = Board(*http_store(addr, port), size)
+    board.serves_per_s = HTTP_SERVES_PER_S
+    return board
 
 
 def http_store(addr, port):
@@ -349,7 +360,7 @@ class Stall:
                                             and rank in beats
                                             and status.get("beat") != beats[rank])
 
-        if all(stuck(r, status) for r, status in others.items()) and not matched():
+        if others and all(stuck(r, status) for r, status in others.items()) and not matched():
             raise self._shared(self.causes.deadlock(self, others, now, confirmed=True))
         if self.shutdown_s is not None and elapsed >= self.shutdown_s:
             raise self.causes.report(self, others, now, f"rank {self.me} stalled for "

@@ -5,18 +5,19 @@ Every rank whose wait lasts STATUS_AFTER_S looked every period at every other ra
 on horovodrun each look is an HTTP GET to the one rendezvous server that elastic mode and
 the rendezvous also need, so a straggler among 1024 ranks cost about a million requests a
 second, and the server that was to say why the job stalled stopped answering. So above
-DIRECT_UP_TO ranks one waiting rank, the leader, reads the posts every SWEEP_EVERY periods
-and publishes one summary key (every rank's post, the same posts grouped: ranks in one
-collective share one entry), which the other waiting ranks read each period: one GET per
-rank per period, plus the leader's sweep (one GET per rank every other period), 1.5
-requests per rank per second in all (a sweep each period would make it 2, the most the
-one rendezvous server of horovodrun should take; every other costs a second more to name a
-cause). Each rank names the cause from the same posts as before (causes.py), so the words
-do not change; only where it read them.
-
-A rank that raises or ends also writes one `news` key (any new value: its rank and a
-nonce); the leader reads it at each look, and sweeps at once when it changed, so a cause
-waits for no second period (one GET more for the leader, one PUT per such event).
+DIRECT_UP_TO ranks one waiting rank, the leader, publishes one summary key each period
+(every rank's post, the same posts grouped: ranks in one collective share one entry),
+which the other waiting ranks read each period. It reads the posts again (a sweep, one
+GET per rank) when they may have changed: a rank writes one `news` key (any new value: its
+rank and a nonce) whenever its status changes (a wait stalls or ends, it raises, it ends),
+and the leader reads that key each period; and every SWEEP_EVERY periods all the same (a
+news write may be lost), and each period while it asks for renewals. A straggler's storm
+costs one GET per rank per period and a sweep every SWEEP_EVERY: about 1.25 requests per
+rank per second, under horovodrun's server's capacity (about 1,000 requests a second on
+one core: it is a Python server, one thread per connection) at 1024 ranks only with
+room to spare for the rendezvous and elastic mode it also serves. Each rank names the
+cause from the same posts as before (causes.py), so the words do not change; only where
+it read them.
 
 The leader is rank 0 while it waits. When it does not (it is the straggler, it raised, it
 died, it ended), the summary stops advancing, and the lowest rank the last summary saw
@@ -38,6 +39,7 @@ No clock is compared across hosts: a post carries the seconds its rank had waite
 monotonic clock); a reader adds how long ago it first saw that post (its own clock).
 """
 import json
+import math
 import threading
 import time
 import zlib
@@ -45,8 +47,20 @@ import zlib
 DIRECT_UP_TO = 2        # up to this many ranks each rank reads the other's post itself
 SUMMARY_RAISERS = 64    # ranks whose raised errors a summary carries (the lowest that raised)
 VARYING = ("wait", "waited", "beat", "raises")   # per-rank fields, kept out of the grouping
-SWEEP_EVERY = 2         # periods between two sweeps of the leader
-STALE_TICKS = SWEEP_EVERY   # periods without a new summary that may just be the leader's phase
+SWEEP_EVERY = 4         # a leader with no news sweeps every this many periods all the same
+STALE_TICKS = 2         # periods without a new summary that may just be the leader's phase
+PER_RANK = 1.0 + 1.0 / SWEEP_EVERY  # requests per rank per period, reading every period
+
+
+def read_every(size, serves_per_s):
+    """Periods between two reads of the summary by a rank that does not lead: 1, unless
+    the store serves too few requests a second for `size` ranks to read each period
+    (`serves_per_s`, Board: horovodrun's Python server, about 1,000; torch's TCPStore
+    does not count). A saturated store answers late or not at all (2 s timeouts), which
+    names causes later than reading less often does."""
+    if not serves_per_s:
+        return 1
+    return max(1, math.ceil(PER_RANK * size / (0.8 * serves_per_s)))
 
 
 def phase(rank, size, period=1.0):
@@ -77,6 +91,9 @@ class Look:
         self.looks = 0              # looks since this rank began to lead
         self.view = {}              # the others' posts, as the leader's last sweep read them
         self.news = None            # the news key as the leader last read it
+        self.follows = 0            # looks as a follower
+        self.every = read_every(size, getattr(board, "serves_per_s", None))
+        self.adopted = {r: None for r in range(size) if r != me}   # as the last summary said
 
     def start(self):
         """A new stalled wait: rank 0 leads; a rank that took over last time follows again
@@ -120,8 +137,6 @@ class Look:
     def _lead(self, stall, now):
         self.looks += 1
         news, self.news = self.news, self.board.get_raw("news")
-        if (self.looks - 1) % SWEEP_EVERY and news == self.news:
-            return dict(self.view)          # between two sweeps, nothing new: the last view
         if self.me != 0:            # a deputy: has a lower rank's summary moved on?
             summary = self._read_summary()
             if summary is not None and summary["by"] < self.me and \
@@ -129,21 +144,26 @@ class Look:
                 self.leading = False
                 self.last, self.stale, self.summary_seen = (summary["by"], summary["n"]), 0, now
                 return self._adopt(stall, summary, now)
-        others = self._sweep(now)
-        waiting = [r for r, s in others.items() if s and s["state"] == "waiting"]
-        stall.renewing = all(s is not None and s["state"] in ("waiting", "failed")
-                             for s in others.values())
+        if news != self.news or stall.renewing or self.looks % SWEEP_EVERY == 1:
+            others = self._sweep(now)
+            self.waiting = sorted(r for r, s in others.items() if s and s["state"] == "waiting")
+            stall.renewing = all(s is not None and s["state"] in ("waiting", "failed")
+                                 for s in others.values())
+            self.view = others
+        else:                       # nothing new: the last sweep's posts, published again
+            others = self.view
         posts = dict(others)
         posts[self.me] = dict(stall.posted_status(), seen=now)
         self.seq += 1
         self.last = (self.me, self.seq)
         self.board.put_raw("summary", encode(self.me, self.seq, stall.renewing, posts,
                                              self.raised, now))
-        self.waiting = sorted(waiting)
-        self.view = others
         return dict(others)
 
     def _follow(self, stall, now):
+        self.follows += 1
+        if (self.follows - 1) % self.every:
+            return dict(self.adopted)       # a look between two reads: the last one's
         summary = self._read_summary()
         key = None if summary is None else (summary["by"], summary["n"])
         if key == self.last:
@@ -158,7 +178,8 @@ class Look:
             return self._lead(stall, now)
         if summary is None:
             stall.renewing = False
-            return {r: None for r in range(self.size) if r != self.me}
+            self.adopted = {r: None for r in range(self.size) if r != self.me}
+            return dict(self.adopted)
         return self._adopt(stall, summary, now)
 
     def _place(self, summary):
@@ -174,7 +195,8 @@ class Look:
         stall.renewing = summary.get("renew", False)
         others = dict(posts)
         others.pop(self.me, None)
-        return others
+        self.adopted = others
+        return dict(others)
 
     def _read_summary(self):
         global _parsed

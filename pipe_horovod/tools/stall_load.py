@@ -22,9 +22,11 @@ during the storm: median and worst).
 Tooling only: the runtime never imports it.
 """
 import argparse
+import collections
 import json
 import multiprocessing
 import os
+import re
 import statistics
 import threading
 import time
@@ -84,10 +86,13 @@ def tcp_client(spec):
 
 def board_of(spec, size, shared, counted):
     """A simulated rank's board on the store, its requests counted."""
-    from pipe_horovod.engine.stall import Board, http_store, torch_store
+    from pipe_horovod.engine.stall import HTTP_SERVES_PER_S, Board, http_store, torch_store
     kind, addr, port = spec
     put, get = http_store(addr, port) if kind == "http" else torch_store(shared())
-    return Board(counted.wrap(put), counted.wrap(get), size)
+    board = Board(counted.wrap(put), counted.wrap(get), size)
+    if kind == "http":          # as http_board says
+        board.serves_per_s = HTTP_SERVES_PER_S
+    return board
 
 
 # --- a simulated rank ------------------------------------------------------------------
@@ -304,6 +309,9 @@ def run(size, store, scenario, processes=4):
             if latencies else (None, None),
             "probe_over_100ms": f"{sum(t > 0.1 for t in latencies)}/{len(latencies)}",
             "per_second": seconds, "times": [round(t, 2) for t in times], "first": first,
+            "unnamed": sorted(collections.Counter(
+                (what, re.sub(r"\d+", "N", text)[:160]) for r, what, at, text in results
+                if not (what == kind and word in text)).items())[:3],
             "example": named[0][1][:300] if named else
             next((text[:300] for r, what, at, text in results if text), "")}
 
