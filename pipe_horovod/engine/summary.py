@@ -7,15 +7,14 @@ the rendezvous also need, so a straggler among 1024 ranks cost about a million r
 second, and the server that was to say why the job stalled stopped answering. So above
 DIRECT_UP_TO ranks one waiting rank, the leader, publishes one summary key each period
 (every rank's post, the same posts grouped: ranks in one collective share one entry),
-which the other waiting ranks read each period. It reads the posts again (a sweep, one
+which the other waiting ranks read each period (on a store that serves few requests a
+second, every `read_every` periods). It reads the posts again (a sweep, one
 GET per rank) when they may have changed: a rank writes one `news` key (any new value: its
 rank and a nonce) whenever its status changes (a wait stalls or ends, it raises, it ends),
 and the leader reads that key each period; and every SWEEP_EVERY periods all the same (a
 news write may be lost), and each period while it asks for renewals. A straggler's storm
 costs one GET per rank per period and a sweep every SWEEP_EVERY: about 1.25 requests per
-rank per second, under horovodrun's server's capacity (about 1,000 requests a second on
-one core: it is a Python server, one thread per connection) at 1024 ranks only with
-room to spare for the rendezvous and elastic mode it also serves. Each rank names the
+rank per second. Each rank names the
 cause from the same posts as before (causes.py), so the words do not change; only where
 it read them.
 
@@ -23,7 +22,7 @@ The leader is rank 0 while it waits. When it does not (it is the straggler, it r
 died, it ended), the summary stops advancing, and the lowest rank the last summary saw
 waiting takes over after that many periods more (the next one after one more, ...), so one
 rank, not all, starts reading; a rank that leads steps down when it sees a lower rank's
-summary advance. With no summary at all, rank r waits r + 1 periods.
+summary advance. With no summary at all, rank r takes over at its look r + 2.
 
 A rank renews its post (a new beat) only while the summary asks for it: when every rank
 waits or gave up, the only case in which causes.deadlock and the stall-time check need to
