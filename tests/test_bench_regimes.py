@@ -201,8 +201,8 @@ def test_regime_table_from_injected_results(tmp_path):
     assert "| **ours-auto** | 52.0 | 3.85x | 0.96x | – | – | – |" in lines[net:]
     assert "| ours-k2 (default) | 180.0 | 1.11x | 0.28x | 170.0 | 1.12x | 0.35x |" in lines[net:]
     assert "| ddp | – | – | – | 190.0 | 1.00x | 0.32x |" in lines[net:]
-    assert "Not measured: `ours-auto` (torch engine): no tune argument here" in lines
-    assert "auto vs today's default (horovod engine): 0.971 (default's step / auto's)" in lines
+    assert "- not measured: `ours-auto` (torch engine): no tune argument here" in lines
+    assert "- auto vs today's default (horovod engine): 0.971 (default's step / auto's)" in lines
     assert "### Targets: 6 of 10 measured hold" in lines
     assert ("- does NOT hold (network-bound, horovod engine): auto vs ddp-powersgd (its step "
             "/ auto's) = 0.981 (≥ 1)") in lines
@@ -293,4 +293,4 @@ def test_what_auto_says_is_kept_for_the_raw_result():
     assert result["steps"]["ours-auto"] == pytest.approx(0.2)
     assert result["comm_over_compute"] == pytest.approx(4.0)
     text = regimes.markdown({"network-bound": {"torch": result}})
-    assert f"auto's decision (torch engine): {lines.lines[-1]}" in text
+    assert f"- auto's decision (torch engine): {lines.lines[-1]}" in text

@@ -344,16 +344,16 @@ def markdown(results, sizes=None, heading="###"):
             for name, why in by_engine[engine].get("skipped", {}).items():
                 skipped.setdefault((name, why), []).append(engine)
         for (name, why), where in skipped.items():
-            lines.append(f"Not measured: `{name}` ({', '.join(where)} engine): {why}")
+            lines.append(f"- not measured: `{name}` ({', '.join(where)} engine): {why}")
         for engine in engines:
             decision = by_engine[engine].get("auto_decision")
             if decision:
-                lines.append(f"auto's decision ({engine} engine): {decision}")
+                lines.append(f"- auto's decision ({engine} engine): {decision}")
             default = by_engine[engine].get("steps", {}).get(DEFAULT_ROW)
             auto = by_engine[engine].get("steps", {}).get(AUTO)
             if default and auto:
-                lines.append(f"auto vs today's default ({engine} engine): {default / auto:.3f} "
-                             "(default's step / auto's)")
+                lines.append(f"- auto vs today's default ({engine} engine): "
+                             f"{default / auto:.3f} (default's step / auto's)")
         lines.append("")
     targets = check_targets(results)
     held = sum(1 for t in targets if t.holds)
