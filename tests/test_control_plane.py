@@ -63,8 +63,8 @@ def _round(store, stalls, named):
 def test_a_look_costs_each_rank_one_request_and_names_the_failed_rank(odd):
     """64 ranks, one computing (rank 32; rank 0, the leader, in the second case): each
     look costs a waiting rank one read of the summary and nothing else, the leader a read
-    of each rank's post every other period (it used to be 2 x 63 reads for every rank
-    every period, and a renewal twice a period). When that rank raises an error that ends
+    of each rank's post at most (when news says a post changed, and every 4th period; it
+    used to be 2 x 63 reads for every rank every period, and a renewal twice a period). When that rank raises an error that ends
     its script, every waiting rank raises it, in the words of a direct look, within the
     periods a sweep, a takeover (rank 0 gone) and a read take."""
     size = 64

@@ -23,6 +23,10 @@ from .faults import TIMEOUT_VARIABLE, WaitTimeoutError
 # magic number a client validates with.
 _VALIDATE, _PING, _MAGIC = 0, 13, 0x3C85F7CE
 _ANSWER_S = 2.0         # how long a connected server may take to answer the PING
+# How long a server that accepts and stays silent is asked again before it counts as
+# another program: rank 0's store, loaded (32 ranks connecting at once on 2 busy cores),
+# took more than _ANSWER_S to answer, and ranks refused to start.
+_SILENT_S = 30.0
 
 
 def served_by_launcher(environ=None):
@@ -62,17 +66,22 @@ def _answer(addr, port, timeout_s):
 
 def check(addr, port, rank, timeout_s):
     """Rank `rank` (not 0): wait until rank 0's TCPStore answers at addr:port, at most
-    `timeout_s`. Raises EngineError when another program answers there, WaitTimeoutError
-    when nothing does in time."""
+    `timeout_s`. Raises EngineError when another program answers there (or keeps silent
+    for _SILENT_S, as a loaded store does not), WaitTimeoutError when nothing does in
+    time."""
     deadline = time.monotonic() + timeout_s
+    silent_until = min(deadline, time.monotonic() + _SILENT_S)
     pause = 0.05
     while True:
         answer = _answer(addr, port, max(0.1, deadline - time.monotonic()))
         if answer == "store":
             return
-        if answer != "refused":          # another program has the port: it will not change
-            raise EngineError(_sentence(addr, port, rank, answer))
-        if time.monotonic() + pause > deadline:
+        silent = answer.startswith("a program there accepted the connection but did not")
+        if answer != "refused":
+            if not silent or time.monotonic() + pause > silent_until:
+                # another program has the port (it answered otherwise, or kept silent)
+                raise EngineError(_sentence(addr, port, rank, answer))
+        elif time.monotonic() + pause > deadline:
             raise WaitTimeoutError(_sentence(
                 addr, port, rank, f"nothing answered there (connection refused) for "
                 f"{timeout_s:g} s ({TIMEOUT_VARIABLE}, or init(timeout=...))"))
