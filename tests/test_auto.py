@@ -8,6 +8,7 @@ on 2 ranks takes W, and a candidate at K=2 with a codec of wire ratio r takes
 max(C, r * W) (timing_model: T_2 = max(F + B + U, C_link, (F + L + U) / 2)). Those are
 the oracles below; measured_run and timing_model hold the same arithmetic in one place.
 """
+import dataclasses
 import logging
 import math
 import os
@@ -186,7 +187,7 @@ def test_a_cpu_run_that_fills_its_cores_stays_at_k1():
     assert d.reason == "nothing predicted 5% faster (best: K=2 + none, 1.02x)"
     words = ("CPU-bound: 2 ranks share 2 cores, 11.8 ms CPU a step each (as measured; K=2 "
              "adds work): no step under 11.8 ms")
-    assert d.cpu_bound == words
+    assert d.cpu_bound == words and d.cpu_s == pytest.approx(0.0118, rel=1e-12)
     assert describe(d).endswith(f"-> K=1, no codec, buckets as run: {d.reason}; {words}")
     assert Decision.from_dict(d.as_dict()) == d
     # the Keras default's exchange on top changes nothing: already at K=1
@@ -231,7 +232,7 @@ def test_a_summary_without_the_cpu_figures_decides_as_before():
     s = on_host(summary(0.010, 0.002), cpu=0.012)
     for key in ("cpu_only", "local_size", "cores"):
         del s["config"][key]
-    assert decide(s) == d
+    assert decide(s) == dataclasses.replace(d, cpu_s=0.012)     # recorded, no floor
     # a decision saved before the field existed reads back without it
     saved = d.as_dict()
     del saved["cpu_bound"]

@@ -174,6 +174,7 @@ class Decision:
     steps: int = 0                    # how many steps the medians are of
     reason: str = ""                  # why K=1 as run, where it is that
     cpu_bound: str = ""               # where the CPU floor bound the best candidate: why
+    cpu_s: float = math.nan           # this rank's CPU per measured step (median)
 
     def as_dict(self):
         return {k: (None if isinstance(v, float) and math.isnan(v) else v)
@@ -183,7 +184,7 @@ class Decision:
     def from_dict(cls, data):
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**{k: (math.nan if v is None and k in ("compute_s", "wait_s", "link_gbps",
-                                                            "predicted_s") else v)
+                                                            "predicted_s", "cpu_s") else v)
                       for k, v in known.items()})
 
 
@@ -191,7 +192,7 @@ def unchanged(workers, reason, pins=Pins(), measured=None, link_gbps=math.nan, c
     """K=1 (or the pinned depth), no codec (or the pinned one), the buckets as run."""
     figures = {} if measured is None else {
         "compute_s": measured.compute_s, "wait_s": measured.wait_s, "link_gbps": link_gbps,
-        "predicted_s": measured.step_s, "steps": measured.steps}
+        "predicted_s": measured.step_s, "steps": measured.steps, "cpu_s": measured.cpu_s}
     return Decision(pins.pipeline_depth or 1, pins.compression or "none", pins.bucket_cap_mb,
                     workers, reason=reason, cpu_bound=cpu_bound, **figures)
 
@@ -241,7 +242,8 @@ def decide(summary, pins=Pins(), margin=MARGIN, latency_s=0.0):
                          bound)
     return Decision(best.depth, best.codec, best.cap_mb if pins.bucket_cap_mb is None
                     else pins.bucket_cap_mb, workers, measured.compute_s, measured.wait_s, link,
-                    best.step_s, measured.step_s / best.step_s, measured.steps, cpu_bound=bound)
+                    best.step_s, measured.step_s / best.step_s, measured.steps, cpu_bound=bound,
+                    cpu_s=measured.cpu_s)
 
 
 def describe(decision):
