@@ -103,7 +103,7 @@ def judge(ranks, scenario, odd, out):
     fault_at = float(fault.group(1)) if fault else None
     if scenario == "straggler":
         pattern = (r"WARNED rank=(\d+) at=([\d.]+): (.*rank " + str(odd) +
-                   r" is not waiting in any collective.*)")
+                   r" (is not waiting in any collective|runs( after \d+ step\(s\))?[;.]).*)")
     else:
         pattern = (r"RAISED rank=(\d+) at=([\d.]+): (RankLostError: .*rank " + str(odd) +
                    r" \(pid \d+ on [^)]+\) no longer runs.*)")
@@ -117,6 +117,9 @@ def judge(ranks, scenario, odd, out):
             times.append(float(found.group(2)) - (fault_at or 0.0))
             words = words or found.group(3)
     span = (min(times), max(times)) if times else (None, None)
+    if not words:               # what they said instead
+        words = next((line for text in out.values() for line in text.splitlines()
+                      if line.startswith(("WARNED", "RAISED"))), "")
     return len(named), ranks - 1, span, words
 
 
@@ -139,7 +142,7 @@ def main(argv=None):
                                   out[rank][-300:].replace("\n", " | ")))
     when = "-" if first is None else f"{first:.1f}-{last:.1f} s after the fault"
     print(f"{args.scenario}, {args.ranks} ranks: {named}/{of} ranks named rank {odd}, {when}, "
-          f"in {time.monotonic() - began:.0f} s; e.g. {words[:400]}")
+          f"in {time.monotonic() - began:.0f} s; e.g. {words}")
     return 0 if named == of else 1
 
 
