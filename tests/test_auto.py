@@ -120,14 +120,6 @@ def test_auto_chooses_what_plan_from_run_recommends(compute, wait):
     assert chosen(decide(s)) == (best.depth, best.codec, best.cap_mb)
 
 
-@pytest.mark.parametrize("compute, wait", [(0.050, 0.200), (0.010, 0.200), (0.100, 0.060)])
-def test_auto_chooses_what_plan_from_run_recommends(compute, wait):
-    # one table, one model: where the gain passes the margin, the same configuration
-    s = summary(compute, wait)
-    best, _ = measured_run.recommend(measured_run.candidates(s, measured_run.measure(s))[1])
-    assert chosen(decide(s)) == (best.depth, best.codec, best.cap_mb)
-
-
 def test_pinned_depth_is_honoured():
     # K=1 pinned, network-bound: the codec alone, C + r * W: int4_ef:32 50 + 31.25 ms
     d = decide(summary(0.050, 0.200), Pins(pipeline_depth=1))
