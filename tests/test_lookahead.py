@@ -6,7 +6,8 @@ for bit (as tests/oracle.py's reference says for one rank). A gradient predivide
 factor of 2 (exact in floating point) sends the one process's gradients through the
 engine, so the FIFO, the kept gradients and the prediction run as on many ranks.
 Whatever the optimizer, its flags or its gradients (sparse, GradScaler-scaled),
-that equality is the oracle; the few that cannot run are refused at wrap time.
+that equality is the oracle (fused groups: within rounding, as their kernel's order
+allows); the few that cannot run are refused at wrap time.
 """
 import gc
 import warnings
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 import pipe_horovod.torch as phvd
 from pipe_horovod.torch import lookahead
+from tests.tolerance import fan_ins, relative_error, training_rtol
 
 THROUGH_THE_PIPELINE = {"gradient_predivide_factor": 2.0}
 STEPS = 7
@@ -105,8 +107,22 @@ if hasattr(O, "Muon"):
 # differentiable=True is left out: its step works on non-leaf parameters only (torch
 # raises for a model's leaves, wrapped or not).
 ONE_PASS = {"sgd", "sgd-momentum", "sgd-nesterov-wd-maximize", "sgd-dampening-wd",
-            "sgd-dampening-foreach", "adam",
-            "adam-amsgrad-wd-maximize", "adam-foreach", "adamw", "adamw-amsgrad-foreach"}
+            "sgd-dampening-foreach", "sgd-fused", "adam",
+            "adam-amsgrad-wd-maximize", "adam-foreach", "adam-fused", "adamw",
+            "adamw-amsgrad-foreach"}
+# Predicted in one pass by the formula torch's fused kernel evaluates in its own order:
+# within rounding of it (tests/test_lookahead_flavours.py), so K=2 follows K=1 within the
+# rounding of training (the gradient is taken at weights an ulp or so apart).
+FUSED = {"sgd-fused", "adam-fused"}
+
+
+def _same(name, got, want):
+    if name not in FUSED:
+        return torch.equal(got, want)
+    rtol = training_rtol(steps=STEPS, fan_ins=fan_ins(Net()), batch=6, ranks=1,
+                         optimizer="adam" if name.startswith("adam") else "momentum",
+                         predicted=1)
+    return relative_error(got, want) <= rtol
 
 
 def _params(model, only):
@@ -165,7 +181,7 @@ def test_lookahead_matches_its_reference_for_every_optimizer(name):
     sync, _, _ = _train(name, 1, None)
     ahead, warned, stepped = _train(name, 2, "lookahead")
     for a, b in zip(sync, ahead):
-        assert torch.equal(a, b), f"{name}: lookahead at K=2 differs from its reference"
+        assert _same(name, a, b), f"{name}: lookahead at K=2 differs from its reference"
     if name == "sgd-sparse":                     # a rule, but not for sparse gradients
         assert not warned and stepped == STEPS - 1
     elif name in ONE_PASS:
@@ -187,7 +203,7 @@ def test_one_pass_in_pieces_and_batches_matches_too(name, monkeypatch):
     sync, _, _ = _train(name, 1, None)
     ahead, _, _ = _train(name, 2, "lookahead")
     for a, b in zip(sync, ahead):
-        assert torch.equal(a, b), f"{name}: lookahead in pieces differs from its reference"
+        assert _same(name, a, b), f"{name}: lookahead in pieces differs from its reference"
 
 
 def test_the_prediction_swaps_storage_and_leaves_the_real_weights_in_place():

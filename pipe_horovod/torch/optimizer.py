@@ -614,17 +614,15 @@ def _report_unapplied():
 
 def _say_how_lookahead_predicts(optimizer):
     """Warn (once, at wrap time) where the lookahead prediction is not one pass."""
-    if lookahead.has_rule(type(optimizer), optimizer.param_groups) or hasattr(
-            optimizer, "pipe_horovod_state_restored"):     # the Keras stand-in: Keras's own
-        return
-    flags = sorted({flag for group in optimizer.param_groups
-                    for flag in ("fused", "capturable", "differentiable") if group.get(flag)})
-    what = type(optimizer).__name__ + (f" ({', '.join(flags)})" if flags else "")
+    what = lookahead.fallback(type(optimizer), optimizer.param_groups)
+    if what is None or hasattr(optimizer, "pipe_horovod_state_restored"):
+        return                                           # (the Keras stand-in: Keras's own)
     warnings.warn(
         f"staleness_compensation='lookahead' has no one-pass prediction for {what} "
-        "(pipe_horovod/torch/lookahead.py knows SGD, Adam and AdamW without fused, capturable "
-        "or differentiable): each step() runs its step once more on a temporary copy of its "
-        "state (exact, but one more step and transient memory the size of that state); "
+        "(pipe_horovod/torch/lookahead.py knows SGD, Adam and AdamW, plain, foreach, fused or "
+        "capturable, with number hyperparameters and not differentiable): each step() falls "
+        "back to running its step once more on a temporary copy of its state (exact, but one "
+        "more step and transient memory the size of that state); "
         "staleness_compensation=None turns the prediction off", stacklevel=4)
 
 
