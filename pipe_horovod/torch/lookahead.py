@@ -381,11 +381,6 @@ def fallback(optimizer_class, groups):
 _MULTI = (_sgd_foreach, _adam_foreach, _adam_capturable_foreach)
 
 
-def has_rule(optimizer_class, groups):
-    """Whether `optimizer_class` with these param groups is predicted in one pass."""
-    return fallback(optimizer_class, groups) is None
-
-
 def predict(optimizer_class, groups, state, locals_):
     """Predict in one pass, if the rule applies to every group now. `locals_` {param: dense
     local gradient, owned: the rule writes into it}. Returns {param: its prediction} (the
