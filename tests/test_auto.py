@@ -8,10 +8,8 @@ on 2 ranks takes W, and a candidate at K=2 with a codec of wire ratio r takes
 max(C, r * W) (timing_model: T_2 = max(F + B + U, C_link, (F + L + U) / 2)). Those are
 the oracles below; measured_run and timing_model hold the same arithmetic in one place.
 """
-import dataclasses
 import logging
 import math
-import os
 
 import pytest
 import torch
@@ -155,120 +153,6 @@ def test_the_line_and_the_round_trip():
     assert Decision.from_dict(d.as_dict()) == d
     stay = decide(summary(0.100, 0.002))
     assert describe(stay).endswith(f"-> K=1, no codec, buckets as run: {stay.reason}")
-
-
-# --- the CPU floor -----------------------------------------------------------------------
-
-def on_host(s, cpu, local_size=2, cores=2, cpu_only=True):
-    """`s` as the record now writes it: each step's CPU seconds (the same every step)
-    and, in its config, where the reduced tensors live, the ranks on the host and the
-    cores this process may use."""
-    for step in s["steps"]:
-        step["cpu_s"] = cpu
-    s["config"].update(cpu_only=cpu_only, local_size=local_size, cores=cores)
-    return s
-
-
-def test_a_cpu_run_that_fills_its_cores_stays_at_k1():
-    # loopback, 2 ranks on 2 cores: C = 10 ms, W = 2 ms. Without the floor K=2 is
-    # predicted max(10, 2) = 10 ms against 12 (1.2x); each rank needs 11.8 ms of CPU a
-    # step, so 2 x 11.8 / 2 = 11.8 ms is the shortest: 12 / 11.8 = 1.02x, under the margin
-    assert chosen(decide(summary(0.010, 0.002))) == (2, "none", None)
-    d = decide(on_host(summary(0.010, 0.002), cpu=0.0118))
-    assert chosen(d) == (1, "none", None)
-    assert d.reason == "nothing predicted 5% faster (best: K=2 + none, 1.02x)"
-    words = ("CPU-bound: 2 ranks share 2 cores, 11.8 ms CPU a step each (as measured; K=2 "
-             "adds work): no step under 11.8 ms")
-    assert d.cpu_bound == words and d.cpu_s == pytest.approx(0.0118, rel=1e-12)
-    assert describe(d).endswith(f"-> K=1, no codec, buckets as run: {d.reason}; {words}")
-    assert Decision.from_dict(d.as_dict()) == d
-    # the Keras default's exchange on top changes nothing: already at K=1
-    assert chosen(decide(on_host(summary(0.010, 0.002), cpu=0.0118),
-                         Pins(exchange="int4"))) == (1, "none", None)
-
-
-def test_the_floor_bounds_a_gain_it_does_not_cancel():
-    # C = 100 ms, W = 60 ms, 120 ms of CPU a step on 2 ranks x 2 cores: K=2 predicted at
-    # the floor 120 ms (not 100), 160 / 120 = 1.33x, and the line says the floor bound it
-    d = decide(on_host(summary(0.100, 0.060), cpu=0.120))
-    assert chosen(d) == (2, "none", None)
-    assert d.predicted_s == pytest.approx(0.120, rel=1e-12)
-    assert d.gain == pytest.approx(0.160 / 0.120, rel=1e-9)
-    assert describe(d).endswith("predicted 1.33x over K=1; CPU-bound: 2 ranks share 2 cores, "
-                                "120.0 ms CPU a step each (as measured; K=2 adds work): no "
-                                "step under 120.0 ms")
-
-
-@pytest.mark.parametrize("host", [{"cpu_only": False}, {"cores": 16}, {"local_size": 1,
-                                                                          "cores": 4}])
-def test_on_an_accelerator_or_with_spare_cores_k2_is_taken(host):
-    # a tensor on a GPU: no floor (waiting for CUDA can spin and count as CPU time);
-    # 16 cores: 2 x 12 / 16 = 1.5 ms; 1 rank on 4 cores: 3 ms; both under K=2's 10 ms
-    d = decide(on_host(summary(0.010, 0.002), cpu=0.012, **host))
-    assert chosen(d) == (2, "none", None) and d.cpu_bound == ""
-    assert d.predicted_s == pytest.approx(0.010, rel=1e-6)
-
-
-def test_a_summary_without_the_cpu_figures_decides_as_before():
-    old = summary(0.010, 0.002)
-    assert measured_run.cpu_floor_s(old, measured_run.measure(old)) == (0.0, None)
-    assert math.isnan(measured_run.measure(old).cpu_s)
-    d = decide(old)
-    assert chosen(d) == (2, "none", None) and d.cpu_bound == ""
-    assert d.predicted_s == pytest.approx(0.010, rel=1e-6)
-    # the host's figures without the steps' CPU (or the reverse): no floor either
-    s = on_host(summary(0.010, 0.002), cpu=0.012)
-    for step in s["steps"]:
-        del step["cpu_s"]
-    assert decide(s) == d
-    s = on_host(summary(0.010, 0.002), cpu=0.012)
-    for key in ("cpu_only", "local_size", "cores"):
-        del s["config"][key]
-    assert decide(s) == dataclasses.replace(d, cpu_s=0.012)     # recorded, no floor
-    # a decision saved before the field existed reads back without it
-    saved = d.as_dict()
-    del saved["cpu_bound"]
-    assert Decision.from_dict(saved) == d
-
-
-def test_plan_from_run_prints_the_floor():
-    from pipe_horovod.tools import run_advice
-
-    s = on_host(summary(0.010, 0.002), cpu=0.012)
-    text = run_advice.report(s)
-    assert ("CPU-bound: 2 ranks share 2 cores, 12.0 ms CPU a step each (as measured; K=2 adds "
-            "work): no step under 12.0 ms: every prediction is bounded below by it") in text
-    _, every = measured_run.candidates(s, measured_run.measure(s))
-    assert min(c.step_s for c in every) == pytest.approx(0.012, rel=1e-9)
-    assert "CPU-bound" not in run_advice.report(summary(0.010, 0.002))
-
-
-def test_the_record_keeps_each_steps_cpu_and_the_host(monkeypatch):
-    # the CPU seconds between two finishes, off time.process_time()
-    from pipe_horovod.pipeline import run_record
-
-    clock = iter([1.0, 1.5, 2.25])
-    monkeypatch.setattr(run_record.time, "process_time", lambda: next(clock))
-    timings = {"steps": 0}
-    record = run_record.RunRecord(timings, lambda: {})
-    for step in range(3):
-        record.finished(step)
-    assert [s["cpu_s"] for s in timings["recent_steps"]] == [0.5, 0.75]
-    monkeypatch.undo()
-    # the host, as a wrapped optimizer's config has it (one process, its tensors on CPU)
-    phvd.init("local")
-    try:
-        model = _model()
-        opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-        opt.zero_grad()
-        model(torch.ones(2, 4)).sum().backward()
-        opt.step()
-        config = opt._machine.run_config()
-        assert (config["cpu_only"], config["local_size"]) == (True, 1)
-        assert config["cores"] == (len(os.sched_getaffinity(0))
-                                   if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    finally:
-        phvd.shutdown()
 
 
 # --- pins and conflicts ------------------------------------------------------------------

@@ -14,11 +14,7 @@ summary and predicts every candidate with the one timing model
 (pipeline/measured_run.py: K in 1 and 2, each codec the convergence rule allows,
 pipeline/convergence_rule.py; the run's buckets and each bucket cap), and picks the
 fastest that meets the rule, or stays at K=1, no codec, its own buckets where nothing is
-predicted faster than the measured step by MARGIN (5%). Where the gradients are on
-the CPU only, no candidate is predicted under the CPU floor (the ranks on the host
-need their measured CPU per step of its cores: on a loopback without spare cores the
-communication is CPU work beside compute, which no pipeline hides; the line says when
-it bound the choice). Its decision is broadcast
+predicted faster than the measured step by MARGIN (5%). Its decision is broadcast
 through the machine's object collective, so every rank applies the same one at the same
 step. That rank logs one line (`describe`). A run of the chosen configuration with
 warmup_steps=N computes the same weights, bit for bit: the FIFO's warm-up already ends
@@ -58,7 +54,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from .convergence_rule import CAPS_MB, CONVERGENCE, DEPTHS, convergence_failure, depth_failure
-from .measured_run import candidates, cpu_floor_s, measure, recommend, wire_ratio
+from .measured_run import candidates, measure, recommend, wire_ratio
 
 TUNE_VARIABLE = "PIPE_HOROVOD_TUNE"
 STEPS_VARIABLE = "PIPE_HOROVOD_TUNE_STEPS"
@@ -173,8 +169,6 @@ class Decision:
     gain: float = 1.0                 # measured K=1 step / predicted_s
     steps: int = 0                    # how many steps the medians are of
     reason: str = ""                  # why K=1 as run, where it is that
-    cpu_bound: str = ""               # where the CPU floor bound the best candidate: why
-    cpu_s: float = math.nan           # this rank's CPU per measured step (median)
 
     def as_dict(self):
         return {k: (None if isinstance(v, float) and math.isnan(v) else v)
@@ -184,17 +178,17 @@ class Decision:
     def from_dict(cls, data):
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**{k: (math.nan if v is None and k in ("compute_s", "wait_s", "link_gbps",
-                                                            "predicted_s", "cpu_s") else v)
+                                                            "predicted_s") else v)
                       for k, v in known.items()})
 
 
-def unchanged(workers, reason, pins=Pins(), measured=None, link_gbps=math.nan, cpu_bound=""):
+def unchanged(workers, reason, pins=Pins(), measured=None, link_gbps=math.nan):
     """K=1 (or the pinned depth), no codec (or the pinned one), the buckets as run."""
     figures = {} if measured is None else {
         "compute_s": measured.compute_s, "wait_s": measured.wait_s, "link_gbps": link_gbps,
-        "predicted_s": measured.step_s, "steps": measured.steps, "cpu_s": measured.cpu_s}
+        "predicted_s": measured.step_s, "steps": measured.steps}
     return Decision(pins.pipeline_depth or 1, pins.compression or "none", pins.bucket_cap_mb,
-                    workers, reason=reason, cpu_bound=cpu_bound, **figures)
+                    workers, reason=reason, **figures)
 
 
 def decide(summary, pins=Pins(), margin=MARGIN, latency_s=0.0):
@@ -203,12 +197,7 @@ def decide(summary, pins=Pins(), margin=MARGIN, latency_s=0.0):
     Candidates are predicted by measured_run.candidates (one model with `plan
     --from-run`), narrowed to the pins; the fastest that meets the convergence rule wins
     where it is predicted faster than the measured step by `margin`, else the run stays
-    as it is (K=1 or the pinned depth, no codec or the pinned one, its buckets).
-
-    Where the gradients are on the CPU only, every candidate is bounded below by the
-    host's CPU floor (measured_run.cpu_floor_s): on a host without spare cores the
-    communication is CPU work beside compute, which a pipeline cannot hide; the
-    decision's `cpu_bound` says so where the floor bound the best candidate."""
+    as it is (K=1 or the pinned depth, no codec or the pinned one, its buckets)."""
     config = summary["config"]
     workers = config["workers"]
     if workers < 2:
@@ -229,8 +218,6 @@ def decide(summary, pins=Pins(), margin=MARGIN, latency_s=0.0):
                                 caps_mb=caps, exchange=pins.exchange)
     link = 8 / network.beta / 1e9 if network.beta > 0 else math.inf
     best, _ = recommend(every)
-    floor, words = cpu_floor_s(summary, measured)
-    bound = words if words and best.step_s <= floor else ""
     # The baseline: what the run does without auto (the pins honoured, as run).
     base = [c for c in every if c.depth == depths[0] and c.codec == codecs[0]
             and c.cap == "as run"]
@@ -238,12 +225,10 @@ def decide(summary, pins=Pins(), margin=MARGIN, latency_s=0.0):
     if not best.step_s * (1 + margin) < base_s:
         gained = base_s / best.step_s if best.step_s > 0 else 1.0
         return unchanged(workers, f"nothing predicted {margin:.0%} faster (best: K="
-                         f"{best.depth} + {best.codec}, {gained:.2f}x)", pins, measured, link,
-                         bound)
+                         f"{best.depth} + {best.codec}, {gained:.2f}x)", pins, measured, link)
     return Decision(best.depth, best.codec, best.cap_mb if pins.bucket_cap_mb is None
                     else pins.bucket_cap_mb, workers, measured.compute_s, measured.wait_s, link,
-                    best.step_s, measured.step_s / best.step_s, measured.steps, cpu_bound=bound,
-                    cpu_s=measured.cpu_s)
+                    best.step_s, measured.step_s / best.step_s, measured.steps)
 
 
 def describe(decision):
@@ -258,11 +243,10 @@ def describe(decision):
         f" + {d.compression} (two-stage)" if wire_ratio(d.compression) < 0.5
         else f" + {d.compression}")
     buckets = "as run" if d.bucket_cap_mb is None else f"{d.bucket_cap_mb:g} MiB"
-    bound = f"; {d.cpu_bound}" if d.cpu_bound else ""
     if d.reason:
-        return f"{head} -> K={d.pipeline_depth}{codec}, buckets as run: {d.reason}{bound}"
+        return f"{head} -> K={d.pipeline_depth}{codec}, buckets as run: {d.reason}"
     return (f"{head} -> K={d.pipeline_depth}{codec}, buckets {buckets}: predicted "
-            f"{d.gain:.2f}x over K=1{bound}")
+            f"{d.gain:.2f}x over K=1")
 
 
 class Tuner:

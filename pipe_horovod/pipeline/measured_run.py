@@ -15,12 +15,7 @@ machine keeps as it trains). From it:
   predicted for communication is an upper bound;
 - then timing_model.predict for every candidate (K, codec, bucket cap): the fastest
   candidate that meets the convergence rule (pipeline/convergence_rule.py) is
-  recommended, and every faster one refused is named with the reason;
-- where the reduced tensors are all on the CPU, every candidate's step bounded below
-  by the CPU floor (cpu_floor_s): the ranks on the host need their CPU per step of its
-  cores whatever overlaps what. On a loopback or a host without spare cores the
-  communication is CPU work on the cores that compute, so the link the model
-  calibrates is not one that overlap can hide behind compute.
+  recommended, and every faster one refused is named with the reason.
 
 It is the runtime's because a run that tunes itself (pipeline/auto.py) decides with it
 while it trains; `pipe-horovod plan --from-run` (tools/run_advice.py) prints the same
@@ -35,7 +30,7 @@ from dataclasses import dataclass
 from ..collectives.cost_model import Network
 from ..compression import DEFAULT_BLOCK_SIZE
 from .convergence_rule import CAPS_MB, CONVERGENCE, DEPTHS, convergence_failure
-from .timing_model import (MIB, TWO_STAGE_VALUE_BYTES, Bucketing, Workload, cpu_floor, predict,
+from .timing_model import (MIB, TWO_STAGE_VALUE_BYTES, Bucketing, Workload, predict,
                            two_stage_wire_ratio)
 
 
@@ -65,7 +60,6 @@ class Measured:
     landed_s: tuple            # per bucket: landing after its launch (when waited for)
     exposed_s: tuple           # per bucket: what waiting for it blocked
     steps: int                 # how many steps the medians are of
-    cpu_s: float = math.nan    # this process's CPU seconds per step; NaN: not recorded
 
     @property
     def step_s(self):
@@ -92,29 +86,7 @@ def measure(summary):
     return Measured(statistics.median(s["compute_s"] for s in steady),
                     statistics.median(s["wait_s"] for s in steady),
                     tuple(map(median, launch)), tuple(map(median, landed)),
-                    tuple(map(median, exposed)), len(steady),
-                    median([s["cpu_s"] for s in steady if s.get("cpu_s") is not None]))
-
-
-def cpu_floor_s(summary, measured):
-    """(floor, words): the shortest step the run's host allows where every reduced tensor
-    is on the CPU (timing_model.cpu_floor: this rank's CPU per step, as every rank on the
-    host needs it, over the cores), and the words that say so; (0.0, None) where there
-    is no floor: a tensor on an accelerator (waiting for it can spin on the CPU and
-    count as CPU time), or a summary that predates these figures.
-
-    The CPU per step is the one measured in the run as it ran (at K=1 for a run that
-    tunes itself): a lower bound for K=2, which adds work (the lookahead's prediction
-    and its exchange)."""
-    config = summary["config"]
-    ranks, cores = config.get("local_size"), config.get("cores")
-    if not config.get("cpu_only") or not ranks or not cores or not measured.cpu_s >= 0:
-        return 0.0, None
-    floor = cpu_floor(measured.cpu_s, ranks, cores)
-    share = (f"{ranks} ranks share {cores} core{'s' if cores != 1 else ''}" if ranks > 1
-             else f"1 rank on {cores} core{'s' if cores != 1 else ''}")
-    return floor, (f"CPU-bound: {share}, {measured.cpu_s * 1e3:.1f} ms CPU a step each "
-                   f"(as measured; K=2 adds work): no step under {floor * 1e3:.1f} ms")
+                    tuple(map(median, exposed)), len(steady))
 
 
 def workloads(summary, measured):
@@ -202,13 +174,11 @@ def candidates(summary, measured, latency_s=0.0, ratio=None, depths=DEPTHS,
     of `codecs` (config names), the run's own buckets and each cap of `caps_mb` (a run
     that tunes itself narrows them to what the user pinned). `ratio`: calibrate's.
     `exchange`: the prediction exchange K >= 2 adds on the wire where the adapter's
-    compensation sends one (the Keras default's int4); None: none. Each step is bounded
-    below by cpu_floor_s's floor (none where a tensor is not on the CPU)."""
+    compensation sends one (the Keras default's int4); None: none."""
     config = summary["config"]
     p = config["workers"]
     per_param, per_bucket = workloads(summary, measured)
     network = calibrate(summary, measured, per_bucket, latency_s, ratio)
-    floor, _ = cpu_floor_s(summary, measured)
     out = []
     for depth in depths:
         for codec in codecs:
@@ -216,7 +186,7 @@ def candidates(summary, measured, latency_s=0.0, ratio=None, depths=DEPTHS,
                     (f"{mb:g} MiB", mb, per_param, Bucketing("cap", mb * MIB))
                     for mb in caps_mb)):
                 row = predict_one(work, p, network, depth, codec, bucketing, exchange)
-                out.append(Candidate(depth, codec, cap, max(row.step_s, floor), row.comm_s,
+                out.append(Candidate(depth, codec, cap, row.step_s, row.comm_s,
                                      convergence_failure(codec), mb))
     return network, out
 

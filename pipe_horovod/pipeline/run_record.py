@@ -13,13 +13,6 @@ a run computes. Times are seconds since the record began, one clock for all. Onl
 last RECENT_STEPS steps are kept (between RECENT_STEPS and twice that: bounded memory,
 trimmed now and then), with running totals.
 
-Each step also records this process's CPU seconds between two finishes
-(`time.process_time()`, every thread of the process: compute, the engine's background
-work, a loopback transport's copies): where the ranks' communication is CPU work on the
-cores that compute (CPU tensors, ranks sharing a host), overlap cannot hide it, and
-tune="auto" bounds its predictions below by what the ranks' CPU needs of the host's
-cores (measured_run.cpu_floor_s).
-
 `PIPE_HOROVOD_RUN_SUMMARY=path` has rank 0 write the summary (`summary()`, JSON) when
 the engine shuts down (at exit); `optimizer.write_run_summary(path)` writes it on demand.
 """
@@ -46,7 +39,6 @@ class RunRecord:
         self.timings = timings
         self._origin = time.perf_counter()
         self._last_finish = None              # when the previous step finished
-        self._last_cpu = None                 # time.process_time() then
         self.last_step_at = None              # the same, on perf_counter's own clock
         self._blocked = 0.0                   # blocked on reductions since then
         timings["compute_s"] = 0.0
@@ -80,16 +72,16 @@ class RunRecord:
 
     def finished(self, step):
         """Step `step` finished (all its buckets launched)."""
-        now, cpu = self.now(), time.process_time()
+        now = self.now()
         if self._last_finish is not None:     # the first step's start is not known
             compute = max(0.0, now - self._last_finish - self._blocked)
             self.timings["compute_s"] += compute
             recent = self.timings["recent_steps"]
             recent.append({"step": step, "finished_s": now, "compute_s": compute,
-                           "wait_s": self._blocked, "cpu_s": cpu - self._last_cpu})
+                           "wait_s": self._blocked})
             if len(recent) >= 2 * RECENT_STEPS:
                 del recent[:-RECENT_STEPS]
-        self._last_finish, self._last_cpu, self._blocked = now, cpu, 0.0
+        self._last_finish, self._blocked = now, 0.0
         self.last_step_at = now + self._origin
 
     def summary(self):
@@ -109,15 +101,6 @@ class RunRecord:
         with open(path, "w") as f:
             json.dump(self.summary(), f, indent=1)
         return path
-
-
-def usable_cores():
-    """The cores this process may run on: its affinity where the OS says (a container or
-    taskset narrows it), else the machine's count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def write_at_exit(rank):

@@ -38,7 +38,7 @@ from ..compression.feedback import ErrorFeedback
 from . import auto
 from .buckets import plan_buckets
 from .fifo import GradientFifo
-from .run_record import RunRecord, usable_cores, write_at_exit
+from .run_record import RunRecord, write_at_exit
 from .timing_model import MIB
 
 _log = logging.getLogger("pipe_horovod")
@@ -163,7 +163,6 @@ class StepMachine:
         # applies its own gradient (through the same pipeline depth).
         included = ps is None or ps.included()
         self.size = self.engine.size() if ps is None else ps.size() if included else 1
-        self.local_size = self.engine.local_size()   # the ranks sharing this host
         # Object collectives among the ranks that reduce (checks, agreement).
         # Through allreduces, which a rank that already joined (an empty shard) answers.
         self.gather = (functools.partial(self.engine.gather_despite_join,
@@ -351,13 +350,7 @@ class StepMachine:
                   "collective": getattr(self.collective, "algorithm", None),
                   "bucket_cap_bytes": int(self.cap_bytes), "workers": self.size,
                   "model_bytes": sum(sum(nbytes(b)) for b in self.buckets),
-                  "buckets": [nbytes(b) for b in self.buckets],
-                  # What the CPU floor needs (measured_run.cpu_floor_s): whether every
-                  # reduced tensor is on the CPU, the ranks on this host, the cores this
-                  # process may use.
-                  "cpu_only": bool(self.buckets) and all(
-                      getattr(b.kind[1], "type", str(b.kind[1])) == "cpu" for b in self.buckets),
-                  "local_size": self.local_size, "cores": usable_cores()}
+                  "buckets": [nbytes(b) for b in self.buckets]}
         if self.tuner is not None:          # tune="auto": what it chose, or that it measures
             decision = self.tuner.decision
             config["auto"] = ({"measuring": self.tuner.steps} if decision is None

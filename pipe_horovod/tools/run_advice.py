@@ -81,7 +81,6 @@ def report(summary, latency_s=0.0, path="the run"):
     measured = measured_run.measure(summary)
     network, every = measured_run.candidates(summary, measured, latency_s, ratio)
     best, refused = measured_run.recommend(every)
-    _, floor_words = measured_run.cpu_floor_s(summary, measured)
     costs = [timing_model.allreduce_time(network, config["workers"], sum(b) * ratio)
              for b in config["buckets"]]
     collective = f", collective={config['collective']}" if config["collective"] else ""
@@ -98,7 +97,6 @@ def report(summary, latency_s=0.0, path="the run"):
         f"MB/s, {network.alpha * 1e6:g} us per message; communication {sum(costs) * 1e3:.2f} "
         f"ms per step" + ("" if measured.wait_s > 0 else
                           " at most (nothing was exposed: the link is at least this fast)"),
-        *([f"{floor_words}: every prediction is bounded below by it"] if floor_words else []),
         "",
         "| bucket | MB | launched ms | landed after ms | exposed wait ms | predicted comm ms |",
         "|---:|---:|---:|---:|---:|---:|",
