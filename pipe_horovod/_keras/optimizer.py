@@ -752,9 +752,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     check_reduction(op, gradient_predivide_factor)
     compensation = check_staleness(staleness_compensation)
     exchange = check_prediction_exchange(prediction_exchange, compensation)
-    tuned = None if tune is None else _tune_pins(
-        pipeline_depth if depth_source != "default" else None, compression, pinned_cap,
-        warmup_steps, collective, op, exchange)
+    pinned_depth = pipeline_depth if depth_source != "default" else None
+    # K=2 is priced with the prediction exchange the lookahead sends (resolved above).
+    tuned = None if tune is None else auto.pins_from_options(
+        pinned_depth, compression, pinned_cap, warmup_steps, collective, op,
+        exchange if pinned_depth != 1 else None)
     supported = COMPENSATION[_backend()]
     if compensation is not None and compensation not in supported:
         raise ValueError(f"staleness_compensation={compensation!r} is not available on the "
@@ -840,24 +842,6 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
         for variable in layer.trainable_weights:
             wrapped.register_local_var(variable)
     return wrapped
-
-
-def _tune_pins(pinned_depth, compression, pinned_cap, warmup_steps, collective, op, exchange):
-    """tune="auto": (the steps it measures, auto.Pins) from the options given explicitly;
-    a conflict is auto.check_pins's ValueError naming both. K=2 is priced with the
-    prediction exchange the lookahead sends (`exchange`, resolved)."""
-    steps = auto.tune_steps()
-    codec = None
-    if compression is not Compression.none:
-        try:
-            codec = config_name(compression)
-        except (AttributeError, ValueError):
-            codec = getattr(compression, "name", type(compression).__name__)
-    pins = auto.check_pins(steps, pinned_depth, codec, pinned_cap, warmup_steps,
-                           None if collective is None else collective.describe(),
-                           op in (engine.Average, engine.Sum),
-                           exchange if pinned_depth != 1 else None)
-    return steps, pins
 
 
 def _variable_name(variable):

@@ -32,8 +32,8 @@ The API an adapter wires (the PyTorch optimizer does; Keras and the tape take th
   in finish_step (`Tuner.due`), applies the decision at that step boundary (depth,
   codec, wire format and error feedback, bucket cap: re-planned from its buckets'
   members; the gloo group a two-stage codec needs, opened there by every rank) and
-  calls each `StepMachine.on_tuned` callback with the Decision, so the adapter updates
-  what it keeps itself (its own depth, staleness compensation: K=2 uses the adapter's
+  calls each method given to `StepMachine.tell_when_tuned` (held weakly) with the
+  Decision, so the adapter updates what it keeps itself (its own depth, staleness compensation: K=2 uses the adapter's
   default, as the convergence rule measured it). Build the machine at K=1 with the
   pinned codec or none (`Tuner.measuring()`), warm-up `warmup_steps(N, W)`.
   `StepMachine.state()` carries the decision ("tune") and
@@ -146,6 +146,29 @@ def check_pins(steps, pipeline_depth=None, compression=None, bucket_cap_mb=None,
                          f"warmup_steps >= {steps}, or none")
     return Pins(pipeline_depth, compression, bucket_cap_mb,
                 codecs_allowed=collective is None and op_allows_codecs, exchange=exchange)
+
+
+def pins_from_options(pinned_depth, compression, pinned_cap, warmup_steps, collective=None,
+                      op=None, exchange=None):
+    """(the steps auto measures, Pins) from an adapter's options as the user passed them:
+    `compression` a Compression (none is not a pin), `collective` a Collective or None,
+    `op` the reduction (None: Average), `exchange` the lookahead's prediction exchange
+    priced with K=2 (None where none is sent). The one rule every adapter wraps with;
+    a conflict is check_pins's ValueError naming both."""
+    from .. import engine
+    from ..compression import Compression, config_name
+
+    steps = tune_steps()
+    codec = None
+    if compression is not Compression.none:
+        try:
+            codec = config_name(compression)
+        except (AttributeError, ValueError):
+            codec = getattr(compression, "name", type(compression).__name__)
+    pins = check_pins(steps, pinned_depth, codec, pinned_cap, warmup_steps,
+                      None if collective is None else collective.describe(),
+                      op in (None, engine.Average, engine.Sum), exchange)
+    return steps, pins
 
 
 def warmup_steps(steps, given):

@@ -22,7 +22,7 @@ overlap the next step's compute alone (at K=2, the step Pipe-SGD gives them).
 With `tune` (a pipeline/auto.py Tuner: the adapters' tune="auto"), the machine decides
 its own depth, codec and bucket cap at the step boundary after its measured steps
 (`_tune`), applies the decision there for every adapter alike (`_apply_tuning`), tells
-the adapter through `on_tuned`, and carries the decision in its state.
+the adapter through what it gave `tell_when_tuned`, and carries the decision in its state.
 """
 import functools
 import logging
@@ -125,8 +125,8 @@ class StepMachine:
         # engine's allreduce of the compressed tensor.
         self.collective = collective
         self._use_compression(compression)
-        # tune="auto": a pipeline/auto.py Tuner; on_tuned: the adapter's callbacks,
-        # each called with the Decision once it is applied.
+        # tune="auto": a pipeline/auto.py Tuner; on_tuned: the adapter's bound methods
+        # (tell_when_tuned), each called with the Decision once it is applied.
         self.tuner = tune
         self.on_tuned = []
         if tune is not None and tune.initial_cap_bytes is None:
@@ -426,8 +426,15 @@ class StepMachine:
             self.cap_bytes = cap
             if self.buckets and self.groups is None:
                 self.plan(self.members())
-        for callback in list(self.on_tuned):
-            callback(decision)
+        for ref in list(self.on_tuned):
+            callback = ref()
+            if callback is not None:
+                callback(decision)
+
+    def tell_when_tuned(self, method):
+        """Call the bound `method` with each Decision applied (tune="auto"), holding it by
+        weak reference: the adapter owns this machine, not the other way round."""
+        self.on_tuned.append(weakref.WeakMethod(method))
 
     def restore_tuning(self, saved, steps):
         """A checkpoint's decision ("tune" in state()), applied without measuring again

@@ -53,7 +53,7 @@ import tensorflow as tf
 import torch
 
 from .. import engine
-from ..compression import Compression, config_name
+from ..compression import Compression
 from ..pipeline import (StepGradient, StepMachine, announce_depth, auto, check_options,
                         check_reduction, compare_across_ranks, report_unapplied, resolve_depth)
 from ..pipeline.buckets import bucket_cap_bytes, resolve_bucket_cap_mb
@@ -668,9 +668,10 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     pipeline_depth, source = resolve_depth(pipeline_depth)
     check_options(pipeline_depth, warmup_steps, 1, 25 if bucket_cap_mb is None else bucket_cap_mb)
     check_reduction(op, gradient_predivide_factor)
-    tuned = None if tune is None else _tune_pins(
+    # (No compensation: the tape sends no prediction exchange.)
+    tuned = None if tune is None else auto.pins_from_options(
         pipeline_depth if source != "default" else None, compression, bucket_cap_mb,
-        warmup_steps, op)
+        warmup_steps, op=op)
     engine.current()                             # a clear error before init()
     bucket_cap_mb = resolve_bucket_cap_mb(bucket_cap_mb, process_set)
     if tuned is None:
@@ -689,22 +690,6 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     gradtape._tape_pipeline = None
     gradtape._local_sources = set()
     return gradtape
-
-
-def _tune_pins(pinned_depth, compression, pinned_cap, warmup_steps, op):
-    """tune="auto": (the steps it measures, auto.Pins) from the options given explicitly;
-    a conflict is auto.check_pins's ValueError naming both. (No compensation: the tape
-    sends no prediction exchange.)"""
-    steps = auto.tune_steps()
-    codec = None
-    if compression is not Compression.none:
-        try:
-            codec = config_name(compression)
-        except (AttributeError, ValueError):
-            codec = getattr(compression, "name", type(compression).__name__)
-    pins = auto.check_pins(steps, pinned_depth, codec, pinned_cap, warmup_steps, None,
-                           op in (engine.Average, engine.Sum))
-    return steps, pins
 
 
 def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",

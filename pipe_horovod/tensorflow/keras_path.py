@@ -49,7 +49,6 @@ are empty; at K=2 the graph is the one a run built at K=2 traces.
 """
 import os
 import time
-import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -101,7 +100,7 @@ class TensorFlowPath:
             collective=options["collective"], exchange=options["prediction_exchange"],
             tune=tuner)
         if tuner is not None:
-            self.machine.on_tuned.append(_weak_tuned(self))
+            self.machine.tell_when_tuned(self._tuned)
         # 1/size with scale_local_gradients, of the engine running now (rebind_engine)
         self.scale_local = LocalScale(options["scale_local_gradients"],
                                       lambda: self.machine.size)
@@ -419,17 +418,6 @@ class TensorFlowPath:
                 v.assign(real[n])
         if self.lookahead:
             self.predicted.assign(bool(real))
-
-
-def _weak_tuned(path):
-    """The machine's on_tuned callback, not keeping `path` alive."""
-    ref = weakref.ref(path)
-
-    def tuned(decision):
-        owner = ref()
-        if owner is not None:
-            owner._tuned(decision)
-    return tuned
 
 
 def _dtype(variable):

@@ -37,7 +37,7 @@ from ..engine.process_sets import ProcessSet, global_process_set
 from ..collectives import check_collective
 from ..collectives.communicator import communicator
 from ..compression import Compression
-from ..compression import config_name, describe as describe_compression
+from ..compression import describe as describe_compression
 from ..pipeline import auto
 from ..pipeline.buckets import BucketCapBytes, bucket_cap_bytes, resolve_bucket_cap_mb
 from ..pipeline.option_checks import refuse_double_wrapping
@@ -80,7 +80,7 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
         # tune="auto": the compensation asked for, set up once auto chose K >= 2; the
         # machine calls _tuned at that step boundary (and on resume, and to go back).
         self._tuned_compensation = compensation
-        self._machine.on_tuned.append(_weak_tuned(self))
+        self._machine.tell_when_tuned(self._tuned)
         self._process_set = process_set          # None: every rank
         self._passes_per_step = backward_passes_per_step
         self._op = op
@@ -543,17 +543,6 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
         self._plan(self._order)
 
 
-def _weak_tuned(opt):
-    """The machine's on_tuned callback, not keeping `opt` alive."""
-    ref = weakref.ref(opt)
-
-    def tuned(decision):
-        owner = ref()
-        if owner is not None:
-            owner._tuned(decision)
-    return tuned
-
-
 def _weak_end(opt):
     """The end-of-backward callback, not keeping `opt` alive."""
     ref = weakref.ref(opt)
@@ -935,21 +924,12 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
 def _tuned_options(pinned_depth, compression, pinned_cap, warmup_steps, collective, op,
                    exchange=None):
     """tune="auto": (Tuner, the codec, depth and warm-up the measured steps run with).
-    Pins and conflicts are auto.check_pins's (a ValueError naming both); `exchange`, the
-    lookahead's prediction exchange, is priced with K=2 (the Keras adapter's default
-    sends one through here on the torch backend)."""
-    steps = auto.tune_steps()
-    codec = None
-    if compression is not Compression.none:
-        try:
-            codec = config_name(compression)
-        except (AttributeError, ValueError):
-            codec = getattr(compression, "name", type(compression).__name__)
-    pins = auto.check_pins(steps, pinned_depth, codec, pinned_cap, warmup_steps,
-                           None if collective is None else collective.describe(),
-                           op in (engine.Average, engine.Sum), exchange)
-    tuner = auto.Tuner(steps, pins)
-    return tuner, compression, 1, auto.warmup_steps(steps, warmup_steps)
+    Pins and conflicts are auto.pins_from_options's; `exchange`, the lookahead's
+    prediction exchange, is priced with K=2 (the Keras adapter's default sends one
+    through here on the torch backend)."""
+    steps, pins = auto.pins_from_options(pinned_depth, compression, pinned_cap, warmup_steps,
+                                         collective, op, exchange)
+    return auto.Tuner(steps, pins), compression, 1, auto.warmup_steps(steps, warmup_steps)
 
 
 __all__ = ["DistributedOptimizer"]
