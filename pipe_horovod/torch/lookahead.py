@@ -190,8 +190,12 @@ def _step_size(lr, beta1, step):
     return lr / (1 - beta1 ** step)
 
 
-def _adam(group, items):
-    """torch.optim.Adam's (and AdamW's) _single_tensor_adam, predicted into g."""
+def _adam(group, items, capturable=False):
+    """torch.optim.Adam's (and AdamW's) _single_tensor_adam, predicted into g.
+
+    capturable: its capturable=True form, in torch's operation order there: the bias
+    corrections as 0-dim tensors from the tensor `step` (on the device, no host sync),
+    folded into the denominator."""
     beta1, beta2 = group["betas"]
     lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
     decoupled = group.get("decoupled_weight_decay", False)
@@ -200,7 +204,15 @@ def _adam(group, items):
     for p, g, st in items:
         if group["maximize"]:
             g.neg_()
-        step_size, bias_correction2_sqrt = _adam_scalars(group, st)
+        if capturable:
+            step = st["step"] + 1                        # step_t += 1, not in place
+            step_size_neg = (lr / (1 - beta1 ** step)).neg()
+            # sqrt / (bc2_sqrt * -ss) + eps / -ss, then the update's value 1
+            divisor, shift, value = (1 - beta2 ** step).sqrt() * step_size_neg, \
+                eps / step_size_neg, 1
+        else:
+            step_size, divisor = _adam_scalars(group, st)
+            shift, value = eps, -step_size
         if wd != 0 and not decoupled:
             g.add_(p, alpha=wd)
         decay = 1 - lr * wd if wd != 0 and decoupled else None
@@ -219,10 +231,10 @@ def _adam(group, items):
             denom.addcmul_(gp, gp, value=1 - beta2)      #   .addcmul_(grad, grad, 1 - beta2)
             if amsgrad:
                 torch.maximum(msq, denom, out=denom)
-            denom.sqrt_().div_(bias_correction2_sqrt).add_(eps)
+            denom.sqrt_().div_(divisor).add_(shift)
             torch.lerp(ea, gp, 1 - beta1, out=gp)        # the first moment, in g
             base = pp if decay is None else torch.mul(pp, decay, out=decayed_out)
-            torch.addcdiv(base, gp, denom, value=-step_size, out=gp)
+            torch.addcdiv(base, gp, denom, value=value, out=gp)
 
 
 def _adam_foreach(group, items):
@@ -253,42 +265,8 @@ def _adam_foreach(group, items):
 
 
 def _adam_capturable(group, items):
-    """torch.optim.Adam's (and AdamW's) _single_tensor_adam with capturable=True, predicted
-    into g: the bias corrections as 0-dim tensors from the tensor `step` (on the device, no
-    host sync) and folded into the denominator, in torch's operation order."""
-    beta1, beta2 = group["betas"]
-    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-    decoupled = group.get("decoupled_weight_decay", False)
-    amsgrad = group["amsgrad"]
-    scratch = None
-    for p, g, st in items:
-        if group["maximize"]:
-            g.neg_()
-        if wd != 0 and not decoupled:
-            g.add_(p, alpha=wd)
-        decay = 1 - lr * wd if wd != 0 and decoupled else None
-        step = st["step"] + 1                            # step_t += 1, not in place
-        step_size_neg = (lr / (1 - beta1 ** step)).neg()
-        scale = (1 - beta2 ** step).sqrt() * step_size_neg
-        shift = eps / step_size_neg
-        exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
-        max_sq = st["max_exp_avg_sq"] if amsgrad else exp_avg_sq
-        if not _contiguous(p, g, exp_avg, exp_avg_sq, max_sq):
-            pieces = [(p, g, exp_avg, exp_avg_sq, max_sq, None, None)]
-        else:
-            if scratch is None:
-                scratch = torch.empty(2, _scratch_size(items), dtype=g.dtype, device=g.device)
-            pieces = [(*pc, _cut(scratch[0], pc[1]), _cut(scratch[1], pc[1]))
-                      for pc in _pieces(p, g, exp_avg, exp_avg_sq, max_sq)]
-        for pp, gp, ea, sq, msq, denom_out, decayed_out in pieces:
-            denom = torch.mul(sq, beta2, out=denom_out)  # exp_avg_sq.mul_(beta2)
-            denom.addcmul_(gp, gp, value=1 - beta2)      #   .addcmul_(grad, grad, 1 - beta2)
-            if amsgrad:
-                torch.maximum(msq, denom, out=denom)
-            denom.sqrt_().div_(scale).add_(shift)        # sqrt / (bc2_sqrt * -ss) + eps / -ss
-            torch.lerp(ea, gp, 1 - beta1, out=gp)        # the first moment, in g
-            base = pp if decay is None else torch.mul(pp, decay, out=decayed_out)
-            torch.addcdiv(base, gp, denom, out=gp)
+    """_adam's capturable=True form (a rule takes the group and items only)."""
+    _adam(group, items, capturable=True)
 
 
 def _adam_capturable_foreach(group, items):
