@@ -155,6 +155,78 @@ def test_the_line_and_the_round_trip():
     assert describe(stay).endswith(f"-> K=1, no codec, buckets as run: {stay.reason}")
 
 
+# --- the trial: K=2 without codec tried, then kept or undone by its own steps -----------
+
+def trial_steps(first, step_s, count=6):
+    """Recorded steps `first`.. of `step_s` each (compute, no wait: a K=2 step)."""
+    return [{"step": first + i, "finished_s": 100.0 + i * step_s, "compute_s": step_s,
+             "wait_s": 0.0} for i in range(count)]
+
+
+def test_a_gain_under_the_margin_is_tried_where_the_adapter_can_go_back():
+    # 100 + 3 ms measured, K=2 predicted 100: 1.03x, under MARGIN, over TRIAL_MARGIN
+    measured = summary(0.100, 0.003)
+    assert chosen(decide(measured)) == (1, "none", None)
+    d = decide(measured, may_try=True)
+    assert (chosen(d), d.trying) == ((2, "none", None), True)
+    assert d.measured_s == pytest.approx(0.103)
+    # under TRIAL_MARGIN nothing is tried
+    assert not decide(summary(0.100, 0.001), may_try=True).trying
+    assert chosen(decide(summary(0.100, 0.001), may_try=True)) == (1, "none", None)
+
+
+def test_a_codec_is_never_tried_and_a_pinned_depth_never():
+    d = decide(summary(0.182, 0.240), may_try=True)
+    assert (chosen(d), d.trying) == ((2, "int8_ef", None), False)
+    assert not decide(summary(0.100, 0.050), Pins(pipeline_depth=2), may_try=True).trying
+
+
+def test_a_trial_is_kept_where_its_steps_measured_faster():
+    measured = summary(0.100, 0.050)
+    trial = decide(measured, may_try=True)
+    assert trial.trying and trial.measured_s == pytest.approx(0.150)
+    run = {**measured, "steps": measured["steps"] + trial_steps(20, 0.101)}
+    kept = auto.confirm(run, trial, 20)
+    assert (chosen(kept), kept.trying) == ((2, "none", None), False)
+    # measure() leaves out the trial's first two steps: the median of the other four
+    assert kept.tried_s == pytest.approx(0.101)
+    line = describe(kept)
+    assert line.endswith("predicted 1.50x over K=1, kept: its trial measured 1.49x (101.0 "
+                         "ms a step against 150.0 ms)"), line
+    assert "trying K=2, no codec, buckets as run for 5 steps" in describe(trial, 5)
+
+
+@pytest.mark.parametrize("tried", [0.150, 0.148, 0.200])
+def test_a_trial_not_keep_margin_faster_is_undone(tried):
+    measured = summary(0.100, 0.050)
+    trial = decide(measured, may_try=True)
+    run = {**measured, "steps": measured["steps"] + trial_steps(20, tried)}
+    undone = auto.confirm(run, trial, 20, Pins(bucket_cap_mb=4))
+    assert chosen(undone) == (1, "none", 4) and not undone.trying
+    assert undone.tried_s == pytest.approx(tried) and undone.measured_s == trial.measured_s
+    assert undone.reason == (f"tried K=2, no codec (predicted 1.50x): {tried * 1e3:.1f} ms a "
+                             "step against 150.0 ms at K=1")
+    assert Decision.from_dict(undone.as_dict()) == undone
+
+
+def test_the_trial_is_due_after_its_steps():
+    tuner = auto.Tuner(8)
+    assert tuner.trial_steps == auto.MIN_TRIAL_STEPS and auto.Tuner(20).trial_steps == 10
+    assert tuner.due(8) and not tuner.due(7)
+    tuner.decision, tuner.tried_from = Decision(2, "none", trying=True), 8
+    assert not tuner.due(12) and tuner.due(13)
+    tuner.decision = Decision(2, "none")
+    assert not tuner.due(100)
+
+
+def test_the_fifo_applies_what_a_lowered_depth_no_longer_holds():
+    from pipe_horovod.pipeline.fifo import GradientFifo
+    fifo = GradientFifo(2)
+    assert fifo.push("g0") == [] and fifo.push("g1") == ["g0"]
+    fifo.pipeline_depth = 1
+    assert fifo.pop_ready() == ["g1"] and fifo.push("g2") == ["g2"]
+
+
 # --- pins and conflicts ------------------------------------------------------------------
 
 @pytest.mark.parametrize("options, words", [
@@ -267,7 +339,7 @@ def test_a_decision_for_another_number_of_ranks_is_measured_again():
 
 # --- a real launch: torchrun, 2 ranks, one launch for every case ---------------------------
 
-CASES = ["k1", "k2", "resume", "codec", "differ"]
+CASES = ["k1", "k2", "undone", "resume", "codec", "differ"]
 
 
 @pytest.mark.parametrize("case", CASES)

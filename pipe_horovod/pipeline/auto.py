@@ -20,6 +20,18 @@ step. That rank logs one line (`describe`). A run of the chosen configuration wi
 warmup_steps=N computes the same weights, bit for bit: the FIFO's warm-up already ends
 at step N, and the decision only raises its depth there.
 
+A winner without codec (K=2 alone) is not taken on the prediction: it is tried for
+trial_steps(N) steps (predicted TRIAL_MARGIN faster suffices), then kept only where those
+steps measured KEEP_MARGIN faster than the K=1 steps (`confirm`, decided and broadcast
+the same way), else undone: back to K=1, the gradient in flight applied in that same
+step, nothing lost. The model prices the link the K=1 steps saw, not what K=2 adds
+itself (the lookahead's second update and exchange, a link that is the same cores as
+compute, as on loopback). A kept trial is the chosen configuration from step N on, so
+the oracle above holds; an undone one equals a K=2 run to the trial's end, flushed, then
+K=1. Codecs are chosen on the prediction alone (their error feedback's residuals would
+be left behind by going back), and so is everything where the adapter cannot apply two
+gradients in one step (the tape hands its user one: `Tuner(may_try=False)`).
+
 The API an adapter wires (the PyTorch optimizer does; Keras and the tape take the same):
 
 - `resolve_tune(tune)` -> "auto" or None: the argument, else $PIPE_HOROVOD_TUNE;
@@ -28,8 +40,10 @@ The API an adapter wires (the PyTorch optimizer does; Keras and the tape take th
   bucket_cap_mb pin their dimension; a pin auto cannot honour (a depth other than 1 or
   2, a codec the convergence rule or the model refuses, warmup_steps shorter than N) is
   a ValueError naming both. `warmup_steps(N, W)` -> the FIFO's warm-up to build with.
-- `Tuner(steps, pins, cap_bytes)`: give it to StepMachine(tune=...). The machine decides
-  in finish_step (`Tuner.due`), applies the decision at that step boundary (depth,
+- `Tuner(steps, pins, cap_bytes, may_try)`: give it to StepMachine(tune=...). The
+  machine decides in finish_step (`Tuner.due`; again at a trial's end, and where a trial
+  is undone returns what K=1 no longer holds in flight with the step's own, oldest
+  first: the adapter applies each), applies the decision at that step boundary (depth,
   codec, wire format and error feedback, bucket cap: re-planned from its buckets'
   members; the gloo group a two-stage codec needs, opened there by every rank) and
   calls each method given to `StepMachine.tell_when_tuned` (held weakly) with the
@@ -51,7 +65,7 @@ import logging
 import math
 import numbers
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .convergence_rule import CAPS_MB, CONVERGENCE, DEPTHS, convergence_failure, depth_failure
 from .measured_run import candidates, measure, recommend, wire_ratio
@@ -60,6 +74,11 @@ TUNE_VARIABLE = "PIPE_HOROVOD_TUNE"
 STEPS_VARIABLE = "PIPE_HOROVOD_TUNE_STEPS"
 TUNE_STEPS = 20
 MARGIN = 0.05              # a candidate must be predicted this much faster than K=1 as run
+# A candidate without codec predicted TRIAL_MARGIN faster is tried instead (on adapters
+# that can go back), and kept only where its trial measured KEEP_MARGIN faster than K=1.
+TRIAL_MARGIN = 0.02
+KEEP_MARGIN = 0.02
+MIN_TRIAL_STEPS = 5        # measure() leaves out a trial's first two (the pipeline filling)
 MIN_STEPS = 3              # measure() needs two recorded steps (the first has no start)
 VALUES = ("auto",)
 _log = logging.getLogger("pipe_horovod")
@@ -171,6 +190,19 @@ def pins_from_options(pinned_depth, compression, pinned_cap, warmup_steps, colle
     return steps, pins
 
 
+def trial_steps(steps):
+    """How long a trial runs after `steps` measured ones: half as long, MIN_TRIAL_STEPS at
+    least (its first two are left out of its median)."""
+    return max(MIN_TRIAL_STEPS, -(-steps // 2))
+
+
+def settle_steps(steps=None):
+    """The steps a tuned run may take before it runs what it chose for good: the measured
+    ones (`steps`, else tune_steps()) and a trial's. For benchmarks timing what it chose."""
+    steps = tune_steps() if steps is None else steps
+    return steps + trial_steps(steps)
+
+
 def warmup_steps(steps, given):
     """The FIFO's warm-up for a tuned run: its first `steps` are synchronous (the
     measured ones), or more where the user asked for more."""
@@ -192,6 +224,12 @@ class Decision:
     gain: float = 1.0                 # measured K=1 step / predicted_s
     steps: int = 0                    # how many steps the medians are of
     reason: str = ""                  # why K=1 as run, where it is that
+    # A trial: applied for the Tuner's trial steps, then kept or undone by what they
+    # measured (`confirm`). measured_s: the K=1 step the trial must beat; tried_s: the
+    # trial's own step, once measured.
+    trying: bool = False
+    measured_s: float = math.nan
+    tried_s: float = math.nan
 
     def as_dict(self):
         return {k: (None if isinstance(v, float) and math.isnan(v) else v)
@@ -200,9 +238,11 @@ class Decision:
     @classmethod
     def from_dict(cls, data):
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**{k: (math.nan if v is None and k in ("compute_s", "wait_s", "link_gbps",
-                                                            "predicted_s") else v)
+        return cls(**{k: (math.nan if v is None and k in _TIMES else v)
                       for k, v in known.items()})
+
+
+_TIMES = ("compute_s", "wait_s", "link_gbps", "predicted_s", "measured_s", "tried_s")
 
 
 def unchanged(workers, reason, pins=Pins(), measured=None, link_gbps=math.nan):
@@ -214,13 +254,21 @@ def unchanged(workers, reason, pins=Pins(), measured=None, link_gbps=math.nan):
                     workers, reason=reason, **figures)
 
 
-def decide(summary, pins=Pins(), margin=MARGIN, latency_s=0.0):
+def decide(summary, pins=Pins(), margin=MARGIN, latency_s=0.0, may_try=False):
     """The decision from a run summary (RunRecord.summary()) of synchronous steps at K=1.
 
     Candidates are predicted by measured_run.candidates (one model with `plan
     --from-run`), narrowed to the pins; the fastest that meets the convergence rule wins
     where it is predicted faster than the measured step by `margin`, else the run stays
-    as it is (K=1 or the pinned depth, no codec or the pinned one, its buckets)."""
+    as it is (K=1 or the pinned depth, no codec or the pinned one, its buckets).
+
+    `may_try` (an adapter that can go back to K=1 with a gradient in flight): a winner
+    without codec, predicted only TRIAL_MARGIN faster, is a trial (`trying`), which
+    `confirm` keeps or undoes from what its own steps measured. Why: the model prices
+    the link the measured steps saw, not what K=2 itself adds (the lookahead's second
+    update, its exchange, a link that is the same cores as compute); a K=2 step without
+    codec goes back to K=1 at no loss. A codec's error feedback would leave residuals
+    behind, so a codec is chosen on the prediction alone, by `margin`."""
     config = summary["config"]
     workers = config["workers"]
     if workers < 2:
@@ -245,17 +293,37 @@ def decide(summary, pins=Pins(), margin=MARGIN, latency_s=0.0):
     base = [c for c in every if c.depth == depths[0] and c.codec == codecs[0]
             and c.cap == "as run"]
     base_s = base[0].step_s if base and pins.pipeline_depth else measured.step_s
-    if not best.step_s * (1 + margin) < base_s:
+    trying = may_try and best.codec == "none" and not pins.pipeline_depth
+    bar = TRIAL_MARGIN if trying else margin
+    if not best.step_s * (1 + bar) < base_s:
         gained = base_s / best.step_s if best.step_s > 0 else 1.0
-        return unchanged(workers, f"nothing predicted {margin:.0%} faster (best: K="
+        return unchanged(workers, f"nothing predicted {bar:.0%} faster (best: K="
                          f"{best.depth} + {best.codec}, {gained:.2f}x)", pins, measured, link)
     return Decision(best.depth, best.codec, best.cap_mb if pins.bucket_cap_mb is None
                     else pins.bucket_cap_mb, workers, measured.compute_s, measured.wait_s, link,
-                    best.step_s, measured.step_s / best.step_s, measured.steps)
+                    best.step_s, measured.step_s / best.step_s, measured.steps,
+                    trying=trying, measured_s=measured.step_s)
 
 
-def describe(decision):
-    """The one line rank 0 logs: the inputs and the predicted gain."""
+def confirm(summary, trial, tried_from, pins=Pins()):
+    """A trial's outcome: `trial` (a Decision trying) kept where its steps from
+    `tried_from` on measured KEEP_MARGIN faster than the K=1 step it was decided from
+    (the same medians, measure()), else the run as it was (the pins honoured), saying
+    what each measured."""
+    steps = [s for s in summary["steps"] if s["step"] >= tried_from]
+    tried = measure({**summary, "steps": steps}).step_s if steps else math.nan
+    if tried * (1 + KEEP_MARGIN) < trial.measured_s:
+        return replace(trial, trying=False, tried_s=tried)
+    words = (f"tried K={trial.pipeline_depth}, no codec (predicted {trial.gain:.2f}x): "
+             f"{tried * 1e3:.1f} ms a step against {trial.measured_s * 1e3:.1f} ms at K=1")
+    return replace(unchanged(trial.workers, words, pins), compute_s=trial.compute_s,
+                   wait_s=trial.wait_s, link_gbps=trial.link_gbps, steps=trial.steps,
+                   predicted_s=trial.measured_s, measured_s=trial.measured_s, tried_s=tried)
+
+
+def describe(decision, trial_steps=None):
+    """The line rank 0 logs: the inputs and the predicted gain (a trial: for how many
+    steps, `trial_steps`; its outcome: what it measured)."""
     d = decision
     if math.isnan(d.compute_s):
         return f"pipe_horovod auto: K={d.pipeline_depth}, compression {d.compression} ({d.reason})"
@@ -268,14 +336,19 @@ def describe(decision):
     buckets = "as run" if d.bucket_cap_mb is None else f"{d.bucket_cap_mb:g} MiB"
     if d.reason:
         return f"{head} -> K={d.pipeline_depth}{codec}, buckets as run: {d.reason}"
-    return (f"{head} -> K={d.pipeline_depth}{codec}, buckets {buckets}: predicted "
+    line = (f"{head} -> {'trying ' if d.trying else ''}K={d.pipeline_depth}{codec}, buckets "
+            f"{buckets}{f' for {trial_steps} steps' if d.trying else ''}: predicted "
             f"{d.gain:.2f}x over K=1")
+    if not math.isnan(d.tried_s):
+        line += (f", kept: its trial measured {d.measured_s / d.tried_s:.2f}x ("
+                 f"{d.tried_s * 1e3:.1f} ms a step against {d.measured_s * 1e3:.1f} ms)")
+    return line
 
 
 class Tuner:
     """A step machine's tuning state (StepMachine(tune=Tuner(...)))."""
 
-    def __init__(self, steps, pins=Pins(), cap_bytes=None):
+    def __init__(self, steps, pins=Pins(), cap_bytes=None, may_try=True):
         if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or \
                 steps < MIN_STEPS:
             raise ValueError(f"tune steps must be an integer >= {MIN_STEPS}, got {steps!r}")
@@ -284,10 +357,18 @@ class Tuner:
         self.initial_cap_bytes = cap_bytes   # the cap the measured steps ran with
         self.decision = None
         self.measure_from = 0                # the step count measuring began at
+        # Whether the adapter can go back to K=1 with a gradient in flight (it applies
+        # two in one step): where it cannot (the tape hands its user one), no trials.
+        self.may_try = may_try
+        self.trial_steps = trial_steps(self.steps)
+        self.tried_from = 0                  # the step count a trial began at
         self._told_short = False
 
     def due(self, steps_pushed):
-        return self.decision is None and steps_pushed - self.measure_from >= self.steps
+        """Whether to decide now: the measured steps are done, or a trial's."""
+        if self.decision is None:
+            return steps_pushed - self.measure_from >= self.steps
+        return self.decision.trying and steps_pushed - self.tried_from >= self.trial_steps
 
     def measuring(self):
         """The configuration the measured steps run in: K=1, no codec (or the pinned

@@ -22,11 +22,15 @@ class GradientFifo:
 
     def push(self, entry):
         """Add this step's gradient; return the entries to apply now, oldest first."""
-        step = self.steps
         self._entries.append(entry)
         self.steps += 1
+        return self.pop_ready()
+
+    def pop_ready(self):
+        """The entries to apply after the step pushed last, oldest first: push's, and
+        again after the depth was lowered (what it no longer holds in flight)."""
         ready = []
-        while len(self._entries) >= self.threshold(step):
+        while self._entries and len(self._entries) >= self.threshold(self.steps - 1):
             ready.append(self._entries.popleft())
         return ready
 

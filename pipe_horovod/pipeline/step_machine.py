@@ -374,6 +374,9 @@ class StepMachine:
             self.record.finished(self.fifo.steps - 1)
         if self.tuner is not None and self.tuner.due(self.fifo.steps):
             self._tune()
+            # A trial undone: what the shallower depth no longer holds in flight is
+            # applied now, oldest first (the adapter applies several in one step).
+            ready += self.fifo.pop_ready()
         self.begin_step()
         return ready
 
@@ -387,13 +390,17 @@ class StepMachine:
                                       else self.process_set.ranks[0])
 
     def _tune(self):
-        """At the step boundary after the measured steps: the first rank decides from the
-        run record, every rank applies its decision (broadcast through the object
-        collective, so all apply the same at the same step)."""
-        mine = None
+        """At the step boundary after the measured steps (or after a trial's): the first
+        rank decides from the run record, every rank applies its decision (broadcast
+        through the object collective, so all apply the same at the same step)."""
+        mine, tuner = None, self.tuner
+        trial = tuner.decision                  # None, or a trial to keep or undo
         if self._first_rank():
             try:
-                mine = auto.decide(self.record.summary(), self.tuner.pins).as_dict()
+                summary = self.record.summary()
+                mine = (auto.decide(summary, tuner.pins, may_try=tuner.may_try)
+                        if trial is None else
+                        auto.confirm(summary, trial, tuner.tried_from, tuner.pins)).as_dict()
             except Exception as exc:        # noqa: BLE001 - the others wait in the gather
                 # below: whatever went wrong, this rank answers, and the run stays as run
                 mine = auto.unchanged(self.size, f"no decision ({type(exc).__name__}: "
@@ -403,13 +410,15 @@ class StepMachine:
         decision = (auto.Decision.from_dict(chosen) if chosen is not None
                     else auto.unchanged(self.size, "no rank decided", self.tuner.pins))
         self._apply_tuning(decision)
+        if decision.trying:
+            tuner.tried_from = self.fifo.steps
         if not self.solo and opens_group(self.collective, self.compression, self.exchange):
             # A codec that sends point to point needs pipe_horovod's gloo group, opened by
             # every rank at one point: here, where all of them apply the decision (a resume
             # leaves it to the first reduction: rank 0 may load alone).
             communicator(self.engine)
         if self._first_rank():
-            auto.log(auto.describe(decision))
+            auto.log(auto.describe(decision, tuner.trial_steps))
 
     def _apply_tuning(self, decision, decided=True):
         """Depth, codec and bucket cap of `decision`, at a step boundary (what the FIFO
@@ -443,6 +452,7 @@ class StepMachine:
             return
         if saved is not None and saved.get("workers") == self.size:
             self._apply_tuning(auto.Decision.from_dict(saved))
+            self.tuner.tried_from = steps        # a trial saved: tried again from here
             return
         if self.tuner.decision is not None:
             self._apply_tuning(self.tuner.measuring(), decided=False)

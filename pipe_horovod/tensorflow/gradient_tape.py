@@ -128,7 +128,7 @@ class _Pipeline:
         depth, warmup, tuner = options["pipeline_depth"], options["warmup_steps"], None
         if options["tune"] is not None:          # tune="auto": its measured steps at K=1
             steps, pins = options["tune"]
-            tuner = auto.Tuner(steps, pins)
+            tuner = auto.Tuner(steps, pins, may_try=False)
             depth, warmup = 1, auto.warmup_steps(steps, warmup)
         self.machine = StepMachine(
             f"tf_tape{self.number}", depth, warmup,

@@ -101,6 +101,8 @@ class TensorFlowPath:
             tune=tuner)
         if tuner is not None:
             self.machine.tell_when_tuned(self._tuned)
+        # tune="auto" may undo a K=2 trial: that step applies the gradient in flight too
+        self.may_undo = tuner is not None and tuner.may_try
         # 1/size with scale_local_gradients, of the engine running now (rebind_engine)
         self.scale_local = LocalScale(options["scale_local_gradients"],
                                       lambda: self.machine.size)
@@ -156,13 +158,16 @@ class TensorFlowPath:
         out = self.transfer.op(keeping_failures(self._finish), [token],
                                types + [tf.bool] + types * self.older
                                + (types + [tf.bool]) * self.exchanging
-                               + [tf.int64] * self.lookahead,
+                               + [tf.int64] * self.lookahead
+                               + (types + [tf.bool]) * self.may_undo,
                                "pipe_horovod_finish")
         n = len(variables)
 
         def shaped(tensors):
             return [tf.ensure_shape(g, v.shape) for g, v in zip(tensors, variables)]
         averaged, popped = shaped(out[:n]), tf.ensure_shape(out[n], ())
+        if self.may_undo:                        # tune="auto" undid a trial: two this step
+            out, earlier = out[:-n - 1], out[-n - 1:]
         older = [shaped(out[n + 1 + j * n:n + 1 + (j + 1) * n]) for j in range(self.older)]
         current = grads
         if self.exchanging:                      # the ranks' average where one was exchanged
@@ -174,7 +179,9 @@ class TensorFlowPath:
                                        zip(grads, shaped(out[at:at + n]), self.names)],
                               lambda: grads)
         self.put_real_back()                     # after backward, before the real update
-
+        if self.may_undo:                        # (shaped in the branch: empty when unused)
+            tf.cond(tf.ensure_shape(earlier[n], ()), lambda: self._step(shaped(earlier[:n])),
+                    lambda: tf.constant(False))
         applied = tf.cond(popped, lambda: self._step(averaged), lambda: tf.constant(False))
         if self.lookahead:
             ahead = tf.ensure_shape(out[-1], ())
@@ -291,8 +298,11 @@ class TensorFlowPath:
         self._arrays, self._local, self._unreduced = {}, {}, {}
         ready = machine.finish_step(entry)
         self.timings["steps"] += 1
+        # Two only where tune="auto" undid a trial (restore() refuses what would pop
+        # several): the earlier one is applied first, from the outputs may_undo adds.
+        earlier = ready[:-1]
         if ready:
-            (oldest,) = ready                    # restore() refuses what would pop several
+            oldest = ready[-1]
             start = time.perf_counter()
             out = self._to_tf(oldest.gradients())
             self.timings["wait_s"] += time.perf_counter() - start
@@ -315,6 +325,13 @@ class TensorFlowPath:
                         if n in estimates else self._empty(n) for n in self.names]
                 out.append(self.transfer.flag(bool(estimates)))
             out.append(self.transfer.count(len(ahead)))
+        if self.may_undo:
+            out += (self._to_tf(earlier[0].gradients()) if earlier
+                    else [self._empty(n) for n in self.names])
+            out.append(self.transfer.flag(bool(earlier)))
+            for entry in earlier:
+                machine.release(entry)
+                self.timings["applied"] += 1
         return tuple(out)
 
     def _to_tf(self, grads):

@@ -278,7 +278,8 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
             self._plan(agreed)
         self._reset_step()
         self.timings["steps"] += 1
-        for entry in ready[:-1]:                 # several only when a resume lands in warm-up
+        # Several only when a resume lands in warm-up, or tune="auto" undid a K=2 trial.
+        for entry in ready[:-1]:
             self._apply(entry)
         self._pending_apply = ready[-1] if ready else None
         self._fill_grads(self._pending_apply)

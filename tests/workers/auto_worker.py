@@ -2,16 +2,22 @@
 
 Timings are injected, not waited for on a real network: every step sleeps COMPUTE_S in
 the training loop (compute, as the run record counts it), and the "network-bound"
-cases also sleep WAIT_S inside every wait for a reduction (pipe_horovod.engine.wait, the
-call the step machine blocks in: exposed wait). With compute alone the run is compute
-bound and auto must stay at K=1; with the wait it must choose K=2 (no codec: at
-max(compute, link) every codec ties with none, and the tie goes to none).
+cases model a slow link: a reduction lands WAIT_S after its launch (the wait for it,
+pipe_horovod.engine.wait, where the step machine blocks, sleeps until then: exposed at
+K=1, hidden behind the next step's compute at K=2). With compute alone the run is compute
+bound and auto must stay at K=1; with the link it must try K=2 (no codec: at
+max(compute, link) every codec ties with none, and the tie goes to none) and keep it.
 
 Cases:
 - k1: compute-bound; the decision is K=1, no codec, the buckets as run, the same on
   every rank; the weights equal, bit for bit, a run of K=1 with warmup_steps=N.
-- k2: network-bound; the decision is K=2, no codec, the same on every rank; the weights
-  equal, bit for bit, a run of pipeline_depth=2 (default lookahead) with warmup_steps=N.
+- k2: network-bound; the decision is a K=2 trial, no codec, kept once its steps measured
+  faster, the same on every rank; the weights equal, bit for bit, a run of
+  pipeline_depth=2 (default lookahead) with warmup_steps=N.
+- undone: network-bound while measured, then compute grows (SLOWER_S) during the trial:
+  the trial measures slower than K=1 and is undone, the gradient in flight applied at
+  once; the weights equal, bit for bit, a fixed K=2 run (warmup_steps=N) of the steps up
+  to the trial's end, flushed, its state_dict loaded by a K=1 optimizer that trains on.
 - resume: a K=2 decision saved in the optimizer's state_dict; a new optimizer with
   tune="auto" that loads it applies it at once (no measuring), and training on from it
   equals, bit for bit, the run that never stopped.
@@ -22,6 +28,7 @@ Cases:
 - differ: rank 0 asks for tune="auto", rank 1 not: every rank raises at wrap time,
   naming tune and both values.
 """
+import math
 import os
 import sys
 import time
@@ -33,14 +40,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import launcher  # noqa: E402
-import pipe_horovod.engine as engine_module  # noqa: E402
 import pipe_horovod.torch as hvd  # noqa: E402
+from slow_link import SlowLink  # noqa: E402
 from pipe_horovod.compression import Compression  # noqa: E402
 
 STEPS = 8                         # PIPE_HOROVOD_TUNE_STEPS for this launch
-AFTER = 4                         # steps trained after the decision
+TRIAL = 5                         # its trial's steps (auto.Tuner(STEPS).trial_steps)
+AFTER = TRIAL + 2                 # steps trained after the decision
 COMPUTE_S = 0.08
 WAIT_S = 0.04
+SLOWER_S = 0.2                    # "undone": compute during and after the trial
+BOUND_S = 0.25                    # "k1": compute alone
 
 
 def _model():
@@ -54,42 +64,30 @@ def _optimizer(model, **options):
 
 
 def _train(model, optimizer, steps, first=0, compute_s=0.0):
+    """`compute_s`: seconds each step sleeps, or a function of the step."""
     for step in range(first, first + steps):
         g = torch.Generator().manual_seed(1009 * hvd.rank() + step)
         x, y = torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
-        if compute_s:
-            time.sleep(compute_s)
+        seconds = compute_s(step) if callable(compute_s) else compute_s
+        if seconds:
+            time.sleep(seconds)
 
 
-class _SlowWaits:
-    """Every wait for a reduction blocks WAIT_S longer: an exposed wait, as a slow link's."""
-
-    def __init__(self, seconds=WAIT_S):
-        self.seconds = seconds
-
-    def __enter__(self):
-        self.wait = engine_module.wait
-
-        def slow(handle):
-            time.sleep(self.seconds)
-            return self.wait(handle)
-        engine_module.wait = slow
-
-    def __exit__(self, *exc):
-        engine_module.wait = self.wait
+def _SlowLink(seconds=WAIT_S):
+    return SlowLink(seconds)
 
 
-def _auto_run(slow, steps=STEPS + AFTER):
+def _auto_run(slow, steps=STEPS + AFTER, compute_s=COMPUTE_S):
     model = _model()
     optimizer = _optimizer(model, tune="auto")
     if slow:
-        with _SlowWaits():
-            _train(model, optimizer, steps, compute_s=COMPUTE_S)
+        with _SlowLink():
+            _train(model, optimizer, steps, compute_s=compute_s)
     else:
-        _train(model, optimizer, steps, compute_s=COMPUTE_S)
+        _train(model, optimizer, steps, compute_s=compute_s)
     return model, optimizer
 
 
@@ -114,11 +112,14 @@ def _assert_equal(a, b, what):
 
 
 def _outcome(slow, depth):
-    model, optimizer = _auto_run(slow)
+    # Compute-bound: the real reductions' wait (about 2 ms on loopback) well under
+    # TRIAL_MARGIN of the step, or K=2 is rightly tried and kept.
+    model, optimizer = _auto_run(slow, compute_s=COMPUTE_S if slow else BOUND_S)
     decision = optimizer._machine.tuner.decision
     assert decision is not None, "auto did not decide"
     assert (decision.pipeline_depth, decision.compression, decision.bucket_cap_mb) == (
         depth, "none", None), decision
+    assert not decision.trying and (depth == 1) == math.isnan(decision.tried_s), decision
     assert optimizer._machine.fifo.pipeline_depth == depth
     assert optimizer._machine.run_config()["auto"] == decision.as_dict()
     _same_everywhere(decision)
@@ -134,6 +135,30 @@ def k1():
 
 def k2():
     _outcome(slow=True, depth=2)
+
+
+def undone():
+    steps = STEPS + AFTER
+    slower = lambda step: COMPUTE_S if step < STEPS else SLOWER_S    # noqa: E731
+    model, optimizer = _auto_run(True, steps, compute_s=slower)
+    decision = optimizer._machine.tuner.decision
+    assert (decision.pipeline_depth, decision.compression, decision.trying) == (
+        1, "none", False), decision
+    assert decision.tried_s > decision.measured_s and "tried K=2" in decision.reason, decision
+    assert optimizer._machine.fifo.pipeline_depth == 1 and len(optimizer._machine.fifo) == 0
+    _same_everywhere(decision)
+    optimizer.flush()
+    # The oracle: K=2 up to the trial's end, flushed, then K=1 from its state_dict
+    oracle = _model()
+    fixed = _optimizer(oracle, pipeline_depth=2, warmup_steps=STEPS)
+    _train(oracle, fixed, STEPS + TRIAL)
+    fixed.flush()
+    saved = fixed.state_dict()
+    after = _optimizer(oracle, pipeline_depth=1)      # (the K=2 wrapper retires)
+    after.load_state_dict(saved)
+    _train(oracle, after, steps - STEPS - TRIAL, first=STEPS + TRIAL)
+    after.flush()
+    _assert_equal(model, oracle, "auto with its trial undone against its oracle")
 
 
 def resume():
@@ -160,7 +185,7 @@ def resume():
 def codec():
     model = _model()
     optimizer = _optimizer(model, tune="auto")
-    with _SlowWaits(4 * WAIT_S):
+    with _SlowLink(4 * WAIT_S):
         _train(model, optimizer, STEPS + AFTER, compute_s=COMPUTE_S / 4)
     decision = optimizer._machine.tuner.decision
     assert decision.pipeline_depth == 2 and decision.compression in ("int8_ef", "int4_ef:32"), \
@@ -186,6 +211,6 @@ def differ():
 if __name__ == "__main__":
     os.environ["PIPE_HOROVOD_TUNE_STEPS"] = str(STEPS)
     hvd.init()
-    launcher.worker_cases({"k1": k1, "k2": k2, "resume": resume,
+    launcher.worker_cases({"k1": k1, "k2": k2, "undone": undone, "resume": resume,
                                                 "codec": codec, "differ": differ}, sys.argv[1], hvd.rank)
     print(f"WORKER_OK rank={hvd.rank()}", flush=True)

@@ -3,9 +3,10 @@
 adapter underneath runs it, priced with the Keras default's int4 prediction exchange.
 
 Timings are injected as tests/workers/auto_worker.py does: a callback sleeps COMPUTE_S
-after every batch (compute, as the run record counts it); the network-bound run also
-sleeps WAIT_S in every wait for a reduction (engine.wait: exposed wait). Compute alone:
-K=1; with the wait: K=2, no codec. Each outcome: the same decision on every rank, in the
+after every batch (compute, as the run record counts it; BOUND_S where compute alone is
+the bound); the network-bound run also has a slow link (slow_link.py: a reduction lands
+WAIT_S after its launch). Compute alone: K=1; with the link: K=2, no codec, tried and
+kept. Each outcome: the same decision on every rank, in the
 run summary, and fit's weights equal, bit for bit, a fit of the chosen configuration with
 warmup_steps=N (the Keras default lookahead and exchange at K=2). The optimizer's state
 (what model.save and broadcasts carry) holds the decision; a fresh optimizer loading it
@@ -18,19 +19,24 @@ import time
 import keras
 import numpy as np
 
-import pipe_horovod.engine as engine_module
 import pipe_horovod.keras as phvd
 from pipe_horovod.compression import Compression
+from slow_link import SlowLink
 
 N = 8
-BATCHES = N + 4
+BATCHES = N + 5 + 2               # measured, a trial (auto.Tuner(N).trial_steps), two more
 COMPUTE_S = 0.08
+BOUND_S = 0.25                    # compute alone: the real waits well under 2% of a step
 WAIT_S = 0.04
 
 
 class _Compute(keras.callbacks.Callback):
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
     def on_train_batch_end(self, batch, logs=None):
-        time.sleep(COMPUTE_S)
+        time.sleep(self.seconds)
 
 
 def _build():
@@ -50,17 +56,14 @@ def _fit(options, slow=False, timed=False):
     opt = phvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
                                     flush_in_fit=False, **options)
     model.compile(opt, "mse")
-    wait = engine_module.wait
+    compute = [_Compute(COMPUTE_S if slow else BOUND_S)] if timed else []
     if slow:
-        def slowly(handle):
-            time.sleep(WAIT_S)
-            return wait(handle)
-        engine_module.wait = slowly
-    try:
+        with SlowLink(WAIT_S):
+            model.fit(*_data(), batch_size=8, epochs=1, verbose=0, shuffle=False,
+                      callbacks=compute)
+    else:
         model.fit(*_data(), batch_size=8, epochs=1, verbose=0, shuffle=False,
-                  callbacks=[_Compute()] if timed else [])
-    finally:
-        engine_module.wait = wait
+                  callbacks=compute)
     opt.flush()
     return model, opt
 
@@ -71,8 +74,8 @@ def _outcome(slow, folder):
     machine = opt._path.torch_optimizer._machine
     decision = machine.tuner.decision
     assert decision is not None, f"{what}: auto did not decide"
-    assert (decision.pipeline_depth, decision.compression, decision.bucket_cap_mb) == (
-        2 if slow else 1, "none", None), (what, decision)
+    assert (decision.pipeline_depth, decision.compression, decision.bucket_cap_mb,
+            decision.trying) == (2 if slow else 1, "none", None, False), (what, decision)
     assert machine.tuner.pins.exchange == "int4", machine.tuner.pins
     everyone = phvd.allgather_object(decision.as_dict())
     assert all(d == everyone[0] for d in everyone), (what, everyone)

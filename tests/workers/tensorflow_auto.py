@@ -3,10 +3,11 @@
 backend: one TensorFlow start-up per engine).
 
 Timings are injected as tests/workers/auto_worker.py does for PyTorch: every step sleeps
-COMPUTE_S outside the traced step (compute, as the run record counts it), and the
-network-bound runs also sleep WAIT_S in every wait for a reduction (engine.wait, where the
-step machine blocks: exposed wait). Compute alone: auto stays at K=1. With the wait: K=2,
-no codec (at max(compute, link) every codec ties with none; the tie goes to none).
+COMPUTE_S outside the traced step (compute, as the run record counts it; BOUND_S where
+compute alone is the bound), and the network-bound runs have a slow link (slow_link.py:
+a reduction lands WAIT_S after its launch). Compute alone: auto stays at K=1. With the
+link: K=2, no codec (at max(compute, link) every codec ties with none; the tie goes to
+none): the tape chooses it on the prediction; the Keras optimizer tries it and keeps it.
 
 For each of the tape and the optimizer:
 - K=1 and K=2 outcomes: the decision is the same on every rank, in the run summary
@@ -16,10 +17,15 @@ For each of the tape and the optimizer:
 - resume: a K=2 decision saved in a tf.train.Checkpoint mid-run (GradientsInFlight for the
   tape, the optimizer's own state for Keras); a fresh model restored from it with
   tune="auto" applies it at once and continues to the uninterrupted run's weights.
+- undone (the Keras optimizer): compute grows during the trial, which measures slower than
+  K=1 and is undone, the gradient in flight applied in the same step (the graph's second
+  update); the weights equal, bit for bit, a fixed K=2 run to the trial's end, flushed,
+  its checkpoint read by a K=1 optimizer that trains on.
 On one rank auto has nothing to reduce: K=1, said why, and the K=1 oracle holds.
 Wrap-time conflicts and ranks whose tune differs are told, naming both.
 """
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -32,27 +38,16 @@ import pipe_horovod.tensorflow as hvd
 from pipe_horovod.compression import Compression
 from pipe_horovod.pipeline import auto
 from pipe_horovod.tensorflow import gradient_tape
+from slow_link import SlowLink
 
 N = 8                             # PIPE_HOROVOD_TUNE_STEPS for these runs
-AFTER = 4                         # steps trained after the decision
+TRIAL = 5                         # its trial's steps (auto.Tuner(N).trial_steps)
+AFTER = TRIAL + 2                 # steps trained after the decision
 COMPUTE_S = 0.08
+BOUND_S = 0.25                    # compute alone: the real waits well under 2% of a step
+SLOWER_S = 0.2                    # "undone": compute from the trial on
 WAIT_S = 0.04
 _folder = []                      # where this launch's files go (check_auto's directory)
-
-
-class _SlowWaits:
-    """Every wait for a reduction blocks WAIT_S longer: an exposed wait, as a slow link's."""
-
-    def __enter__(self):
-        self.wait = engine_module.wait
-
-        def slow(handle):
-            time.sleep(WAIT_S)
-            return self.wait(handle)
-        engine_module.wait = slow
-
-    def __exit__(self, *exc):
-        engine_module.wait = self.wait
 
 
 class _TuneSteps:
@@ -68,16 +63,18 @@ class _TuneSteps:
 
 
 def _loop(step, start, steps, compute_s):
+    """`compute_s`: seconds each step sleeps, or a function of the step."""
     from tensorflow_worker import rank_data
     for t in range(start, start + steps):
         step(*rank_data(hvd.rank(), t))
-        if compute_s and hvd.size() > 1:         # (alone auto decides K=1 whatever it takes)
-            time.sleep(compute_s)
+        seconds = compute_s(t) if callable(compute_s) else compute_s
+        if seconds and hvd.size() > 1:           # (alone auto decides K=1 whatever it takes)
+            time.sleep(seconds)
 
 
 def _in(slow, run):
     if slow:
-        with _SlowWaits():
+        with SlowLink(WAIT_S):
             return run()
     return run()
 
@@ -108,9 +105,9 @@ def _fixed(decision):
 def _expected(slow):
     """The decision auto must take here: (K, codec, cap); None: whichever it takes (the
     oracle still holds for it). Under Horovod's engine a reduction is answered by its
-    background cycle, so a K=1 step there waits for real (about 10 ms against the 80 ms
-    injected), and K=2 is rightly predicted faster (1.1x): the K=1 outcome is checked
-    under torchrun and in one process."""
+    background cycle, so a K=1 step there waits for real (about 10 ms against the 250 ms
+    injected), and K=2 may rightly be tried: the K=1 outcome is checked under torchrun
+    and in one process."""
     if not slow and hvd.size() > 1 and engine_module.current().name == "horovod":
         return None
     return (2 if slow and hvd.size() > 1 else 1), "none", None
@@ -155,7 +152,7 @@ def _tape_outcome(slow):
     from tensorflow_worker import equal, weights_of
     what = f"tape auto ({'network' if slow else 'compute'}-bound)"
     model, opt = _in(slow, lambda: _tape_run({"tune": "auto"}, N + AFTER,
-                                             compute_s=COMPUTE_S))
+                                             compute_s=COMPUTE_S if slow else BOUND_S))
     machine = _tape_machine(model)
     decision = machine.tuner.decision
     _check_decision(decision, slow, what)
@@ -227,7 +224,8 @@ def _optimizer_outcome(slow):
     what = f"Keras optimizer auto ({'network' if slow else 'compute'}-bound)"
     traces = []
     opt = _optimizer(tune="auto")
-    model = _in(slow, lambda: _optimizer_run(opt, N + AFTER, compute_s=COMPUTE_S,
+    model = _in(slow, lambda: _optimizer_run(opt, N + AFTER,
+                                             compute_s=COMPUTE_S if slow else BOUND_S,
                                              traces=traces))
     assert len(traces) == 1, f"{what}: the step was traced {len(traces)} times"
     machine = opt._path.machine
@@ -240,15 +238,53 @@ def _optimizer_outcome(slow):
     assert opt._path.depth == decision.pipeline_depth, what
     _same_everywhere(decision, what)
     _summary_holds(opt.write_run_summary, decision, what)
+    undone = decision.pipeline_depth == 1 and not math.isnan(decision.tried_s)
     if decision.pipeline_depth == 1:
-        # Nothing in flight after a step: the lookahead's branch never ran
+        # Nothing in flight after a step (after a trial undone, nothing since)
         assert opt._path.prediction() is None and opt.in_flight == 0, what
+    if decision.pipeline_depth == 1 and not undone:
+        # The lookahead's branch never ran
         assert machine.timings.get("exchange_wait_s") is None, machine.timings
     opt.flush()
-    fixed = _optimizer(**_fixed(decision))
-    oracle = _optimizer_run(fixed, N + AFTER)
-    fixed.flush()
+    if undone:
+        oracle = _undone_oracle()
+    else:
+        fixed = _optimizer(**_fixed(decision))
+        oracle = _optimizer_run(fixed, N + AFTER)
+        fixed.flush()
     equal(weights_of(model), weights_of(oracle), f"{what} against its oracle")
+
+
+def _undone_oracle():
+    """A fixed K=2 run (warmup_steps=N) to the trial's end, flushed, its checkpoint read
+    by a K=1 optimizer that trains on (the lookahead's own variables are not read)."""
+    fixed = _optimizer(pipeline_depth=2, warmup_steps=N)
+    model = _optimizer_run(fixed, N + TRIAL)
+    fixed.flush()
+    saved = tf.train.Checkpoint(optimizer=fixed).write(
+        str(_folder[0] / f"undone_oracle_rank{hvd.rank()}"))
+    after = _optimizer(pipeline_depth=1)
+    after.build(model.trainable_variables)
+    tf.train.Checkpoint(optimizer=after).read(saved).expect_partial()
+    _optimizer_run(after, AFTER - TRIAL, model=model, start=N + TRIAL)
+    after.flush()
+    return model
+
+
+def _optimizer_undone():
+    from tensorflow_worker import equal, weights_of
+    what = "Keras optimizer auto, its trial undone"
+    opt = _optimizer(tune="auto")
+    model = _in(True, lambda: _optimizer_run(
+        opt, N + AFTER, compute_s=lambda t: COMPUTE_S if t < N else SLOWER_S))
+    decision = opt._path.machine.tuner.decision
+    assert (decision.pipeline_depth, decision.trying) == (1, False), (what, decision)
+    assert decision.tried_s > decision.measured_s, (what, decision)
+    assert opt._path.depth == 1 and opt.in_flight == 0, what
+    assert opt._path.timings["applied"] == N + AFTER, (what, opt._path.timings["applied"])
+    _same_everywhere(decision, what)
+    opt.flush()
+    equal(weights_of(model), weights_of(_undone_oracle()), what)
 
 
 def _optimizer_resume(directory):
@@ -328,5 +364,6 @@ def check_auto(directory):
         if hvd.size() > 1:
             _tape_outcome(slow=True)
             _optimizer_outcome(slow=True)
+            _optimizer_undone()
             _tape_resume(directory)
             _optimizer_resume(directory)

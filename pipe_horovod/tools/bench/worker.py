@@ -62,6 +62,7 @@ import socket
 import sys
 import time
 
+from pipe_horovod.pipeline import auto
 from pipe_horovod.tools.bench import convergence_tasks, models
 # Re-exported: examples and the Keras bench build the same synthetic models.
 from pipe_horovod.tools.bench.models import (MLP_CLASSES, MLP_IN, build_model,  # noqa: F401
@@ -1039,11 +1040,12 @@ def add_model_arguments(parser):
     parser.add_argument("--idle-probe-s", type=float, default=0.5,
                         help="seconds all workers sleep at the start of each round while the "
                              "machine's load from everything else is measured (default 0.5)")
-    parser.add_argument("--auto-warmup", type=int, default=20, choices=range(0, 10001),
-                        metavar="N",
+    parser.add_argument("--auto-warmup", type=int, default=auto.settle_steps(),
+                        choices=range(0, 10001), metavar="N",
                         help="untimed steps ours-auto trains before its first block, beyond "
-                             "--warmup: its measured first steps and its decision, so the "
-                             "timed steps run the configuration it chose (default 20)")
+                             "--warmup: its measured first steps, its decision and a trial's "
+                             "steps, so the timed steps run the configuration it chose "
+                             f"(default {auto.settle_steps()})")
     parser.add_argument("--seed", type=int, default=0)
 
 

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 
+from pipe_horovod.pipeline import auto
 from pipe_horovod.tools.bench import keras_launch, models
 from pipe_horovod.tools.bench import worker as bench_worker
 from pipe_horovod.tools.emulate import read_progress, tail_file
@@ -120,7 +121,7 @@ def command_line(args):
         parts += ["--layers", str(args.layers)]
     parts += ["--steps", str(args.steps), "--warmup", str(args.warmup),
               "--rounds", str(args.rounds), "--configs", *args.configs]
-    if "ours-auto" in args.configs and args.auto_warmup != 20:
+    if "ours-auto" in args.configs and args.auto_warmup != auto.settle_steps():
         parts += ["--auto-warmup", str(args.auto_warmup)]
     if args.bucket_cap_mb != 25.0:
         parts += ["--bucket-cap-mb", bucket_cap_flag(args.bucket_cap_mb)]
