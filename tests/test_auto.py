@@ -209,6 +209,21 @@ def test_a_trial_not_keep_margin_faster_is_undone(tried):
     assert Decision.from_dict(undone.as_dict()) == undone
 
 
+def test_a_trial_is_compared_with_the_k1_steps_just_before_it():
+    # the first K=1 steps were slow (the run's own warm-up), the last ones not: the trial
+    # is measured against the last as many steps as it ran, not the decision's median
+    measured = summary(0.100, 0.050)
+    for s in measured["steps"][-6:]:
+        s["compute_s"], s["wait_s"] = 0.100, 0.0
+    trial = decide(summary(0.100, 0.050), may_try=True)
+    run = {**measured, "steps": measured["steps"] + trial_steps(20, 0.1005)}
+    undone = auto.confirm(run, trial, 20)
+    assert chosen(undone) == (1, "none", None) and undone.measured_s == pytest.approx(0.100)
+    # a trial resumed from a checkpoint has no K=1 steps before it: the decision's median
+    resumed = {**measured, "steps": trial_steps(20, 0.1005)}
+    assert chosen(auto.confirm(resumed, trial, 20)) == (2, "none", None)
+
+
 def test_the_trial_is_due_after_its_steps():
     tuner = auto.Tuner(8)
     assert tuner.trial_steps == auto.MIN_TRIAL_STEPS and auto.Tuner(20).trial_steps == 10

@@ -22,8 +22,8 @@ at step N, and the decision only raises its depth there.
 
 A winner without codec (K=2 alone) is not taken on the prediction: it is tried for
 trial_steps(N) steps (predicted TRIAL_MARGIN faster suffices), then kept only where those
-steps measured KEEP_MARGIN faster than the K=1 steps (`confirm`, decided and broadcast
-the same way), else undone: back to K=1, the gradient in flight applied in that same
+steps measured KEEP_MARGIN faster than as many K=1 steps just before it (`confirm`,
+decided and broadcast the same way), else undone: back to K=1, the gradient in flight applied in that same
 step, nothing lost. The model prices the link the K=1 steps saw, not what K=2 adds
 itself (the lookahead's second update and exchange, a link that is the same cores as
 compute, as on loopback). A kept trial is the chosen configuration from step N on, so
@@ -307,18 +307,24 @@ def decide(summary, pins=Pins(), margin=MARGIN, latency_s=0.0, may_try=False):
 
 def confirm(summary, trial, tried_from, pins=Pins()):
     """A trial's outcome: `trial` (a Decision trying) kept where its steps from
-    `tried_from` on measured KEEP_MARGIN faster than the K=1 step it was decided from
-    (the same medians, measure()), else the run as it was (the pins honoured), saying
-    what each measured."""
-    steps = [s for s in summary["steps"] if s["step"] >= tried_from]
-    tried = measure({**summary, "steps": steps}).step_s if steps else math.nan
-    if tried * (1 + KEEP_MARGIN) < trial.measured_s:
-        return replace(trial, trying=False, tried_s=tried)
+    `tried_from` on measured KEEP_MARGIN faster than as many K=1 steps right before it
+    (the same medians, measure(): the last measured steps, past the run's own warm-up,
+    at the machine's load of the moment), else the run as it was (the pins honoured),
+    saying what each measured. Without those K=1 steps (a trial resumed from a
+    checkpoint) it compares with the measured step the trial was decided from."""
+    tried_steps = [s for s in summary["steps"] if s["step"] >= tried_from]
+    before = [s for s in summary["steps"]
+              if tried_from - len(tried_steps) <= s["step"] < tried_from]
+    tried = measure({**summary, "steps": tried_steps}).step_s if tried_steps else math.nan
+    base = (measure({**summary, "steps": before}).step_s if len(before) == len(tried_steps)
+            else trial.measured_s)
+    if tried * (1 + KEEP_MARGIN) < base:
+        return replace(trial, trying=False, measured_s=base, tried_s=tried)
     words = (f"tried K={trial.pipeline_depth}, no codec (predicted {trial.gain:.2f}x): "
-             f"{tried * 1e3:.1f} ms a step against {trial.measured_s * 1e3:.1f} ms at K=1")
+             f"{tried * 1e3:.1f} ms a step against {base * 1e3:.1f} ms at K=1")
     return replace(unchanged(trial.workers, words, pins), compute_s=trial.compute_s,
                    wait_s=trial.wait_s, link_gbps=trial.link_gbps, steps=trial.steps,
-                   predicted_s=trial.measured_s, measured_s=trial.measured_s, tried_s=tried)
+                   predicted_s=trial.measured_s, measured_s=base, tried_s=tried)
 
 
 def describe(decision, trial_steps=None):

@@ -137,5 +137,8 @@ def add_arguments(parser):
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--idle-probe-s", type=float, default=0.5)
+    parser.add_argument("--auto-warmup", type=int, default=0,
+                        help="untimed steps ours-auto trains before its first block, beyond "
+                             "--warmup (the launcher passes the bench's)")
     parser.add_argument("--out", help="raw JSON written by rank 0")
     parser.add_argument("--progress", help="progress file rank 0 keeps up to date")

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 
+from pipe_horovod.pipeline import auto
 from . import keras_report, mwms_worker
 from . import worker as bench_worker
 from pipe_horovod.tools.emulate import read_progress, tail_file
@@ -54,13 +55,13 @@ def check(args, configs):
     if args.workers < 2:
         raise UsageError("--framework keras needs --workers >= 2")
     for name in configs:
-        if name in mwms_worker.NAMES or name in _OURS:
+        if name in mwms_worker.NAMES or name in _OURS or name == "ours-auto":
             continue
         if (name.startswith(("ours-k", "loop-k")) and bench_worker.compression_of(name) == "none"
                 and not bench_worker.staleness_of(name)[0] and not bench_worker.exchange_of(name)):
             continue
         raise UsageError(f"configuration {name!r} is not part of the Keras benchmark; choose "
-                         f"from ours-kK, loop-kK, compute, allreduce, "
+                         f"from ours-kK, ours-auto, loop-kK, compute, allreduce, "
                          f"{', '.join(mwms_worker.NAMES)}")
     if importlib.util.find_spec("keras") is None:
         raise UsageError("--framework keras needs Keras 3: pip install 'pipe_horovod[keras]'")
@@ -84,6 +85,8 @@ def command_line(args, configs):
         parts += ["--layers", str(args.layers)]
     parts += ["--steps", str(args.steps), "--warmup", str(args.warmup),
               "--rounds", str(args.rounds), "--configs", *configs]
+    if "ours-auto" in configs and args.auto_warmup != auto.settle_steps():
+        parts += ["--auto-warmup", str(args.auto_warmup)]
     if args.bucket_cap_mb != 25.0:
         parts += ["--bucket-cap-mb", bucket_cap_flag(args.bucket_cap_mb)]
     if args.threads != 1:
@@ -133,6 +136,8 @@ def _argv(args, job, rnd, raw, progress):
             "--round-offset", str(rnd), "--threads", str(args.threads), "--seed", str(args.seed),
             "--idle-probe-s", repr(args.idle_probe_s), "--out", raw, "--progress", progress]
     argv += ["--configs", ",".join(job.configs)]
+    if "ours-auto" in job.configs:
+        argv += ["--auto-warmup", str(args.auto_warmup)]
     if job.key != "mwms":
         argv += ["--bucket-cap-mb", bucket_cap_flag(args.bucket_cap_mb)]
     return argv

@@ -3,6 +3,9 @@
 Configurations (each its own model and optimizer, same seed, same data):
 
   ours-kK      pipe_horovod.keras.DistributedOptimizer(SGD), pipeline_depth=K
+  ours-auto    the same with tune="auto" and nothing else: its first block trains
+               --auto-warmup more untimed steps (its measured steps and a trial's), so
+               the timed steps run what it chose; each round's decision is recorded
   compute      the plain Keras SGD: forward, backward, update, no communication
   allreduce    one engine allreduce of a model-sized float32 buffer (comm alone)
   loop-kK      a TensorFlow custom loop (`--framework tf-loop`): a tf.function step
@@ -24,6 +27,7 @@ the averaged gradient back), launching reductions (`launch_s`), and blocked
 waiting for them (`wait_s`, the exposed communication).
 """
 import argparse
+import logging
 import os
 import sys
 import time
@@ -207,6 +211,9 @@ def run(args):
     timers = Timers()
     instrument_engine(eng, timers)
     configs = [c for c in args.configs.split(",") if c]
+    auto_lines = torch_worker.AutoLines()
+    if "ours-auto" in configs:
+        logging.getLogger("pipe_horovod").addHandler(auto_lines)
     progress = torch_worker.Progress(args.progress, args.rounds * len(configs) + len(configs),
                                      rank == 0)
     log = (lambda *a: print("[bench keras]", *a, flush=True)) if rank == 0 else (lambda *a: None)
@@ -221,12 +228,13 @@ def run(args):
             runners[name] = LoopRunner(name, args, rank, timers,
                                        torch_worker.pipeline_depth_of(name))
         else:
-            depth = torch_worker.pipeline_depth_of(name)
             # flush_in_fit=False: each block's fit would drain the pipeline inside its last
             # timed step; end_block flushes, outside the timing.
+            options = ({"tune": "auto"} if name == "ours-auto" else
+                       {"pipeline_depth": torch_worker.pipeline_depth_of(name),
+                        "bucket_cap_mb": args.bucket_cap_mb})
             opt = phvd.DistributedOptimizer(keras.optimizers.SGD(common.LR),
-                                            pipeline_depth=depth,
-                                            bucket_cap_mb=args.bucket_cap_mb, flush_in_fit=False)
+                                            flush_in_fit=False, **options)
             runners[name] = FitRunner(name, args, rank, timers, opt)
         progress(f"built {name}")
 
@@ -245,13 +253,17 @@ def run(args):
             eng.barrier()
             ticks0, cpu0, wall0 = (torch_worker._machine_ticks(), torch_worker._cpu_s(),
                                    time.perf_counter())
-            recs = runner.block(args.warmup, args.steps)
+            # tune="auto" measures, decides and tries first: the timed steps run its choice
+            settle = args.auto_warmup if name == "ours-auto" and i == 0 else 0
+            recs = runner.block(args.warmup + settle, args.steps)
             wall, cpu = time.perf_counter() - wall0, torch_worker._cpu_s() - cpu0
             busy = common.busy_cores(ticks0, torch_worker._machine_ticks())
             runner.end_block()
             per_rank = eng.allgather_object({"cpu_s": cpu, "wall_s": wall,
                                              "threads": torch_worker._threads()})
             block = common.record_block(recs, rnd, wall, cpu, busy, per_rank)
+            if name == "ours-auto":                # what this launch's run chose (rank 0's)
+                block["auto_decision"] = auto_lines.lines[-1] if auto_lines.lines else None
             results[name]["rounds"].append(block)
             med = sorted(block["step_s"])[len(recs) // 2]
             log(f"round {rnd + 1} {name:>10}: median step {med * 1e3:8.1f} ms")
