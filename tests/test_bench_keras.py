@@ -33,7 +33,8 @@ def _bench(out, *args, timeout=400):
 def test_tiny_keras_run_reports_every_row(tmp_path):
     # The TensorFlow custom loops' rows (loop-kK in our worker's launch, the
     # MultiWorkerMirroredStrategy loop in the baseline's) ride in the same run.
-    configs = ["ours-k1", "ours-k2", "compute", "allreduce", "loop-k1", "loop-k2",
+    # ours-auto (tune="auto") too: its first block trains the measured and trial steps more.
+    configs = ["ours-k1", "ours-k2", "ours-auto", "compute", "allreduce", "loop-k1", "loop-k2",
                "tf-mwms-loop"]
     if HAS_TF_KERAS:
         configs.append("tf-keras-mwms")
@@ -50,7 +51,7 @@ def test_tiny_keras_run_reports_every_row(tmp_path):
     assert "# Keras: ours vs tf-keras + MultiWorkerMirroredStrategy" in table
     assert "Where a step of our path goes" in table
 
-    rows = configs + ["torch-ours-k1", "torch-ours-k2", "torch-compute"]
+    rows = configs + ["torch-ours-k1", "torch-ours-k2", "torch-ours-auto", "torch-compute"]
     summary = json.loads((tmp_path / "bench.json").read_text())
     assert list(summary["configs"]) == rows
     for name, s in summary["configs"].items():
@@ -78,6 +79,10 @@ def test_tiny_keras_run_reports_every_row(tmp_path):
     assert keras["rows"]["loop-k1"]["speedup_vs_k1"] == 1.0
     assert all(v is not None for v in keras["loop"].values()), keras["loop"]
     assert "## TensorFlow custom loop: DistributedGradientTape vs" in table
+    # ours-auto decided in its launch (after --auto-warmup's untimed steps), and says what
+    (decision,) = keras["auto_decisions"]
+    assert decision.startswith("pipe_horovod auto: compute ") and " -> " in decision, decision
+    assert f"- round 1: {decision}" in table
     raw = json.loads((tmp_path / "bench-raw.json").read_text())
     assert raw["launch"]["command"].startswith("pipe-horovod bench --framework keras")
     assert raw["meta"]["framework"] == "keras" and raw["meta"]["workers"] == 2

@@ -99,6 +99,9 @@ def keras_summary(raw, summary):
             "k2_vs_ideal": k2 / ideal if k2 and ideal else None,
             "mwms_over_ideal": mwms / ideal if mwms and ideal else None,
             "targets": targets, "breakdown": breakdown(raw),
+            # ours-auto: what each round's launch chose (rank 0's last words)
+            "auto_decisions": [r.get("auto_decision") for r in
+                               (raw["configs"].get("ours-auto") or {}).get("rounds", [])],
             "loop": {"k2_speedup_vs_mwms_loop": (loop_mwms / loop_k2
                                                  if loop_mwms and loop_k2 else None),
                      "k1_speedup_vs_mwms_loop": (loop_mwms / loop_k1
@@ -140,6 +143,10 @@ def markdown(summary, keras, heading="#"):
                  "are compared with their own kind: their speedups are against "
                  f"{MWMS_LOOP} and loop-k1." if any(map(_is_loop, keras["rows"])) else ""),
               "", *_loop_lines(keras["loop"], heading)]
+    if keras.get("auto_decisions"):
+        lines += ["ours-auto's decision in each round (a launch of its own, so it decides "
+                  "each time):", "", *(f"- round {i + 1}: {d or 'none logged'}"
+                                      for i, d in enumerate(keras["auto_decisions"])), ""]
     if fit:
         lines += _fit_target_lines(keras, heading)
     ratio = keras["comm_over_compute"]
