@@ -175,10 +175,32 @@ def test_a_gain_under_the_margin_is_tried_where_the_adapter_can_go_back():
     assert chosen(decide(summary(0.100, 0.001), may_try=True)) == (1, "none", None)
 
 
-def test_a_codec_is_never_tried_and_a_pinned_depth_never():
-    d = decide(summary(0.182, 0.240), may_try=True)
-    assert (chosen(d), d.trying) == ((2, "int8_ef", None), False)
+def test_k2_with_a_codec_is_tried_without_it_then_takes_it():
+    measured = summary(0.182, 0.240)
+    d = decide(measured, may_try=True)
+    assert (chosen(d), d.trying, d.then_compression) == ((2, "none", None), True, "int8_ef")
+    # K=2 alone: max(182, 240) ms predicted
+    assert d.trial_predicted_s == pytest.approx(0.240, rel=0.02), d
+    assert "trying K=2, no codec, buckets as run for 5 steps, then + int8_ef" in describe(d, 5)
+    # it ran as predicted (within TRIAL_TOLERANCE): the codec follows, though K=2 alone
+    # gained little over K=1
+    run = {**measured, "steps": measured["steps"] + trial_steps(20, 0.27)}
+    kept = auto.confirm(run, d, 20)
+    assert (chosen(kept), kept.trying, kept.then_compression) == ((2, "int8_ef", None), False,
+                                                                  None)
+    # far slower than predicted and than K=1 (K=2 costs what the model misses): undone,
+    # no codec ever used
+    run = {**measured, "steps": measured["steps"] + trial_steps(20, 0.5)}
+    undone = auto.confirm(run, d, 20)
+    assert chosen(undone) == (1, "none", None), undone
+    assert undone.reason.endswith("240.0 ms predicted before + int8_ef"), undone.reason
+
+
+def test_a_pinned_codec_or_depth_is_never_tried():
     assert not decide(summary(0.100, 0.050), Pins(pipeline_depth=2), may_try=True).trying
+    d = decide(summary(0.182, 0.240, codec="int8_ef"), Pins(compression="int8_ef"),
+               may_try=True)
+    assert (chosen(d), d.trying) == ((2, "int8_ef", None), False)
 
 
 def test_a_trial_is_kept_where_its_steps_measured_faster():

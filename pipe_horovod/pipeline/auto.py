@@ -79,6 +79,8 @@ MARGIN = 0.05              # a candidate must be predicted this much faster than
 TRIAL_MARGIN = 0.02
 KEEP_MARGIN = 0.02
 MIN_TRIAL_STEPS = 5        # measure() leaves out a trial's first two (the pipeline filling)
+# K=2 tried before its codec is kept where it measured within this of its prediction.
+TRIAL_TOLERANCE = 0.25
 MIN_STEPS = 3              # measure() needs two recorded steps (the first has no start)
 VALUES = ("auto",)
 _log = logging.getLogger("pipe_horovod")
@@ -230,6 +232,10 @@ class Decision:
     trying: bool = False
     measured_s: float = math.nan
     tried_s: float = math.nan
+    # K=2 with a codec chosen: the trial runs K=2 without it (what the model predicted
+    # for that, trial_predicted_s), and a kept trial then takes then_compression.
+    then_compression: str = None
+    trial_predicted_s: float = math.nan
 
     def as_dict(self):
         return {k: (None if isinstance(v, float) and math.isnan(v) else v)
@@ -242,7 +248,8 @@ class Decision:
                       for k, v in known.items()})
 
 
-_TIMES = ("compute_s", "wait_s", "link_gbps", "predicted_s", "measured_s", "tried_s")
+_TIMES = ("compute_s", "wait_s", "link_gbps", "predicted_s", "measured_s", "tried_s",
+          "trial_predicted_s")
 
 
 def unchanged(workers, reason, pins=Pins(), measured=None, link_gbps=math.nan):
@@ -293,16 +300,26 @@ def decide(summary, pins=Pins(), margin=MARGIN, latency_s=0.0, may_try=False):
     base = [c for c in every if c.depth == depths[0] and c.codec == codecs[0]
             and c.cap == "as run"]
     base_s = base[0].step_s if base and pins.pipeline_depth else measured.step_s
-    trying = may_try and best.codec == "none" and not pins.pipeline_depth
-    bar = TRIAL_MARGIN if trying else margin
+    trying = (may_try and best.depth == 2 and not pins.pipeline_depth
+              and (best.codec == "none" or pins.compression is None))
+    bar = TRIAL_MARGIN if trying and best.codec == "none" else margin
     if not best.step_s * (1 + bar) < base_s:
         gained = base_s / best.step_s if best.step_s > 0 else 1.0
         return unchanged(workers, f"nothing predicted {bar:.0%} faster (best: K="
                          f"{best.depth} + {best.codec}, {gained:.2f}x)", pins, measured, link)
-    return Decision(best.depth, best.codec, best.cap_mb if pins.bucket_cap_mb is None
-                    else pins.bucket_cap_mb, workers, measured.compute_s, measured.wait_s, link,
-                    best.step_s, measured.step_s / best.step_s, measured.steps,
-                    trying=trying, measured_s=measured.step_s)
+    cap = best.cap_mb if pins.bucket_cap_mb is None else pins.bucket_cap_mb
+    chosen = Decision(best.depth, best.codec, cap, workers, measured.compute_s,
+                      measured.wait_s, link, best.step_s, measured.step_s / best.step_s,
+                      measured.steps, measured_s=measured.step_s)
+    if not trying:
+        return chosen
+    if best.codec == "none":
+        return replace(chosen, trying=True)
+    # K=2 with a codec: K=2 is tried without it (a codec's residuals could not be left
+    # behind), and the codec follows where K=2 itself ran as predicted.
+    alone = [c for c in every if c.depth == 2 and c.codec == "none" and c.cap == best.cap]
+    return replace(chosen, compression="none", trying=True, then_compression=best.codec,
+                   trial_predicted_s=alone[0].step_s if alone else math.nan)
 
 
 def confirm(summary, trial, tried_from, pins=Pins()):
@@ -318,10 +335,19 @@ def confirm(summary, trial, tried_from, pins=Pins()):
     tried = measure({**summary, "steps": tried_steps}).step_s if tried_steps else math.nan
     base = (measure({**summary, "steps": before}).step_s if len(before) == len(tried_steps)
             else trial.measured_s)
-    if tried * (1 + KEEP_MARGIN) < base:
-        return replace(trial, trying=False, measured_s=base, tried_s=tried)
+    # K=2 before its codec: kept where it ran as the model predicted it (the codec then
+    # gains what was predicted), even where K=2 alone gains little on a saturated link
+    as_predicted = (trial.then_compression is not None
+                    and tried <= trial.trial_predicted_s * (1 + TRIAL_TOLERANCE))
+    if tried * (1 + KEEP_MARGIN) < base or as_predicted:
+        return replace(trial, trying=False, measured_s=base, tried_s=tried,
+                       compression=trial.then_compression or trial.compression,
+                       then_compression=None)
+    expected = ("" if trial.then_compression is None else
+                f", {trial.trial_predicted_s * 1e3:.1f} ms predicted before + "
+                f"{trial.then_compression}")
     words = (f"tried K={trial.pipeline_depth}, no codec (predicted {trial.gain:.2f}x): "
-             f"{tried * 1e3:.1f} ms a step against {base * 1e3:.1f} ms at K=1")
+             f"{tried * 1e3:.1f} ms a step against {base * 1e3:.1f} ms at K=1{expected}")
     return replace(unchanged(trial.workers, words, pins), compute_s=trial.compute_s,
                    wait_s=trial.wait_s, link_gbps=trial.link_gbps, steps=trial.steps,
                    predicted_s=trial.measured_s, measured_s=base, tried_s=tried)
@@ -342,8 +368,9 @@ def describe(decision, trial_steps=None):
     buckets = "as run" if d.bucket_cap_mb is None else f"{d.bucket_cap_mb:g} MiB"
     if d.reason:
         return f"{head} -> K={d.pipeline_depth}{codec}, buckets as run: {d.reason}"
+    then = "" if d.then_compression is None else f", then + {d.then_compression}"
     line = (f"{head} -> {'trying ' if d.trying else ''}K={d.pipeline_depth}{codec}, buckets "
-            f"{buckets}{f' for {trial_steps} steps' if d.trying else ''}: predicted "
+            f"{buckets}{f' for {trial_steps} steps{then}' if d.trying else ''}: predicted "
             f"{d.gain:.2f}x over K=1")
     if not math.isnan(d.tried_s):
         line += (f", kept: its trial measured {d.measured_s / d.tried_s:.2f}x ("
