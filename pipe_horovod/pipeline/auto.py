@@ -20,17 +20,20 @@ step. That rank logs one line (`describe`). A run of the chosen configuration wi
 warmup_steps=N computes the same weights, bit for bit: the FIFO's warm-up already ends
 at step N, and the decision only raises its depth there.
 
-A winner without codec (K=2 alone) is not taken on the prediction: it is tried for
-trial_steps(N) steps (predicted TRIAL_MARGIN faster suffices), then kept only where those
-steps measured KEEP_MARGIN faster than as many K=1 steps just before it (`confirm`,
-decided and broadcast the same way), else undone: back to K=1, the gradient in flight applied in that same
-step, nothing lost. The model prices the link the K=1 steps saw, not what K=2 adds
+K=2 is not taken on the prediction: it is tried for trial_steps(N) steps (K=2 alone
+predicted TRIAL_MARGIN faster suffices; K=2 with a codec is tried without it), then
+kept where those steps measured KEEP_MARGIN faster than as many K=1 steps just before
+(`confirm`, decided and broadcast the same way), or, with a codec to follow, where K=2
+ran within TRIAL_TOLERANCE of its prediction (the codec then applies); else undone:
+back to K=1, the gradient in flight applied in that same step, nothing lost, no codec's
+residual left behind. The model prices the link the K=1 steps saw, not what K=2 adds
 itself (the lookahead's second update and exchange, a link that is the same cores as
-compute, as on loopback). A kept trial is the chosen configuration from step N on, so
-the oracle above holds; an undone one equals a K=2 run to the trial's end, flushed, then
-K=1. Codecs are chosen on the prediction alone (their error feedback's residuals would
-be left behind by going back), and so is everything where the adapter cannot apply two
-gradients in one step (the tape hands its user one: `Tuner(may_try=False)`).
+compute, as on loopback). A kept trial of K=2 alone is the chosen configuration from
+step N on, so the oracle above holds; an undone one equals a K=2 run to the trial's
+end, flushed, then K=1. Which codec, a codec at K=1 and a pinned one are chosen on the
+prediction alone (going back from a codec would leave its error feedback's residuals
+behind), and so is everything where the adapter cannot apply two gradients in one step
+(the tape hands its user one: `Tuner(may_try=False)`).
 
 The API an adapter wires (the PyTorch optimizer does; Keras and the tape take the same):
 
@@ -47,8 +50,8 @@ The API an adapter wires (the PyTorch optimizer does; Keras and the tape take th
   codec, wire format and error feedback, bucket cap: re-planned from its buckets'
   members; the gloo group a two-stage codec needs, opened there by every rank) and
   calls each method given to `StepMachine.tell_when_tuned` (held weakly) with the
-  Decision, so the adapter updates what it keeps itself (its own depth, staleness compensation: K=2 uses the adapter's
-  default, as the convergence rule measured it). Build the machine at K=1 with the
+  Decision, so the adapter updates what it keeps itself (its own depth, staleness
+  compensation: K=2 uses the adapter's default, as the convergence rule measured it). Build the machine at K=1 with the
   pinned codec or none (`Tuner.measuring()`), warm-up `warmup_steps(N, W)`.
   `StepMachine.state()` carries the decision ("tune") and
   `StepMachine.restore_tuning(saved, steps)` applies it again on resume without
