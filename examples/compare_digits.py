@@ -282,9 +282,13 @@ def main(argv=None):
     print(table(rows, diff_pp, args.tolerance))
     if args.auto and rows[2]["train_time_s"] and sync["train_time_s"]:
         chosen = (rows[2].get("result_data") or {}).get("auto") or {}
+        why = chosen.get("reason") or "predicted faster"
+        if not chosen.get("reason") and chosen.get("tried_s"):
+            why = (f"kept after its trial: {chosen['tried_s'] * 1e3:.1f} ms a step against "
+                   f"{chosen['measured_s'] * 1e3:.1f} ms at K=1")
         print(f"\nauto: train time {rows[2]['train_time_s'] / sync['train_time_s']:.2f}x "
               f"synchronous; chose K={chosen.get('pipeline_depth')}, compression "
-              f"{chosen.get('compression')} ({chosen.get('reason') or 'predicted faster'})")
+              f"{chosen.get('compression')} ({why})")
     print(flush=True)
     for row in rows:
         row.pop("result_data", None)
