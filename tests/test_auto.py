@@ -376,7 +376,7 @@ def test_a_decision_for_another_number_of_ranks_is_measured_again():
 
 # --- a real launch: torchrun, 2 ranks, one launch for every case ---------------------------
 
-CASES = ["k1", "k2", "undone", "resume", "codec", "differ"]
+CASES = ["k1", "k2", "undone", "resume", "adopt", "codec", "differ"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -21,6 +21,12 @@ Cases:
 - resume: a K=2 decision saved in the optimizer's state_dict; a new optimizer with
   tune="auto" that loads it applies it at once (no measuring), and training on from it
   equals, bit for bit, the run that never stopped.
+- adopt: a checkpoint of a fixed K=2 run (a gradient in flight, no decision) loaded by an
+  optimizer with tune="auto", which measures at K=1: the gradient in flight is applied at
+  the first step with that step's own; the weights equal, bit for bit, the fixed run one
+  step further, flushed, its state_dict loaded by a K=1 optimizer. (Without staleness
+  compensation: at K=1 auto makes no prediction, so a lookahead due at the checkpoint
+  is not made there, and the fixed run would make it.)
 - codec: the link far slower than compute (WAIT_S * 4 against COMPUTE_S / 4): K=2 with
   a two-stage codec the rule allows; every rank applies it (the gloo group it needs is
   opened at the decision) and trains on to the same weights (the average is the same on
@@ -28,6 +34,7 @@ Cases:
 - differ: rank 0 asks for tune="auto", rank 1 not: every rank raises at wrap time,
   naming tune and both values.
 """
+import copy
 import math
 import os
 import sys
@@ -182,6 +189,38 @@ def resume():
     _assert_equal(resumed, straight, "resumed auto run against the one that never stopped")
 
 
+def adopt():
+    saved_at, more = 3, 4                 # fewer than STEPS after it: auto stays measuring
+    model = _model()
+    fixed = _optimizer(model, pipeline_depth=2, staleness_compensation=None)
+    _train(model, fixed, saved_at)
+    # (a copy: a state_dict views the optimizer's state, which flush() then updates)
+    saved = copy.deepcopy(fixed.state_dict())
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    assert len(saved["pipe_horovod"]["in_flight"]) == 1 and "tune" not in saved["pipe_horovod"]
+    fixed.flush()
+    resumed = _model()
+    resumed.load_state_dict(weights)
+    tuned = _optimizer(resumed, tune="auto")
+    tuned.load_state_dict(saved)
+    assert tuned._machine.fifo.pipeline_depth == 1 and len(tuned._machine.fifo) == 1
+    _train(resumed, tuned, more, first=saved_at)
+    assert tuned._machine.tuner.decision is None and len(tuned._machine.fifo) == 0
+    assert tuned.timings["steps"] == more
+    tuned.flush()
+    # The oracle: the fixed run one step further, flushed, then K=1 from its state_dict
+    oracle = _model()
+    again = _optimizer(oracle, pipeline_depth=2, staleness_compensation=None)
+    _train(oracle, again, saved_at + 1)
+    again.flush()
+    state = again.state_dict()
+    after = _optimizer(oracle, pipeline_depth=1)
+    after.load_state_dict(state)
+    _train(oracle, after, more - 1, first=saved_at + 1)
+    after.flush()
+    _assert_equal(resumed, oracle, "auto resumed from a fixed K=2 checkpoint against its oracle")
+
+
 def codec():
     model = _model()
     optimizer = _optimizer(model, tune="auto")
@@ -212,5 +251,6 @@ if __name__ == "__main__":
     os.environ["PIPE_HOROVOD_TUNE_STEPS"] = str(STEPS)
     hvd.init()
     launcher.worker_cases({"k1": k1, "k2": k2, "undone": undone, "resume": resume,
+                           "adopt": adopt,
                                                 "codec": codec, "differ": differ}, sys.argv[1], hvd.rank)
     print(f"WORKER_OK rank={hvd.rank()}", flush=True)

@@ -21,6 +21,9 @@ For each of the tape and the optimizer:
   K=1 and is undone, the gradient in flight applied in the same step (the graph's second
   update); the weights equal, bit for bit, a fixed K=2 run to the trial's end, flushed,
   its checkpoint read by a K=1 optimizer that trains on.
+- adopt (the Keras optimizer): a fixed K=2 run's checkpoint (a gradient in flight, no
+  decision) read with tune="auto": the gradient in flight is applied at the first step,
+  bit for bit as the fixed run one step further, flushed, then K=1.
 On one rank auto has nothing to reduce: K=1, said why, and the K=1 oracle holds.
 Wrap-time conflicts and ranks whose tune differs are told, naming both.
 """
@@ -271,6 +274,41 @@ def _undone_oracle():
     return model
 
 
+def _optimizer_adopt(directory):
+    """A fixed K=2 optimizer's checkpoint (a gradient in flight, no decision) read by one
+    with tune="auto", which measures at K=1: the gradient in flight is applied at the first
+    step with that step's own (the graph's second update); the weights equal the fixed run
+    one step further, flushed, then K=1 from its checkpoint. Without staleness
+    compensation: at K=1 auto makes no prediction, where the fixed run would."""
+    from tensorflow_worker import build, equal, weights_of
+    what = "Keras optimizer auto reading a fixed K=2 checkpoint"
+    saved_at, more = 3, 4                    # fewer than N after it: auto stays measuring
+    fixed = _optimizer(pipeline_depth=2, staleness_compensation=None)
+    model = _optimizer_run(fixed, saved_at)
+    assert fixed.in_flight == 1, what
+    saved = tf.train.Checkpoint(model=model, optimizer=fixed).write(
+        str(directory / f"adopt_rank{hvd.rank()}"))
+    fixed.flush()
+    fresh, tuned = build(seed=7), _optimizer(tune="auto")
+    tuned.build(fresh.trainable_variables)
+    tf.train.Checkpoint(model=fresh, optimizer=tuned).read(saved).expect_partial()
+    assert tuned.in_flight == 1, what
+    _optimizer_run(tuned, more, model=fresh, start=saved_at)
+    assert tuned.in_flight == 0 and tuned._path.machine.tuner.decision is None, what
+    tuned.flush()
+    again = _optimizer(pipeline_depth=2, staleness_compensation=None)
+    oracle = _optimizer_run(again, saved_at + 1)
+    again.flush()
+    path = tf.train.Checkpoint(optimizer=again).write(
+        str(directory / f"adopt_oracle_rank{hvd.rank()}"))
+    after = _optimizer(pipeline_depth=1)
+    after.build(oracle.trainable_variables)
+    tf.train.Checkpoint(optimizer=after).read(path).expect_partial()
+    _optimizer_run(after, more - 1, model=oracle, start=saved_at + 1)
+    after.flush()
+    equal(weights_of(fresh), weights_of(oracle), what)
+
+
 def _optimizer_undone():
     from tensorflow_worker import equal, weights_of
     what = "Keras optimizer auto, its trial undone"
@@ -365,5 +403,6 @@ def check_auto(directory):
             _tape_outcome(slow=True)
             _optimizer_outcome(slow=True)
             _optimizer_undone()
+            _optimizer_adopt(directory)
             _tape_resume(directory)
             _optimizer_resume(directory)
