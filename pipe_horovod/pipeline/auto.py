@@ -51,8 +51,9 @@ The API an adapter wires (the PyTorch optimizer does; Keras and the tape take th
   members; the gloo group a two-stage codec needs, opened there by every rank) and
   calls each method given to `StepMachine.tell_when_tuned` (held weakly) with the
   Decision, so the adapter updates what it keeps itself (its own depth, staleness
-  compensation: K=2 uses the adapter's default, as the convergence rule measured it). Build the machine at K=1 with the
-  pinned codec or none (`Tuner.measuring()`), warm-up `warmup_steps(N, W)`.
+  compensation: K=2 uses the adapter's default, as the convergence rule measured it).
+  Build the machine at K=1 with the pinned codec or none (`Tuner.measuring()`),
+  warm-up `warmup_steps(N, W)`.
   `StepMachine.state()` carries the decision ("tune") and
   `StepMachine.restore_tuning(saved, steps)` applies it again on resume without
   measuring (call it before restoring the gradients in flight); a
