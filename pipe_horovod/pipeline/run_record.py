@@ -84,6 +84,13 @@ class RunRecord:
         self._last_finish, self._blocked = now, 0.0
         self.last_step_at = now + self._origin
 
+    def begin_anew(self):
+        """Keep the steps and reductions from here on only (the totals go on): the
+        configuration changed (tune="auto" decided), and a summary describes one, as
+        `plan --from-run` reads it."""
+        self.timings["recent_steps"][:] = []
+        self.timings["reductions"][:] = []
+
     def summary(self):
         """The measured run as plain data (what write() saves): its last RECENT_STEPS steps."""
         steps = self.timings["recent_steps"][-RECENT_STEPS:]

@@ -412,6 +412,8 @@ class StepMachine:
         self._apply_tuning(decision)
         if decision.trying:
             tuner.tried_from = self.fifo.steps
+        elif self.record is not None:          # the summary: the chosen configuration's steps
+            self.record.begin_anew()
         if not self.solo and opens_group(self.collective, self.compression, self.exchange):
             # A codec that sends point to point needs pipe_horovod's gloo group, opened by
             # every rank at one point: here, where all of them apply the decision (a resume

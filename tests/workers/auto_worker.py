@@ -129,6 +129,10 @@ def _outcome(slow, depth):
     assert not decision.trying and (depth == 1) == math.isnan(decision.tried_s), decision
     assert optimizer._machine.fifo.pipeline_depth == depth
     assert optimizer._machine.run_config()["auto"] == decision.as_dict()
+    # The summary holds the chosen configuration's steps only (as plan --from-run reads it)
+    decided_at = STEPS + (TRIAL if depth == 2 else 0)
+    steps = optimizer._machine.record.summary()["steps"]
+    assert steps and min(s["step"] for s in steps) == decided_at, steps
     _same_everywhere(decision)
     optimizer.flush()
     oracle, fixed = _chosen_run(decision)
