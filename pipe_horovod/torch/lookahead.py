@@ -237,31 +237,53 @@ def _adam(group, items, capturable=False):
             torch.addcdiv(base, gp, denom, value=value, out=gp)
 
 
-def _adam_foreach(group, items):
-    """torch.optim.Adam's (and AdamW's) _multi_tensor_adam, predicted: returns them."""
-    beta1, beta2 = group["betas"]
-    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-    decoupled = group.get("decoupled_weight_decay", False)
+def _adam_foreach_inputs(group, items):
+    """(params, gradients as a multi-tensor Adam step sees them, states): the gradients
+    negated where the group maximizes, plus weight_decay * param for Adam's L2 decay (not
+    AdamW's decoupled one)."""
     ps, gs, states = (list(x) for x in zip(*items))
     if group["maximize"]:
         torch._foreach_neg_(gs)
-    if wd != 0 and not decoupled:
-        torch._foreach_add_(gs, ps, alpha=wd)
-    scalars = [_adam_scalars(group, st) for st in states]
+    if group["weight_decay"] != 0 and not group.get("decoupled_weight_decay", False):
+        torch._foreach_add_(gs, ps, alpha=group["weight_decay"])
+    return ps, gs, states
+
+
+def _adam_foreach_root(group, gs, states):
+    """The square root of each second moment after this step's gradient (its running
+    maximum with amsgrad), new tensors: the optimizer's own are read, never written."""
+    beta2 = group["betas"][1]
     denom = torch._foreach_mul([st["exp_avg_sq"] for st in states], beta2)
     torch._foreach_addcmul_(denom, gs, gs, value=1 - beta2)
     if group["amsgrad"]:
         torch._foreach_maximum_(denom, [st["max_exp_avg_sq"] for st in states])
     torch._foreach_sqrt_(denom)
-    torch._foreach_div_(denom, [bc2 for _, bc2 in scalars])
-    torch._foreach_add_(denom, eps)
-    first = torch._foreach_lerp([st["exp_avg"] for st in states], gs, 1 - beta1)
-    step_sizes = [(_step_size(lr, beta1, float(st["step"]) + 1)) * -1 for st in states]
-    if wd != 0 and decoupled:
+    return denom
+
+
+def _adam_foreach_update(group, ps, first, denom, *step_sizes):
+    """The predicted parameters: ps + step_sizes * first / denom (step_sizes folded into
+    denom where none are given), after AdamW's decoupled decay where it applies."""
+    lr, wd = group["lr"], group["weight_decay"]
+    if wd != 0 and group.get("decoupled_weight_decay", False):
         out = torch._foreach_mul(ps, 1 - lr * wd)
-        torch._foreach_addcdiv_(out, first, denom, step_sizes)
+        torch._foreach_addcdiv_(out, first, denom, *step_sizes)
         return out
-    return torch._foreach_addcdiv(ps, first, denom, step_sizes)
+    return torch._foreach_addcdiv(ps, first, denom, *step_sizes)
+
+
+def _adam_foreach(group, items):
+    """torch.optim.Adam's (and AdamW's) _multi_tensor_adam, predicted: returns them."""
+    beta1 = group["betas"][0]
+    ps, gs, states = _adam_foreach_inputs(group, items)
+    scalars = [_adam_scalars(group, st) for st in states]
+    denom = _adam_foreach_root(group, gs, states)
+    torch._foreach_div_(denom, [bc2 for _, bc2 in scalars])
+    torch._foreach_add_(denom, group["eps"])
+    first = torch._foreach_lerp([st["exp_avg"] for st in states], gs, 1 - beta1)
+    step_sizes = [(_step_size(group["lr"], beta1, float(st["step"]) + 1)) * -1
+                  for st in states]
+    return _adam_foreach_update(group, ps, first, denom, step_sizes)
 
 
 def _adam_capturable(group, items):
@@ -275,13 +297,7 @@ def _adam_capturable_foreach(group, items):
     formula per element in one kernel, in its own order): multi-tensor kernels, the step
     and bias corrections as device tensors, no host sync."""
     beta1, beta2 = group["betas"]
-    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-    decoupled = group.get("decoupled_weight_decay", False)
-    ps, gs, states = (list(x) for x in zip(*items))
-    if group["maximize"]:
-        torch._foreach_neg_(gs)
-    if wd != 0 and not decoupled:
-        torch._foreach_add_(gs, ps, alpha=wd)
+    ps, gs, states = _adam_foreach_inputs(group, items)
     steps = torch._foreach_add([st["step"] for st in states], 1)
     step_size = torch._foreach_pow(beta1, steps)     # becomes -(1 - beta1^t) / lr
     bc2_sqrt = torch._foreach_pow(beta2, steps)      # becomes sqrt(1 - beta2^t)
@@ -289,23 +305,15 @@ def _adam_capturable_foreach(group, items):
     torch._foreach_sub_(step_size, 1)
     torch._foreach_sub_(bc2_sqrt, 1)
     torch._foreach_neg_(bc2_sqrt)
-    torch._foreach_div_(step_size, lr)
+    torch._foreach_div_(step_size, group["lr"])
     torch._foreach_reciprocal_(step_size)
     torch._foreach_sqrt_(bc2_sqrt)
-    denom = torch._foreach_mul([st["exp_avg_sq"] for st in states], beta2)
-    torch._foreach_addcmul_(denom, gs, gs, value=1 - beta2)
-    if group["amsgrad"]:
-        torch._foreach_maximum_(denom, [st["max_exp_avg_sq"] for st in states])
-    torch._foreach_sqrt_(denom)
+    denom = _adam_foreach_root(group, gs, states)
     torch._foreach_div_(denom, bc2_sqrt)
-    torch._foreach_add_(denom, eps)
+    torch._foreach_add_(denom, group["eps"])
     torch._foreach_div_(denom, step_size)
     first = torch._foreach_lerp([st["exp_avg"] for st in states], gs, 1 - beta1)
-    if wd != 0 and decoupled:
-        out = torch._foreach_mul(ps, 1 - lr * wd)
-        torch._foreach_addcdiv_(out, first, denom)
-        return out
-    return torch._foreach_addcdiv(ps, first, denom)
+    return _adam_foreach_update(group, ps, first, denom)
 
 
 def _cut(scratch, like):
