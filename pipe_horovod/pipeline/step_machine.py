@@ -501,13 +501,27 @@ class StepMachine:
         for entry in self.fifo:
             entry.gradients()
 
+    def adopts(self):
+        """Whether a checkpoint's gradients in flight are taken beyond what the depth
+        holds: tune="auto" measuring at K=1, from a checkpoint without a decision (a fixed
+        pipelined run's), on an adapter that applies several in one step (as where a trial
+        is undone). They pop at the next step with that step's own; nothing is dropped."""
+        tuner = self.tuner
+        return tuner is not None and tuner.decision is None and tuner.may_try
+
     def restore(self, in_flight, scales, steps, kept=None, error_feedback=None):
         """Replace what is in flight by a checkpoint's (call settle() first)."""
         if self.feedback is not None:
             self.feedback.load(error_feedback)
         kept = kept or [None] * len(in_flight)
-        self.fifo.replace([StepGradient(loaded=grads, scale=scale, kept=k)
-                           for grads, scale, k in zip(in_flight, scales, kept)], steps)
+        depth = self.fifo.pipeline_depth
+        if self.adopts():
+            self.fifo.pipeline_depth = max(depth, len(in_flight) + 1)
+        try:
+            self.fifo.replace([StepGradient(loaded=grads, scale=scale, kept=k)
+                               for grads, scale, k in zip(in_flight, scales, kept)], steps)
+        finally:
+            self.fifo.pipeline_depth = depth
         # The next step is `steps`, maybe at another depth (a restored tune="auto"
         # decision): whether it exchanges follows them, not the step it was built at.
         self._exchanging = self._exchanges_now()

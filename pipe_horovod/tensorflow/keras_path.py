@@ -410,11 +410,8 @@ class TensorFlowPath:
         # were saved at); none saved, or for another number of ranks: measure again
         self.machine.restore_tuning(state.get("tune"), steps)
         self._set_depth(len(in_flight))
-        # tune="auto" measuring at K=1, from a checkpoint without a decision (a fixed
-        # pipelined run's): its one gradient in flight is applied at the next step with
-        # that step's own, by the graph's second update (as where a trial is undone).
-        tuner = self.machine.tuner
-        adopting = self.may_undo and tuner.decision is None and len(in_flight) == 1
+        # (StepMachine.adopts: the graph's second update takes one gradient in flight)
+        adopting = self.machine.adopts() and len(in_flight) == 1
         if in_flight and len(in_flight) >= fifo.threshold(steps) and not adopting:
             raise ValueError(f"a checkpoint with {len(in_flight)} gradients in flight at step "
                              f"{steps} cannot resume inside warm-up (warmup_steps="
@@ -424,17 +421,13 @@ class TensorFlowPath:
         def here(arrays):
             return {n: torch.from_numpy(np.array(a, copy=True)).reshape(-1).to(
                 self.kinds[n][1]) for n, a in arrays.items()}
-        depth, fifo.pipeline_depth = fifo.pipeline_depth, 2 if adopting else fifo.pipeline_depth
-        try:
-            self.machine.restore(
-                [here(grads) for grads in in_flight], [None] * len(in_flight), steps,
-                [{kind: here(t) for kind, t in k.items()}
-                 for k in state.get("kept", [])] or None,
-                {slot: {n: torch.from_numpy(np.array(a, copy=True))
-                        for n, a in residuals.items()}
-                 for slot, residuals in (state.get("error_feedback") or {}).items()} or None)
-        finally:
-            fifo.pipeline_depth = depth
+        self.machine.restore([here(grads) for grads in in_flight], [None] * len(in_flight), steps,
+                             [{kind: here(t) for kind, t in k.items()}
+                              for k in state.get("kept", [])] or None,
+                             {slot: {n: torch.from_numpy(np.array(a, copy=True))
+                                     for n, a in residuals.items()}
+                              for slot, residuals in (state.get("error_feedback") or {}).items()}
+                             or None)
         real = state.get("real")
         if real and self.lookahead:
             for r, n in zip(self.real, self.names):

@@ -85,14 +85,7 @@ class _PipelineCheckpoint:
         # were saved at); none saved, or for another number of ranks: measure again.
         self._machine.restore_tuning(pipe.get("tune"), pipe["steps"])
         fifo = self._machine.fifo
-        holds = self._pipeline_depth
-        tuner = self._machine.tuner
-        if tuner is not None and tuner.decision is None and tuner.may_try:
-            # Measuring at K=1 from a checkpoint without a decision (a fixed pipelined
-            # run's, or another number of ranks'): its gradients in flight pop at the next
-            # step with that step's own, as where a trial is undone; nothing is dropped.
-            holds = max(holds, len(pipe["in_flight"]) + 1)
-        alone, fifo.pipeline_depth = fifo.pipeline_depth, holds
+        alone, fifo.pipeline_depth = fifo.pipeline_depth, self._pipeline_depth
         try:        # (alone, a checkpoint's K-1 gradients in flight all pop at the next step)
             self._machine.restore(
                 [here(grads) for grads in pipe["in_flight"]], pipe["scales"], pipe["steps"],
