@@ -159,17 +159,24 @@ def undone():
     assert optimizer._machine.fifo.pipeline_depth == 1 and len(optimizer._machine.fifo) == 0
     _same_everywhere(decision)
     optimizer.flush()
-    # The oracle: K=2 up to the trial's end, flushed, then K=1 from its state_dict
+    oracle = _k2_then_k1(STEPS + TRIAL, steps, warmup_steps=STEPS)
+    _assert_equal(model, oracle, "auto with its trial undone against its oracle")
+
+
+def _k2_then_k1(switch_at, total, **options):
+    """The oracle of a run that leaves K=2 at step `switch_at`: a fixed K=2 run (with
+    `options`) of that many steps, flushed, its state_dict loaded by a K=1 optimizer that
+    trains on to `total` steps."""
     oracle = _model()
-    fixed = _optimizer(oracle, pipeline_depth=2, warmup_steps=STEPS)
-    _train(oracle, fixed, STEPS + TRIAL)
+    fixed = _optimizer(oracle, pipeline_depth=2, **options)
+    _train(oracle, fixed, switch_at)
     fixed.flush()
     saved = fixed.state_dict()
     after = _optimizer(oracle, pipeline_depth=1)      # (the K=2 wrapper retires)
     after.load_state_dict(saved)
-    _train(oracle, after, steps - STEPS - TRIAL, first=STEPS + TRIAL)
+    _train(oracle, after, total - switch_at, first=switch_at)
     after.flush()
-    _assert_equal(model, oracle, "auto with its trial undone against its oracle")
+    return oracle
 
 
 def resume():
@@ -213,15 +220,7 @@ def adopt():
     assert tuned.timings["steps"] == more
     tuned.flush()
     # The oracle: the fixed run one step further, flushed, then K=1 from its state_dict
-    oracle = _model()
-    again = _optimizer(oracle, pipeline_depth=2, staleness_compensation=None)
-    _train(oracle, again, saved_at + 1)
-    again.flush()
-    state = again.state_dict()
-    after = _optimizer(oracle, pipeline_depth=1)
-    after.load_state_dict(state)
-    _train(oracle, after, more - 1, first=saved_at + 1)
-    after.flush()
+    oracle = _k2_then_k1(saved_at + 1, saved_at + more, staleness_compensation=None)
     _assert_equal(resumed, oracle, "auto resumed from a fixed K=2 checkpoint against its oracle")
 
 

@@ -250,7 +250,7 @@ def _optimizer_outcome(slow):
         assert machine.timings.get("exchange_wait_s") is None, machine.timings
     opt.flush()
     if undone:
-        oracle = _undone_oracle()
+        oracle = _k2_then_k1(N + TRIAL, N + AFTER, warmup_steps=N)
     else:
         fixed = _optimizer(**_fixed(decision))
         oracle = _optimizer_run(fixed, N + AFTER)
@@ -258,54 +258,54 @@ def _optimizer_outcome(slow):
     equal(weights_of(model), weights_of(oracle), f"{what} against its oracle")
 
 
-def _undone_oracle():
-    """A fixed K=2 run (warmup_steps=N) to the trial's end, flushed, its checkpoint read
-    by a K=1 optimizer that trains on (the lookahead's own variables are not read)."""
-    fixed = _optimizer(pipeline_depth=2, warmup_steps=N)
-    model = _optimizer_run(fixed, N + TRIAL)
+def _k2_then_k1(switch_at, total, **options):
+    """The oracle of a run that leaves K=2 at step `switch_at`: a fixed K=2 run (with
+    `options`) of that many steps, flushed, its checkpoint read by a K=1 optimizer that
+    trains on to `total` steps (the lookahead's own variables are not read)."""
+    fixed = _optimizer(pipeline_depth=2, **options)
+    model = _optimizer_run(fixed, switch_at)
     fixed.flush()
     saved = tf.train.Checkpoint(optimizer=fixed).write(
-        str(_folder[0] / f"undone_oracle_rank{hvd.rank()}"))
+        str(_folder[0] / f"k2_then_k1_at{switch_at}_rank{hvd.rank()}"))
     after = _optimizer(pipeline_depth=1)
     after.build(model.trainable_variables)
     tf.train.Checkpoint(optimizer=after).read(saved).expect_partial()
-    _optimizer_run(after, AFTER - TRIAL, model=model, start=N + TRIAL)
+    _optimizer_run(after, total - switch_at, model=model, start=switch_at)
     after.flush()
     return model
 
 
-def _optimizer_adopt(directory):
+def _read_fresh(model, opt, name):
+    """`model` and `opt` written to a checkpoint (then `opt` flushed), read by a fresh
+    model (another seed) and a tune="auto" optimizer: (the fresh pair, the read status)."""
+    saved = tf.train.Checkpoint(model=model, optimizer=opt).write(
+        str(_folder[0] / f"{name}_rank{hvd.rank()}"))
+    opt.flush()
+    from tensorflow_worker import build
+    fresh, fresh_opt = build(seed=7), _optimizer(tune="auto")
+    fresh_opt.build(fresh.trainable_variables)
+    return fresh, fresh_opt, tf.train.Checkpoint(model=fresh, optimizer=fresh_opt).read(saved)
+
+
+def _optimizer_adopt():
     """A fixed K=2 optimizer's checkpoint (a gradient in flight, no decision) read by one
     with tune="auto", which measures at K=1: the gradient in flight is applied at the first
     step with that step's own (the graph's second update); the weights equal the fixed run
     one step further, flushed, then K=1 from its checkpoint. Without staleness
     compensation: at K=1 auto makes no prediction, where the fixed run would."""
-    from tensorflow_worker import build, equal, weights_of
+    from tensorflow_worker import equal, weights_of
     what = "Keras optimizer auto reading a fixed K=2 checkpoint"
     saved_at, more = 3, 4                    # fewer than N after it: auto stays measuring
     fixed = _optimizer(pipeline_depth=2, staleness_compensation=None)
     model = _optimizer_run(fixed, saved_at)
     assert fixed.in_flight == 1, what
-    saved = tf.train.Checkpoint(model=model, optimizer=fixed).write(
-        str(directory / f"adopt_rank{hvd.rank()}"))
-    fixed.flush()
-    fresh, tuned = build(seed=7), _optimizer(tune="auto")
-    tuned.build(fresh.trainable_variables)
-    tf.train.Checkpoint(model=fresh, optimizer=tuned).read(saved).expect_partial()
+    fresh, tuned, status = _read_fresh(model, fixed, "adopt")
+    status.expect_partial()                  # (no lookahead variables in a fixed K=2 one)
     assert tuned.in_flight == 1, what
     _optimizer_run(tuned, more, model=fresh, start=saved_at)
     assert tuned.in_flight == 0 and tuned._path.machine.tuner.decision is None, what
     tuned.flush()
-    again = _optimizer(pipeline_depth=2, staleness_compensation=None)
-    oracle = _optimizer_run(again, saved_at + 1)
-    again.flush()
-    path = tf.train.Checkpoint(optimizer=again).write(
-        str(directory / f"adopt_oracle_rank{hvd.rank()}"))
-    after = _optimizer(pipeline_depth=1)
-    after.build(oracle.trainable_variables)
-    tf.train.Checkpoint(optimizer=after).read(path).expect_partial()
-    _optimizer_run(after, more - 1, model=oracle, start=saved_at + 1)
-    after.flush()
+    oracle = _k2_then_k1(saved_at + 1, saved_at + more, staleness_compensation=None)
     equal(weights_of(fresh), weights_of(oracle), what)
 
 
@@ -322,11 +322,12 @@ def _optimizer_undone():
     assert opt._path.timings["applied"] == N + AFTER, (what, opt._path.timings["applied"])
     _same_everywhere(decision, what)
     opt.flush()
-    equal(weights_of(model), weights_of(_undone_oracle()), what)
+    equal(weights_of(model), weights_of(_k2_then_k1(N + TRIAL, N + AFTER, warmup_steps=N)),
+          what)
 
 
-def _optimizer_resume(directory):
-    from tensorflow_worker import build, equal, weights_of
+def _optimizer_resume():
+    from tensorflow_worker import equal, weights_of
     what = "Keras optimizer auto resumed from tf.train.Checkpoint"
     total, save_at = N + AFTER + 1, N + 2
     straight_opt = _optimizer(tune="auto")
@@ -336,12 +337,8 @@ def _optimizer_resume(directory):
     model = _in(True, lambda: _optimizer_run(opt, save_at, compute_s=COMPUTE_S))
     saved_decision = opt._path.machine.tuner.decision
     assert saved_decision.pipeline_depth == 2 and opt.in_flight == 1, saved_decision
-    saved = tf.train.Checkpoint(model=model, optimizer=opt).write(
-        str(directory / f"optimizer_auto_rank{hvd.rank()}"))
-    opt.flush()
-    fresh, fresh_opt = build(seed=7), _optimizer(tune="auto")
-    fresh_opt.build(fresh.trainable_variables)
-    tf.train.Checkpoint(model=fresh, optimizer=fresh_opt).read(saved).assert_consumed()
+    fresh, fresh_opt, status = _read_fresh(model, opt, "optimizer_auto")
+    status.assert_consumed()
     machine = fresh_opt._path.machine
     assert machine.tuner.decision == saved_decision, (what, machine.tuner.decision)
     assert machine.fifo.pipeline_depth == 2 and fresh_opt.in_flight == 1, what
@@ -403,6 +400,6 @@ def check_auto(directory):
             _tape_outcome(slow=True)
             _optimizer_outcome(slow=True)
             _optimizer_undone()
-            _optimizer_adopt(directory)
+            _optimizer_adopt()
             _tape_resume(directory)
-            _optimizer_resume(directory)
+            _optimizer_resume()
