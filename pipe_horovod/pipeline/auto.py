@@ -273,13 +273,14 @@ def decide(summary, pins=Pins(), margin=MARGIN, latency_s=0.0, may_try=False):
     where it is predicted faster than the measured step by `margin`, else the run stays
     as it is (K=1 or the pinned depth, no codec or the pinned one, its buckets).
 
-    `may_try` (an adapter that can go back to K=1 with a gradient in flight): a winner
-    without codec, predicted only TRIAL_MARGIN faster, is a trial (`trying`), which
-    `confirm` keeps or undoes from what its own steps measured. Why: the model prices
-    the link the measured steps saw, not what K=2 itself adds (the lookahead's second
-    update, its exchange, a link that is the same cores as compute); a K=2 step without
-    codec goes back to K=1 at no loss. A codec's error feedback would leave residuals
-    behind, so a codec is chosen on the prediction alone, by `margin`."""
+    `may_try` (an adapter that can go back to K=1 with a gradient in flight): a K=2
+    winner is a trial (`trying`), which `confirm` keeps or undoes from what its own steps
+    measured; without codec, a prediction TRIAL_MARGIN faster suffices; with a codec
+    (`margin` faster), the trial runs K=2 without it and the codec follows once kept.
+    Why: the model prices the link the measured steps saw, not what K=2 itself adds (the
+    lookahead's second update, its exchange, a link that is the same cores as compute);
+    a K=2 step without codec goes back to K=1 at no loss, where a codec's error feedback
+    would leave residuals behind. Which codec, and a pinned one, stay the prediction's."""
     config = summary["config"]
     workers = config["workers"]
     if workers < 2:
