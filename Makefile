@@ -2,7 +2,8 @@
 # Everything installs into .venv; the Horovod wheel is built once and cached
 # under ~/.cache/pipe_horovod/wheels (see scripts/install_horovod.sh), with
 # the MPI controller when Open MPI is installed (scripts/install_openmpi.sh
-# installs it where the machine allows: root with apt-get).
+# installs it where the machine allows: root with apt-get), and SimGrid's Python
+# module for `pipe-horovod simulate` the same way (scripts/install_simgrid.sh).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -17,7 +18,7 @@ install: $(STAMP)
 # pins the ones installed here, so every run of the suite sees the same stack.
 # TensorFlow is not a requirement of the package (users bring the flavour they
 # run): CI takes the CPU one.
-$(STAMP): Makefile pyproject.toml constraints.txt scripts/install_openmpi.sh scripts/install_horovod.sh scripts/cuda_archs.sh scripts/cxx17
+$(STAMP): Makefile pyproject.toml constraints.txt scripts/install_openmpi.sh scripts/install_simgrid.sh scripts/install_horovod.sh scripts/cuda_archs.sh scripts/cxx17
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	bash scripts/install_openmpi.sh
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +26,7 @@ $(STAMP): Makefile pyproject.toml constraints.txt scripts/install_openmpi.sh scr
 	$(PY) -m pip install -c constraints.txt torch
 	$(PY) -m pip install -c constraints.txt -e '.[test,keras,horovod-tests]' tensorflow-cpu
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt PYTHON=$(PY) bash scripts/install_horovod.sh
+	bash scripts/install_simgrid.sh $(VENV)
 	touch $@
 
 # The main job: the digits CNN on $(NP) horovodrun workers, synchronous then

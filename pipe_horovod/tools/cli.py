@@ -10,6 +10,7 @@ COMMANDS = {
     "check": "Print which engines, controllers and frameworks are available.",
     "model": "Predict sync vs pipelined step time from the timing model.",
     "plan": "Predict a real model's step time per system (Horovod, DDP, ours, codecs) on a cluster.",
+    "simulate": "Run a real model's step (Horovod, ours K=1/K=2, codecs) on SimGrid over a topology.",
     "bench": "Measure pipelined vs sync vs Horovod vs DDP step time.",
     "bench-collectives": "Bus bandwidth of each collective algorithm and per-hop codec.",
     "convergence": "Time to accuracy: sync vs pipelined (K=2) with each staleness option.",
