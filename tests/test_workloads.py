@@ -31,6 +31,21 @@ def test_real_architectures_parameter_counts_and_flops(model):
         [layer.forward_flops * 2 for layer in architectures.layer_table(model, 3)]
 
 
+def test_gpt2_small_counts_its_tied_head_on_the_last_layer():
+    """GPT-2 small's output head is a product with the token embedding in the top module's
+    own forward: its FLOPs go to ln_f, the last layer (before whose gradient backward runs
+    them), so the table's total is the whole model's. Per token: 12 layers of four
+    768x768 projections, two 768x3072 products and the attention's two 128x768 products,
+    then the 768x50257 head, 2 FLOPs per multiply-add."""
+    batch, seq = 2, 128
+    table = architectures.layer_table("gpt2-small", batch)
+    assert sum(layer.numel for layer in table) == 124_439_808       # Hugging Face's GPT2LMHeadModel
+    per_layer = 2 * (4 * 768 * 768 + 2 * 768 * 3072 + 2 * seq * 768)
+    head = 2 * 768 * 50257
+    assert sum(layer.forward_flops for layer in table) == batch * seq * (12 * per_layer + head)
+    assert table[-1].name == "ln_f" and table[-1].forward_flops == batch * seq * head
+
+
 def test_resnet50_names_shapes_and_flops_by_hand():
     table = {layer.name: layer for layer in architectures.layer_table("resnet50", 1)}
     names = [layer.name for layer in architectures.layer_table("resnet50", 1)]

@@ -39,7 +39,7 @@ def add_arguments(parser):
                              "predicts fastest among those that meet the convergence rule "
                              "(docs/convergence.md), with the gain over the measured step")
     parser.add_argument("--model", type=checked(_model),
-                        help="resnet50, vgg16, bert-base (sequence 128), or the bench's mlp / cnn")
+                        help="resnet50, vgg16, bert-base or gpt2-small (sequence 128), or the bench's mlp / cnn")
     parser.add_argument("--batch-size", type=number(1, kind=int, what="batch size"),
                         help="samples per worker per step")
     parser.add_argument("--device-tflops", type=number(0, what="device throughput", strict=True),

@@ -7,6 +7,9 @@ yields its gradients. Parameters of a sub-module whose forward never runs
 belong to the nearest layer that uses them: `nn.MultiheadAttention` hands
 `out_proj`'s weight to a functional call instead of calling `out_proj`, so
 BERT's `self_attn` layer owns `in_proj_*` and `out_proj.*` and their FLOPs.
+FLOPs the top module runs itself, outside every layer (GPT-2's output head, a
+product with the tied token embedding), count to the last layer forward calls:
+they run after it in forward, so before its gradient is ready in backward.
 
 FLOPs are counted by `torch.utils.flop_counter.FlopCounterMode` on the
 `meta` device (nothing allocated) at the given batch size. It counts matrix
@@ -25,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pipe_horovod.tools.workloads import networks, synthetic
 
-MODELS = ("resnet50", "vgg16", "bert-base", "mlp", "cnn")
+MODELS = ("resnet50", "vgg16", "bert-base", "gpt2-small", "mlp", "cnn")
 DEFAULT_SEQ_LEN = 128
 
 
@@ -64,13 +67,14 @@ def meta_model(model, batch_size, *, seq_len=DEFAULT_SEQ_LEN, model_mb=50.0, lay
             return networks.ResNet50(), torch.empty(batch_size, *networks.IMAGE_SHAPE)
         if model == "vgg16":
             return networks.VGG16(), torch.empty(batch_size, *networks.IMAGE_SHAPE)
-        if model == "bert-base":
+        if model in ("bert-base", "gpt2-small"):
             _check_positive_int(seq_len, "seq_len")
-            limit = networks.BERT_BASE["max_positions"]
+            bert = model == "bert-base"
+            limit = (networks.BERT_BASE if bert else networks.GPT2_SMALL)["max_positions"]
             if seq_len > limit:
-                raise ValueError(f"seq_len must be <= {limit} (BERT-base's positions), "
+                raise ValueError(f"seq_len must be <= {limit} ({model}'s positions), "
                                  f"got {seq_len}")
-            return (networks.BertBase(),
+            return (networks.BertBase() if bert else networks.GPT2Small(),
                     torch.zeros(batch_size, seq_len, dtype=torch.long))
         module, shape, _ = synthetic.build_synthetic(model, model_mb, layers)
         return module, torch.empty(batch_size, *shape)
@@ -80,7 +84,8 @@ def layer_table(model, batch_size, *, seq_len=DEFAULT_SEQ_LEN, model_mb=50.0, la
     """list[Layer] of `model` (one of MODELS) in forward order, FLOPs at `batch_size`."""
     check_model(model)
     _check_positive_int(batch_size, "batch_size")
-    return list(_cached_table(model, batch_size, seq_len if model == "bert-base" else None,
+    return list(_cached_table(model, batch_size,
+                              seq_len if model in ("bert-base", "gpt2-small") else None,
                               float(model_mb), layers))
 
 
@@ -141,4 +146,7 @@ def trace_layers(module, example):
                  and owner(other.rpartition(".")[0]) == layer]
         own = flops(layer) - sum(flops(other) for other in inner)
         table.append(Layer(layer, tuple(params[layer]), int(own)))
+    outside = flops("") - sum(layer.forward_flops for layer in table)
+    if table and outside > 0:       # the top module's own work (module doc)
+        table[-1] = dataclasses.replace(table[-1], forward_flops=table[-1].forward_flops + outside)
     return table
