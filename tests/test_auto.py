@@ -289,13 +289,26 @@ def test_pins_auto_can_honour():
 
 
 def test_the_argument_and_the_environment(monkeypatch):
-    assert auto.resolve_tune(None, {}) is None
-    assert auto.resolve_tune(None, {"PIPE_HOROVOD_TUNE": "auto"}) == "auto"
-    assert auto.resolve_tune("auto", {}) == "auto"
-    with pytest.raises(ValueError, match="tune must be 'auto' or None, got 'fast'"):
-        auto.resolve_tune("fast")
-    with pytest.raises(ValueError, match="PIPE_HOROVOD_TUNE must be 'auto' .or unset., got 'yes'"):
-        auto.resolve_tune(None, {"PIPE_HOROVOD_TUNE": "yes"})
+    # The default: auto, unless a depth is given (argument or environment); the tape's
+    # default (None) stays as given.
+    assert auto.resolve_tune(None, False, environ={}) == "auto"
+    assert auto.resolve_tune(None, True, environ={}) is None
+    assert auto.resolve_tune(None, False, default=None, environ={}) is None
+    # The environment decides where the argument is not given, a given depth then pinned.
+    for off in ("off", "0", "none", "False"):
+        assert auto.resolve_tune(None, False, environ={"PIPE_HOROVOD_TUNE": off}) is None
+    assert auto.resolve_tune(None, True, environ={"PIPE_HOROVOD_TUNE": "auto"}) == "auto"
+    assert auto.resolve_tune(None, False, default=None,
+                             environ={"PIPE_HOROVOD_TUNE": "AUTO"}) == "auto"
+    # The argument wins over both.
+    assert auto.resolve_tune("auto", True, environ={"PIPE_HOROVOD_TUNE": "off"}) == "auto"
+    assert auto.resolve_tune("off", False, environ={"PIPE_HOROVOD_TUNE": "auto"}) is None
+    with pytest.raises(ValueError, match="tune must be 'auto', 'off' or None .the default., "
+                                         "got 'fast'"):
+        auto.resolve_tune("fast", False)
+    with pytest.raises(ValueError, match="PIPE_HOROVOD_TUNE must be 'auto' or 'off' .or unset., "
+                                         "got 'yes'"):
+        auto.resolve_tune(None, False, environ={"PIPE_HOROVOD_TUNE": "yes"})
     assert auto.tune_steps({}) == 20 and auto.tune_steps({"PIPE_HOROVOD_TUNE_STEPS": "8"}) == 8
     with pytest.raises(ValueError, match="PIPE_HOROVOD_TUNE_STEPS must be an integer >= 3"):
         auto.tune_steps({"PIPE_HOROVOD_TUNE_STEPS": "2"})
@@ -317,8 +330,42 @@ def test_wrap_time_errors_name_both():
             phvd.DistributedOptimizer(sgd, tune="auto", compression=Compression.fp16)
         with pytest.raises(ValueError, match=r"warmup_steps=4 with tune='auto'"):
             phvd.DistributedOptimizer(sgd, tune="auto", warmup_steps=4)
-        with pytest.raises(ValueError, match="tune must be 'auto' or None"):
+        with pytest.raises(ValueError, match="tune must be 'auto', 'off' or None"):
             phvd.DistributedOptimizer(sgd, tune="on")
+    finally:
+        phvd.shutdown()
+
+
+def test_the_default_is_auto_unless_the_configuration_is_given(monkeypatch, caplog):
+    """Nothing given: auto. A depth given (argument or environment), tune='off', or an
+    option auto cannot honour: the configuration as given, the last with a warning that
+    names the option (not an error: the user did not ask for auto)."""
+    monkeypatch.delenv("PIPE_HOROVOD_TUNE")            # the suite's "off" (conftest.py)
+    monkeypatch.delenv("PIPE_HOROVOD_PIPELINE_DEPTH", raising=False)
+    phvd.init("local")
+    try:
+        def wrapped(**options):
+            model = _model()
+            opt = phvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            **options)
+            return opt._machine.tuner, opt._pipeline_depth       # (one rank: runs at 1 anyway)
+
+        with caplog.at_level(logging.WARNING, logger="pipe_horovod"):
+            tuner, depth = wrapped()
+        assert tuner is not None and tuner.steps == 20 and depth == 1
+        assert "tune='auto': the first 20 steps train synchronously" in caplog.text
+        assert wrapped(pipeline_depth=2) == (None, 2)
+        assert wrapped(tune="off") == (None, 2)
+        monkeypatch.setenv("PIPE_HOROVOD_PIPELINE_DEPTH", "1")
+        assert wrapped() == (None, 1)
+        monkeypatch.delenv("PIPE_HOROVOD_PIPELINE_DEPTH")
+        for options, words in (({"warmup_steps": 4}, "warmup_steps=4 with tune='auto'"),
+                               ({"compression": Compression.fp16},
+                                "compression='fp16' with tune='auto'")):
+            with pytest.warns(UserWarning, match=r"tune='auto' \(the default\) does not apply: "
+                                                 + words) as said:
+                assert wrapped(**options) == (None, 2)
+            assert said[0].filename == __file__          # names the user's line
     finally:
         phvd.shutdown()
 
@@ -386,7 +433,8 @@ def test_auto_launch(case):
     it; a codec chosen and applied on every rank; ranks whose tune differs are told at
     wrap time (tests/workers/auto_worker.py)."""
     launcher.skip_without("torch")
-    launcher.run_case("torch", 2, "auto_worker.py", CASES, case, timeout=300)
+    launcher.run_case("torch", 2, "auto_worker.py", CASES, case, timeout=300,
+                      env={"PIPE_HOROVOD_TUNE": ""})      # what a user gets: the default
 
 
 def test_isnan_is_none_in_the_summary():

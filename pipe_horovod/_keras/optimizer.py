@@ -20,6 +20,7 @@ Both paths share pipeline.StepMachine with the PyTorch adapter.
 """
 import contextlib
 import copy
+import functools
 import json
 import sys
 import warnings
@@ -677,7 +678,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     `compression`, `gradient_predivide_factor`, `op` and `process_set` mean
     what they mean to Horovod. pipeline_depth: 1 applies g_t at step t
     (synchronous); K >= 2 applies g_{t-K+1}, the reduction overlapping
-    K-1 steps. Default: $PIPE_HOROVOD_PIPELINE_DEPTH, else 2.
+    K-1 steps. Default: $PIPE_HOROVOD_PIPELINE_DEPTH if set; else tune="auto"
+    chooses 1 or 2 (see `tune`), and 2 where tuning is off.
     warmup_steps: synchronous steps before the pipeline starts.
     staleness_compensation: how a gradient K-1 steps old is made to act like
     a fresh one (pipe_horovod/pipeline/staleness.py; docs/convergence.md);
@@ -717,14 +719,18 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     weights, the same on every rank, with every computed gradient applied.
     False keeps the gradients in flight across epochs and fits (flush() is
     then the caller's, as before).
-    tune: None (default): the configuration as given. "auto": the run tunes
+    tune: "auto" (the default unless a pipeline depth is given) or "off" (the
+    configuration as given: K=2 with the lookahead and its int4 exchange where no
+    depth is given). "auto": the run tunes
     itself (docs/auto.md): its first $PIPE_HOROVOD_TUNE_STEPS steps (20) train
     synchronously while it measures compute, exposed wait and the link; then
     every rank applies the depth (1 or 2), codec and bucket cap predicted fastest
     among those the convergence rule allows (K=2 priced with the prediction
     exchange it sends), and rank 0 logs one line saying why. An explicit
     pipeline_depth, compression or bucket_cap_mb pins that choice; one auto cannot
-    honour is a ValueError naming both. Default: $PIPE_HOROVOD_TUNE ("auto") if set.
+    honour is a ValueError naming both. None (default): $PIPE_HOROVOD_TUNE
+    ("auto" or "off") if set, else "auto" where neither the pipeline_depth argument
+    nor $PIPE_HOROVOD_PIPELINE_DEPTH is given, else "off".
     Every rank must build the same model: differences are raised as
     ValueError on every rank at the first step (or at
     BroadcastGlobalVariablesCallback's on_train_begin), not when the
@@ -743,7 +749,6 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                                or groups < 0):
         raise ValueError(f"groups must be a bucket count (an int >= 0) in the Keras adapter, "
                          f"got {groups!r}")
-    tune = auto.resolve_tune(tune)
     pinned_cap = bucket_cap_mb
     pipeline_depth, depth_source = resolve_depth(pipeline_depth)
     bucket_cap_mb = resolve_bucket_cap_mb(bucket_cap_mb, process_set)   # None: auto
@@ -754,9 +759,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     exchange = check_prediction_exchange(prediction_exchange, compensation)
     pinned_depth = pipeline_depth if depth_source != "default" else None
     # K=2 is priced with the prediction exchange the lookahead sends (resolved above).
-    tuned = None if tune is None else auto.pins_from_options(
-        pinned_depth, compression, pinned_cap, warmup_steps, collective, op,
-        exchange if pinned_depth != 1 else None)
+    tuned = auto.tuning(tune, pinned_depth is not None, functools.partial(
+        auto.pins_from_options, pinned_depth, compression, pinned_cap, warmup_steps,
+        collective, op, exchange if pinned_depth != 1 else None))
     supported = COMPENSATION[_backend()]
     if compensation is not None and compensation not in supported:
         raise ValueError(f"staleness_compensation={compensation!r} is not available on the "

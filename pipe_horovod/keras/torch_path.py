@@ -142,7 +142,7 @@ class TorchPath:
             staleness_compensation=options["staleness_compensation"],
             prediction_exchange=options["prediction_exchange"],
             collective=options["collective"], join_ranks=join,
-            tune=None if tuner is None else "auto")
+            tune="off" if tuner is None else "auto")
 
     def apply(self, grads, variables):
         opt = self.torch_optimizer

@@ -1,4 +1,5 @@
-"""A run that tunes itself: `tune="auto"` (or PIPE_HOROVOD_TUNE=auto) in an adapter.
+"""A run that tunes itself: the default of the PyTorch and Keras optimizers (`tune="auto"`,
+or PIPE_HOROVOD_TUNE=auto, in any adapter).
 
 Why: what pays on one cluster loses on another. Where backward already hides the
 allreduce, a pipeline (K=2) and a codec only cost; where the network is the bound, K=2
@@ -37,8 +38,9 @@ behind), and so is everything where the adapter cannot apply two gradients in on
 
 The API an adapter wires (the PyTorch optimizer does; Keras and the tape take the same):
 
-- `resolve_tune(tune)` -> "auto" or None: the argument, else $PIPE_HOROVOD_TUNE;
-  ValueError on anything else. `tune_steps()` -> N from $PIPE_HOROVOD_TUNE_STEPS.
+- `resolve_tune(tune, depth_given, default)` -> "auto" or None: the argument, else
+  $PIPE_HOROVOD_TUNE, else the adapter's default where no depth was given; ValueError
+  on anything else. `tune_steps()` -> N from $PIPE_HOROVOD_TUNE_STEPS.
 - `check_pins(...)` -> Pins at wrap time: the explicit pipeline_depth, compression and
   bucket_cap_mb pin their dimension; a pin auto cannot honour (a depth other than 1 or
   2, a codec the convergence rule or the model refuses, warmup_steps shorter than N) is
@@ -69,6 +71,7 @@ import logging
 import math
 import numbers
 import os
+import warnings
 from dataclasses import asdict, dataclass, replace
 
 from .convergence_rule import CAPS_MB, CONVERGENCE, DEPTHS, convergence_failure, depth_failure
@@ -87,23 +90,34 @@ MIN_TRIAL_STEPS = 5        # measure() leaves out a trial's first two (the pipel
 TRIAL_TOLERANCE = 0.25
 MIN_STEPS = 3              # measure() needs two recorded steps (the first has no start)
 VALUES = ("auto",)
+OFF_WORDS = ("off", "0", "none", "false")   # $PIPE_HOROVOD_TUNE: the configuration as given
 _log = logging.getLogger("pipe_horovod")
 
 
-def resolve_tune(tune, environ=None):
-    """The tuning in force: `tune` when given ("auto"), else $PIPE_HOROVOD_TUNE, else None
-    (the configuration as given). Raises ValueError naming the bad value."""
+def resolve_tune(tune, depth_given, default="auto", environ=None):
+    """The tuning in force, "auto" or None (the configuration as given): `tune` when
+    given ("auto", or "off"), else $PIPE_HOROVOD_TUNE, else the adapter's `default` -
+    unless the user gave a pipeline depth (`depth_given`: the argument or
+    $PIPE_HOROVOD_PIPELINE_DEPTH), which then means that configuration as given.
+
+    Why the depth decides: a user who names K chose it, and tuning would first train
+    N steps at K=1 (a script whose oracle or schedule counts on K from step 0 would
+    silently change); a user who names nothing gets the run that is never slower than
+    synchronous training. Raises ValueError naming the bad value."""
     if tune is None:
         environ = os.environ if environ is None else environ
-        text = (environ.get(TUNE_VARIABLE) or "").strip()
-        if not text or text.lower() in ("0", "off", "none", "false"):
+        text = (environ.get(TUNE_VARIABLE) or "").strip().lower()
+        if not text:
+            return None if depth_given else default
+        if text in OFF_WORDS:
             return None
-        if text.lower() not in VALUES:
-            raise ValueError(f"{TUNE_VARIABLE} must be 'auto' (or unset), got {text!r}")
+        if text not in VALUES:
+            raise ValueError(f"{TUNE_VARIABLE} must be 'auto' or 'off' (or unset), got "
+                             f"{environ.get(TUNE_VARIABLE)!r}")
         return "auto"
-    if tune not in VALUES:
-        raise ValueError(f"tune must be 'auto' or None, got {tune!r}")
-    return tune
+    if tune not in VALUES + ("off",):
+        raise ValueError(f"tune must be 'auto', 'off' or None (the default), got {tune!r}")
+    return None if tune == "off" else tune
 
 
 def tune_steps(environ=None):
@@ -149,12 +163,12 @@ def check_pins(steps, pipeline_depth=None, compression=None, bucket_cap_mb=None,
         raise ValueError(f"pipeline_depth={pipeline_depth} with tune='auto': auto chooses K "
                          f"in {DEPTHS} under the convergence rule "
                          f"({depth_failure(pipeline_depth)}); pass pipeline_depth="
-                         f"{' or '.join(map(str, DEPTHS))}, or leave tune unset")
+                         f"{' or '.join(map(str, DEPTHS))}, or pass tune='off'")
     if compression is not None and compression != "none":
         if collective is not None:
             raise ValueError(f"compression={compression!r} with collective={collective!r} and "
                              f"tune='auto': auto prices codecs on the engine's path only; "
-                             f"drop the collective or leave tune unset")
+                             f"drop the collective or pass tune='off'")
         failure = convergence_failure(compression)
         try:
             wire_ratio(compression)
@@ -164,7 +178,7 @@ def check_pins(steps, pipeline_depth=None, compression=None, bucket_cap_mb=None,
             raise ValueError(f"compression={compression!r} with tune='auto': auto chooses only "
                              f"codecs that meet the convergence rule ({failure}); pass one of "
                              f"{', '.join(c for c in CONVERGENCE if not CONVERGENCE[c])}, or "
-                             f"leave tune unset")
+                             f"pass tune='off'")
     if warmup_steps and warmup_steps < steps:
         raise ValueError(f"warmup_steps={warmup_steps} with tune='auto': auto trains the first "
                          f"{steps} steps synchronously to measure them ({STEPS_VARIABLE}); pass "
@@ -194,6 +208,30 @@ def pins_from_options(pinned_depth, compression, pinned_cap, warmup_steps, colle
                       None if collective is None else collective.describe(),
                       op in (None, engine.Average, engine.Sum), exchange)
     return steps, pins
+
+
+def tuning(tune, depth_given, pins, *, default="auto", stacklevel=2):
+    """(steps, Pins) where the run tunes itself, else None: the one rule every adapter
+    wraps with. `tune`, `depth_given`, `default`: resolve_tune's; `pins()` computes
+    pins_from_options from the adapter's options.
+
+    Where auto was asked for (the argument or $PIPE_HOROVOD_TUNE), an option it cannot
+    honour is pins()'s ValueError naming both. Where auto is only the default, such an
+    option (a codec the convergence rule refuses, a warm-up shorter than the measured
+    steps) says what the user wants instead: the configuration as given applies, and a
+    UserWarning naming the caller's line says why, so nothing changes silently."""
+    asked = tune is not None or bool((os.environ.get(TUNE_VARIABLE) or "").strip())
+    if resolve_tune(tune, depth_given, default) is None:
+        return None
+    try:
+        return pins()
+    except ValueError as refused:
+        if asked:
+            raise
+        warnings.warn(f"pipe_horovod: tune='auto' (the default) does not apply: {refused}. "
+                      f"The configuration as given applies (tune='off' says so and silences "
+                      f"this)", UserWarning, stacklevel=stacklevel + 1)
+        return None
 
 
 def trial_steps(steps):

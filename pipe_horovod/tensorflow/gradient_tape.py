@@ -42,6 +42,7 @@ pipeline is built (a resume where rank 0 alone restored takes rank 0's), and
 `hvd.join()` lets what is in flight land and lines the steps up again after
 uneven data, as the PyTorch optimizer's join does.
 """
+import functools
 import io
 import itertools
 import json
@@ -626,14 +627,17 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     Default: $PIPE_HOROVOD_PIPELINE_DEPTH, else 2. warmup_steps: steps at depth 1
     before the pipeline starts. bucket_cap_mb: MiB per fused reduction (None: chosen
     from the ranks and the link, as in the other adapters).
-    tune: None (default): the configuration as given. "auto": the run tunes itself
+    tune: None (default): $PIPE_HOROVOD_TUNE if set, else the configuration as given
+    ("off": the same, whatever the environment; unlike the optimizers, the tape is not
+    tuned by default: it hands the gradient to its user, so it cannot try K=2 and go
+    back, and auto would decide on the prediction alone). "auto": the run tunes itself
     (docs/auto.md): its first $PIPE_HOROVOD_TUNE_STEPS steps (20) return this step's
     average (K=1) while it measures compute, exposed wait and the link; then every
     rank applies the depth (1 or 2), codec and bucket cap predicted fastest among those
     the convergence rule allows, and rank 0 logs one line saying why. An explicit
     pipeline_depth, compression or bucket_cap_mb pins that choice; one auto cannot
     honour is a ValueError naming both. GradientsInFlight carries the decision, so a
-    resume keeps it. Default: $PIPE_HOROVOD_TUNE ("auto") if set, else None.
+    resume keeps it.
 
     Returns:
         `gradtape` itself, its class now a subclass of its own with gradient() and
@@ -664,14 +668,15 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
         process_set = None
     if process_set is not None and not isinstance(process_set, engine.ProcessSet):
         raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
-    tune = auto.resolve_tune(tune)
     pipeline_depth, source = resolve_depth(pipeline_depth)
     check_options(pipeline_depth, warmup_steps, 1, 25 if bucket_cap_mb is None else bucket_cap_mb)
     check_reduction(op, gradient_predivide_factor)
     # (No compensation: the tape sends no prediction exchange.)
-    tuned = None if tune is None else auto.pins_from_options(
-        pipeline_depth if source != "default" else None, compression, bucket_cap_mb,
-        warmup_steps, op=op)
+    # Not tuned unless asked: the tape hands its user the gradient, so it cannot try K=2
+    # and go back (auto would decide on the prediction alone).
+    tuned = auto.tuning(tune, source != "default", functools.partial(
+        auto.pins_from_options, pipeline_depth if source != "default" else None, compression,
+        bucket_cap_mb, warmup_steps, op=op), default=None)
     engine.current()                             # a clear error before init()
     bucket_cap_mb = resolve_bucket_cap_mb(bucket_cap_mb, process_set)
     if tuned is None:

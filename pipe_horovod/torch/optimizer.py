@@ -716,7 +716,8 @@ def DistributedOptimizer(
         process_set: the ranks that train together; None: all.
         pipeline_depth: 1 applies g_t at step t (synchronous, like Horovod); K >= 2
             applies g_{t-K+1} and overlaps the reduction with K-1 steps. Default:
-            $PIPE_HOROVOD_PIPELINE_DEPTH if set, else 2.
+            $PIPE_HOROVOD_PIPELINE_DEPTH if set; else tune="auto" chooses 1 or 2 (see
+            `tune`), and 2 where tuning is off.
         warmup_steps: synchronous steps before the pipeline starts, for the first
             steps' large gradients.
         bucket_cap_mb: MiB per bucket; None (default): chosen from the number of
@@ -738,13 +739,17 @@ def DistributedOptimizer(
             bytes), instead of this rank's own gradient; step() waits for it, and
             the step's full reductions start after it. For models whose default
             lags synchronous training (docs/convergence.md).
-        tune: None (default): the configuration as given. "auto": the run tunes
+        tune: "auto" (the default unless a pipeline depth is given) or "off" (the
+            configuration as given: K=2 with the lookahead where no depth is given).
+            "auto": the run tunes
             itself (docs/auto.md): its first $PIPE_HOROVOD_TUNE_STEPS steps (20) train
             synchronously while it measures compute, exposed wait and the link; then
             every rank applies the depth (1 or 2), codec and bucket cap predicted
             fastest among those the convergence rule allows, and rank 0 logs one line
             saying why. An explicit pipeline_depth, compression or bucket_cap_mb pins
-            that choice. Default: $PIPE_HOROVOD_TUNE ("auto") if set, else None.
+            that choice. None (default): $PIPE_HOROVOD_TUNE ("auto" or "off") if set,
+            else "auto" where neither the pipeline_depth argument nor
+            $PIPE_HOROVOD_PIPELINE_DEPTH is given, else "off".
 
     Returns:
         The optimizer to use in place of `optimizer`: an instance of a pipelined
@@ -764,7 +769,7 @@ def DistributedOptimizer(
                  pipeline_depth=pipeline_depth, warmup_steps=warmup_steps,
                  bucket_cap_mb=bucket_cap_mb, grad_scaler=grad_scaler, collective=collective,
                  staleness_compensation=staleness_compensation,
-                 prediction_exchange=prediction_exchange, tune=auto.resolve_tune(tune))
+                 prediction_exchange=prediction_exchange, tune=tune)
 
 
 def wrap_for_adapter(optimizer, named_parameters, *, join_ranks, **options):
@@ -820,9 +825,6 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
             if isinstance(optimizer, _PipelinedOptimizer)
             else "horovod.torch.DistributedOptimizer",
             "pipe_horovod.torch.DistributedOptimizer", "torch.optim optimizer")
-    # (the environment is DistributedOptimizer's to read: an adapter that drives this one
-    # passes its own choice, so PIPE_HOROVOD_TUNE does not reach inside it twice)
-    tune = auto.resolve_tune(tune, environ={})
     pinned_cap = bucket_cap_mb
     pipeline_depth, depth_source = resolve_depth(pipeline_depth)
     bucket_cap_mb = resolve_bucket_cap_mb(bucket_cap_mb, process_set)   # None: auto
@@ -834,11 +836,16 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
     # What ranks compare: the options as given (auto's own depth and warm-up follow from
     # tune, compared itself), so ranks whose tune differs are told that.
     given_depth, given_warmup = pipeline_depth, warmup_steps
+    # (an adapter that drives this one passes its own choice, "auto" or "off", so
+    # PIPE_HOROVOD_TUNE does not reach inside it twice; warnings name the caller of
+    # DistributedOptimizer or wrap_for_adapter)
+    tuned = auto.tuning(tune, depth_source != "default", functools.partial(
+        auto.pins_from_options, pipeline_depth if depth_source != "default" else None,
+        compression, pinned_cap, warmup_steps, collective, op, exchange), stacklevel=3)
     tuner = None
-    if tune is not None:
-        tuner, compression, pipeline_depth, warmup_steps = _tuned_options(
-            pipeline_depth if depth_source != "default" else None, compression, pinned_cap,
-            warmup_steps, collective, op, exchange)
+    if tuned is not None:                # its measured steps: K=1, the pinned codec or none
+        tuner = auto.Tuner(*tuned)
+        pipeline_depth, warmup_steps = 1, auto.warmup_steps(tuner.steps, warmup_steps)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise TypeError(
             "LBFGS evaluates its closure (forward and backward) several times inside one "
@@ -873,7 +880,7 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
                "groups": bucket_groups, "staleness_compensation": compensation,
                "prediction_exchange": exchange,
                "collective": None if collective is None else collective.describe(),
-               "tune": tune if tuner is None else f"{tune} ({tuner.steps} steps)"}
+               "tune": None if tuner is None else f"auto ({tuner.steps} steps)"}
     if process_set is not None and not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a pipe_horovod ProcessSet, got {process_set!r}")
     if process_set is global_process_set:
@@ -920,17 +927,6 @@ def _wrap(optimizer, named_parameters=None, compression=Compression.none,
     elif opens_group(collective, compression, exchange):
         communicator(eng)            # collective: every rank is here, after the comparison
     return wrapped
-
-
-def _tuned_options(pinned_depth, compression, pinned_cap, warmup_steps, collective, op,
-                   exchange=None):
-    """tune="auto": (Tuner, the codec, depth and warm-up the measured steps run with).
-    Pins and conflicts are auto.pins_from_options's; `exchange`, the lookahead's
-    prediction exchange, is priced with K=2 (the Keras adapter's default sends one
-    through here on the torch backend)."""
-    steps, pins = auto.pins_from_options(pinned_depth, compression, pinned_cap, warmup_steps,
-                                         collective, op, exchange)
-    return auto.Tuner(steps, pins), compression, 1, auto.warmup_steps(steps, warmup_steps)
 
 
 __all__ = ["DistributedOptimizer"]

@@ -22,6 +22,7 @@ import numpy as np
 import pipe_horovod.keras as phvd
 from pipe_horovod.compression import Compression
 from slow_link import SlowLink
+from tuning_default import the_default
 
 N = 8
 BATCHES = N + 5 + 2               # measured, a trial (auto.Tuner(N).trial_steps), two more
@@ -70,7 +71,8 @@ def _fit(options, slow=False, timed=False):
 
 def _outcome(slow, folder):
     what = f"Keras torch auto ({'network' if slow else 'compute'}-bound)"
-    model, opt = _fit({"tune": "auto"}, slow=slow, timed=True)
+    with the_default():                  # what a user gets: tune="auto", nothing passed
+        model, opt = _fit({}, slow=slow, timed=True)
     machine = opt._path.torch_optimizer._machine
     decision = machine.tuner.decision
     assert decision is not None, f"{what}: auto did not decide"

@@ -42,6 +42,7 @@ from pipe_horovod.compression import Compression
 from pipe_horovod.pipeline import auto
 from pipe_horovod.tensorflow import gradient_tape
 from slow_link import SlowLink
+from tuning_default import the_default
 
 N = 8                             # PIPE_HOROVOD_TUNE_STEPS for these runs
 TRIAL = 5                         # its trial's steps (auto.Tuner(N).trial_steps)
@@ -226,7 +227,8 @@ def _optimizer_outcome(slow):
     from tensorflow_worker import equal, weights_of
     what = f"Keras optimizer auto ({'network' if slow else 'compute'}-bound)"
     traces = []
-    opt = _optimizer(tune="auto")
+    with the_default():                  # what a user gets: tune="auto", nothing passed
+        opt = _optimizer()
     model = _in(slow, lambda: _optimizer_run(opt, N + AFTER,
                                              compute_s=COMPUTE_S if slow else BOUND_S,
                                              traces=traces))
@@ -358,7 +360,7 @@ def _conflicts():
                      lambda: wrap(tune="auto", compression=hvd.Compression.fp16))
         expect_error(ValueError, f"warmup_steps=4 with tune='auto': auto trains the first {N} "
                      "steps synchronously", lambda: wrap(tune="auto", warmup_steps=4))
-        expect_error(ValueError, "tune must be 'auto' or None, got 'fast'",
+        expect_error(ValueError, "tune must be 'auto', 'off' or None (the default), got 'fast'",
                      lambda: wrap(tune="fast"))
     expect_error(ValueError, "compression='int8_ef' with collective='ring",
                  lambda: _optimizer(tune="auto", collective="ring",
