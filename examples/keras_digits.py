@@ -65,13 +65,15 @@ def parse_args(argv=None):
                    help="LearningRateWarmupCallback's ramp (0: none)")
     p.add_argument("--momentum", type=float, default=0.5,
                    help="SGD momentum; a delayed gradient tolerates less of it than a fresh one")
-    p.add_argument("--pipeline-depth", type=int, default=2,
-                   help="1: synchronous (Horovod's math); K>=2: apply the gradient of K-1 steps ago")
+    p.add_argument("--pipeline-depth", type=int,
+                   help="1: synchronous (Horovod's math); K>=2: apply the gradient of K-1 steps "
+                        "ago; omitted: the default (tune='auto' chooses 1 or 2)")
     p.add_argument("--warmup-steps", type=int, default=0, help="synchronous steps before pipelining")
     p.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none")
-    p.add_argument("--tune", choices=["none", "auto"], default="none",
-                   help="auto: the run chooses depth, codec and buckets from its first steps "
-                        "(tune='auto'; --pipeline-depth is then not passed)")
+    p.add_argument("--tune", choices=["auto", "off"],
+                   help="auto: the run chooses depth, codec and buckets from its first steps; "
+                        "off: the configuration as given (K=2 where no depth is given); "
+                        "omitted: the default (auto unless --pipeline-depth is given)")
     p.add_argument("--seed", type=int, default=42, help="model init, data shards and order")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
     p.add_argument("--no-progress", action="store_true",
@@ -147,9 +149,8 @@ def main(argv=None):
     peak_lr = args.lr * size
     optimizer = hvd.DistributedOptimizer(
         keras.optimizers.SGD(peak_lr, momentum=args.momentum),
-        pipeline_depth=None if args.tune == "auto" else args.pipeline_depth,
-        warmup_steps=args.warmup_steps, compression=hvd.Compression.by_name(args.compression),
-        tune=None if args.tune == "none" else args.tune)
+        pipeline_depth=args.pipeline_depth, warmup_steps=args.warmup_steps,
+        compression=hvd.Compression.by_name(args.compression), tune=args.tune)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
@@ -205,7 +206,7 @@ def main(argv=None):
     if rank == 0:
         print(f"digits: {len(x_train)} train / {len(x_test)} test images; keras "
               f"{keras.__version__} backend={args.backend} engine={engine} size={size} "
-              f"pipeline_depth={'auto' if args.tune == 'auto' else args.pipeline_depth} "
+              f"pipeline_depth={args.pipeline_depth} tune={args.tune} "
               f"warmup_steps={args.warmup_steps} "
               f"compression={args.compression} batch={args.batch_size}/rank lr={args.lr}*{size} "
               f"momentum={args.momentum} seed={args.seed}; {steps_per_epoch} steps/epoch",
@@ -227,7 +228,7 @@ def main(argv=None):
     checksums = hvd.allgather_object(checksum)
     ranks_agree = all(c == checksums[0] for c in checksums)
     decision = None
-    if args.tune == "auto" and args.json:         # what auto chose: the run summary says
+    if args.json:                                 # what auto chose: the run summary says
         summary = optimizer.write_run_summary(args.json + ".run_summary")
         if summary is not None:
             with open(summary) as f:
@@ -237,7 +238,7 @@ def main(argv=None):
               f"in {train_time:.1f}s (ranks agree on the weights: {ranks_agree})", flush=True)
         if args.json:
             result = {
-                "pipeline_depth": args.pipeline_depth if args.tune == "none" else None,
+                "pipeline_depth": args.pipeline_depth,
                 "tune": args.tune, "auto": decision, "accuracy": final, "epochs": args.epochs,
                 "warmup_steps": args.warmup_steps, "compression": args.compression,
                 "batch_size": args.batch_size, "lr": args.lr, "momentum": args.momentum,

@@ -18,11 +18,20 @@ across ranks is that of a global batch of batch-size * size images.
 Before each evaluation `opt.flush()` applies the gradients still in flight
 (pipeline_depth >= 2), so the accuracy printed is that of weights with every
 computed gradient applied. Runs are deterministic given `--seed`.
+
+With `--checkpoint-dir`, every rank saves its state there at the end of
+each epoch and when the job is preempted (SIGTERM, SIGINT, or SIGUSR1: what
+Slurm's `--signal=USR1@N` sends before the time limit), at a step every rank
+agrees on (`pipe_horovod.Preemption`); run again with the same flags, it
+resumes there and ends bit-identical to a run never stopped, gradients in
+flight included (integrations/slurm/pipe_horovod.sbatch requeues it).
 """
 import argparse
 import json
 import math
 import os
+import signal
+import socket
 import sys
 import time
 
@@ -36,6 +45,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import pipe_horovod  # noqa: E402
 import pipe_horovod.torch as phvd  # noqa: E402
 from pipe_horovod import engine as phvd_engine  # noqa: E402
 
@@ -53,8 +63,13 @@ def parse_args(argv=None):
     p.add_argument("--lr-warmup-epochs", type=float, default=1.0)
     p.add_argument("--momentum", type=float, default=0.5,
                    help="SGD momentum; a delayed gradient tolerates less of it than a fresh one")
-    p.add_argument("--pipeline-depth", type=int, default=2,
-                   help="1: synchronous (Horovod's math); K>=2: apply the gradient of K-1 steps ago")
+    p.add_argument("--pipeline-depth", type=int,
+                   help="1: synchronous (Horovod's math); K>=2: apply the gradient of K-1 steps "
+                        "ago; omitted: the default (tune='auto' chooses 1 or 2)")
+    p.add_argument("--tune", choices=["auto", "off"],
+                   help="auto: the run chooses depth, codec and buckets from its first steps; "
+                        "off: the configuration as given (K=2 where no depth is given); "
+                        "omitted: the default (auto unless --pipeline-depth is given)")
     p.add_argument("--warmup-steps", type=int, default=0, help="synchronous steps before pipelining")
     p.add_argument("--compression", choices=["none", "fp16", "bf16", "int8", "int8_ef"],
                    default="none", help="int8 and int8_ef (error feedback) need --collective "
@@ -63,6 +78,9 @@ def parse_args(argv=None):
                    help="none: the engine's own allreduce; else pipe_horovod's per-hop collective")
     p.add_argument("--seed", type=int, default=42, help="model init and data order")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="each rank saves its state here (digits.RANK.pt) after every epoch and "
+                        "when preempted (SIGTERM, SIGINT, SIGUSR1), and resumes from it")
     p.add_argument("--no-progress", action="store_true",
                    help="no tqdm bar, even on rank 0 at a terminal (never one elsewhere: "
                         "carriage returns garble logs and horovodrun's prefixed lines)")
@@ -123,6 +141,22 @@ def weights_checksum(model):
         return float(sum(p.double().sum().item() for p in model.parameters()))
 
 
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+STOPPED = "stopped"     # in --checkpoint-dir: the run stopped at a checkpoint before its end
+
+
+def checkpoint_path(args, rank):
+    return os.path.join(args.checkpoint_dir, f"digits.{rank}.pt")
+
+
+def save_checkpoint(path, state):
+    """Written beside, then renamed: a save cut short (SIGKILL at the end of a grace
+    time) leaves the previous checkpoint whole."""
+    tmp = f"{path}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -141,32 +175,76 @@ def main(argv=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     optimizer = phvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(),
-        pipeline_depth=args.pipeline_depth, warmup_steps=args.warmup_steps,
+        pipeline_depth=args.pipeline_depth, warmup_steps=args.warmup_steps, tune=args.tune,
         compression=phvd.Compression.by_name(args.compression),
         collective=None if args.collective == "none" else args.collective)
     phvd.broadcast_parameters(model.state_dict(), root_rank=0)
     phvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
+    nodes = phvd.allgather_object(socket.gethostname())
+
+    # Where the loop starts: the beginning, or the position a checkpoint saved (the epoch's
+    # data order is redrawn from the generator state saved with it).
+    order = torch.Generator().manual_seed(args.seed)
+    position = {"epoch": 1, "step": 0, "global_step": 0, "order": order.get_state(),
+                "running": 0.0, "history": []}
+    resumed = None
+    if args.checkpoint_dir:
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        if os.path.exists(checkpoint_path(args, rank)):
+            saved = torch.load(checkpoint_path(args, rank), weights_only=False)
+            model.load_state_dict(saved.pop("model"))
+            optimizer.load_state_dict(saved.pop("optimizer"))
+            position, resumed = saved, saved
+        starts = phvd.allgather_object((position["epoch"], position["step"]))
+        if any(s != starts[0] for s in starts):
+            raise SystemExit(f"rank {rank}: the ranks' checkpoints in {args.checkpoint_dir} are "
+                             f"from different steps (epoch, step per rank: {starts}); is the "
+                             "directory shared by every node?")
+
     if rank == 0:
+        print("ranks: " + ", ".join(f"{r} on {n}" for r, n in enumerate(nodes)), flush=True)
+        if resumed is not None:
+            print(f"resumed from {args.checkpoint_dir}: epoch {resumed['epoch']} step "
+                  f"{resumed['step']}", flush=True)
         print(f"digits: {len(x_train)} train / {len(x_test)} test images; engine={engine} "
-              f"size={size} pipeline_depth={args.pipeline_depth} warmup_steps={args.warmup_steps} "
+              f"size={size} pipeline_depth={args.pipeline_depth} tune={args.tune} "
+              f"warmup_steps={args.warmup_steps} "
               f"compression={args.compression} collective={args.collective} batch={args.batch_size}/rank lr={args.lr} "
               f"momentum={args.momentum} "
               f"seed={args.seed}; {steps_per_epoch} steps/epoch", flush=True)
 
-    history = []
+    history = position["history"]
     total_steps = steps_per_epoch * args.epochs
-    global_step = 0
-    order = torch.Generator().manual_seed(args.seed)
+    global_step = position["global_step"]
+    order.set_state(position["order"])
+    preempt = pipe_horovod.Preemption(PREEMPT_SIGNALS) if args.checkpoint_dir else None
+    if preempt is not None:
+        preempt.__enter__()
     start = time.perf_counter()
-    for epoch in range(1, args.epochs + 1):
+    for epoch in range(position["epoch"], args.epochs + 1):
+        epoch_order = order.get_state()
         perm = torch.randperm(len(x_train), generator=order)   # the same on every rank
         shard = perm[rank::size][:per_rank]
-        bar = tqdm(range(steps_per_epoch), desc=f"epoch {epoch}/{args.epochs}", unit="step",
-                   disable=rank != 0 or args.no_progress or not sys.stdout.isatty(),
+        first = position["step"] if epoch == position["epoch"] else 0
+        bar = tqdm(range(first, steps_per_epoch), desc=f"epoch {epoch}/{args.epochs}",
+                   unit="step", disable=rank != 0 or args.no_progress or not sys.stdout.isatty(),
                    leave=False, file=sys.stdout)
-        running = 0.0
+        running = position["running"] if epoch == position["epoch"] else 0.0
         for step in bar:
+            if preempt is not None and preempt.should_stop():
+                save_checkpoint(checkpoint_path(args, rank), {
+                    "epoch": epoch, "step": step, "global_step": global_step,
+                    "order": epoch_order, "running": running, "history": history,
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict()})
+                why = preempt.received.name if preempt.received else "another rank's signal"
+                print(f"rank {rank}: {why}: checkpoint at epoch {epoch} step {step} saved, "
+                      "gradients in flight included", flush=True)
+                if rank == 0:      # for the job script: requeue, the run is not finished
+                    with open(os.path.join(args.checkpoint_dir, STOPPED), "w") as f:
+                        f.write(f"epoch {epoch} step {step}\n")
+                preempt.__exit__(None, None, None)
+                return 0
             idx = shard[step * args.batch_size:(step + 1) * args.batch_size]
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(args, global_step, total_steps, steps_per_epoch)
@@ -183,13 +261,26 @@ def main(argv=None):
         history.append({"epoch": epoch, "train_loss": running / steps_per_epoch,
                         "test_loss": test_loss, "accuracy": accuracy,
                         "elapsed_s": time.perf_counter() - start})
+        if args.checkpoint_dir:
+            save_checkpoint(checkpoint_path(args, rank), {
+                "epoch": epoch + 1, "step": 0, "global_step": global_step,
+                "order": order.get_state(), "running": 0.0, "history": history,
+                "model": model.state_dict(), "optimizer": optimizer.state_dict()})
         if rank == 0:
             print(f"epoch {epoch:3d}/{args.epochs}  train loss {running / steps_per_epoch:.4f}  "
                   f"test loss {test_loss:.4f}  held-out accuracy {100 * accuracy:.2f}%", flush=True)
     train_time = time.perf_counter() - start
+    if preempt is not None:
+        preempt.__exit__(None, None, None)
 
     # Every rank must hold the same weights; a mismatch means the ranks diverged.
     checksums = phvd.allgather_object(weights_checksum(model))
+    decision = None
+    if args.json:                                 # what auto chose: the run summary says
+        summary = optimizer.write_run_summary(args.json + ".run_summary")
+        if summary is not None:
+            with open(summary) as f:
+                decision = json.load(f)["config"].get("auto")
     ranks_agree = all(c == checksums[0] for c in checksums)
     if rank == 0:
         final = history[-1]["accuracy"] if history else float("nan")
@@ -197,7 +288,8 @@ def main(argv=None):
               f"in {train_time:.1f}s (ranks agree on the weights: {ranks_agree})", flush=True)
         if args.json:
             result = {
-                "pipeline_depth": args.pipeline_depth, "accuracy": final, "epochs": args.epochs,
+                "pipeline_depth": args.pipeline_depth, "tune": args.tune, "auto": decision,
+                "accuracy": final, "epochs": args.epochs,
                 "warmup_steps": args.warmup_steps, "compression": args.compression,
                 "collective": args.collective,
                 "batch_size": args.batch_size, "lr": args.lr, "momentum": args.momentum,

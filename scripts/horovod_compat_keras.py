@@ -13,8 +13,8 @@ repository, runs:
             can be downloaded), which also reports what each rank's models
             hold at the end;
 
-under the configurations horovod (the files as they are), ours-k2 (default
-pipeline depth) and ours-k1 (PIPE_HOROVOD_PIPELINE_DEPTH=1).
+under the configurations horovod (the files as they are), ours-k2
+(PIPE_HOROVOD_PIPELINE_DEPTH=2) and ours-k1 (PIPE_HOROVOD_PIPELINE_DEPTH=1).
 
 The change for ours: the imports (`horovod.tensorflow.keras` and
 `horovod.keras` -> `pipe_horovod.keras`) plus RENAMES, a short list of
@@ -229,7 +229,7 @@ def render_keras(data, command):
            "`horovodrun -np 2 --gloo` with MNIST made up (`scripts/run_with_synthetic_mnist.py`); "
            "Horovod's files are read from its repository at the tag and never copied here. "
            "**Horovod**: the files as they are; **ours K=2**: the imports changed to "
-           "`pipe_horovod.keras` and the Keras 3 renames below, default depth; **ours K=1**: the "
+           "`pipe_horovod.keras` and the Keras 3 renames below, `PIPE_HOROVOD_PIPELINE_DEPTH=2`; **ours K=1**: the "
            "same with `PIPE_HOROVOD_PIPELINE_DEPTH=1`.", "", *SECTION_NOTES, "", "Command:", "",
            "```", command,
            "```", "", "| | |", "|---|---|"]

@@ -80,7 +80,7 @@ def render_tensorflow(data, command):
            "helpers of `test/utils/common.py` it imports), read from Horovod's repository at the "
            "tag and never copied here, under `horovodrun -np 2 -H localhost:2 --gloo python -m "
            "pytest` (several tests a launch: `--batch`). **ours K=2**: the imports changed "
-           "(`horovod.tensorflow` -> `pipe_horovod.tensorflow`, nothing else), default depth; "
+           "(`horovod.tensorflow` -> `pipe_horovod.tensorflow`, nothing else), `PIPE_HOROVOD_PIPELINE_DEPTH=2`; "
            "**ours K=1**: the same with `PIPE_HOROVOD_PIPELINE_DEPTH=1`. The file runs every "
            "test twice (`run_all_in_graph_and_eager_modes`): once building a TF1 graph run in a "
            "session, once eagerly (TensorFlow 2); both halves are shown, the count is the eager "

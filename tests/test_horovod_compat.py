@@ -195,7 +195,7 @@ def test_config_environment(monkeypatch):
     monkeypatch.setenv(hc.DEPTH_ENV, "7")
     monkeypatch.setenv("PIPE_HOROVOD_ENGINE", "local")
     assert hc.DEPTH_ENV not in hc.config_env("horovod")
-    assert hc.DEPTH_ENV not in hc.config_env("ours-k2")
+    assert hc.config_env("ours-k2")[hc.DEPTH_ENV] == "2"
     env = hc.config_env("ours-k1")
     assert env[hc.DEPTH_ENV] == "1" and "PIPE_HOROVOD_ENGINE" not in env
     assert env["PYTHONPATH"].split(":")[0] == str(hc.REPO)

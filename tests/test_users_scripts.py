@@ -33,9 +33,12 @@ def needs_horovod():
 
 def test_horovod_script_runs_after_changing_only_its_import(tmp_path):
     needs_horovod()
+    # The default, as a user's shell has it (the suite runs with tuning off): fp16 is a
+    # codec auto does not take, so the configuration as given applies, and a warning says so.
     _, out = launcher.run("horovod", 2, switched(tmp_path, "horovod_style_script.py"),
-                          "--fp16-allreduce", timeout=200)
+                          "--fp16-allreduce", timeout=200, env={"PIPE_HOROVOD_TUNE": ""})
     assert "test accuracy" in out
+    assert "tune='auto' (the default) does not apply: compression='fp16'" in out, out
 
 
 def run_twice(tmp_path, launch, script, *options):

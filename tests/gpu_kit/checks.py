@@ -353,7 +353,7 @@ def step_overhead(ctx):
     for name, decision in (res.get("auto") or {}).items():
         lines += ["", f"{name} decided: {json.dumps(decision)}"]
     if res["prediction_share_of_step"] is not None:
-        lines += ["", f"The default's extra pass (lookahead's prediction) took "
+        lines += ["", f"K=2's extra pass (the lookahead's prediction) took "
                       f"{100 * res['prediction_share_of_step']:.1f}% of its step (median)."]
     return Result(outcome(code, code == 0), lines, res, out)
 
@@ -422,8 +422,9 @@ STEPS = [
      step_keras_torch),
     ("memory", "Memory: GPT-2 small with AdamW", "torch.cuda.max_memory_allocated of "
      "Horovod's optimizer vs ours K=1, K=2 plain and the default", False, step_memory),
-    ("overhead", "The wrapper's overhead in one process", "ours K=1 and the default beside "
-     "plain torch, and the default's extra pass as a share of the step", False, step_overhead),
+    ("overhead", "The wrapper's overhead in one process", "ours K=1, K=2 with the lookahead "
+     "and the default (tune='auto') beside plain torch, and K=2's extra pass as a share of the "
+     "step", False, step_overhead),
     ("step-time", "Step time, 2 ranks", "Horovod vs DDP vs ours K=1 and the default, side by "
      "side in one run", False, step_time),
 ]

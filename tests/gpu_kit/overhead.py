@@ -3,12 +3,12 @@
 GPT-2 small (124 M parameters, tools/workloads/networks.py) with AdamW, one process
 (engine local: the reduction is a copy), three configurations on their own copies of the
 same weights, in interleaved rounds so that a slow moment hits each alike: plain torch
-(zero_grad, forward, backward, AdamW's step), ours at K=1, ours at the default (K=2 with
-lookahead, whose extra pass of AdamW's rule predicts the weights in flight), ours with
-tune="auto" (its decision, from the run summary, is printed beside). A step's
-clock waits for the compute stream. Prints `OVERHEAD <json>`: each configuration's
-median step, its ratio to plain torch, and for the default the median share of the step
-its prediction took (the optimizer's own `timings["compensation_s"]`).
+(zero_grad, forward, backward, AdamW's step), ours at K=1, ours at K=2 with the
+lookahead (whose extra pass of AdamW's rule predicts the weights in flight), and ours at
+the default, tune="auto" (its decision, from the run summary, is printed beside). A
+step's clock waits for the compute stream. Prints `OVERHEAD <json>`: each configuration's
+median step, its ratio to plain torch, and for K=2 the median share of the step its
+prediction took (the optimizer's own `timings["compensation_s"]`).
 
     python tests/gpu_kit/overhead.py --device cuda
 """
@@ -27,8 +27,8 @@ from pipe_horovod.tools.workloads import networks
 
 # name -> None (plain torch) or (pipeline_depth, staleness_compensation, tune)
 CONFIGS = {"plain torch": None, "ours K=1": (1, None, None),
-           "ours default (K=2, lookahead)": (2, "lookahead", None),
-           "ours tune='auto'": (None, "lookahead", "auto")}
+           "ours K=2 (lookahead)": (2, "lookahead", None),
+           "ours default (tune='auto')": (None, "lookahead", "auto")}
 SMALL = {"vocab": 512, "hidden": 64, "layers": 2, "heads": 4, "intermediate": 128,
          "max_positions": 64}                       # the CPU rehearsal's stand-in
 
@@ -40,7 +40,7 @@ def make(config, device, small, seed=0):
     spec = CONFIGS[config]
     if spec is not None:
         depth, compensation, tune = spec
-        # Alone, the default's prediction would be the next update itself and it would run
+        # Alone, the lookahead's prediction would be the next update itself and it would run
         # as K=1 (StepMachine.solo); a predivide factor makes the one rank's "average" a
         # gradient of its own, so the prediction runs as it does with several ranks (as
         # pipe-horovod memory measures it).
