@@ -14,7 +14,7 @@ import pytest
 from pipe_horovod.tools.cli import main
 from pipe_horovod.tools.commands import simulate as simulate_command
 from pipe_horovod.tools.simulate import collectives, schedule
-from pipe_horovod.tools.simulate.topology import Topology, parse_topology
+from pipe_horovod.tools.simulate.topology import Topology, parse_topology, placement
 
 needs_simgrid = pytest.mark.skipif(
     importlib.util.find_spec("simgrid") is None,
@@ -70,6 +70,19 @@ def test_topology_specs(text, topology):
 def test_bad_topology_names_the_part(text, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_topology(text)
+
+
+def test_placements():
+    tree = parse_topology("fattree:4:4")
+    assert placement(tree, 10, "packed") == list(range(10))
+    assert placement(tree, 10, "spread") == [0, 4, 8, 1, 5, 9, 2, 6, 3, 7]
+    shuffled = placement(tree, 64, "random")
+    assert sorted(shuffled) == list(range(64)) and shuffled != list(range(64))
+    assert shuffled == placement(tree, 64, "random")                      # seeded
+    with pytest.raises(ValueError, match="placement 'spread' is not for nodes"):
+        placement(parse_topology("nodes:8"), 16, "spread")
+    with pytest.raises(ValueError, match="unknown placement 'tight'"):
+        placement(tree, 8, "tight")
 
 
 def test_nodes_need_whole_nodes():
@@ -177,6 +190,10 @@ def test_ring_on_a_star_is_the_closed_form_and_oversubscription_slows_by_the_rat
         assert tree[2] == pytest.approx(star[2], abs=_tol(1))       # inside a rack: no uplink
         # the ring in rank order crosses each uplink once per step: one flow, no slowdown
         assert tree[0] == pytest.approx(closed, abs=_tol(2 * (n - 1)))
+        # spread over the racks, every hop of the ring leaves its rack: 4 flows per uplink
+        spread = _run(_spec(f"fattree:{ratio}:4", n, probes=probes[:1], placement="spread"))
+        assert spread["probes"][0] == pytest.approx(
+            2 * (n - 1) * (LAT + ratio * size / n / BW), abs=_tol(2 * (n - 1)))
 
 
 @needs_simgrid

@@ -17,7 +17,7 @@ from pipe_horovod.tools import planner
 from pipe_horovod.tools.commands import plan as plan_command
 from pipe_horovod.tools.commands.model import add_cluster_arguments
 from pipe_horovod.tools.simulate import engine, schedule
-from pipe_horovod.tools.simulate.topology import parse_topology
+from pipe_horovod.tools.simulate.topology import PLACEMENTS, parse_topology, placement
 from pipe_horovod.tools.validators import checked, number
 
 MISSING_SIMGRID = (
@@ -97,6 +97,10 @@ def add_arguments(parser):
                         help="star, fattree:RATIO[:HOSTS_PER_RACK] (racks of 16 by default) or "
                              "nodes:GPUS (GPUs per node, 8 by default); a comma-separated list "
                              "simulates each (default star)")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="packed",
+                        help="which host each rank gets on a fat-tree: packed (a rack's ranks "
+                             "consecutive; default), spread (round-robin over the racks: every "
+                             "ring hop leaves its rack) or random (a seeded shuffle)")
     parser.add_argument("--intra-node-bandwidth", type=checked(planner.parse_bandwidth),
                         default=planner.parse_bandwidth("2400gbit"),
                         help="nodes: each GPU's NVLink-class link (default 2400gbit, 300 GB/s)")
@@ -131,7 +135,8 @@ def simulate_cluster(args, work, workers, topology):
     kinds = row_kinds(topology, args.rows)
     cap = None if args.bucket_cap_mb is None else args.bucket_cap_mb * 2**20
     planned = schedule.rows(kinds, work, workers, network, cap)
-    spec = {"topology": topology.spec, "workers": workers, "bandwidth": args.bandwidth,
+    spec = {"topology": topology.spec, "placement": args.placement, "workers": workers,
+            "bandwidth": args.bandwidth,
             "latency": args.latency, "intra_bandwidth": args.intra_node_bandwidth,
             "intra_latency": args.intra_node_latency, "network_model": args.network_model,
             "every_round": args.every_round, "steps": args.steps,
@@ -144,7 +149,8 @@ def format_table(args, work, results):
     lines = [
         f"Simulated on SimGrid ({args.network_model}): {args.model}, batch {args.batch_size} per "
         f"worker, {args.device_tflops:g} TFLOP/s per device, {args.bandwidth * 8 / 1e9:g} Gbit/s "
-        f"links (a node's NIC on nodes), latency {args.latency * 1e6:g} us",
+        f"links (a node's NIC on nodes), latency {args.latency * 1e6:g} us, ranks placed "
+        f"{args.placement}",
         f"Model: {work.model_bytes / 4 / 1e6:.1f} M parameters ({work.model_bytes / 1e6:.1f} MB of "
         f"fp32 gradients); forward {work.forward_s * 1e3:.2f} ms, backward "
         f"{work.backward_s * 1e3:.2f} ms per step",
@@ -185,6 +191,7 @@ def run(args):
         for topology in args.topology:
             for workers in args.workers:
                 topology.check_workers(workers)
+                placement(topology, workers, args.placement)
                 schedule.check_size(workers, memory)
         for topology in args.topology:
             row_kinds(topology, args.rows)
@@ -205,7 +212,7 @@ def run(args):
         with open(args.json, "w") as f:
             json.dump([{"workers": w, "topology": t.spec, "model": args.model,
                         "bandwidth": args.bandwidth, "latency": args.latency,
-                        "network_model": args.network_model,
+                        "network_model": args.network_model, "placement": args.placement,
                         "rows": [{"name": k.name, "depth": k.depth, "sim_step_s": s["step_s"],
                                   "sim_comm_s": s["comm_s"], "planner_step_s": p.step_s,
                                   "planner_comm_s": p.comm_s} for k, s, p in rows]}

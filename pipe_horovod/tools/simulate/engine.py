@@ -29,7 +29,7 @@ import subprocess
 import sys
 
 from pipe_horovod.tools.simulate import collectives
-from pipe_horovod.tools.simulate.topology import parse_topology
+from pipe_horovod.tools.simulate.topology import parse_topology, placement
 
 NETWORK_MODELS = {
     "cm02": ("--cfg=network/model:CM02", "--cfg=network/crosstraffic:0"),
@@ -94,7 +94,8 @@ def _platform(simgrid, spec):
 def simulate(spec):
     """Run `spec` in this process (once per process: SimGrid's engine is a singleton).
 
-    spec: topology (a spec string), workers, bandwidth (bytes/s), latency (s),
+    spec: topology (a spec string), placement (topology.placement's; default packed),
+    workers, bandwidth (bytes/s), latency (s),
     intra_bandwidth, intra_latency (nodes), network_model, every_round, steps, and
       probes: [[[repeat, [[src, dst, bytes], ...]], ...], ...]: rounds timed alone;
       rows: [{name, depth, forward_s, backward_s, update_s,
@@ -108,6 +109,7 @@ def simulate(spec):
 
     engine, hosts = _platform(simgrid, spec)
     topology = parse_topology(spec["topology"])
+    at = placement(topology, spec["workers"], spec.get("placement", "packed"))
     ranks = list(range(spec["workers"]))
     every_round = bool(spec.get("every_round"))
     out = {"probes": [], "rows": {}, "flows": 0}
@@ -119,7 +121,7 @@ def simulate(spec):
             times = r.repeat if every_round else 1
             for _ in range(times):
                 t0 = engine.clock
-                comms = [simgrid.Comm.sendto_async(hosts[s], hosts[d], max(1, round(b)))
+                comms = [simgrid.Comm.sendto_async(hosts[at[s]], hosts[at[d]], max(1, round(b)))
                          for s, d, b in r.flows]
                 simgrid.Comm.wait_all(comms)
                 out["flows"] += len(comms)

@@ -12,12 +12,21 @@ sharing, not from counting switch hops; NVLink-class paths inside a node have th
 - "nodes:G": nodes of G GPUs (default 8) on an NVLink-class switch (each GPU one link
   of the intra-node bandwidth) and one NIC per node of the given bandwidth to a
   non-blocking core; traffic between nodes goes NIC to NIC.
+
+Placement says which host each rank gets: "packed" (rank r on host r: a rack's or a
+node's ranks are consecutive, so a ring in rank order leaves a rack once per step),
+"spread" (round-robin over the racks: every hop of the ring crosses racks, the worst
+case) or "random" (a seeded shuffle: a scheduler that takes free hosts wherever they
+are). Nodes are always packed: horovodrun numbers a host's slots consecutively, and
+the hierarchical allreduce groups ranks by node.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 KINDS = ("star", "fattree", "nodes")
+PLACEMENTS = ("packed", "spread", "random")
 DEFAULT_RACK = 16
 DEFAULT_GPUS = 8
 
@@ -56,6 +65,24 @@ class Topology:
         if self.kind == "nodes" and workers % self.group:
             raise ValueError(f"topology {self.spec}: {workers} workers do not fill nodes of "
                              f"{self.group} GPUs; give a multiple of {self.group}")
+
+
+def placement(topology, workers, how="packed", seed=0):
+    """[host of rank r] for `workers` ranks placed `how` (module doc)."""
+    if how not in PLACEMENTS:
+        raise ValueError(f"unknown placement {how!r}; choose one of {', '.join(PLACEMENTS)}")
+    hosts = list(range(workers))
+    if how == "packed":
+        return hosts
+    if topology.kind == "nodes":
+        raise ValueError(f"placement {how!r} is not for nodes: a node's GPUs hold consecutive "
+                         "ranks (horovodrun's slots), so nodes are always packed")
+    if how == "random":
+        random.Random(seed).shuffle(hosts)
+        return hosts
+    group = topology.group if topology.kind == "fattree" else workers
+    racks = [hosts[i:i + group] for i in range(0, workers, group)]
+    return [h for i in range(group) for rack in racks if i < len(rack) for h in [rack[i]]]
 
 
 def parse_topology(text):
