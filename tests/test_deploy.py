@@ -186,7 +186,7 @@ def test_sbatch_script_launches_the_example(tmp_path):
 
     rc, err, calls = run_sbatch(tmp_path, "mpiexec")
     assert rc == 1 and "LAUNCH must be horovodrun, srun or torchrun, not 'mpiexec'" in err, err
-    assert [argv[0] for _, argv in calls] == ["pipe-horovod"]
+    assert calls == []      # bad input is named before anything starts, the check included
 
 
 # ---- Docker ----

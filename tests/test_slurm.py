@@ -1,0 +1,143 @@
+"""Slurm for real: integrations/slurm/pipe_horovod.sbatch submitted with sbatch to a
+two-node cluster on this machine (tests/slurm_cluster.py), as a user submits it.
+
+- Each launcher the script offers trains the digits example with one rank on each
+  node; every launcher, over either engine, ends at the same held-out accuracy.
+- Bad input (an unknown launcher, too few nodes for the ranks, a checkpoint
+  directory the nodes do not share) is one line in the job's output, before
+  anything starts.
+- Preemption: the USR1 of --signal=USR1@N makes every rank checkpoint at an
+  agreed step with gradients in flight (K=2); the script requeues the job;
+  later `scontrol requeue` (SIGTERM, then SIGKILL after KillWait) stops it
+  again; the requeued job resumes each time and ends with weights
+  bit-identical to an uninterrupted job's.
+
+The script runs from the repository's venv (the one running these tests).
+"""
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import launcher
+import slurm_cluster
+
+REPO = launcher.REPO
+SCRIPT = "integrations/slurm/pipe_horovod.sbatch"
+SSH_SHIM = REPO / "tests" / "slurm_bin"      # `ssh` as a job step: the nodes run no sshd
+REASON = slurm_cluster.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))
+
+LAYOUT = ["--nodes=2", "--ntasks-per-node=1"]      # the machine's 2 cores: one rank per node
+FINAL = re.compile(r"final held-out accuracy ([\d.]+)% after (\d+) epochs .*"
+                   r"\(ranks agree on the weights: (\w+)\)")
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    c = slurm_cluster.SlurmCluster()
+    try:
+        c.start()
+        print(f"\nSlurm cluster (slurmctld, slurmd on node1 and node2) up in "
+              f"{c.start_seconds:.1f} s", flush=True)
+        yield c
+    finally:
+        c.stop()
+
+
+def job_env(launch=None, ssh=False, **extra):
+    path = os.pathsep.join(([str(SSH_SHIM)] if ssh else []) + [os.path.dirname(sys.executable),
+                                                               os.environ["PATH"]])
+    env = {"PATH": path, **extra}
+    if launch is not None:
+        env["LAUNCH"] = launch
+    return env
+
+
+def submit(cluster, out, *sbatch_args, env, script_args=(), wait=True, timeout=180):
+    """sbatch from the repository root on node1: the job id, or with `wait` (exit code,
+    the job's output) once it ended (polled: `sbatch --wait` polls every 2 to 10 s)."""
+    argv = ["sbatch", "--parsable", f"--output={out}", *LAYOUT, *sbatch_args, SCRIPT,
+            *script_args]
+    res = cluster.run(argv, env=env, cwd=REPO, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    job = res.stdout.strip().split(";")[0]
+    if not wait:
+        return job
+    fields = wait_for(cluster, job, lambda f: f["JobState"] in ENDED, timeout)
+    log = Path(out).read_text() if Path(out).exists() else ""
+    return int(fields["ExitCode"].split(":")[0]), log
+
+
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+def job_fields(cluster, job):
+    out = cluster.run(["scontrol", "show", "job", "-o", job]).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def wait_for(cluster, job, predicate, timeout, log=None):
+    """The job's fields once `predicate(fields)` holds; fails after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        fields = job_fields(cluster, job)
+        if predicate(fields):
+            return fields
+        if time.monotonic() > deadline:
+            text = Path(log).read_text()[-3000:] if log and Path(log).exists() else ""
+            raise AssertionError(f"job {job} still {fields.get('JobState')} after {timeout} s"
+                                 f"\n{text}\n{cluster.logs()}")
+        time.sleep(0.2)
+
+
+def final(log):
+    m = FINAL.search(log)
+    assert m, f"no final accuracy in the job's output:\n{log[-3000:]}"
+    return m
+
+
+def test_sbatch_trains_on_two_nodes_with_each_launcher(cluster, tmp_path):
+    accuracy = {}
+    for launch in ("srun", "horovodrun", "torchrun"):
+        rc, log = submit(cluster, tmp_path / f"{launch}.out",
+                         env=job_env(launch, ssh=launch == "horovodrun"),
+                         script_args=["--epochs", "1", "--pipeline-depth", "2"])
+        assert rc == 0, f"{launch} job failed:\n{log[-4000:]}\n{cluster.logs()}"
+        assert "ranks: 0 on node1, 1 on node2" in log, (launch, log[-3000:])
+        engine = "torch" if launch == "torchrun" else "horovod"
+        assert f"engine={engine} size=2 pipeline_depth=2" in log, (launch, log[-3000:])
+        m = final(log)
+        assert (m.group(2), m.group(3)) == ("1", "True"), (launch, m.group(0))
+        accuracy[launch] = m.group(1)
+    # One seed, one data order, one average of two gradients: the same accuracy
+    # whichever launcher and engine ran it.
+    assert len(set(accuracy.values())) == 1, accuracy
+
+
+BAD_INPUT = {
+    "launcher": ({"LAUNCH": "mpiexec"},
+                 "pipe_horovod.sbatch: LAUNCH must be horovodrun, srun or torchrun, not 'mpiexec'"),
+    "nodes": ({"LAUNCH": "srun", "NP": "4"},
+              "pipe_horovod.sbatch: too few nodes for NP=4 ranks: the job has 2 node(s) x 1 "
+              "rank(s) per node; submit with --nodes=4"),
+    "checkpoint": ({"LAUNCH": "srun", "CKPT_DIR": "{scratch}/ckpt"},
+                   "pipe_horovod.sbatch: CKPT_DIR={scratch}/ckpt is not shared between the "
+                   "nodes: node2 cannot see the file node1 wrote there (put it on shared "
+                   "storage)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_sbatch_bad_input_is_one_line_before_training(cluster, tmp_path, case):
+    variables, line = BAD_INPUT[case]
+    variables = {k: v.format(scratch=cluster.scratch) for k, v in variables.items()}
+    rc, log = submit(cluster, tmp_path / "job.out", env=job_env(**variables),
+                     script_args=["--epochs", "1"])
+    assert rc != 0, log
+    assert line.format(scratch=cluster.scratch) in log.splitlines(), log
+    # Nothing ran: not the environment check, not a rank.
+    assert "engines:" not in log and "digits:" not in log, log
