@@ -18,9 +18,10 @@ install: $(STAMP)
 # pins the ones installed here, so every run of the suite sees the same stack.
 # TensorFlow is not a requirement of the package (users bring the flavour they
 # run): CI takes the CPU one.
-$(STAMP): Makefile pyproject.toml constraints.txt scripts/install_openmpi.sh scripts/install_simgrid.sh scripts/install_horovod.sh scripts/cuda_archs.sh scripts/cxx17
+$(STAMP): Makefile pyproject.toml constraints.txt scripts/install_openmpi.sh scripts/install_slurm.sh scripts/install_simgrid.sh scripts/install_horovod.sh scripts/cuda_archs.sh scripts/cxx17
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	bash scripts/install_openmpi.sh
+	bash scripts/install_slurm.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -c constraints.txt --upgrade pip setuptools wheel
 	$(PY) -m pip install -c constraints.txt torch
