@@ -282,3 +282,44 @@ def test_command_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "| 8 | nodes:4 | horovod | 1 |" in out
     assert "(flat ring)" in out and "simulated 8 workers on nodes:4" in out
+
+
+def _profile(tmp_path, layers, forward_ms):
+    import json
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({
+        "format": "pipe_horovod.replay-profile/1", "model": "mlp", "batch_size": 8,
+        "layers": [{"name": layer.name, "forward_ms": forward_ms, "backward_ms": 2 * forward_ms}
+                   for layer in layers]}))
+    return str(path)
+
+
+def test_profile_naming_an_unknown_layer_exits_2(tmp_path, capsys):
+    import json
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"format": "pipe_horovod.replay-profile/1", "model": "mlp",
+                                "batch_size": 8, "layers": [{"name": "conv9", "forward_ms": 1,
+                                                             "backward_ms": 2}]}))
+    with pytest.raises(SystemExit) as info:
+        main(["simulate", "--model", "mlp", "--batch-size", "8", "--profile", str(path),
+              "--workers", "4", "--bandwidth", "1gbit"])
+    assert info.value.code == 2
+    assert "layers[0] names 'conv9', which is not a layer of mlp" in capsys.readouterr().err
+
+
+@needs_simgrid
+def test_profile_times_drive_the_step(tmp_path, capsys):
+    """Every layer 1 ms forward, 2 ms backward from a profile: the K=2 step on a link far
+    faster than compute is the profile's forward + backward exactly."""
+    from pipe_horovod.tools.workloads.architectures import layer_table
+
+    layers = layer_table("mlp", 8)
+    path = _profile(tmp_path, layers, 1.0)
+    assert main(["simulate", "--model", "mlp", "--batch-size", "8", "--profile", path,
+                 "--workers", "4", "--bandwidth", "10000gbit", "--latency", "0us",
+                 "--rows", "ours-k2", "--steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"layer times from {path}" in out
+    assert f"| 4 | star | ours-k2 | 2 | {3 * len(layers):.2f} |" in out

@@ -114,15 +114,17 @@ TWO_STAGE_ROWS = (
      "collectives", "ours", "pipelined+int4-2stage"))
 
 
-def workload(layers, device_tflops):
+def workload(layers, device_tflops, times=None):
     """timing_model.Workload of `layers` (architectures.Layer, forward order), timed as the
     benchmark's replay times them (replay.layer_times: FLOPs / device throughput,
-    backward twice forward)."""
+    backward twice forward), or by `times` (replay.LayerTime per layer, a measured
+    profile's: replay.load_profile) when given."""
     from pipe_horovod.tools.workloads.replay import layer_times
 
+    times = layer_times(layers, device_tflops) if times is None else times
     return timing_model.Workload.from_layers(
         (t.forward_s, t.backward_s, tuple(FP32 * math.prod(shape) for _, shape in layer.params))
-        for t, layer in zip(layer_times(layers, device_tflops), layers))
+        for t, layer in zip(times, layers))
 
 
 def rows_of(two_stage=False):

@@ -82,8 +82,13 @@ def add_arguments(parser):
                         help="resnet50, vgg16, bert-base, gpt2-small (sequence 128), mlp or cnn")
     parser.add_argument("--batch-size", type=number(1, kind=int, what="batch size"), required=True,
                         help="samples per worker per step")
-    parser.add_argument("--device-tflops", type=number(0, what="device throughput", strict=True),
-                        required=True, help="sustained TFLOP/s of one worker's accelerator")
+    timing = parser.add_mutually_exclusive_group(required=True)
+    timing.add_argument("--device-tflops", type=number(0, what="device throughput", strict=True),
+                        help="sustained TFLOP/s of one worker's accelerator (layer FLOPs over "
+                             "it, backward twice forward)")
+    timing.add_argument("--profile", metavar="JSON",
+                        help="per-layer forward and backward times measured on a device (the "
+                             "replay profile format, pipe_horovod/tools/workloads/replay.py)")
     add_cluster_arguments(parser)
     for action in parser._actions:
         if action.dest == "workers":
@@ -148,7 +153,9 @@ def simulate_cluster(args, work, workers, topology):
 def format_table(args, work, results):
     lines = [
         f"Simulated on SimGrid ({args.network_model}): {args.model}, batch {args.batch_size} per "
-        f"worker, {args.device_tflops:g} TFLOP/s per device, {args.bandwidth * 8 / 1e9:g} Gbit/s "
+        f"worker, " + (f"{args.device_tflops:g} TFLOP/s per device" if args.profile is None
+                       else f"layer times from {args.profile}") +
+        f", {args.bandwidth * 8 / 1e9:g} Gbit/s "
         f"links (a node's NIC on nodes), latency {args.latency * 1e6:g} us, ranks placed "
         f"{args.placement}",
         f"Model: {work.model_bytes / 4 / 1e6:.1f} M parameters ({work.model_bytes / 1e6:.1f} MB of "
@@ -197,7 +204,16 @@ def run(args):
             row_kinds(topology, args.rows)
     except ValueError as exc:
         args.parser.error(str(exc))
-    work = plan_command.workload(layer_table(args.model, args.batch_size), args.device_tflops)
+    layers = layer_table(args.model, args.batch_size)
+    times = None
+    if args.profile is not None:
+        from pipe_horovod.tools.workloads.replay import load_profile
+
+        try:
+            times = load_profile(args.profile, layers, args.model, args.batch_size)
+        except ValueError as exc:
+            args.parser.error(str(exc))
+    work = plan_command.workload(layers, args.device_tflops, times)
     results = []
     for topology in args.topology:
         for workers in args.workers:
