@@ -13,7 +13,9 @@ if "$PY" -c "import simgrid" >/dev/null 2>&1; then
   echo "SimGrid $VERSION already importable"
   exit 0
 fi
-module() { ls /usr/lib/python3/dist-packages/simgrid.cpython-*.so 2>/dev/null | head -1; }
+# Where Debian puts it (a variable so a test can point elsewhere).
+DIST=${SIMGRID_DIST:-/usr/lib/python3/dist-packages}
+module() { ls "$DIST"/simgrid.cpython-*.so 2>/dev/null | head -1; }
 if [ -z "$(module)" ]; then
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
     echo "SimGrid not installed (needs root and apt-get for Debian's python3-simgrid; or" \

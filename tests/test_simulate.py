@@ -323,3 +323,54 @@ def test_profile_times_drive_the_step(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"layer times from {path}" in out
     assert f"| 4 | star | ours-k2 | 2 | {3 * len(layers):.2f} |" in out
+
+
+FAKE_VENV_PYTHON = """#!/bin/sh
+# Answers install_simgrid.sh's questions as a venv's Python would.
+case "$*" in
+  *platlib*) echo "$SITE" ;;
+  *SOABI*) echo cpython-311-x86_64-linux-gnu ;;
+  *"import simgrid"*) [ -e "$SITE/simgrid.cpython-311-x86_64-linux-gnu.so" ] && echo 3.32.0 || exit 1 ;;
+esac
+"""
+
+
+def _install_simgrid(tmp_path, dist, user_id):
+    """Run scripts/install_simgrid.sh on a fake venv with no apt-get on PATH."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    venv, site, bins = tmp_path / "venv", tmp_path / "site", tmp_path / "bin"
+    for d in (venv / "bin", site, bins):
+        d.mkdir(parents=True, exist_ok=True)
+    (venv / "bin" / "python").write_text(FAKE_VENV_PYTHON)
+    (bins / "id").write_text(f"#!/bin/sh\necho {user_id}\n")
+    for executable in (bins / "id", venv / "bin" / "python"):
+        executable.chmod(0o755)
+    for tool in ("ls", "head", "basename", "cut", "ln", "dirname"):
+        (bins / tool).symlink_to(shutil.which(tool))
+    script = Path(__file__).resolve().parent.parent / "scripts" / "install_simgrid.sh"
+    res = subprocess.run([shutil.which("bash"), str(script), str(venv)], capture_output=True,
+                         text=True, timeout=60,
+                         env={"PATH": str(bins), "SITE": str(site), "SIMGRID_DIST": str(dist)})
+    return res, site
+
+
+def test_install_simgrid_without_root_or_apt_says_so(tmp_path):
+    res, site = _install_simgrid(tmp_path, tmp_path / "empty", 1000)
+    assert res.returncode == 0, res.stderr
+    assert "SimGrid not installed (needs root and apt-get" in res.stdout
+    assert list(site.iterdir()) == []
+
+
+def test_install_simgrid_links_the_debian_module_into_the_venv(tmp_path):
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    module = dist / "simgrid.cpython-311-x86_64-linux-gnu.so"
+    module.write_bytes(b"")
+    res, site = _install_simgrid(tmp_path, dist, 1000)      # no root needed to link
+    assert res.returncode == 0, res.stdout + res.stderr
+    link = site / module.name
+    assert link.is_symlink() and link.resolve() == module.resolve()
+    assert res.stdout.strip().endswith("3.32.0")     # the script's last check: it imports
