@@ -275,13 +275,25 @@ def test_on_a_star_simgrid_reproduces_the_planner_where_they_assume_the_same(cap
 
 
 @needs_simgrid
-def test_command_prints_the_table(capsys):
+def test_command_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
+    import json
+
+    report, png = tmp_path / "sim.json", tmp_path / "sim.png"
     assert main(["simulate", "--model", "mlp", "--batch-size", "8", "--device-tflops", "1",
                  "--workers", "8", "--bandwidth", "10gbit", "--topology", "nodes:4",
-                 "--rows", "horovod,horovod-hier", "--steps", "4"]) == 0
+                 "--rows", "horovod,horovod-hier", "--steps", "4", "--json", str(report),
+                 "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "| 8 | nodes:4 | horovod | 1 |" in out
     assert "(flat ring)" in out and "simulated 8 workers on nodes:4" in out
+    (cluster,) = json.loads(report.read_text())
+    assert (cluster["workers"], cluster["topology"]) == (8, "nodes:4")
+    rows = {r["name"]: r for r in cluster["rows"]}
+    flat = rows["horovod"]
+    assert (f"| 8 | nodes:4 | horovod | 1 | {flat['sim_step_s'] * 1e3:.2f} | "
+            f"{flat['planner_step_s'] * 1e3:.2f} |") in out
+    # the planner has no hierarchy: its flat-ring prediction stands beside both rows
+    assert rows["horovod-hier"]["planner_step_s"] == flat["planner_step_s"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _profile(tmp_path, layers, forward_ms):

@@ -53,8 +53,9 @@ ROWS = (
     RowKind("ours-k2-lp", "ours, K=2, linear pipeline (collective='lp')", "ours", 2,
             "linear_pipeline", planner_algorithm="lp"),
 )
-# Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE, on nodes only; ours uses the engine's allreduce,
-# so the variable reaches it too. The planner knows no hierarchy: its flat ring is shown.
+# Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE, on nodes only; ours on the Horovod engine
+# reduces through Horovod's allreduce, so the variable reaches it too. The planner knows no
+# hierarchy: its flat ring is shown beside these rows.
 HIERARCHICAL_ROWS = (
     RowKind("horovod-hier", "Horovod, sync, hierarchical allreduce", "horovod", 1,
             "hierarchical"),
@@ -129,6 +130,8 @@ def add_arguments(parser):
                              "taking a repeated round (a ring's 2(p-1) steps, a bucket seen in "
                              "an earlier step) to cost what the first did; slow, for checking")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="also draw SimGrid's step beside the planner's, per configuration")
     parser.set_defaults(parser=parser)
 
 
@@ -188,6 +191,31 @@ def format_table(args, work, results):
     return "\n".join(lines)
 
 
+def plot(path, args, results):
+    """Horizontal bars: per cluster and configuration, SimGrid's step and the planner's."""
+    from pipe_horovod.tools.plotting import pyplot
+
+    plt = pyplot()
+    labels, simulated, planned = [], [], []
+    for workers, topology, rows in results:
+        for kind, sim, predicted in rows:
+            labels.append(f"{workers} on {topology.spec}: {kind.name}")
+            simulated.append(sim["step_s"] * 1e3)
+            planned.append(predicted.step_s * 1e3)
+    y = range(len(labels))[::-1]                     # the table's order, top down
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.32 * len(labels)))
+    ax.barh([v + 0.2 for v in y], simulated, height=0.4, color="tab:blue", label="SimGrid")
+    ax.barh([v - 0.2 for v in y], planned, height=0.4, color="tab:gray", label="planner")
+    ax.set_yticks(list(y), labels, fontsize=8)
+    ax.set_xlabel("step time (ms)")
+    ax.set_title(f"{args.model}, batch {args.batch_size}, {args.bandwidth * 8 / 1e9:g} Gbit/s, "
+                 f"{args.latency * 1e6:g} us, ranks {args.placement}", fontsize=10)
+    ax.legend(loc="lower right", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def run(args):
     from pipe_horovod.tools.workloads.architectures import layer_table  # torch: only here
 
@@ -224,6 +252,9 @@ def run(args):
             results.append((workers, topology, rows))
     print()
     print(format_table(args, work, results))
+    if args.plot:
+        plot(args.plot, args, results)
+        print(f"\nwrote {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"workers": w, "topology": t.spec, "model": args.model,

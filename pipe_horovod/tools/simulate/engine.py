@@ -131,7 +131,8 @@ def simulate(spec):
 
     def collective(how, nbytes, index):
         kind = how["kind"]
-        key = (kind, nbytes, how.get("wire_ratio"), (how.get("chunks") or [None] * (index + 1))[index])
+        chunks = how["chunks"][index] if kind == "linear_pipeline" else None
+        key = (kind, nbytes, how.get("wire_ratio"), chunks)
         if not every_round and key in memo:     # the same rounds alone on the network again
             simgrid.this_actor.sleep_for(memo[key])
             return memo[key]
@@ -142,7 +143,7 @@ def simulate(spec):
         elif kind == "two_stage":
             rounds = collectives.two_stage(ranks, nbytes * how["wire_ratio"])
         elif kind == "linear_pipeline":
-            rounds = collectives.linear_pipeline(ranks, nbytes, how["chunks"][index])
+            rounds = collectives.linear_pipeline(ranks, nbytes, chunks)
         else:
             raise ValueError(f"unknown collective {kind!r}")
         memo[key] = run_rounds(rounds)
