@@ -195,6 +195,8 @@ class StepMachine:
         """Fuse `members` [(name, numel, element_size, (dtype, device))], in ready order."""
         self.buckets = plan_buckets(members, self.cap_bytes, self.groups)
         self.bucket_of = {name: b for b in self.buckets for name in b.names}
+        self._place_of = {name: (start, numel) for b in self.buckets
+                          for name, start, numel in b.offsets()}
         # An adapter's gradients may view old buffers at old offsets: a new plan
         # gets new buffers, so no gradient is written over another's.
         self._buffers = {}
@@ -223,6 +225,15 @@ class StepMachine:
             flat = torch.empty(bucket.numel, dtype=dtype, device=device)
             self._buffers[key] = flat
         return flat
+
+    def part(self, name):
+        """The slice of this step's flat buffer that holds `name`'s gradient (None: in no
+        bucket): an adapter may let backward's gradient live there, as a view."""
+        bucket = self.bucket_of.get(name)
+        if bucket is None:
+            return None
+        start, numel = self._place_of[name]
+        return self.buffer(bucket)[start:start + numel]
 
     @property
     def slot(self):

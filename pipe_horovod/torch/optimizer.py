@@ -179,6 +179,8 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
         if self._passes[param] == self._passes_per_step:
             if self._watching:
                 self._grad_watch.record(param)
+            elif self._sync_at_end and not self._machine.solo:
+                self._grad_as_bucket_view(param)
             self._machine.ready(self._name_of[param], self._fill_bucket)
 
     def _first_gradient(self):
@@ -202,6 +204,23 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
             self.synchronize()
             self._auto_synced = "pending"
 
+    def _grad_as_bucket_view(self, param):
+        """At a synchronous step, move backward's gradient into its bucket as soon as it
+        is final and leave `.grad` a view of it (DDP's gradient_as_bucket_view), so the
+        step never holds a gradient and its flat copy at once: the peak is one copy lower.
+        Only where this step's reduction lands before step() (K=1, warm-up): a `.grad`
+        that views a bucket still on the wire would show a reduction half done. Backward's
+        own tensor goes once nothing refers to it; a `.grad` already in its place (zeroed
+        with set_to_none=False), sparse, of another layout or type is left to
+        _fill_bucket."""
+        grad, part = param.grad, self._machine.part(self._name_of[param])
+        if (part is None or grad is None or grad.is_sparse or not param.is_contiguous()
+                or not grad.is_contiguous() or grad.dtype != part.dtype
+                or grad.device != part.device or grad.data_ptr() == part.data_ptr()):
+            return
+        part.copy_(grad.view(-1))
+        param.grad = part.view_as(param)
+
     def _fill_bucket(self, bucket, flat):
         """Copy the bucket's `.grad`s into its flat buffer, unless backward accumulated there."""
         for name, start, numel in bucket.offsets():
@@ -215,8 +234,8 @@ class _PipelinedOptimizer(_PipelineCheckpoint, _SparseGradients, _ParameterOwner
                 self._bucket_sparse(name, grad, part)
             elif grad.data_ptr() != part.data_ptr() or not grad.is_contiguous():
                 part.copy_(grad.reshape(-1))     # else: backward accumulated in place already
-            if self._compensation == "lookahead" and grad is not None and \
-                    not grad.is_sparse and grad.data_ptr() == part.data_ptr():
+            if self._compensation == "lookahead" and not self._sync_at_end and \
+                    grad is not None and not grad.is_sparse and grad.data_ptr() == part.data_ptr():
                 # Backward wrote this rank's own gradient into the bucket: the reduction
                 # will overwrite it, so the prediction gets a copy (else: `.grad` itself).
                 self._step_local[name] = self._kept_copy("local", name, part)
