@@ -18,14 +18,14 @@ from pipe_horovod.tools.commands import memory
 
 def test_the_tables_show_every_column():
     torch_rows = [{"width": 64, "optimizer": "adam", "engine": "torch", "config": "ours-k2-default",
-                   "live": 6.0, "compensation_ms": 2.0, "optimizer_step_ms": 4.0, "ratio": 0.45,
+                   "live": 6.0, "backward_peak": 7.0, "compensation_ms": 2.0, "optimizer_step_ms": 4.0, "ratio": 0.45,
                    "compensation_cpu_ms": 1.0, "optimizer_step_cpu_ms": 2.5, "cpu_ratio": 0.4},
                   {"width": 64, "optimizer": "adam", "engine": "torch", "config": "ours-k1",
                    "live": 4.0, "optimizer_step_ms": 4.0}]
     text = memory.table(torch_rows)
-    assert "| 0.0 | adam | torch | ours-k2-default | 6.00 | 2.00 | 4.00 | 0.45 | 1.00 | 2.50 " \
-           "| 0.40 |" in text
-    assert "| ours-k1 | 4.00 | – | 4.00 | – | – | – | – |" in text
+    assert "| 0.0 | adam | torch | ours-k2-default | 6.00 | 7.00 | 2.00 | 4.00 | 0.45 | 1.00 " \
+           "| 2.50 | 0.40 |" in text
+    assert "| ours-k1 | 4.00 | – | – | 4.00 | – | – | – | – |" in text
     keras_rows = [{"params": 2_100_000, "optimizer": "sgd-momentum", "backend": "tensorflow",
                    "engine": "torch", "config": "ours-k2-default", "live": 5.01, "tf": 3.01,
                    "torch": 2.0, "tf_peak": 5.0},

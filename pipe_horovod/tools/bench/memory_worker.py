@@ -4,7 +4,9 @@ Each configuration trains the same MLP for a few steps on this rank's own
 synthetic batches, then counts the bytes of every distinct tensor storage
 reachable from Python (the parameters, `.grad`, the optimizer's state, the
 buckets, what a staleness compensation keeps), in units of the parameters'
-bytes; on CUDA also torch.cuda.max_memory_allocated over those steps. Rank 0
+bytes; the same census at the step's busiest point, the moment backward's last
+gradient is final (before the wrapper's own hook sees it: a hook registered before
+wrapping); on CUDA also torch.cuda.max_memory_allocated over those steps. Rank 0
 prints one JSON line per (width, optimizer, configuration), with the median
 over steps of the milliseconds the compensation took (putting the real
 weights back in step() and the prediction at the next forward) and the
@@ -113,12 +115,14 @@ def measure(config, kind, model_kind, width, steps, device, one_process, twin=No
         cuda_base = torch.cuda.memory_allocated()
     model = model_for(model_kind, width, device)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
+    peak = _watch_the_peak(model, device)
     net, opt = build(config, OPTIMIZERS[kind], model, one_process)
     loss = batch_for(model_kind, width, device, rank)
     timings = getattr(opt, "timings", None)
     charged, bare = [], []                       # compensation, bare step: seconds per step
     charged_cpu, bare_cpu = [], []               # the same in the thread's CPU seconds
     for t in range(steps):
+        peak["now"] = t == steps - 1             # (a census takes time: the last step's)
         before = timings["compensation_s"] if timings else 0.0
         before_cpu = timings.get("compensation_cpu_s", 0.0) if timings else 0.0
         opt.zero_grad()
@@ -137,6 +141,7 @@ def measure(config, kind, model_kind, width, steps, device, one_process, twin=No
     else:
         live = live_bytes(device) - base_bytes
     row = {"optimizer": kind, "config": config, "live": live / size,
+           "backward_peak": (peak["bytes"] - base_bytes) / size,
            "param_mb": size / 2**20, "model": model_kind,
            "params": sum(p.numel() for p in model.parameters())}
     if device.type == "cuda":
@@ -155,6 +160,26 @@ def measure(config, kind, model_kind, width, steps, device, one_process, twin=No
             row["cpu_ratio"] = statistics.median(c / b for c, b in zip(charged_cpu, bare_cpu))
     del net, opt, model
     return row
+
+
+def _watch_the_peak(model, device):
+    """Hooks that take the census when the last gradient of a backward pass is final; in
+    the returned dict ("bytes") while its "now" is true. Registered before wrapping, they
+    run before the wrapper's hook on the same gradient (hooks run in registration order)."""
+    params = list(model.parameters())
+    seen, peak = [], {"now": False}
+
+    def hook(param):
+        seen.append(param)
+        if len(seen) == len(params):
+            seen.clear()
+            if peak["now"]:
+                grads = [p.grad for p in params]     # each `.grad` a Python object: counted
+                peak["bytes"] = live_bytes(device)
+                del grads
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+    return peak
 
 
 def bare_optimizer(kind, model_kind, width, device):

@@ -6,7 +6,9 @@ measures Horovod's DistributedOptimizer and DDP in a gloo group of its own;
 `pipe_horovod.tools.bench.memory_worker` on `--workers` processes. The table
 gives, per model width, optimizer and configuration, the live tensor bytes
 after a few steps in units of the parameters' bytes (Horovod with Adam:
-4.0), the compensation's milliseconds per step (median over the steps after
+4.0), the same census at the busiest point of the last step (when backward's
+last gradient is final: where ours at K=1 holds no flat copy beside the
+gradients, since they live in the buckets), the compensation's milliseconds per step (median over the steps after
 the first two) beside one step of the bare optimizer on a twin of the same
 parameters (on CPU timed right after each of those steps, under the same
 load; the ratio is the median of the per-step ratios), the same in the
@@ -131,14 +133,16 @@ def collect(engine, args, backend=None):
 
 def table(rows):
     cuda = any("cuda_peak" in r for r in rows)
-    head = ["parameters (M)", "optimizer", "engine", "configuration", "live tensors (x params)"]
+    head = ["parameters (M)", "optimizer", "engine", "configuration", "live tensors (x params)",
+            "backward peak (x params)"]
     head += ["CUDA peak (x params)"] if cuda else []
     head += ["compensation ms/step", "optimizer step ms", "compensation / step"]
     cpu = any("cpu_ratio" in r for r in rows)
     head += ["CPU: compensation ms", "CPU: step ms", "CPU: compensation / step"] if cpu else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [_millions(r), r["optimizer"], r["engine"], r["config"], f"{r['live']:.2f}"]
+        cells = [_millions(r), r["optimizer"], r["engine"], r["config"], f"{r['live']:.2f}",
+                 f"{r['backward_peak']:.2f}" if "backward_peak" in r else "–"]
         cells += [f"{r['cuda_peak']:.2f}" if "cuda_peak" in r else "–"] if cuda else []
         ms = r.get("compensation_ms")
         step = r.get("optimizer_step_ms")
