@@ -210,6 +210,7 @@ def plot(path, args, results):
     ax.set_xlabel("step time (ms)")
     ax.set_title(f"{args.model}, batch {args.batch_size}, {args.bandwidth * 8 / 1e9:g} Gbit/s, "
                  f"{args.latency * 1e6:g} us, ranks {args.placement}", fontsize=10)
+    ax.set_xlim(0, 1.3 * max(simulated + planned))      # room for the legend beside the bars
     ax.legend(loc="lower right", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
