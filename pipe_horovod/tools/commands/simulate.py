@@ -144,11 +144,11 @@ def simulate_cluster(args, work, workers, topology):
     cap = None if args.bucket_cap_mb is None else args.bucket_cap_mb * 2**20
     planned = schedule.rows(kinds, work, workers, network, cap)
     spec = {"topology": topology.spec, "placement": args.placement, "workers": workers,
-            "bandwidth": args.bandwidth,
-            "latency": args.latency, "intra_bandwidth": args.intra_node_bandwidth,
+            "bandwidth": args.bandwidth, "latency": args.latency,
+            "intra_bandwidth": args.intra_node_bandwidth,
             "intra_latency": args.intra_node_latency, "network_model": args.network_model,
             "every_round": args.every_round, "steps": args.steps,
-            "rows": [spec for _, spec, _ in planned]}
+            "rows": [row for _, row, _ in planned]}
     result = engine.run(spec)
     return [(kind, result["rows"][kind.name], predicted) for kind, _, predicted in planned]
 
