@@ -220,8 +220,6 @@ def plot(path, args, results):
 def run(args):
     from pipe_horovod.tools.workloads.architectures import layer_table  # torch: only here
 
-    if importlib.util.find_spec("simgrid") is None:
-        raise SystemExit(MISSING_SIMGRID)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         for topology in args.topology:
@@ -243,6 +241,8 @@ def run(args):
         except ValueError as exc:
             args.parser.error(str(exc))
     work = plan_command.workload(layers, args.device_tflops, times)
+    if importlib.util.find_spec("simgrid") is None:     # after the input: say what is wrong first
+        raise SystemExit(MISSING_SIMGRID)
     results = []
     for topology in args.topology:
         for workers in args.workers:
