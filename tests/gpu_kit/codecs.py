@@ -5,7 +5,8 @@ The reference is the torch form on CPU (PIPE_HOROVOD_NATIVE_CODEC=0, the form
 tests/test_native_codec.py holds the C kernels to). On a GPU every function of
 compression/two_stage.py and compression/hops.py runs in that same torch form on CUDA
 tensors, so any difference is CUDA's arithmetic or a step that leaves the device; on
-CPU (the rehearsal, --device cpu) the C kernels run against it.
+CPU (the rehearsal, --device cpu) the C kernels run against it, and the per-hop codecs'
+device form (the sync-free one CUDA runs, hops.DEVICE_FORM_ON_CPU) against their CPU form.
 
 A reduction over RANKS simulated ranks runs both stages twice (so the error feedback's
 residuals are used once), and every intermediate is compared: each rank's send buffer
@@ -23,7 +24,7 @@ import time
 
 import torch
 
-from pipe_horovod.compression import native, two_stage
+from pipe_horovod.compression import hops, native, two_stage
 from pipe_horovod.compression.hops import CastHop, Int4Hop, Int8Hop
 from pipe_horovod.compression.two_stage import WireFormat
 
@@ -96,7 +97,8 @@ def two_stage_reduction(flats, fmt, device, rounds=2):
 
 
 def per_hop(codec, x, device):
-    """One hop's encode (with residual) and decode_add of `x` into a running sum."""
+    """One hop's encode (with residual), decode_add of `x` into a running sum and
+    decode_into."""
     x = x.to(device)
     # zeros: the padding after a block's values is never written, and must compare equal
     wire = torch.zeros(codec.wire_numel(x.numel()), dtype=getattr(codec, "wire_dtype", None)
@@ -105,7 +107,9 @@ def per_hop(codec, x, device):
     codec.encode(x, wire, scratch, residual)
     total = torch.ones_like(x)
     codec.decode_add(wire, total)
-    return {"wire": wire, "residual": residual, "sum": total}
+    into = torch.full_like(x, 9.0)
+    codec.decode_into(wire, into)
+    return {"wire": wire, "residual": residual, "sum": total, "decoded": into}
 
 
 def hop_codecs():
@@ -124,6 +128,16 @@ def cpu_reference(fn):
             del os.environ[native.ENV]
         else:
             os.environ[native.ENV] = saved
+
+
+def device_form(fn):
+    """fn() with the per-hop codecs in their device form, also on CPU tensors (on CUDA
+    they take it anyway)."""
+    saved, hops.DEVICE_FORM_ON_CPU = hops.DEVICE_FORM_ON_CPU, True
+    try:
+        return fn()
+    finally:
+        hops.DEVICE_FORM_ON_CPU = saved
 
 
 def timed(fn, device, reps):
@@ -167,16 +181,25 @@ def throughput(device, mib, reps):
             stages["decode"] = (lambda: two_stage.decode(gathered, sizes, fmt, result), numel)
         out[kind] = {name: round(n * 4 / timed(fn, device, reps) / 1e9, 2)
                      for name, (fn, n) in stages.items()}
+    # Per hop: one call per 4 MiB chunk, as a ring piece (collectives/layout.PIECE_BYTES of
+    # int8 wire) is encoded, so launches and host syncs count as they do in a collective.
+    # On CPU the device form (what CUDA runs) is timed beside the CPU form.
+    forms = [("", lambda fn: fn())] + ([(" device form", device_form)]
+                                       if device.type == "cpu" else [])
     for name, codec in hop_codecs().items():
         piece = x[:2 ** 20]
         wire = torch.empty(codec.wire_numel(piece.numel()), dtype=getattr(
             codec, "wire_dtype", None) or torch.uint8, device=device)
         scratch, residual = torch.empty_like(piece), torch.empty_like(piece)
-        out[f"per hop {name}"] = {
-            "encode": round(piece.numel() * 4 / timed(
-                lambda: codec.encode(piece, wire, scratch, residual), device, reps) / 1e9, 2),
-            "decode_add": round(piece.numel() * 4 / timed(
-                lambda: codec.decode_add(wire, scratch), device, reps) / 1e9, 2)}
+        for suffix, form in forms:
+            if suffix and isinstance(codec, CastHop):
+                continue                              # one form only
+            calls = {"encode": lambda: codec.encode(piece, wire, scratch, residual),
+                     "decode_add": lambda: codec.decode_add(wire, scratch),
+                     "decode_into": lambda: codec.decode_into(wire, scratch)}
+            out[f"per hop {name}{suffix}"] = {
+                call: round(piece.numel() * 4 / form(lambda: timed(fn, device, reps)) / 1e9, 2)
+                for call, fn in calls.items()}
     return out
 
 
@@ -203,7 +226,7 @@ def main(argv=None):
         for n in SIZES:
             x = data(n, n)
             ref = cpu_reference(lambda: per_hop(codec, x, torch.device("cpu")))
-            got = per_hop(codec, x, device)
+            got = device_form(lambda: per_hop(codec, x, device))
             for key, value in ref.items():
                 compared += 1
                 if not same(got[key], value):
