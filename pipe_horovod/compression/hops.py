@@ -14,11 +14,12 @@ cost 6-19 ms per step where it was measured.
 
 The quantized codecs run in two forms with the same bits. On CPU (the reference)
 the scale is read into a Python number, as the first form was written. On any other
-device that read is a host sync, and a hop made several: the GPU kit measured the
-int8 encode of a 4 MiB chunk at 2.4-22 GB/s on an H100, against about 100 GB/s for
-the two-stage formats' whole-tensor operations. There (the device form) the scale
-stays a 0-dim tensor on the device and every step is one whole-tensor operation, in
-the reference's order with the reference's roundings, so nothing waits for the GPU.
+device that read is a host sync, two per encode: the GPU kit measured the int8
+encode of a 4 MiB chunk at 2.4-22 GB/s on an H100, against about 100 GB/s for the
+two-stage formats' whole-tensor operations. There (the device form) the scale stays
+a 0-dim tensor on the device and every step is one whole-tensor operation, in the
+reference's order with the reference's roundings, so encode and decode_into never
+wait for the GPU (decode_add reads its scale: Int8Hop.decode_add says why).
 `DEVICE_FORM_ON_CPU` runs the device form on CPU tensors too: the tests hold its bits
 to the reference's there, so CUDA's arithmetic is checked without a GPU.
 """
@@ -43,7 +44,7 @@ def _constant(value, like):
     """A cached tensor of `value` (a number: 0-dim; a tuple: 1-dim) in `like`'s dtype on
     its device: a Python number would be converted on every call (a fill kernel), and
     CUDA divides by a number as a product with its reciprocal (see divide_)."""
-    key = (value, like.dtype, like.device)
+    key = (repr(value), like.dtype, like.device)      # repr: 0.0 and -0.0 are equal keys
     tensor = _constants.get(key)
     if tensor is None:
         tensor = _constants[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
@@ -170,7 +171,7 @@ class Int8Hop:
         # Both forms read the scale into a number: dst + values * scale is one fused
         # multiply-add on CUDA and in the CPU's vector loop (add with alpha), and no
         # torch operation fuses a product with a scale that stays on the device
-        # (addcmul rounds the product first on CUDA and not on CPU).
+        # (addcmul's CUDA kernel rounds the product first, its CPU loop fuses).
         scale, values = cls._parts(wire, dst.numel())
         dst.add_(values, alpha=scale)
 
@@ -233,13 +234,25 @@ class Int4Hop(Int8Hop):
         packed.copy_(even)
 
     @staticmethod
-    def _nibbles(wire, numel, read_scale=True):
-        scale = float(wire[:SCALE_BYTES].view(torch.float32)) if read_scale else None
+    def _nibbles(wire, numel):
+        scale = float(wire[:SCALE_BYTES].view(torch.float32))
         data = wire[SCALE_BYTES:SCALE_BYTES + -(-numel // 2)].view(torch.int8)
         return scale, (data << 4) >> 4, (data >> 4)[:numel // 2]
 
+    @staticmethod
+    def _unpacked(wire, numel):
+        """The device form's values, in element order: both nibbles of every byte in two
+        kernels, [(b << 4) >> 4, (b << 0) >> 4], where the CPU form takes three and two
+        strided passes over dst."""
+        data = wire[SCALE_BYTES:SCALE_BYTES + -(-numel // 2)].view(torch.int8)
+        return ((data[:, None] << _constant((4, 0), data)) >> 4).view(-1)[:numel]
+
     @classmethod
     def decode_add(cls, wire, dst):
+        if device_form(dst):              # the scale read as Int8Hop.decode_add says
+            scale = float(wire[:SCALE_BYTES].view(torch.float32))
+            dst.add_(cls._unpacked(wire, dst.numel()), alpha=scale)
+            return
         scale, low, high = cls._nibbles(wire, dst.numel())
         dst[0::2].add_(low, alpha=scale)
         dst[1::2].add_(high, alpha=scale)
@@ -247,9 +260,7 @@ class Int4Hop(Int8Hop):
     @classmethod
     def decode_into(cls, wire, dst):
         if device_form(dst):              # values * scale, rounded once, as the reference
-            _, low, high = cls._nibbles(wire, dst.numel(), read_scale=False)
-            dst[0::2].copy_(low)
-            dst[1::2].copy_(high)
+            dst.copy_(cls._unpacked(wire, dst.numel()))
             dst.mul_(wire[:SCALE_BYTES].view(torch.float32))
             return
         scale, low, high = cls._nibbles(wire, dst.numel())
