@@ -267,9 +267,11 @@ def step_codecs(ctx):
              f"{', '.join(map(str, res['sizes']))}) and of per-hop codecs on {res['device']} "
              + ("equal the CPU reference bit for bit" if ok else
                 f"differ in {len(res['mismatches'])}: {'; '.join(res['mismatches'][:8])}"),
-             f"GB/s of float32 input on {res['device']} ({res['native']}), {res['mib']} MiB:",
+             f"GB/s of float32 input on {res['device']} ({res['native']}), {res['mib']} MiB "
+             "(per hop: one 4 MiB chunk a call):",
              "", "| codec | " + " | ".join(["first stage / encode", "second stage / decode_add",
-                                             "decode"]) + " |", "|---|---:|---:|---:|"]
+                                             "decode / decode_into"]) + " |",
+             "|---|---:|---:|---:|"]
     for kind, stages in res["gbps"].items():
         values = list(stages.values()) + [""] * (3 - len(stages))
         lines.append(f"| {kind} | " + " | ".join(map(str, values)) + " |")
