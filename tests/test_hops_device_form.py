@@ -29,7 +29,7 @@ def data(n, dtype, kind, seed):
     return x
 
 
-def run(codec, x, residual, device_form, monkeypatch=None):
+def run(codec, x, residual, device_form):
     """wire, residual, decode_add into a running sum, decode_into: in one form. Buffers
     start with junk where the codec must write and zeros where it never writes (the
     wire's padding), so both forms are compared on everything they produce."""
