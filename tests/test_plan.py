@@ -177,3 +177,28 @@ def test_plan_shows_the_two_stage_row_on_request(monkeypatch, capsys):
     # (0.5 + 4/32) / 4 = 3.75 MB; 6 ms of latency + 3.75 ms of bytes, compute-bound
     assert ("| ours-k2-int4-2stage (ours, K=2, int4_ef:32 in two stages on the engine's "
             "collectives) | 2 | 3.8 | 9.75 | 21.00 | 762 | 1.76x | compute |") in out
+
+
+def test_plan_states_its_topology_limit_and_points_to_simulate(monkeypatch, capsys):
+    """The planner assumes full bisection; SimGrid finds it too fast behind shared uplinks
+    and NICs (docs/simulate.md), so every table ends by saying so and naming the command
+    that simulates the topology, one line, with a --topology that command accepts."""
+    import re
+
+    from pipe_horovod.tools.commands.plan import TOPOLOGY_LIMIT
+    from pipe_horovod.tools.simulate.topology import parse_topology
+
+    monkeypatch.setattr(architectures, "layer_table", lambda model, batch: STAND_IN)
+    assert main(ARGV) == 0
+    single = capsys.readouterr().out
+    sweep = ARGV[:ARGV.index("--workers")] + ["--workers", "2,4", "--bucket-cap-mb", "10"]
+    assert main(sweep) == 0
+    swept = capsys.readouterr().out
+    assert "Sweep: " in swept
+    for out in (single, swept):
+        assert out.rstrip().splitlines()[-1] == TOPOLOGY_LIMIT
+    assert "\n" not in TOPOLOGY_LIMIT
+    assert TOPOLOGY_LIMIT.startswith("Limit: full bisection, no contention, flat rings")
+    command = re.search(r"`(pipe-horovod simulate [^`]*)`", TOPOLOGY_LIMIT).group(1)
+    topologies = command.split("--topology ")[1].split()[0].split(",")
+    assert [parse_topology(t).kind for t in topologies] == ["fattree", "nodes"]
