@@ -468,7 +468,7 @@ def run_steps(ctx, steps, header):
         if needs_gpu and ctx.no_gpu:
             result = Result("SKIP", ["needs a GPU (the rehearsal has none)"])
         elif ctx.left() < 20:
-            result = Result("SKIP", [f"no time left in the call's budget"])
+            result = Result("SKIP", ["no time left in the call's budget"])
         else:
             print(f"[gpu-kit] {name} ...", flush=True)
             try:
