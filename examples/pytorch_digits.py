@@ -243,7 +243,10 @@ def main(argv=None):
                 if rank == 0:      # for the job script: requeue, the run is not finished
                     with open(os.path.join(args.checkpoint_dir, STOPPED), "w") as f:
                         f.write(f"epoch {epoch} step {step}\n")
-                preempt.__exit__(None, None, None)
+                # Saved: the same signal may still be on its way to this rank (the
+                # scheduler signals each task in turn) and must not kill it now.
+                for sig in PREEMPT_SIGNALS:
+                    signal.signal(sig, signal.SIG_IGN)
                 return 0
             idx = shard[step * args.batch_size:(step + 1) * args.batch_size]
             for group in optimizer.param_groups:

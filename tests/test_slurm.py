@@ -48,6 +48,23 @@ def cluster():
         c.stop()
 
 
+# Two epochs of 180 steps (4 images per rank per step): long enough to stop twice
+# inside the first epoch, short next to the jobs' start.
+FLAGS = ["--epochs", "2", "--batch-size", "4", "--pipeline-depth", "2"]
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(cluster, tmp_path_factory):
+    """The srun launcher's job with a checkpoint directory, run once: the srun case of the
+    launcher test, and the uninterrupted run a requeued job must match bit for bit.
+    (its output, the checkpoint directory)."""
+    d = tmp_path_factory.mktemp("uninterrupted")
+    rc, log = submit(cluster, d / "job.out", script_args=FLAGS,
+                     env=job_env("srun", CKPT_DIR=str(d / "ckpt")))
+    assert rc == 0, f"srun job failed:\n{log[-4000:]}\n{cluster.logs()}"
+    return log, d / "ckpt"
+
+
 def job_env(launch=None, ssh=False, **extra):
     path = os.pathsep.join(([str(SSH_SHIM)] if ssh else []) + [os.path.dirname(sys.executable),
                                                                os.environ["PATH"]])
@@ -100,18 +117,19 @@ def final(log):
     return m
 
 
-def test_sbatch_trains_on_two_nodes_with_each_launcher(cluster, tmp_path):
+def test_sbatch_trains_on_two_nodes_with_each_launcher(cluster, uninterrupted, tmp_path):
+    logs = {"srun": uninterrupted[0]}
+    for launch in ("horovodrun", "torchrun"):
+        rc, logs[launch] = submit(cluster, tmp_path / f"{launch}.out", script_args=FLAGS,
+                                  env=job_env(launch, ssh=launch == "horovodrun"))
+        assert rc == 0, f"{launch} job failed:\n{logs[launch][-4000:]}\n{cluster.logs()}"
     accuracy = {}
-    for launch in ("srun", "horovodrun", "torchrun"):
-        rc, log = submit(cluster, tmp_path / f"{launch}.out",
-                         env=job_env(launch, ssh=launch == "horovodrun"),
-                         script_args=["--epochs", "1", "--pipeline-depth", "2"])
-        assert rc == 0, f"{launch} job failed:\n{log[-4000:]}\n{cluster.logs()}"
+    for launch, log in logs.items():
         assert "ranks: 0 on node1, 1 on node2" in log, (launch, log[-3000:])
         engine = "torch" if launch == "torchrun" else "horovod"
         assert f"engine={engine} size=2 pipeline_depth=2" in log, (launch, log[-3000:])
         m = final(log)
-        assert (m.group(2), m.group(3)) == ("1", "True"), (launch, m.group(0))
+        assert (m.group(2), m.group(3)) == ("2", "True"), (launch, m.group(0))
         accuracy[launch] = m.group(1)
     # One seed, one data order, one average of two gradients: the same accuracy
     # whichever launcher and engine ran it.
@@ -141,3 +159,76 @@ def test_sbatch_bad_input_is_one_line_before_training(cluster, tmp_path, case):
     assert line.format(scratch=cluster.scratch) in log.splitlines(), log
     # Nothing ran: not the environment check, not a rank.
     assert "engines:" not in log and "digits:" not in log, log
+
+
+# --- preemption and requeue ----------------------------------------------------------
+
+SAVED = re.compile(r"^rank (\d): (SIG\w+): checkpoint at epoch (\d+) step (\d+) saved", re.M)
+
+
+def wait_in_log(path, pattern, count, timeout=240):
+    """The `count`-th match of `pattern` in the job's output, waited for."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = Path(path).read_text() if Path(path).exists() else ""
+        found = list(re.finditer(pattern, text, re.M))
+        if len(found) >= count:
+            return found[count - 1]
+        assert time.monotonic() < deadline, f"no {pattern!r} #{count} in:\n{text[-3000:]}"
+        time.sleep(0.05)
+
+
+def release_requeued(cluster, job, restarts, out):
+    """Waits until the job is back in the queue, then lets it start now: Slurm gives a
+    requeued job a BeginTime about two minutes ahead."""
+    wait_for(cluster, job, lambda f: f["JobState"] == "PENDING"
+             and int(f["Restarts"]) == restarts, 60, out)
+    cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+
+
+def checkpoints(log, signal_name):
+    """(epoch, step) at which both ranks saved on `signal_name`."""
+    saved = {(int(m[1]), m[2]): (int(m[3]), int(m[4])) for m in SAVED.finditer(log)}
+    both = {saved.get((0, signal_name)), saved.get((1, signal_name))}
+    assert len(both) == 1 and None not in both, (signal_name, saved, log[-3000:])
+    return both.pop()
+
+
+def test_preempted_job_requeued_resumes_bit_exact(cluster, uninterrupted, tmp_path):
+    torch = pytest.importorskip("torch")
+    ref_log, ref_dir = uninterrupted
+    run_dir = tmp_path / "ckpt"
+    out = tmp_path / "preempted.out"
+    job = submit(cluster, out, "--requeue", "--signal=USR1@60", "--open-mode=append",
+                 script_args=FLAGS, env=job_env("srun", CKPT_DIR=str(run_dir)), wait=False)
+    # 1. What --signal=USR1@60 sends 60 s before the time limit, sent as training starts:
+    # every rank checkpoints at one step, and the script requeues the job.
+    wait_in_log(out, r"^digits: ", 1)
+    cluster.run(["scancel", "--signal=USR1", job])
+    wait_in_log(out, r"^pipe_horovod.sbatch: stopped at a checkpoint \(epoch \d+ step \d+\): "
+                     rf"requeueing job {job}$", 1)
+    first = checkpoints(Path(out).read_text(), "SIGUSR1")
+    release_requeued(cluster, job, 1, out)
+    wait_in_log(out, rf"^resumed from {run_dir}: epoch {first[0]} step {first[1]}$", 1)
+
+    # 2. Requeued by the scheduler (an operator, a preemption) as the resumed run trains:
+    # SIGTERM to every task, SIGKILL KillWait seconds later.
+    wait_in_log(out, r"^digits: ", 2)
+    cluster.run(["scontrol", "requeue", job])
+    release_requeued(cluster, job, 2, out)
+    second = checkpoints(Path(out).read_text(), "SIGTERM")
+    wait_in_log(out, rf"^resumed from {run_dir}: epoch {second[0]} step {second[1]}$", 1)
+    fields = wait_for(cluster, job, lambda f: f["JobState"] in ENDED, 120, out)
+    log = Path(out).read_text()
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
+
+    # Both stops inside the first epoch, after its first step (a stop takes one step to
+    # agree on): with K=2 a gradient was in flight at each (the epoch-end flush is later).
+    assert first[0] == second[0] == 1 and 0 < first[1] < second[1], (first, second)
+    assert final(log).group(1) == final(ref_log).group(1)
+    for rank in range(2):
+        got = torch.load(run_dir / f"digits.{rank}.pt", weights_only=False)
+        want = torch.load(ref_dir / f"digits.{rank}.pt", weights_only=False)
+        assert (got["epoch"], want["epoch"]) == (3, 3)       # both past their last epoch
+        for name, tensor in want["model"].items():
+            assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"
