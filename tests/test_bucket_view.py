@@ -49,11 +49,12 @@ def _storages(tensors):
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
 
-def _census():
-    """Bytes of every distinct CPU tensor storage reachable from Python."""
+def _census(extra=()):
+    """Bytes of every distinct CPU tensor storage reachable from Python, and of `extra`
+    (a gradient backward just made has no Python object until `.grad` is read)."""
     gc.collect()
     seen = {}
-    for obj in gc.get_objects():
+    for obj in [*gc.get_objects(), *extra]:
         try:
             if isinstance(obj, torch.Tensor) and not obj.is_cuda:
                 seen.update(_storages([obj]))
@@ -74,10 +75,8 @@ def _peak(kind, wrap, steps=4):
     def hook(param):
         ready.append(param)
         if len(ready) == len(params):
-            grads = [p.grad for p in params]         # every `.grad` a Python object
-            found["bytes"] = _census()
+            found["bytes"] = _census([p.grad for p in params])
             found["last"] = param.numel() * param.element_size()
-            del grads
     for p in params:
         p.register_post_accumulate_grad_hook(hook)
     opt = make(params)

@@ -53,11 +53,13 @@ MODELS = ("mlp", "gpt2-small")
 GPT2_BATCH, GPT2_TOKENS = 4, 256
 
 
-def live_bytes(device):
-    """Bytes of the distinct storages of every tensor on `device` reachable from Python."""
+def live_bytes(device, extra=()):
+    """Bytes of the distinct storages of every tensor on `device` reachable from Python,
+    and of `extra` (tensors autograd holds that Python has not seen yet: a gradient
+    backward just made has no Python object until `.grad` is read)."""
     gc.collect()
     seen = {}
-    for obj in gc.get_objects():
+    for obj in [*gc.get_objects(), *extra]:
         try:
             if isinstance(obj, torch.Tensor) and obj.device.type == device.type:
                 storage = obj.untyped_storage()
@@ -174,9 +176,8 @@ def _watch_the_peak(model, device):
         if len(seen) == len(params):
             seen.clear()
             if peak["now"]:
-                grads = [p.grad for p in params]     # each `.grad` a Python object: counted
-                peak["bytes"] = live_bytes(device)
-                del grads
+                peak["bytes"] = live_bytes(device, [p.grad for p in params
+                                                    if p.grad is not None])
     for p in params:
         p.register_post_accumulate_grad_hook(hook)
     return peak
