@@ -233,6 +233,26 @@ def test_k2_step_is_max_of_compute_and_comm_and_k1_adds_the_exposed_comm(size):
 
 
 @needs_simgrid
+def test_default_steps_reach_k2s_steady_state_when_the_link_is_barely_the_bound():
+    """K=2 holds slack: a bucket ready as backward begins (0.0 s) is needed 0.051 s later,
+    at the next step's backward end, and takes 0.03162 s; with the link 2% slower than
+    compute the backlog grows 0.00062 s a step, so the link only sets the pace after
+    about 31 steps. The command's default step count reaches that steady state,
+    max(compute, comm); 20 steps (the first default) still show compute's step."""
+    n, compute = 4, 0.01 + 0.02 + 0.001
+    comm = 1.02 * compute
+    size = (comm / (2 * (n - 1)) - LAT) * n * BW
+    parser = argparse.ArgumentParser()
+    simulate_command.add_arguments(parser)
+    steps = parser.get_default("steps")
+    rows = [_toy_row("k2", 2, size, buckets=[[0.0, size]])]
+    steady = _run(_spec("star", n, rows=rows, steps=steps))["rows"]["k2"]
+    assert steady["step_s"] == pytest.approx(comm, abs=_tol(6 * steps))
+    early = _run(_spec("star", n, rows=rows, steps=20))["rows"]["k2"]
+    assert early["step_s"] < comm - 1e-4
+
+
+@needs_simgrid
 def test_shortcut_equals_running_every_round():
     """A repeated round and a bucket met again cost what the first did: the same flows
     alone on the network (K=2, two buckets, a 2:1 fat-tree, the two-stage alltoall)."""

@@ -121,10 +121,11 @@ def add_arguments(parser):
     parser.add_argument("--network-model", choices=sorted(engine.NETWORK_MODELS), default="cm02",
                         help="SimGrid's network model: cm02 (links as given, max-min fair "
                              "sharing; default) or lv08 (SimGrid's TCP calibration)")
-    parser.add_argument("--steps", type=number(4, kind=int, what="steps"), default=20,
+    parser.add_argument("--steps", type=number(4, kind=int, what="steps"), default=200,
                         help="steps simulated per row; the step time is the mean of the second "
-                             "half (default 20: a link a little slower than compute takes "
-                             "some steps to fill the two slots of K=2)")
+                             "half (default 200: K=2 with a link d slower than compute fills "
+                             "its one step of slack in about compute/d steps, 60 at 2%%, and "
+                             "until then shows compute's step; a repeated step costs little)")
     parser.add_argument("--every-round", action="store_true",
                         help="run every round of every collective on the network, rather than "
                              "taking a repeated round (a ring's 2(p-1) steps, a bucket seen in "
