@@ -140,6 +140,12 @@ class SlurmCluster:
             out.append(f"--- {name}\n" + "\n".join(tail))
         return "\n".join(out)
 
+    def set_link(self, node, up):
+        """Cuts (or restores) node `node`'s only link: to the others it is then lost
+        without a word, as when a node loses power or its switch port."""
+        emulate_network._run(["ip", "-n", self.topology.namespaces[node], "link", "set", NIC,
+                              "up" if up else "down"])
+
     def node_states(self):
         res = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False)
         return dict(line.split() for line in res.stdout.splitlines() if line.strip())

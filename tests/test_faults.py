@@ -105,7 +105,11 @@ def test_a_dead_process_on_this_host_is_named():
     assert faults.lost_ranks(peers, 0, look_s=0) == [1]
     assert faults.describe_lost(peers, 0, [1]) == f"rank 1 (pid {child.pid} on {host}) no longer runs"
     assert faults.describe_lost(peers, 0, []) == (
-        "every other rank on this host still runs; ranks on elsewhere cannot be checked from here")
+        "every other rank on this host still runs; rank 2 on elsewhere cannot be checked from here")
+    two_hosts = [*peers, ("elsewhere", 2), ("node3", 3)]
+    assert faults.describe_lost(two_hosts, 0, []) == (
+        "every other rank on this host still runs; ranks 2, 3 on elsewhere and rank 4 on node3 "
+        "cannot be checked from here")
 
 
 def test_a_rank_that_ended_because_a_peer_died_passes_the_death_on():

@@ -232,3 +232,35 @@ def test_preempted_job_requeued_resumes_bit_exact(cluster, uninterrupted, tmp_pa
         assert (got["epoch"], want["epoch"]) == (3, 3)       # both past their last epoch
         for name, tensor in want["model"].items():
             assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"
+
+
+# --- a node lost mid-job (last: it takes node2 down) ---------------------------------
+
+ENGINE_TIMEOUT = 15      # PIPE_HOROVOD_TIMEOUT for this job: how long a wait may block
+
+
+def test_lost_node_fails_the_job_naming_node_and_rank(cluster, tmp_path):
+    out = tmp_path / "lost.out"
+    job = submit(cluster, out, "--no-requeue", script_args=["--epochs", "25", *FLAGS[2:]],
+                 env=job_env("srun", PIPE_HOROVOD_TIMEOUT=str(ENGINE_TIMEOUT)), wait=False)
+    wait_in_log(out, r"^digits: ", 1)
+    cut = time.monotonic()
+    cluster.set_link(1, up=False)
+    try:
+        fields = wait_for(cluster, job, lambda f: f["JobState"] in ENDED, 120, out)
+        ended = time.monotonic() - cut
+    finally:
+        cluster.set_link(1, up=True)
+    log = Path(out).read_text()
+    # The last: the first is the chained cause, before the diagnosis was added.
+    errors = re.findall(r"^pipe_horovod\.engine\.faults\.WaitTimeoutError: .*$", log, re.M)
+    assert errors, log[-4000:]
+    error = errors[-1]
+    # Rank 0, on node1, names what it waited for, and node2 with its rank.
+    assert f"did not complete within {ENGINE_TIMEOUT} s" in error, error
+    assert error.endswith("; rank 1 on node2 cannot be checked from here"), error
+    # Slurm ends the job as failed and gives its nodes back.
+    assert fields["JobState"] in ("FAILED", "NODE_FAIL"), (fields["JobState"], log[-3000:])
+    assert "final held-out accuracy" not in log
+    print(f"\nlink cut: job {fields['JobState']} after {ended:.0f} s "
+          f"(engine timeout {ENGINE_TIMEOUT} s)", flush=True)

@@ -159,8 +159,15 @@ def describe_lost(peers, me, gone):
     if gone:
         which = ", ".join(f"rank {r} (pid {peers[r][1]} on {peers[r][0]})" for r in gone)
         return f"{which} no longer runs"
-    elsewhere = sorted({h for r, (h, _) in enumerate(peers) if r != me} - {socket.gethostname()})
+    # By host, with their ranks: a node that vanished (its link cut, its power off) is
+    # then named with the ranks it took along, which is what the user looks for.
+    elsewhere = {}
+    for r, (h, _) in enumerate(peers):
+        if r != me and h != socket.gethostname():
+            elsewhere.setdefault(h, []).append(r)
     if elsewhere:
-        return (f"every other rank on this host still runs; ranks on {', '.join(elsewhere)} "
-                "cannot be checked from here")
+        which = " and ".join(f"{'ranks' if len(rs) > 1 else 'rank'} "
+                             f"{', '.join(map(str, rs))} on {h}"
+                             for h, rs in sorted(elsewhere.items()))
+        return f"every other rank on this host still runs; {which} cannot be checked from here"
     return "every other rank still runs"
