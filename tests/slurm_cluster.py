@@ -50,6 +50,10 @@ def unavailable_reason():
     return None
 
 
+def _ip(ns, *args):
+    subprocess.run(["ip", "-n", ns, *args], check=True, capture_output=True, timeout=30)
+
+
 class SlurmError(RuntimeError):
     """The cluster did not come up; the message carries the daemons' log tails."""
 
@@ -143,8 +147,7 @@ class SlurmCluster:
     def set_link(self, node, up):
         """Cuts (or restores) node `node`'s only link: to the others it is then lost
         without a word, as when a node loses power or its switch port."""
-        emulate_network._run(["ip", "-n", self.topology.namespaces[node], "link", "set", NIC,
-                              "up" if up else "down"])
+        _ip(self.topology.namespaces[node], "link", "set", NIC, "up" if up else "down")
 
     def node_states(self):
         res = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False)
@@ -161,9 +164,9 @@ class SlurmCluster:
         with open(os.path.join(self.dir, "hosts"), "w") as f:
             f.write(hosts)
         for ns, dev in zip(self.topology.namespaces, self.topology.interfaces):
-            emulate_network._run(["ip", "-n", ns, "link", "set", dev, "down"])
-            emulate_network._run(["ip", "-n", ns, "link", "set", dev, "name", NIC])
-            emulate_network._run(["ip", "-n", ns, "link", "set", NIC, "up"])
+            _ip(ns, "link", "set", dev, "down")
+            _ip(ns, "link", "set", dev, "name", NIC)
+            _ip(ns, "link", "set", NIC, "up")
 
     def _munge(self):
         munge = os.path.join(self.dir, "munge")
@@ -223,7 +226,7 @@ JobRequeue=1
 ReturnToService=2
 SchedulerType=sched/backfill
 SlurmctldTimeout=30
-SlurmdTimeout=30
+SlurmdTimeout=20
 MessageTimeout=10
 InactiveLimit=0
 MinJobAge=600
