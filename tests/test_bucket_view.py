@@ -180,3 +180,26 @@ def test_sparse_gradients_stay_apart():
     rtol = training_rtol(steps=5, fan_ins=fan_ins(_model(sparse=True)), batch=8, ranks=1,
                          optimizer="momentum")
     assert max(relative_error(a, b) for a, b in zip(ours, plain)) <= rtol
+
+
+def test_a_grad_the_user_replaces_is_what_step_applies():
+    """K=1: a `.grad` replaced after backward (a new tensor, not the bucket's view) is what
+    step() applies, as with DDP and the plain optimizer."""
+    def halve(opt, model):
+        for p in model.parameters():
+            p.grad = p.grad * 0.5
+
+    def train(wrap):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if wrap:
+            opt = phvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                            pipeline_depth=1, **THROUGH_THE_PIPELINE)
+        for t in range(4):
+            opt.zero_grad()
+            _loss(model, t).backward()
+            halve(opt, model)
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(train(True), train(False)))
