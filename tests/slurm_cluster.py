@@ -24,9 +24,10 @@ import subprocess
 import tempfile
 import time
 
+from pipe_horovod.tools.emulate import guard as emulate_guard
 from pipe_horovod.tools.emulate import network as emulate_network
 
-PREFIX = "phslurm"                 # namespaces phslurm-w0, phslurm-w1, phslurm-sw
+PREFIX = "phsl"         # + 4 random hex digits: namespaces phslXXXX-w0, -w1, -sw
 SUBNET = "10.217.0.0/24"           # apart from the emulated cluster's 10.213.0.0/24
 NODES = ("node1", "node2")
 NIC = "eth0"
@@ -64,6 +65,10 @@ class SlurmCluster:
     def __init__(self):
         self.dir = None
         self.topology = None
+        # Its own names, so that two test sessions on one machine never tear down each
+        # other's cluster; a guard process tears it down if this process is SIGKILLed.
+        self.prefix = f"{PREFIX}{os.urandom(2).hex()}"
+        self._guard = None
         self.procs = {}              # name -> Popen of each daemon we started
         self.start_seconds = None
 
@@ -71,8 +76,8 @@ class SlurmCluster:
 
     def start(self):
         began = time.monotonic()
-        emulate_network.cleanup(PREFIX)          # what a SIGKILLed earlier run left
         self.dir = tempfile.mkdtemp(prefix="pipe-horovod-slurm-")
+        self._guard = emulate_guard.start(self.prefix)
         try:
             self._network()
             self._munge()
@@ -102,7 +107,10 @@ class SlurmCluster:
                     proc.kill()
                     proc.wait()
             self.procs.pop(name)
-        emulate_network.cleanup(PREFIX)
+        emulate_network.cleanup(self.prefix)
+        if self._guard is not None:
+            emulate_guard.stop(self._guard)
+            self._guard = None
         if self.dir is not None and not os.environ.get("PIPE_HOROVOD_KEEP_SLURM"):
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -156,7 +164,7 @@ class SlurmCluster:
     # ---- parts ----
 
     def _network(self):
-        self.topology = emulate_network.topology("star", len(NODES), None, prefix=PREFIX,
+        self.topology = emulate_network.topology("star", len(NODES), None, prefix=self.prefix,
                                                  subnet=SUBNET, latency="50ms")
         self.topology.build()
         hosts = "127.0.0.1 localhost\n" + "".join(

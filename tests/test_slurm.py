@@ -11,6 +11,9 @@ two-node cluster on this machine (tests/slurm_cluster.py), as a user submits it.
   later `scontrol requeue` (SIGTERM, then SIGKILL after KillWait) stops it
   again; the requeued job resumes each time and ends with weights
   bit-identical to an uninterrupted job's.
+- A node lost mid-job (its link cut): the rank left names the node and its
+  rank at the engine's timeout, and Slurm fails the job (last: it takes node2
+  down until its link is back).
 
 The script runs from the repository's venv (the one running these tests).
 """
