@@ -30,8 +30,9 @@ $(STAMP): Makefile pyproject.toml constraints.txt scripts/install_openmpi.sh scr
 	bash scripts/install_simgrid.sh $(VENV)
 	touch $@
 
-# The main job: the digits CNN on $(NP) horovodrun workers, synchronous then
-# pipelined, with the held-out accuracy of each: PyTorch, then Keras 3 (its
+# The main job: the digits CNN on $(NP) horovodrun workers, synchronous then at
+# the default (tune="auto", with what it chose), with the held-out accuracy and
+# train time of each: PyTorch, then Keras 3 (its
 # TensorFlow backend). Then, where the machine allows it (root, ip netns, tc),
 # the point: a wider digits MLP on an emulated 1 Gbit cluster, Horovod's
 # DistributedOptimizer vs ours K=1 vs ours K=2, step time and time to
