@@ -24,7 +24,9 @@ each epoch and when the job is preempted (SIGTERM, SIGINT, or SIGUSR1: what
 Slurm's `--signal=USR1@N` sends before the time limit), at a step every rank
 agrees on (`pipe_horovod.Preemption`); run again with the same flags, it
 resumes there and ends bit-identical to a run never stopped, gradients in
-flight included (integrations/slurm/pipe_horovod.sbatch requeues it).
+flight included (integrations/slurm/pipe_horovod.sbatch requeues it). A save
+that was killed (a grace time shorter than the save) leaves the last complete
+checkpoint whole, and the next run says so before it resumes from that one.
 """
 import argparse
 import json
@@ -191,6 +193,13 @@ def main(argv=None):
     resumed = None
     if args.checkpoint_dir:
         os.makedirs(args.checkpoint_dir, exist_ok=True)
+        cut = f"{checkpoint_path(args, rank)}.tmp"
+        if os.path.exists(cut):          # a save killed before its rename: say so, once
+            os.remove(cut)
+            last = ("the last complete one" if os.path.exists(checkpoint_path(args, rank))
+                    else "the start: there is no complete one")
+            print(f"rank {rank}: the previous run was killed while it saved its checkpoint "
+                  f"(a grace time shorter than the save?): resuming from {last}", flush=True)
         if os.path.exists(checkpoint_path(args, rank)):
             saved = torch.load(checkpoint_path(args, rank), weights_only=False)
             model.load_state_dict(saved.pop("model"))

@@ -315,6 +315,26 @@ def test_digits_example_runs_under_each_launcher(tmp_path, launch, np):
     assert result["size"] == np and result["ranks_agree"] and result["accuracy"] > 0.5
 
 
+def test_digits_example_says_a_save_was_cut(tmp_path):
+    """A save killed before its rename (a grace time shorter than the save) leaves its
+    temporary file beside the last complete checkpoint: the next run says so and resumes
+    from the complete one."""
+    script = launcher.REPO / "examples" / "pytorch_digits.py"
+    folder = tmp_path / "ckpt"
+    common = ("--no-progress", "--checkpoint-dir", folder)
+    rc, first = launcher.run("local", 1, script, "--epochs", "1", *common, expect_ok=False,
+                             timeout=200)
+    assert rc == 0, first
+    (folder / "digits.0.pt.tmp").write_bytes(b"cut short")
+    rc, second = launcher.run("local", 1, script, "--epochs", "2", *common, expect_ok=False,
+                              timeout=200)
+    assert rc == 0, second
+    assert ("rank 0: the previous run was killed while it saved its checkpoint (a grace time "
+            "shorter than the save?): resuming from the last complete one") in second, second
+    assert f"resumed from {folder}: epoch 2" in second, second
+    assert not (folder / "digits.0.pt.tmp").exists()
+
+
 @pytest.mark.parametrize("engine_name, depth", [("horovod", 2), ("horovod", 3), ("torch", 2)])
 def test_exit_without_flush_completes_reductions_and_warns(folder, engine_name, depth):
     # Horovod scripts never call flush(): the faster rank must not leave (and
