@@ -246,9 +246,12 @@ def title(framework, rows, args):
     return f"## Digits CNN, {name}, {args.np} horovodrun workers, seed {args.seed}{epochs}"
 
 
-def chosen(result):
-    """What the default's auto chose, and why, from the example's JSON (its run summary)."""
-    decision = result.get("auto")
+def chosen(json_path):
+    """What the default's auto chose, and why, from the run summary the example wrote
+    beside its JSON."""
+    summary = Path(f"{json_path}.run_summary")
+    decision = json.loads(summary.read_text())["config"].get("auto") if summary.is_file() \
+        else None
     if not decision:
         return "tuning off ($PIPE_HOROVOD_TUNE): the configuration as given"
     if "measuring" in decision:
@@ -278,6 +281,7 @@ def main(argv=None):
         json_path = out_dir / f"{stem}_depth{depth or 'auto'}.json"
         log_path = out_dir / f"{stem}_depth{depth or 'auto'}.log"
         json_path.unlink(missing_ok=True)
+        Path(f"{json_path}.run_summary").unlink(missing_ok=True)     # (chosen() reads it)
         rc, wall = run_one(label, depth, args, horovodrun, json_path, log_path, example)
         row = {"label": label, "pipeline_depth": depth, "rc": rc, "wall_s": wall,
                "accuracy": None, "train_time_s": None, "log": str(log_path)}
@@ -302,7 +306,7 @@ def main(argv=None):
     print(table(rows, diff_pp, args.tolerance))
     if default["train_time_s"] and sync["train_time_s"]:
         print(f"\ndefault: train time {default['train_time_s'] / sync['train_time_s']:.2f}x "
-              f"synchronous; {chosen(default.get('result_data') or {})}")
+              f"synchronous; {chosen(default.get('result'))}")
     print(flush=True)
     for row in rows:
         row.pop("result_data", None)

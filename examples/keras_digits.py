@@ -75,7 +75,8 @@ def parse_args(argv=None):
                         "off: the configuration as given (K=2 where no depth is given); "
                         "omitted: the default (auto unless --pipeline-depth is given)")
     p.add_argument("--seed", type=int, default=42, help="model init, data shards and order")
-    p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
+    p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here, and the "
+                   "run summary beside it (PATH.run_summary)")
     p.add_argument("--no-progress", action="store_true",
                    help="no Keras progress bar, even on rank 0 at a terminal")
     return p.parse_args(argv)
@@ -227,19 +228,15 @@ def main(argv=None):
                          for v in model.trainable_variables))
     checksums = hvd.allgather_object(checksum)
     ranks_agree = all(c == checksums[0] for c in checksums)
-    decision = None
-    if args.json:                                 # what auto chose: the run summary says
-        summary = optimizer.write_run_summary(args.json + ".run_summary")
-        if summary is not None:
-            with open(summary) as f:
-                decision = json.load(f)["config"].get("auto")
+    if args.json:               # the measured run and what auto chose (plan --from-run reads it)
+        optimizer.write_run_summary(args.json + ".run_summary")
     if rank == 0:
         print(f"final held-out accuracy {100 * final:.2f}% after {args.epochs} epochs "
               f"in {train_time:.1f}s (ranks agree on the weights: {ranks_agree})", flush=True)
         if args.json:
             result = {
                 "pipeline_depth": args.pipeline_depth,
-                "tune": args.tune, "auto": decision, "accuracy": final, "epochs": args.epochs,
+                "tune": args.tune, "accuracy": final, "epochs": args.epochs,
                 "warmup_steps": args.warmup_steps, "compression": args.compression,
                 "batch_size": args.batch_size, "lr": args.lr, "momentum": args.momentum,
                 "lr_warmup_epochs": warmup_epochs,

@@ -79,7 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--collective", choices=["none", "lp", "ring", "mst", "be"], default="none",
                    help="none: the engine's own allreduce; else pipe_horovod's per-hop collective")
     p.add_argument("--seed", type=int, default=42, help="model init and data order")
-    p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
+    p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here, and the "
+                   "run summary beside it (PATH.run_summary)")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="each rank saves its state here (digits.RANK.pt) after every epoch and "
                         "when preempted (SIGTERM, SIGINT, SIGUSR1), and resumes from it")
@@ -287,12 +288,8 @@ def main(argv=None):
 
     # Every rank must hold the same weights; a mismatch means the ranks diverged.
     checksums = phvd.allgather_object(weights_checksum(model))
-    decision = None
-    if args.json:                                 # what auto chose: the run summary says
-        summary = optimizer.write_run_summary(args.json + ".run_summary")
-        if summary is not None:
-            with open(summary) as f:
-                decision = json.load(f)["config"].get("auto")
+    if args.json:               # the measured run and what auto chose (plan --from-run reads it)
+        optimizer.write_run_summary(args.json + ".run_summary")
     ranks_agree = all(c == checksums[0] for c in checksums)
     if rank == 0:
         final = history[-1]["accuracy"] if history else float("nan")
@@ -300,7 +297,7 @@ def main(argv=None):
               f"in {train_time:.1f}s (ranks agree on the weights: {ranks_agree})", flush=True)
         if args.json:
             result = {
-                "pipeline_depth": args.pipeline_depth, "tune": args.tune, "auto": decision,
+                "pipeline_depth": args.pipeline_depth, "tune": args.tune,
                 "accuracy": final, "epochs": args.epochs,
                 "warmup_steps": args.warmup_steps, "compression": args.compression,
                 "collective": args.collective,
