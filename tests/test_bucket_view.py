@@ -6,17 +6,17 @@ plain optimizer, bit for bit (one rank's average is its own gradient); the tenso
 at the busiest point of the step, the moment backward's last gradient is final, in units
 of the parameters' bytes; and where each `.grad` lives.
 """
-import gc
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import pipe_horovod.torch as phvd
+from pipe_horovod.tools.bench.memory_worker import live_bytes, watch_the_peak
 from tests.tolerance import fan_ins, relative_error, training_rtol
 
 THROUGH_THE_PIPELINE = {"gradient_predivide_factor": 2.0}
+CPU = torch.device("cpu")
 OPTIMIZERS = {"sgd-momentum": (lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9), 1),
               "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1), 2)}
 
@@ -45,51 +45,26 @@ def _loss(model, t):
     return F.mse_loss(model(torch.randn(8, 64, generator=g)), torch.randn(8, 64, generator=g))
 
 
-def _storages(tensors):
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-
-
-def _census(extra=()):
-    """Bytes of every distinct CPU tensor storage reachable from Python, and of `extra`
-    (a gradient backward just made has no Python object until `.grad` is read)."""
-    gc.collect()
-    seen = {}
-    for obj in [*gc.get_objects(), *extra]:
-        try:
-            if isinstance(obj, torch.Tensor) and not obj.is_cuda:
-                seen.update(_storages([obj]))
-        except (RuntimeError, ReferenceError):
-            continue
-    return sum(seen.values())
-
-
 def _peak(kind, wrap, steps=4):
     """The census when backward's last gradient is final, before anything of ours handles
-    it (a hook registered before wrapping runs first), at the last of `steps` K=1 steps,
-    minus what was live before training; and that last gradient's share."""
+    it (`pipe-horovod memory`'s hooks, registered before wrapping, run first), at the last
+    of `steps` K=1 steps, minus what was live before training; and that last gradient's
+    share."""
     model = _model()
     params = list(model.parameters())
     make, _ = OPTIMIZERS[kind]
-    found, ready = {}, []
-
-    def hook(param):
-        ready.append(param)
-        if len(ready) == len(params):
-            found["bytes"] = _census([p.grad for p in params])
-            found["last"] = param.numel() * param.element_size()
-    for p in params:
-        p.register_post_accumulate_grad_hook(hook)
+    peak = watch_the_peak(model, CPU)
     opt = make(params)
     if wrap:
         opt = phvd.DistributedOptimizer(opt, pipeline_depth=1, **THROUGH_THE_PIPELINE)
-    before = _census()
+    before = live_bytes(CPU)
     for t in range(steps):
-        ready.clear()
+        peak["now"] = t == steps - 1
         opt.zero_grad()
         _loss(model, t).backward()
         opt.step()
     size = sum(p.numel() * p.element_size() for p in params)
-    return (found["bytes"] - before) / size, found["last"] / size
+    return (peak["bytes"] - before) / size, peak["last"] / size
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))

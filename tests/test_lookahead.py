@@ -9,7 +9,6 @@ Whatever the optimizer, its flags or its gradients (sparse, GradScaler-scaled),
 that equality is the oracle (fused groups: within rounding, as their kernel's order
 allows); the few that cannot run are refused at wrap time.
 """
-import gc
 import warnings
 
 import pytest
@@ -18,11 +17,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pipe_horovod.torch as phvd
+from pipe_horovod.tools.bench.memory_worker import live_bytes
 from pipe_horovod.torch import lookahead
 from tests.tolerance import fan_ins, relative_error, training_rtol
 
 THROUGH_THE_PIPELINE = {"gradient_predivide_factor": 2.0}
 STEPS = 7
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
@@ -247,20 +248,6 @@ def test_lbfgs_is_refused_at_wrap_time(depth):
         phvd.DistributedOptimizer(torch.optim.LBFGS(model.parameters()), pipeline_depth=depth)
 
 
-def live_bytes():
-    """Bytes of every distinct CPU tensor storage reachable from Python objects."""
-    gc.collect()
-    seen = {}
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor) and not obj.is_cuda:
-                storage = obj.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
-        except (RuntimeError, ReferenceError):
-            continue
-    return sum(seen.values())
-
-
 def _live_after(kind, depth, compensation, wrap=True):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 256))
@@ -271,7 +258,7 @@ def _live_after(kind, depth, compensation, wrap=True):
         base, pipeline_depth=depth, staleness_compensation=compensation,
         **THROUGH_THE_PIPELINE)
     x = torch.randn(4, 256)
-    before = live_bytes()
+    before = live_bytes(CPU)
     for _ in range(5):
         opt.zero_grad()
         model(x).square().mean().backward()
@@ -279,7 +266,7 @@ def _live_after(kind, depth, compensation, wrap=True):
     # The prediction is made at the next forward pass (torch/compensation.py): until then the
     # local gradient it needs is alive too, as it was inside step() before; measure after it.
     model(x)
-    after = live_bytes() - before
+    after = live_bytes(CPU) - before
     size = sum(p.numel() * p.element_size() for p in params)
     return after / size
 

@@ -117,7 +117,7 @@ def measure(config, kind, model_kind, width, steps, device, one_process, twin=No
         cuda_base = torch.cuda.memory_allocated()
     model = model_for(model_kind, width, device)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    peak = _watch_the_peak(model, device)
+    peak = watch_the_peak(model, device)
     net, opt = build(config, OPTIMIZERS[kind], model, one_process)
     loss = batch_for(model_kind, width, device, rank)
     timings = getattr(opt, "timings", None)
@@ -164,10 +164,11 @@ def measure(config, kind, model_kind, width, steps, device, one_process, twin=No
     return row
 
 
-def _watch_the_peak(model, device):
+def watch_the_peak(model, device):
     """Hooks that take the census when the last gradient of a backward pass is final; in
-    the returned dict ("bytes") while its "now" is true. Registered before wrapping, they
-    run before the wrapper's hook on the same gradient (hooks run in registration order)."""
+    the returned dict ("bytes", and "last": that gradient's bytes) while its "now" is
+    true. Registered before wrapping, they run before the wrapper's hook on the same
+    gradient (hooks run in registration order)."""
     params = list(model.parameters())
     seen, peak = [], {"now": False}
 
@@ -178,6 +179,7 @@ def _watch_the_peak(model, device):
             if peak["now"]:
                 peak["bytes"] = live_bytes(device, [p.grad for p in params
                                                     if p.grad is not None])
+                peak["last"] = param.numel() * param.element_size()
     for p in params:
         p.register_post_accumulate_grad_hook(hook)
     return peak
