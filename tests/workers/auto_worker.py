@@ -119,24 +119,28 @@ def _assert_equal(a, b, what):
 
 
 def _outcome(slow, depth):
-    # Compute-bound: the real reductions' wait (about 2 ms on loopback) well under
-    # TRIAL_MARGIN of the step, or K=2 is rightly tried and kept.
     model, optimizer = _auto_run(slow, compute_s=COMPUTE_S if slow else BOUND_S)
     decision = optimizer._machine.tuner.decision
     assert decision is not None, "auto did not decide"
     assert (decision.pipeline_depth, decision.compression, decision.bucket_cap_mb) == (
         depth, "none", None), decision
-    assert not decision.trying and (depth == 1) == math.isnan(decision.tried_s), decision
+    # Compute-bound, the real reductions' wait is about 2 ms on loopback, but a busy
+    # machine's can pass TRIAL_MARGIN of the step: K=2 is then rightly tried, and undone.
+    tried = not math.isnan(decision.tried_s)
+    assert not decision.trying and (depth == 2) <= tried, decision
     assert optimizer._machine.fifo.pipeline_depth == depth
     assert optimizer._machine.run_config()["auto"] == decision.as_dict()
     # The summary holds the chosen configuration's steps only (as plan --from-run reads it)
-    decided_at = STEPS + (TRIAL if depth == 2 else 0)
+    decided_at = STEPS + (TRIAL if tried else 0)
     steps = optimizer._machine.record.summary()["steps"]
     assert steps and min(s["step"] for s in steps) == decided_at, steps
     _same_everywhere(decision)
     optimizer.flush()
-    oracle, fixed = _chosen_run(decision)
-    fixed.flush()
+    if depth == 1 and tried:
+        oracle = _k2_then_k1(STEPS + TRIAL, STEPS + AFTER, warmup_steps=STEPS)
+    else:
+        oracle, fixed = _chosen_run(decision)
+        fixed.flush()
     _assert_equal(model, oracle, f"auto (K={depth}) against its oracle")
 
 

@@ -13,6 +13,7 @@ warmup_steps=N (the Keras default lookahead and exchange at K=2). The optimizer'
 applies it without measuring.
 """
 import json
+import math
 import os
 import time
 
@@ -25,7 +26,8 @@ from slow_link import SlowLink
 from tuning_default import the_default
 
 N = 8
-BATCHES = N + 5 + 2               # measured, a trial (auto.Tuner(N).trial_steps), two more
+TRIAL = 5                         # a trial's steps (auto.Tuner(N).trial_steps)
+BATCHES = N + TRIAL + 2           # measured, a trial, two more
 COMPUTE_S = 0.08
 BOUND_S = 0.25                    # compute alone: the real waits well under 2% of a step
 WAIT_S = 0.04
@@ -52,21 +54,40 @@ def _data():
             rng.normal(size=(8 * BATCHES, 3)).astype("float32"))
 
 
-def _fit(options, slow=False, timed=False):
-    model = _build()
-    opt = phvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
-                                    flush_in_fit=False, **options)
+def _optimizer(options):
+    return phvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                     flush_in_fit=False, **options)
+
+
+def _fit(options, slow=False, timed=False, model=None, batches=slice(0, BATCHES), opt=None):
+    """`batches` of the data fitted (on `model`, else a fresh one) and flushed."""
+    model = model or _build()
+    opt = opt or _optimizer(options)
     model.compile(opt, "mse")
     compute = [_Compute(COMPUTE_S if slow else BOUND_S)] if timed else []
+    rows = slice(8 * batches.start, 8 * batches.stop)
+    x, y = (part[rows] for part in _data())
     if slow:
         with SlowLink(WAIT_S):
-            model.fit(*_data(), batch_size=8, epochs=1, verbose=0, shuffle=False,
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
                       callbacks=compute)
     else:
-        model.fit(*_data(), batch_size=8, epochs=1, verbose=0, shuffle=False,
-                  callbacks=compute)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=compute)
     opt.flush()
     return model, opt
+
+
+def _k2_then_k1(switch_at):
+    """The oracle of a fit that leaves K=2 at batch `switch_at` (a trial undone): a fixed
+    K=2 fit (warmup_steps=N) of that many batches, flushed, its optimizer's state (what
+    model.save and the broadcasts carry) loaded by a K=1 optimizer that fits the rest."""
+    model, fixed = _fit({"pipeline_depth": 2, "warmup_steps": N}, batches=slice(0, switch_at))
+    store = {}
+    fixed.save_own_variables(store)
+    after = _optimizer({"pipeline_depth": 1})
+    after.build(model.trainable_variables)
+    after.load_own_variables(store)
+    return _fit({}, model=model, opt=after, batches=slice(switch_at, BATCHES))[0]
 
 
 def _outcome(slow, folder):
@@ -78,6 +99,9 @@ def _outcome(slow, folder):
     assert decision is not None, f"{what}: auto did not decide"
     assert (decision.pipeline_depth, decision.compression, decision.bucket_cap_mb,
             decision.trying) == (2 if slow else 1, "none", None, False), (what, decision)
+    # Compute-bound, a busy machine's real waits can pass TRIAL_MARGIN of the step (6 ms
+    # of 254 ms was seen): K=2 is then rightly tried, and undone.
+    undone = decision.pipeline_depth == 1 and not math.isnan(decision.tried_s)
     assert machine.tuner.pins.exchange == "int4", machine.tuner.pins
     everyone = phvd.allgather_object(decision.as_dict())
     assert all(d == everyone[0] for d in everyone), (what, everyone)
@@ -87,9 +111,12 @@ def _outcome(slow, folder):
         with open(path) as f:
             assert json.load(f)["config"]["auto"] == json.loads(
                 json.dumps(decision.as_dict())), what
-    oracle, _ = _fit({"pipeline_depth": decision.pipeline_depth, "warmup_steps": N,
-                      "compression": Compression.by_name(decision.compression),
-                      "bucket_cap_mb": decision.bucket_cap_mb})
+    if undone:
+        oracle = _k2_then_k1(N + TRIAL)
+    else:
+        oracle, _ = _fit({"pipeline_depth": decision.pipeline_depth, "warmup_steps": N,
+                          "compression": Compression.by_name(decision.compression),
+                          "bucket_cap_mb": decision.bucket_cap_mb})
     for i, (a, b) in enumerate(zip(model.get_weights(), oracle.get_weights())):
         assert np.array_equal(a, b), f"{what}: weight {i} differs from its oracle"
     return model, opt, decision
