@@ -33,6 +33,10 @@ NODES = ("node1", "node2")
 NIC = "eth0"
 CTLD_PORT, SLURMD_PORT = 6817, 6818
 KILL_WAIT = 5                      # s between a job's SIGTERM and SIGKILL (requeue, scancel)
+# A job step credential's lifetime, and how long a requeued job waits before it starts
+# again (Slurm revokes the killed run's credential until then: started sooner, the batch
+# job is killed as "Job credential revoked"). Slurm's default: 120 s.
+CRED_EXPIRE = 20
 START_TIMEOUT = 60.0
 DAEMONS = ("munged", "slurmctld", "slurmd", "sinfo", "sbatch", "scontrol", "srun")
 
@@ -214,7 +218,7 @@ SlurmdPort={SLURMD_PORT}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket},cred_expire={CRED_EXPIRE}
 CredType=cred/munge
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool/%n
@@ -233,6 +237,7 @@ SwitchType=switch/none
 JobRequeue=1
 ReturnToService=2
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 SlurmctldTimeout=30
 SlurmdTimeout=20
 MessageTimeout=10

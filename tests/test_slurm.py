@@ -171,24 +171,28 @@ SAVED = re.compile(r"^rank (\d): (SIG\w+|another rank's signal): checkpoint at e
                    r"step (\d+) saved", re.M)
 
 
-def wait_in_log(path, pattern, count, timeout=240):
-    """The `count`-th match of `pattern` in the job's output, waited for."""
+def wait_in_log(path, pattern, count, timeout=240, cluster=None, job=None):
+    """The `count`-th match of `pattern` in the job's output, waited for; a timeout says
+    where the job and the nodes are (with `cluster` and `job`)."""
     deadline = time.monotonic() + timeout
     while True:
         text = Path(path).read_text() if Path(path).exists() else ""
         found = list(re.finditer(pattern, text, re.M))
         if len(found) >= count:
             return found[count - 1]
-        assert time.monotonic() < deadline, f"no {pattern!r} #{count} in:\n{text[-3000:]}"
+        if time.monotonic() > deadline:
+            where = "" if cluster is None else (
+                f"\njob {job}: {job_fields(cluster, job)}\nnodes: {cluster.node_states()}"
+                f"\n{cluster.logs()}")
+            raise AssertionError(f"no {pattern!r} #{count} in:\n{text[-3000:]}{where}")
         time.sleep(0.05)
 
 
-def release_requeued(cluster, job, restarts, out):
-    """Waits until the job is back in the queue, then lets it start now: Slurm gives a
-    requeued job a BeginTime about two minutes ahead."""
+def back_in_queue(cluster, job, restarts, out):
+    """Waits until the job is back in the queue: it starts again by itself once the killed
+    run's credential expires (slurm_cluster.CRED_EXPIRE s after the requeue)."""
     wait_for(cluster, job, lambda f: f["JobState"] == "PENDING"
              and int(f["Restarts"]) == restarts, 60, out)
-    cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
 
 
 def checkpoints(log, signal_name):
@@ -213,21 +217,23 @@ def test_preempted_job_requeued_resumes_bit_exact(cluster, uninterrupted, tmp_pa
                  script_args=FLAGS, env=job_env("srun", CKPT_DIR=str(run_dir)), wait=False)
     # 1. What --signal=USR1@60 sends 60 s before the time limit, sent as training starts:
     # every rank checkpoints at one step, and the script requeues the job.
-    wait_in_log(out, r"^digits: ", 1)
+    on = {"cluster": cluster, "job": job}
+    wait_in_log(out, r"^digits: ", 1, **on)
     cluster.run(["scancel", "--signal=USR1", job])
     wait_in_log(out, r"^pipe_horovod.sbatch: stopped at a checkpoint \(epoch \d+ step \d+\): "
-                     rf"requeueing job {job}$", 1)
+                     rf"requeueing job {job}$", 1, **on)
     first = checkpoints(Path(out).read_text(), "SIGUSR1")
-    release_requeued(cluster, job, 1, out)
-    wait_in_log(out, rf"^resumed from {run_dir}: epoch {first[0]} step {first[1]}$", 1)
+    back_in_queue(cluster, job, 1, out)
+    wait_in_log(out, rf"^resumed from {run_dir}: epoch {first[0]} step {first[1]}$", 1, **on)
 
     # 2. Requeued by the scheduler (an operator, a preemption) as the resumed run trains:
     # SIGTERM to every task, SIGKILL KillWait seconds later.
-    wait_in_log(out, r"^digits: ", 2)
+    wait_in_log(out, r"^digits: ", 2, **on)
     cluster.run(["scontrol", "requeue", job])
-    release_requeued(cluster, job, 2, out)
+    back_in_queue(cluster, job, 2, out)
     second = checkpoints(Path(out).read_text(), "SIGTERM")
-    wait_in_log(out, rf"^resumed from {run_dir}: epoch {second[0]} step {second[1]}$", 1)
+    wait_in_log(out, rf"^resumed from {run_dir}: epoch {second[0]} step {second[1]}$", 1,
+                **on)
     fields = wait_for(cluster, job, lambda f: f["JobState"] in ENDED, 120, out)
     log = Path(out).read_text()
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
