@@ -14,7 +14,7 @@ torch collectives):
 Scenarios: `straggler` (one rank computes while the others wait: the stall warning, at
 HOROVOD_STALL_CHECK_TIME_SECONDS, must name it) and `failed` (one rank raises an error that
 ends its script while the others wait: each must raise it, naming that rank). Measured:
-requests per second at the store during the storm (the median of per-second counts, per
+requests per second at the store during the storm (the mean of per-second counts, per
 rank), the seconds until every waiting rank named the cause (median and slowest rank), and
 how long the store takes to answer a new key (a probe that sets and reads one every 100 ms
 during the storm: median and worst).
@@ -24,6 +24,7 @@ Tooling only: the runtime never imports it.
 import argparse
 import collections
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -167,7 +168,8 @@ class _Said:
             self.local.said = (time.time(), str(message))
 
 
-def _run_rank(rank, size, spec, scenario, odd, t0, shared, counted, said, results):
+def _run_rank(rank, size, spec, scenario, odd, t0, fail_at_s, shared, counted, said,
+              results):
     import random
 
     from pipe_horovod.engine.stall import STATUS_AFTER_S, Call, Stall
@@ -178,7 +180,7 @@ def _run_rank(rank, size, spec, scenario, odd, t0, shared, counted, said, result
     time.sleep(max(0.0, t0 + random.Random(rank).uniform(0, SPREAD_S) - time.time()))
     if rank == odd:
         if scenario == "failed":    # it computes, then its script ends with an error
-            time.sleep(max(0.0, t0 + FAIL_AT_S - time.time()))
+            time.sleep(max(0.0, t0 + fail_at_s - time.time()))
             results.append((rank, "raised", time.time(), ""))
             engine.refuse(ValueError(f"the data of rank {rank} is broken"))
             board.post(rank, state="ended", step=engine.step, stepping=False)
@@ -204,7 +206,7 @@ def _run_rank(rank, size, spec, scenario, odd, t0, shared, counted, said, result
         stall.end(failed=True)
 
 
-def _worker(ranks, size, spec, scenario, odd, start, queue):
+def _worker(ranks, size, spec, scenario, odd, fail_at_s, start, queue):
     """One process of simulated ranks, each a thread; says it is ready, then starts them
     at the time the driver sets in `start`; puts (results, requests by second)."""
     os.nice(10)     # the store's server (this driver) first: on a cluster it has a host of its own
@@ -229,7 +231,8 @@ def _worker(ranks, size, spec, scenario, odd, start, queue):
                 shared_store.append(tcp_client(spec))
             return shared_store[0]
     threads = [threading.Thread(target=_run_rank, args=(r, size, spec, scenario, odd, t0,
-                                                         shared, counted, said, results),
+                                                         fail_at_s, shared, counted, said,
+                                                         results),
                                 daemon=True) for r in ranks]
     for thread in threads:
         thread.start()
@@ -257,17 +260,22 @@ def _probe(spec, t0, until, latencies):
         time.sleep(PROBE_EVERY_S)
 
 
-def run(size, store, scenario, processes=4):
-    """One load test: {size, store, scenario, rate (requests per rank per second, median
-    over the storm's seconds), named_s (median, slowest), named (ranks that named the
-    cause of the waiting ones), probe_ms (median, worst), example (one rank's words)}."""
+def run(size, store, scenario, processes=4, fail_at_s=FAIL_AT_S):
+    """One load test: {size, store, scenario, rate (requests per rank per second, the mean
+    over the storm's whole seconds), named_s (median, slowest), named (ranks that named
+    the cause of the waiting ones), probe_ms (median, worst), example (one rank's words)}.
+    fail_at_s: when the failing rank raises (a longer storm weighs the leader's sweeps,
+    one second in four, at their share; END_AT_S bounds it)."""
+    if not 0 < fail_at_s < END_AT_S - 4:
+        raise ValueError(f"fail_at_s={fail_at_s}: between 0 and {END_AT_S - 4} s, so that "
+                         f"the ranks name the cause before they stop waiting")
     spec, stop = start_store(store)
     odd = size // 2 if size > 2 else 1      # the straggler, or the rank that fails
     context = multiprocessing.get_context("spawn")
     queue, start = context.Queue(), context.Value("d", 0.0)
     per = [list(range(size))[i::processes] for i in range(processes)]
-    procs = [context.Process(target=_worker, args=(ranks, size, spec, scenario, odd, start,
-                                                  queue), daemon=True)
+    procs = [context.Process(target=_worker, args=(ranks, size, spec, scenario, odd,
+                                                  fail_at_s, start, queue), daemon=True)
              for ranks in per if ranks]
     for proc in procs:
         proc.start()
@@ -275,7 +283,7 @@ def run(size, store, scenario, processes=4):
         assert queue.get(timeout=300) == "ready"
     t0 = start.value = time.time() + 1.0 + 0.002 * size     # the threads' start
     latencies = []
-    storm_end = t0 + (STRAGGLER_CHECK_S if scenario == "straggler" else FAIL_AT_S)
+    storm_end = t0 + (STRAGGLER_CHECK_S if scenario == "straggler" else fail_at_s)
     probe = threading.Thread(target=_probe, args=(spec, t0, storm_end, latencies), daemon=True)
     probe.start()
     results, by_second = [], {}
@@ -288,8 +296,11 @@ def run(size, store, scenario, processes=4):
         proc.join(10)
     probe.join(5)
     stop()
-    # The storm: from a second after every rank began to wait (all posted) to the cause.
-    seconds = [by_second.get(s, 0) for s in range(int(t0 + SPREAD_S + 2.0), int(storm_end))]
+    # The storm: the whole seconds from when every rank has posted (a second after it
+    # began to wait, and its phase within the next) to the cause; a second that began
+    # earlier would count the ranks' first posts, not the checks' steady load.
+    seconds = [by_second.get(s, 0) for s in range(math.ceil(t0 + SPREAD_S + 2.0),
+                                                   int(storm_end))]
     if scenario == "straggler":
         began, word, kind = t0, f"rank {odd} is not waiting in any collective", "warned"
     else:
