@@ -18,7 +18,7 @@ import launcher
 MODES = {"local": "oracle,staleness,errors,callbacks,overlap",
          "torch": "oracle,staleness,errors,callbacks,aggregation",
          "horovod": "oracle,callbacks,metrics"}
-EXTRA_MODES = {("horovod", "torch"): ",staleness", ("torch", "tensorflow"): ",overlap",
+EXTRA_MODES = {("horovod", "torch"): ",staleness", ("torch", "tensorflow"): ",auto,overlap",
                ("torch", "torch"): ",auto"}
 ONLY_MODES = {("local", "tensorflow"): "memory,oracle"}
 # test_memory's measurement of the Keras adapter on TensorFlow (keras_memory_worker with

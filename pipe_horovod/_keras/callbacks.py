@@ -81,10 +81,13 @@ class PipelineFlushCallback(keras.callbacks.Callback):
                 f"multiple of {passes}, or pass DistributedOptimizer(..., flush_in_fit=False) "
                 "to carry them into the next epoch, as Horovod does")
         _write_real_weights(self.model)
+        if optimizer is not None:    # (several steps per call: the step is checked too late)
+            optimizer.fit_retraces(getattr(self.model, "steps_per_execution", 1) == 1)
 
     def on_train_batch_end(self, batch, logs=None):
         if batch + 1 == self.params.get("steps"):
             self._flush()
+        self._retrace()
 
     def on_epoch_end(self, epoch, logs=None):
         self._flush()
@@ -92,6 +95,17 @@ class PipelineFlushCallback(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._flush()
         _stop_writing_real_weights(self.model)
+        optimizer = self._optimizer()
+        if optimizer is not None:    # outside fit (train_on_batch, the next fit's first step)
+            optimizer.fit_retraces(False)
+            self._retrace()
+
+    def _retrace(self):
+        """The model's train function made again where the step traced last does not hold
+        what the next needs (tune="auto" changed the pipeline's depth, on TensorFlow)."""
+        optimizer = self._optimizer()
+        if optimizer is not None and optimizer.step_outdated():
+            self.model.make_train_function(force=True)
 
     on_test_begin = on_predict_begin = _real_weights
 

@@ -97,6 +97,7 @@ class PipelinedKeras(_Keras2Gradients):
         self._agg_helper = None                  # aggregation.py, Horovod's attribute name
         self._reduced = False                    # _compute_gradients reduced what apply gets
         self._tape_checked = False               # _refuse_tape_gradients ran
+        object.__setattr__(self, "_retraced", False)   # fit_retraces(): inside a fit
 
     def register_local_var(self, var):
         """Keep `var`'s gradient local: never reduced, divided by size() when
@@ -140,6 +141,7 @@ class PipelinedKeras(_Keras2Gradients):
                               base_apply=self._base_apply)
             _built.add(self)
             engine.current().before_shutdown(__name__, _report_unapplied)
+        self.fit_retraces(self._retraced)
         pending = self.__dict__.pop("_pending_in_flight", None)
         if pending is not None:
             self._load_in_flight(pending)
@@ -388,6 +390,23 @@ class PipelinedKeras(_Keras2Gradients):
             a function returning a context manager to it on the instance.
         """
         return contextlib.nullcontext()
+
+    # --- the traced train step (TensorFlow) -----------------------------------------
+    def fit_retraces(self, on):
+        """Say whether a fit that traces its train step again when step_outdated() is now
+        running (PipelineFlushCallback, from on_train_begin to on_train_end). Why: a step
+        traced once must hold everything tune="auto" may come to need (the lookahead, a
+        second gradient where a trial is undone), which costs a K=1 step milliseconds;
+        retraced, it holds only what the pipeline's state needs now."""
+        object.__setattr__(self, "_retraced", bool(on))
+        if self._path is not None and hasattr(self._path, "retraced"):
+            self._path.retraced = bool(on)
+
+    def step_outdated(self):
+        """Whether the train step traced last does not hold what the next step needs
+        (the model's train function must then be made again before it runs)."""
+        return (self._path is not None and hasattr(self._path, "outdated")
+                and self._path.outdated())
 
     def time_handoffs(self, timed):
         """Let a benchmark time the TensorFlow path's Python work of each step.

@@ -39,14 +39,17 @@ With prediction_exchange the prediction takes the ranks' exchanged average
 (StepMachine.estimates) in place of this rank's own gradients: the last
 hand-off returns it beside the average that pops.
 
-tune="auto" (pipeline/auto.py): the step is traced once, before auto decides, so the
-graph is built for the deepest K auto may choose (the lookahead's shadow weights and
-branches, the exchange's outputs) while the step machine runs the measured steps at
-K=1. Whatever it decides, the graph stays: at K=1 nothing is in flight after a step, so
-the lookahead's branch never runs (the hand-off reports none ahead), no exchange is sent
-(the machine sends one only for a step that stays in flight) and the exchange's outputs
-are empty; at K=2 the graph is the one a run built at K=2 traces.
+tune="auto" (pipeline/auto.py): the path is built for the deepest K auto may choose (the
+lookahead's shadow weights) while the step machine runs the measured steps at K=1. In
+fit the step is traced for what the pipeline needs now (holds(): no lookahead, exchange
+or second update while measured at K=1, since each costs the step's hand-off an output
+per variable and a branch), and PipelineFlushCallback makes the train function again
+after a batch that changed it (a trial begins or ends). A step traced once (a custom
+loop, train_on_batch) holds everything: at K=1 the lookahead's branch then never runs
+(the hand-off reports none ahead), no exchange is sent (the machine sends one only for a
+step that stays in flight) and the exchange's outputs are empty.
 """
+import functools
 import os
 import time
 
@@ -103,6 +106,12 @@ class TensorFlowPath:
             self.machine.tell_when_tuned(self._tuned)
         # tune="auto" may undo a K=2 trial: that step applies the gradient in flight too
         self.may_undo = tuner is not None and tuner.may_try
+        # Where the train step is traced again when what it must hold changes (fit, with
+        # PipelineFlushCallback: `retraced`), it holds only that (`holds`): measured at
+        # K=1, tune="auto" then costs what K=1 costs. A custom loop's step, traced once,
+        # holds everything auto may come to need.
+        self.retraced = False
+        self.ran = None                          # what the last step's graph held
         # 1/size with scale_local_gradients, of the engine running now (rebind_engine)
         self.scale_local = LocalScale(options["scale_local_gradients"],
                                       lambda: self.machine.size)
@@ -155,22 +164,27 @@ class TensorFlowPath:
                                      [token, *(grads[index[name]] for name in self.local)],
                                      tf.int64, "pipe_horovod_local")
         types = [tf.as_dtype(v.dtype) for v in variables]
-        out = self.transfer.op(keeping_failures(self._finish), [token],
-                               types + [tf.bool] + types * self.older
-                               + (types + [tf.bool]) * self.exchanging
-                               + [tf.int64] * self.lookahead
-                               + (types + [tf.bool]) * self.may_undo,
+        holds = self.holds()
+        lookahead, undo = holds
+        older_n = self.older * lookahead
+        exchanging = self.exchanging and lookahead
+        out = self.transfer.op(keeping_failures(functools.partial(self._finish, holds)),
+                               [token],
+                               types + [tf.bool] + types * older_n
+                               + (types + [tf.bool]) * exchanging
+                               + [tf.int64] * lookahead
+                               + (types + [tf.bool]) * undo,
                                "pipe_horovod_finish")
         n = len(variables)
 
         def shaped(tensors):
             return [tf.ensure_shape(g, v.shape) for g, v in zip(tensors, variables)]
         averaged, popped = shaped(out[:n]), tf.ensure_shape(out[n], ())
-        if self.may_undo:                        # tune="auto" undid a trial: two this step
+        if undo:                                 # tune="auto" undid a trial: two this step
             out, earlier = out[:-n - 1], out[-n - 1:]
-        older = [shaped(out[n + 1 + j * n:n + 1 + (j + 1) * n]) for j in range(self.older)]
+        older = [shaped(out[n + 1 + j * n:n + 1 + (j + 1) * n]) for j in range(older_n)]
         current = grads
-        if self.exchanging:                      # the ranks' average where one was exchanged
+        if exchanging:                           # the ranks' average where one was exchanged
             at = n + 1 + self.older * n
             # (shaped inside the branch: a step that exchanged nothing hands back empty
             # tensors, not a model's worth of zeros: K=1 under tune="auto", warm-up)
@@ -179,15 +193,33 @@ class TensorFlowPath:
                                        zip(grads, shaped(out[at:at + n]), self.names)],
                               lambda: grads)
         self.put_real_back()                     # after backward, before the real update
-        if self.may_undo:                        # (shaped in the branch: empty when unused)
+        if undo:                                 # (shaped in the branch: empty when unused)
             tf.cond(tf.ensure_shape(earlier[n], ()), lambda: self._step(shaped(earlier[:n])),
                     lambda: tf.constant(False))
         applied = tf.cond(popped, lambda: self._step(averaged), lambda: tf.constant(False))
-        if self.lookahead:
+        if lookahead:
             ahead = tf.ensure_shape(out[-1], ())
             tf.cond(ahead > 0, lambda: self._look_ahead(older, current, ahead),
                     lambda: tf.constant(False))
         return applied
+
+    def holds(self):
+        """What the next step's graph must hold: (the lookahead's outputs and prediction,
+        the outputs of a second gradient applied in the same step). Traced once (not
+        `retraced`): whatever the depth may become. Else what the machine's state needs
+        now: the lookahead where the pipeline runs deeper than K=1; the second gradient
+        while a trial may be undone or a checkpoint's gradient waits to be adopted."""
+        if not self.retraced or self.machine.tuner is None:
+            return self.lookahead, self.may_undo
+        fifo, decision = self.machine.fifo, self.machine.tuner.decision
+        trying = decision is not None and decision.trying
+        return (self.lookahead and fifo.pipeline_depth > 1,
+                self.may_undo and (trying or len(fifo) >= fifo.pipeline_depth))
+
+    def outdated(self):
+        """Whether the last step ran a graph that does not hold what the next one needs
+        (holds()): fit then traces its train step again."""
+        return self.ran is not None and self.ran != self.holds()
 
     def _step(self, grads):
         """One update of the user's optimizer (a tf.cond branch: returns a tensor)."""
@@ -281,7 +313,8 @@ class TensorFlowPath:
             if self.older:                       # TF reuses the buffer after the hand-off
                 self._local[name] = array.clone()
 
-    def _finish(self, token):
+    def _finish(self, holds, token):
+        lookahead, undo = self.ran = holds       # what this step's graph was traced with
         machine = self.machine
         estimates = {}
         if machine.solo:                         # TF reuses its buffers after the hand-off
@@ -301,6 +334,13 @@ class TensorFlowPath:
         # Two only where tune="auto" undid a trial (restore() refuses what would pop
         # several): the earlier one is applied first, from the outputs may_undo adds.
         earlier = ready[:-1]
+        if (earlier and not undo) or (not lookahead and self.lookahead
+                                      and machine.fifo.pipeline_depth > 1 and machine.fifo):
+            raise RuntimeError(
+                "pipe_horovod: this train step was traced for what tune='auto' needed before "
+                f"(K=1), and the pipeline now runs at K={machine.fifo.pipeline_depth} with "
+                f"{len(machine.fifo)} gradient(s) in flight: fit traces the step again after "
+                "the batch that changes it; call the train step again only after that")
         if ready:
             oldest = ready[-1]
             start = time.perf_counter()
@@ -313,7 +353,7 @@ class TensorFlowPath:
         else:
             out = self._zeros_tf()
         out.append(self.transfer.flag(bool(ready)))
-        if self.lookahead:
+        if lookahead:
             # This step is the newest in flight; the graph has its gradients already.
             ahead = list(machine.fifo)
             older = [e.kept.get("local") or e.gradients() for e in ahead[:-1]]
@@ -325,7 +365,7 @@ class TensorFlowPath:
                         if n in estimates else self._empty(n) for n in self.names]
                 out.append(self.transfer.flag(bool(estimates)))
             out.append(self.transfer.count(len(ahead)))
-        if self.may_undo:
+        if undo:
             out += (self._to_tf(earlier[0].gradients()) if earlier
                     else [self._empty(n) for n in self.names])
             out.append(self.transfer.flag(bool(earlier)))

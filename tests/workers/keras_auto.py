@@ -1,6 +1,8 @@
-"""tune="auto" for the Keras DistributedOptimizer on the torch backend, in model.fit
-(keras_worker.py's mode `auto`, in the torchrun launch of that backend): the PyTorch
-adapter underneath runs it, priced with the Keras default's int4 prediction exchange.
+"""tune="auto" for the Keras DistributedOptimizer in model.fit (keras_worker.py's mode
+`auto`, in the torchrun launch of each backend), priced with the Keras default's int4
+prediction exchange: on torch the PyTorch adapter underneath runs it; on TensorFlow the
+train step is traced for what the pipeline needs and traced again when that changes
+(once measured at K=1; three times where a trial ran: for it, then for K=1 or K=2).
 
 Timings are injected as tests/workers/auto_worker.py does: a callback sleeps COMPUTE_S
 after every batch (compute, as the run record counts it; BOUND_S where compute alone is
@@ -55,15 +57,26 @@ def _data():
 
 
 def _optimizer(options):
-    return phvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
-                                     flush_in_fit=False, **options)
+    return phvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), **options)
 
 
-def _fit(options, slow=False, timed=False, model=None, batches=slice(0, BATCHES), opt=None):
-    """`batches` of the data fitted (on `model`, else a fresh one) and flushed."""
+def _machine(opt):
+    path = opt._path
+    return path.machine if keras.backend.backend() == "tensorflow" else \
+        path.torch_optimizer._machine
+
+
+def _fit(options, slow=False, timed=False, model=None, batches=slice(0, BATCHES), opt=None,
+         traces=None):
+    """`batches` of the data fitted (on `model`, else a fresh one) and flushed; `traces`
+    (on TensorFlow) gets a 1 for each trace of the train step's update."""
     model = model or _build()
     opt = opt or _optimizer(options)
     model.compile(opt, "mse")
+    if traces is not None and keras.backend.backend() == "tensorflow":
+        opt.build(model.trainable_variables)
+        apply = opt._path.apply
+        opt._path.apply = lambda *args: (traces.append(1), apply(*args))[1]
     compute = [_Compute(COMPUTE_S if slow else BOUND_S)] if timed else []
     rows = slice(8 * batches.start, 8 * batches.stop)
     x, y = (part[rows] for part in _data())
@@ -91,10 +104,11 @@ def _k2_then_k1(switch_at):
 
 
 def _outcome(slow, folder):
-    what = f"Keras torch auto ({'network' if slow else 'compute'}-bound)"
+    what = f"Keras {keras.backend.backend()} auto ({'network' if slow else 'compute'}-bound)"
+    traces = []
     with the_default():                  # what a user gets: tune="auto", nothing passed
-        model, opt = _fit({}, slow=slow, timed=True)
-    machine = opt._path.torch_optimizer._machine
+        model, opt = _fit({}, slow=slow, timed=True, traces=traces)
+    machine = _machine(opt)
     decision = machine.tuner.decision
     assert decision is not None, f"{what}: auto did not decide"
     assert (decision.pipeline_depth, decision.compression, decision.bucket_cap_mb,
@@ -102,6 +116,8 @@ def _outcome(slow, folder):
     # Compute-bound, a busy machine's real waits can pass TRIAL_MARGIN of the step (6 ms
     # of 254 ms was seen): K=2 is then rightly tried, and undone.
     undone = decision.pipeline_depth == 1 and not math.isnan(decision.tried_s)
+    if keras.backend.backend() == "tensorflow":
+        assert len(traces) == (3 if slow or undone else 1), (what, len(traces))
     assert machine.tuner.pins.exchange == "int4", machine.tuner.pins
     everyone = phvd.allgather_object(decision.as_dict())
     assert all(d == everyone[0] for d in everyone), (what, everyone)
@@ -119,6 +135,13 @@ def _outcome(slow, folder):
                           "bucket_cap_mb": decision.bucket_cap_mb})
     for i, (a, b) in enumerate(zip(model.get_weights(), oracle.get_weights())):
         assert np.array_equal(a, b), f"{what}: weight {i} differs from its oracle"
+    if keras.backend.backend() == "tensorflow":
+        # Outside fit (train_on_batch here) the step is traced once more, holding
+        # everything auto may come to need: fit left a new train function for it.
+        x, y = _data()
+        model.train_on_batch(x[:8], y[:8])
+        assert len(traces) == (4 if slow or undone else 2), (what, len(traces))
+        assert not opt.step_outdated(), what
     return model, opt, decision
 
 
@@ -136,7 +159,7 @@ def check_auto(folder):
                                           tune="auto")
         fresh.build(model.trainable_variables)
         fresh.load_own_variables(store)
-        machine = fresh._path.torch_optimizer._machine
+        machine = _machine(fresh)
         assert machine.tuner.decision == decision, machine.tuner.decision
         assert machine.fifo.pipeline_depth == 2 and not machine.tuner.due(machine.fifo.steps)
     finally:

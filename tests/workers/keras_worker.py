@@ -33,9 +33,10 @@ NumPy reference (tests/keras_reference.py). KERAS_BACKEND picks the backend.
                          checkpoint callbacks see the real weights, the same on every rank, on
                          a model built by its first batch (broadcast after it)
   errors                 bad input: a clear error on every rank, and no hang after it
-  auto                   tune="auto" on the torch backend (keras_auto.py): K=1 and K=2
-                         outcomes bit for bit against the chosen configuration with
-                         warmup_steps=N, its decision everywhere, in the summary and state
+  auto                   tune="auto" in fit (keras_auto.py): K=1 and K=2 outcomes (and a
+                         trial undone) bit for bit against the chosen configuration with
+                         warmup_steps=N, its decision everywhere, in the summary and state;
+                         on TensorFlow the step traced again only when what it holds changes
   overlap                with reductions slowed by a fixed delay, K=2 steps beat K=1's
   tf.CASE                on TensorFlow: tensorflow_worker.py's custom-loop CASE (api, tape,
                          optimizer, checkpoint, errors) with pipe_horovod.tensorflow
