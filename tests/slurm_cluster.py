@@ -204,7 +204,7 @@ class SlurmCluster:
 
     def _config(self):
         d = self.dir
-        for sub in ("state", "spool", "tmp", "scratch", *(f"spool/{n}" for n in NODES),
+        for sub in ("state", "spool", "tmp", "scratch", "runc", *(f"spool/{n}" for n in NODES),
                     *(f"tmp/{n}" for n in NODES), *(f"local/{n}" for n in NODES)):
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         nodes = "".join(
@@ -250,6 +250,14 @@ AccountingStorageType=accounting_storage/none
 """
         with open(os.path.join(d, "slurm.conf"), "w") as f:
             f.write(conf)
+        # --container: runc runs a job's tasks in the OCI bundle it names (oci.conf beside
+        # slurm.conf), one container per task, its state under the cluster's directory.
+        runc = f"runc --root={d}/runc"
+        with open(os.path.join(d, "oci.conf"), "w") as f:
+            f.write(f'RunTimeQuery="{runc} state %n.%u.%j.%s.%t"\n'
+                    f'RunTimeKill="{runc} kill -a %n.%u.%j.%s.%t"\n'
+                    f'RunTimeDelete="{runc} delete --force %n.%u.%j.%s.%t"\n'
+                    f'RunTimeRun="{runc} run %n.%u.%j.%s.%t -b %b"\n')
         # The digits script asks for GPUs (--gpus-per-node) and trains on the CPU: each
         # node declares 4, whose "device files" are empty files (Slurm only hands their
         # indices to the job in CUDA_VISIBLE_DEVICES; task/none constrains nothing).
@@ -274,6 +282,12 @@ AccountingStorageType=accounting_storage/none
                 f"mount --bind {d}/hosts /etc/hosts && "
                 f"mount --bind {d}/local/{NODES[node]} {self.scratch} && "
                 f'hostname {NODES[node]} && exec "$@"', "sh", *argv]
+
+    def in_mounts_of(self, node, argv):
+        """`argv` wrapped to run in node `node`'s mount namespace: what a test mounts for
+        the nodes after they started (each mounted its own privately) goes there."""
+        return ["nsenter", f"--mount=/proc/{self.procs[f'slurmd-{NODES[node]}'].pid}/ns/mnt",
+                *argv]
 
     @property
     def scratch(self):

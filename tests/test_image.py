@@ -29,6 +29,7 @@ import time
 
 import pytest
 
+import image_build
 import launcher
 import shared_launches
 
@@ -50,32 +51,18 @@ def sh(*cmd, timeout=600, check=True):
 
 @pytest.fixture(scope="module")
 def docker():
-    res = subprocess.run(["bash", str(REPO / "scripts" / "docker_daemon.sh")], capture_output=True,
-                         text=True, timeout=300)
-    if res.returncode != 0:
-        pytest.skip(f"no Docker daemon: {res.stderr.strip()}")
-
-
-def build(tag, *build_args):
-    """Tag `tag` built by scripts/image.sh (CUDA_CC_LIST from the environment)."""
-    env = {**os.environ, "IMAGE": tag, "IMAGE_TEST": "0", "BUILD_ARGS": " ".join(build_args)}
-    res = subprocess.run(["bash", str(REPO / "scripts" / "image.sh")], env=env, capture_output=True,
-                         text=True, timeout=3600)
-    if res.returncode == 3:                     # the machine cannot: no daemon, too little disk
-        pytest.skip(res.stderr.strip())
-    assert res.returncode == 0, f"scripts/image.sh failed:\n{res.stdout}\n{res.stderr}"
-    return tag
+    image_build.daemon()
 
 
 @pytest.fixture(scope="module")
 def image(docker):
-    return os.environ.get("PIPE_HOROVOD_IMAGE") or build("pipe-horovod:test")
+    return image_build.image()
 
 
 @pytest.fixture(scope="module")
 def trainer_image(docker, image):
     # Only the last layers differ: the user, its sshd config, the repository's owner.
-    return build(f"{image}-{TRAINER}", f"--build-arg USER_NAME={TRAINER}", "--build-arg SSH_PORT=2222")
+    return image_build.build(f"{image}-{TRAINER}", f"--build-arg USER_NAME={TRAINER}", "--build-arg SSH_PORT=2222")
 
 
 def docker_run(image, *cmd, options=()):

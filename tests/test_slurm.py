@@ -11,20 +11,26 @@ two-node cluster on this machine (tests/slurm_cluster.py), as a user submits it.
   later `scontrol requeue` (SIGTERM, then SIGKILL after KillWait) stops it
   again; the requeued job resumes each time and ends with weights
   bit-identical to an uninterrupted job's.
+- Our Docker image in Slurm's own OCI containers (--container, runc): the script's
+  torchrun launcher trains in the image on both nodes, to the same accuracy.
 - A node lost mid-job (its link cut): the rank left names the node and its
   rank at the engine's timeout, and Slurm fails the job (last: it takes node2
   down until its link is back).
 
 The script runs from the repository's venv (the one running these tests).
 """
+import json
 import os
 import re
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+import image_build
 import launcher
 import slurm_cluster
 
@@ -149,6 +155,13 @@ BAD_INPUT = {
                    "pipe_horovod.sbatch: CKPT_DIR={scratch}/ckpt is not shared between the "
                    "nodes: node2 cannot see the file node1 wrote there (put it on shared "
                    "storage)"),
+    "container launcher": ({"LAUNCH": "srun", "CONTAINER": "{scratch}"},
+                           "pipe_horovod.sbatch: CONTAINER runs with LAUNCH=torchrun only, not "
+                           "'srun': Slurm gives a container no SLURM_PROCID, so only "
+                           "torchrun's rendezvous numbers the ranks"),
+    "container bundle": ({"LAUNCH": "torchrun", "CONTAINER": "{scratch}"},
+                         "pipe_horovod.sbatch: CONTAINER={scratch} is not an OCI bundle (no "
+                         "config.json)"),
 }
 
 
@@ -248,6 +261,77 @@ def test_preempted_job_requeued_resumes_bit_exact(cluster, uninterrupted, tmp_pa
         assert (got["epoch"], want["epoch"]) == (3, 3)       # both past their last epoch
         for name, tensor in want["model"].items():
             assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"
+
+
+# --- our image in Slurm's OCI containers ---------------------------------------------
+
+def oci_bundle(cluster, image, path):
+    """An OCI bundle of `image` at `path` on both nodes, as a site makes one (umoci,
+    `docker export`): the image's layers are its rootfs, an overlay each node mounts in
+    its own mount namespace (the writes that runc's mount points need stay on the node;
+    the container sees it read-only). As Slurm's containers must, it shares the node's
+    network (and its hostname and /etc/hosts); /tmp, where the job writes, is bound.
+    Returns a function that unmounts it."""
+    driver = json.loads(subprocess.run(["docker", "image", "inspect", image], check=True,
+                                       capture_output=True, text=True).stdout)[0]["GraphDriver"]
+    if driver["Name"] != "overlay2":
+        pytest.skip(f"Docker's storage driver is {driver['Name']}, not overlay2: its layers "
+                    "are no overlay's lower directories")
+    layers = [driver["Data"].get("UpperDir"), *(driver["Data"].get("LowerDir") or "").split(":")]
+    (path / "rootfs").mkdir(parents=True)
+    subprocess.run(["runc", "spec", "-b", str(path)], check=True)
+    spec = json.loads((path / "config.json").read_text())
+    spec["root"] = {"path": "rootfs", "readonly": True}
+    spec.pop("hostname")
+    spec["process"]["terminal"] = False
+    spec["linux"]["namespaces"] = [n for n in spec["linux"]["namespaces"]
+                                   if n["type"] not in ("network", "uts")]
+    spec["mounts"] += [{"destination": "/tmp", "type": "bind", "source": "/tmp",
+                        "options": ["rbind", "rw"]},
+                       {"destination": "/etc/hosts", "type": "bind", "source": "/etc/hosts",
+                        "options": ["bind", "ro"]}]
+    (path / "config.json").write_text(json.dumps(spec))
+    for node, name in enumerate(slurm_cluster.NODES):
+        upper, work = path / f"{name}-upper", path / f"{name}-work"
+        upper.mkdir()
+        work.mkdir()
+        options = f"lowerdir={':'.join(filter(None, layers))},upperdir={upper},workdir={work}"
+        cluster.run(cluster.in_mounts_of(node, ["mount", "-t", "overlay", "overlay", "-o",
+                                                options, str(path / "rootfs")]))
+
+    def unmount():
+        for node in range(len(slurm_cluster.NODES)):
+            cluster.run(cluster.in_mounts_of(node, ["umount", str(path / "rootfs")]),
+                        check=False)
+    return unmount
+
+
+def test_sbatch_runs_our_image_in_slurm_oci_containers(cluster, uninterrupted, tmp_path):
+    if shutil.which("runc") is None:
+        pytest.skip("no runc, the OCI runtime Slurm's --container calls (Debian: runc)")
+    image = image_build.image()
+    bundle = tmp_path / "bundle"
+    unmount = oci_bundle(cluster, image, bundle)
+    try:
+        # Each node's task runs in the image: its Python and its pipe_horovod.
+        res = cluster.run(["srun", *LAYOUT, f"--container={bundle}", "/opt/venv/bin/python",
+                           "-c", "import socket, sys, pipe_horovod; print(socket.gethostname(), "
+                           "sys.prefix, pipe_horovod.__file__.startswith(sys.prefix))"],
+                          timeout=120)
+        assert sorted(filter(None, res.stdout.splitlines())) == [
+            f"{node} /opt/venv True" for node in slurm_cluster.NODES], res.stdout + res.stderr
+        out = tmp_path / "container.out"
+        rc, log = submit(cluster, out, script_args=FLAGS,
+                         env=job_env("torchrun", CONTAINER=str(bundle)))
+    finally:
+        unmount()
+    assert rc == 0, f"container job failed:\n{log[-4000:]}\n{cluster.logs()}"
+    assert "ranks: 0 on node1, 1 on node2" in log, log[-3000:]
+    assert "engine=torch size=2 pipeline_depth=2" in log, log[-3000:]
+    m = final(log)
+    assert (m.group(2), m.group(3)) == ("2", "True"), m.group(0)
+    # The image's torch and pipe_horovod, the same seed and data: the host's accuracy.
+    assert m.group(1) == final(uninterrupted[0]).group(1), (m.group(0), final(uninterrupted[0]))
 
 
 # --- a node lost mid-job (last: it takes node2 down) ---------------------------------
