@@ -26,7 +26,10 @@ agrees on (`pipe_horovod.Preemption`); run again with the same flags, it
 resumes there and ends bit-identical to a run never stopped, gradients in
 flight included (integrations/slurm/pipe_horovod.sbatch requeues it). A save
 that was killed (a grace time shorter than the save) leaves the last complete
-checkpoint whole, and the next run says so before it resumes from that one.
+checkpoint whole, and the next run says so before it resumes from that one;
+every rank keeps the one before its newest too, so where one rank's save was
+cut and the others' were not, they all resume from the newest step every rank
+saved.
 """
 import argparse
 import json
@@ -152,12 +155,51 @@ def checkpoint_path(args, rank):
     return os.path.join(args.checkpoint_dir, f"digits.{rank}.pt")
 
 
+def previous(path):
+    return f"{path}.previous"
+
+
 def save_checkpoint(path, state):
-    """Written beside, then renamed: a save cut short (SIGKILL at the end of a grace
-    time) leaves the previous checkpoint whole."""
+    """Written beside, then renamed, the one it replaces kept as previous(path): a save cut
+    short (SIGKILL at the end of a grace time) leaves the last checkpoint whole, and the
+    ranks whose save was not cut can go back to it too (resume_position)."""
     tmp = f"{path}.tmp"
     torch.save(state, tmp)
+    if os.path.exists(path):
+        os.replace(path, previous(path))
     os.replace(tmp, path)
+
+
+def resume_position(path, rank):
+    """This rank's saved state at the newest (epoch, step) every rank saved, else None (none
+    saved). A save killed before its rename (its temporary file is left) is said and
+    dropped; a rank whose newest save is past that step goes back to its previous one."""
+    cut = f"{path}.tmp"
+    if os.path.exists(cut):              # a save killed before its rename: say so, once
+        os.remove(cut)
+        last = ("the last complete one" if os.path.exists(path)
+                else "the start: there is no complete one")
+        print(f"rank {rank}: the previous run was killed while it saved its checkpoint "
+              f"(a grace time shorter than the save?): resuming from {last}", flush=True)
+    saved = {}
+    for candidate in (path, previous(path)):
+        if os.path.exists(candidate):
+            state = torch.load(candidate, weights_only=False)
+            saved[(state["epoch"], state["step"])] = state
+    everyone = phvd.allgather_object(sorted(saved))
+    common = set(everyone[0]).intersection(*everyone[1:])
+    if not common:
+        if any(everyone):
+            raise SystemExit(f"rank {rank}: the ranks' checkpoints in {os.path.dirname(path)} "
+                             "have no step in common (epoch, step per rank: "
+                             f"{everyone}); is the directory shared by every node?")
+        return None
+    where = max(common)
+    if where != max(saved):
+        print(f"rank {rank}: another rank's last save was cut short: resuming from epoch "
+              f"{where[0]} step {where[1]}, the newest every rank saved, not from its own "
+              f"newest (epoch {max(saved)[0]} step {max(saved)[1]})", flush=True)
+    return saved[where]
 
 
 def main(argv=None):
@@ -194,23 +236,11 @@ def main(argv=None):
     resumed = None
     if args.checkpoint_dir:
         os.makedirs(args.checkpoint_dir, exist_ok=True)
-        cut = f"{checkpoint_path(args, rank)}.tmp"
-        if os.path.exists(cut):          # a save killed before its rename: say so, once
-            os.remove(cut)
-            last = ("the last complete one" if os.path.exists(checkpoint_path(args, rank))
-                    else "the start: there is no complete one")
-            print(f"rank {rank}: the previous run was killed while it saved its checkpoint "
-                  f"(a grace time shorter than the save?): resuming from {last}", flush=True)
-        if os.path.exists(checkpoint_path(args, rank)):
-            saved = torch.load(checkpoint_path(args, rank), weights_only=False)
+        saved = resume_position(checkpoint_path(args, rank), rank)
+        if saved is not None:
             model.load_state_dict(saved.pop("model"))
             optimizer.load_state_dict(saved.pop("optimizer"))
             position, resumed = saved, saved
-        starts = phvd.allgather_object((position["epoch"], position["step"]))
-        if any(s != starts[0] for s in starts):
-            raise SystemExit(f"rank {rank}: the ranks' checkpoints in {args.checkpoint_dir} are "
-                             f"from different steps (epoch, step per rank: {starts}); is the "
-                             "directory shared by every node?")
 
     if rank == 0:
         print("ranks: " + ", ".join(f"{r} on {n}" for r, n in enumerate(nodes)), flush=True)

@@ -11,6 +11,9 @@ two-node cluster on this machine (tests/slurm_cluster.py), as a user submits it.
   later `scontrol requeue` (SIGTERM, then SIGKILL after KillWait) stops it
   again; the requeued job resumes each time and ends with weights
   bit-identical to an uninterrupted job's.
+- The failure: a save the grace time cuts (rank 0's, blocked past KillWait) is said
+  in the requeued job's output, and every rank resumes from the checkpoint before,
+  ending bit-exact.
 - Our Docker image in Slurm's own OCI containers (--container, runc): the script's
   torchrun launcher trains in the image on both nodes, to the same accuracy.
 - A node lost mid-job (its link cut): the rank left names the node and its
@@ -259,6 +262,50 @@ def test_preempted_job_requeued_resumes_bit_exact(cluster, uninterrupted, tmp_pa
         got = torch.load(run_dir / f"digits.{rank}.pt", weights_only=False)
         want = torch.load(ref_dir / f"digits.{rank}.pt", weights_only=False)
         assert (got["epoch"], want["epoch"]) == (3, 3)       # both past their last epoch
+        for name, tensor in want["model"].items():
+            assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"
+
+
+def test_a_save_the_grace_time_cuts_resumes_from_the_previous_checkpoint(cluster, uninterrupted,
+                                                                         tmp_path):
+    """The failure: rank 0's save outlasts the grace time (KillWait) and is killed, rank 1's
+    completes. Rank 0's save goes to a FIFO nobody reads, so it blocks as a large model's
+    save on slow storage would. The requeued job says so, every rank resumes from the
+    checkpoint before (the first epoch's end: rank 1 goes back to it), and the job ends
+    bit-exact against the uninterrupted one: nothing else is lost."""
+    torch = pytest.importorskip("torch")
+    ref_log, ref_dir = uninterrupted
+    run_dir = tmp_path / "ckpt"
+    out = tmp_path / "cut.out"
+    job = submit(cluster, out, "--requeue", "--open-mode=append", script_args=FLAGS,
+                 env=job_env("srun", CKPT_DIR=str(run_dir)), wait=False)
+    on = {"cluster": cluster, "job": job}
+    wait_in_log(out, r"^epoch +1/2 ", 1, **on)          # rank 0 prints it after its save
+    deadline = time.monotonic() + 60
+    while not (run_dir / "digits.1.pt").exists():        # and rank 1 has saved as well
+        assert time.monotonic() < deadline, "rank 1 saved no checkpoint after the first epoch"
+        time.sleep(0.05)
+    os.mkfifo(run_dir / "digits.0.pt.tmp")
+    cluster.run(["scontrol", "requeue", job])
+    back_in_queue(cluster, job, 1, out)
+    wait_in_log(out, r"^rank 0: the previous run was killed while it saved its checkpoint "
+                     r"\(a grace time shorter than the save\?\): resuming from the last "
+                     r"complete one$", 1, **on)
+    wait_in_log(out, rf"^resumed from {run_dir}: epoch 2 step 0$", 1, **on)
+    fields = wait_for(cluster, job, lambda f: f["JobState"] in ENDED, 120, out)
+    log = Path(out).read_text()
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
+    # Rank 1 saved at the stop, inside the second epoch, and went back from there.
+    saved = re.search(r"^rank 1: SIGTERM: checkpoint at epoch 2 step (\d+) saved", log, re.M)
+    assert saved and int(saved[1]) > 0, log[-4000:]
+    assert (f"rank 1: another rank's last save was cut short: resuming from epoch 2 step 0, "
+            f"the newest every rank saved, not from its own newest (epoch 2 step {saved[1]})"
+            ) in log, log[-4000:]
+    assert "rank 0: SIGTERM: checkpoint" not in log, log[-4000:]
+    assert final(log).group(1) == final(ref_log).group(1)
+    for rank in range(2):
+        got = torch.load(run_dir / f"digits.{rank}.pt", weights_only=False)
+        want = torch.load(ref_dir / f"digits.{rank}.pt", weights_only=False)
         for name, tensor in want["model"].items():
             assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"
 
