@@ -102,9 +102,17 @@ class PipelineFlushCallback(keras.callbacks.Callback):
 
     def _retrace(self):
         """The model's train function made again where the step traced last does not hold
-        what the next needs (tune="auto" changed the pipeline's depth, on TensorFlow)."""
+        what the next needs (tune="auto" changed the pipeline's depth, on TensorFlow), or
+        the one this fit traced for that taken back (a trial undone goes back to K=1's)."""
         optimizer = self._optimizer()
-        if optimizer is not None and optimizer.step_outdated():
+        ran, needed = (None, None) if optimizer is None else optimizer.step_holds()
+        if ran == needed:
+            return
+        traced = self.__dict__.setdefault("_traced", {})
+        traced[ran] = self.model.train_function
+        if needed in traced:
+            self.model.train_function = traced[needed]
+        else:
             self.model.make_train_function(force=True)
 
     on_test_begin = on_predict_begin = _real_weights

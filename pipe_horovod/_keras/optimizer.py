@@ -393,20 +393,23 @@ class PipelinedKeras(_Keras2Gradients):
 
     # --- the traced train step (TensorFlow) -----------------------------------------
     def fit_retraces(self, on):
-        """Say whether a fit that traces its train step again when step_outdated() is now
+        """Say whether a fit that traces its train step again when step_holds() differ is now
         running (PipelineFlushCallback, from on_train_begin to on_train_end). Why: a step
         traced once must hold everything tune="auto" may come to need (the lookahead, a
-        second gradient where a trial is undone), which costs a K=1 step milliseconds;
+        second gradient where a trial is undone), which costs a K=1 step about a ms;
         retraced, it holds only what the pipeline's state needs now."""
         object.__setattr__(self, "_retraced", bool(on))
         if self._path is not None and hasattr(self._path, "retraced"):
             self._path.retraced = bool(on)
 
-    def step_outdated(self):
-        """Whether the train step traced last does not hold what the next step needs
-        (the model's train function must then be made again before it runs)."""
-        return (self._path is not None and hasattr(self._path, "outdated")
-                and self._path.outdated())
+    def step_holds(self):
+        """(what the train step that ran last was traced to hold, what the next one needs):
+        where they differ, the model's train function must be made again, or one traced
+        for the second taken back, before the next step. (None, None) where nothing is
+        traced (the torch backend) or no step ran yet."""
+        if self._path is None or not hasattr(self._path, "holds") or self._path.ran is None:
+            return None, None
+        return self._path.ran, self._path.holds()
 
     def time_handoffs(self, timed):
         """Let a benchmark time the TensorFlow path's Python work of each step.

@@ -216,11 +216,6 @@ class TensorFlowPath:
         return (self.lookahead and fifo.pipeline_depth > 1,
                 self.may_undo and (trying or len(fifo) >= fifo.pipeline_depth))
 
-    def outdated(self):
-        """Whether the last step ran a graph that does not hold what the next one needs
-        (holds()): fit then traces its train step again."""
-        return self.ran is not None and self.ran != self.holds()
-
     def _step(self, grads):
         """One update of the user's optimizer (a tf.cond branch: returns a tensor)."""
         self._base_apply(grads, self.variables)
