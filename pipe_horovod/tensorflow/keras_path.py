@@ -185,7 +185,7 @@ class TensorFlowPath:
         older = [shaped(out[n + 1 + j * n:n + 1 + (j + 1) * n]) for j in range(older_n)]
         current = grads
         if exchanging:                           # the ranks' average where one was exchanged
-            at = n + 1 + self.older * n
+            at = n + 1 + older_n * n
             # (shaped inside the branch: a step that exchanged nothing hands back empty
             # tensors, not a model's worth of zeros: K=1 under tune="auto", warm-up)
             current = tf.cond(tf.ensure_shape(out[at + n], ()),
