@@ -360,8 +360,10 @@ def test_sbatch_runs_our_image_in_slurm_oci_containers(cluster, uninterrupted, t
     bundle = tmp_path / "bundle"
     unmount = oci_bundle(cluster, image, bundle)
     try:
-        # Each node's task runs in the image: its Python and its pipe_horovod.
-        res = cluster.run(["srun", *LAYOUT, f"--container={bundle}", "/opt/venv/bin/python",
+        # Each node's task runs in the image: its Python and its pipe_horovod (the tasks
+        # get srun's environment: no PYTHONPATH of this suite's, as the script does).
+        res = cluster.run(["env", "-u", "PYTHONPATH", "srun", *LAYOUT, f"--container={bundle}",
+                           "/opt/venv/bin/python",
                            "-c", "import socket, sys, pipe_horovod; print(socket.gethostname(), "
                            "sys.prefix, pipe_horovod.__file__.startswith(sys.prefix))"],
                           timeout=120)
