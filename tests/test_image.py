@@ -50,17 +50,12 @@ def sh(*cmd, timeout=600, check=True):
 
 
 @pytest.fixture(scope="module")
-def docker():
-    image_build.daemon()
+def image():
+    return image_build.image()       # (a Docker daemon first, else skipped)
 
 
 @pytest.fixture(scope="module")
-def image(docker):
-    return image_build.image()
-
-
-@pytest.fixture(scope="module")
-def trainer_image(docker, image):
+def trainer_image(image):
     # Only the last layers differ: the user, its sshd config, the repository's owner.
     return image_build.build(f"{image}-{TRAINER}", f"--build-arg USER_NAME={TRAINER}", "--build-arg SSH_PORT=2222")
 

@@ -224,6 +224,17 @@ def checkpoints(log, signal_name):
     return where
 
 
+def assert_bit_exact(torch, run_dir, ref_dir):
+    """Each rank's last checkpoint in `run_dir` is past the last epoch and holds, tensor
+    for tensor, the weights of the uninterrupted job's in `ref_dir`."""
+    for rank in range(2):
+        got = torch.load(run_dir / f"digits.{rank}.pt", weights_only=False)
+        want = torch.load(ref_dir / f"digits.{rank}.pt", weights_only=False)
+        assert (got["epoch"], want["epoch"]) == (3, 3)       # both past their last epoch
+        for name, tensor in want["model"].items():
+            assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"
+
+
 def test_preempted_job_requeued_resumes_bit_exact(cluster, uninterrupted, tmp_path):
     torch = pytest.importorskip("torch")
     ref_log, ref_dir = uninterrupted
@@ -258,12 +269,7 @@ def test_preempted_job_requeued_resumes_bit_exact(cluster, uninterrupted, tmp_pa
     # agree on): with K=2 a gradient was in flight at each (the epoch-end flush is later).
     assert first[0] == second[0] == 1 and 0 < first[1] < second[1], (first, second)
     assert final(log).group(1) == final(ref_log).group(1)
-    for rank in range(2):
-        got = torch.load(run_dir / f"digits.{rank}.pt", weights_only=False)
-        want = torch.load(ref_dir / f"digits.{rank}.pt", weights_only=False)
-        assert (got["epoch"], want["epoch"]) == (3, 3)       # both past their last epoch
-        for name, tensor in want["model"].items():
-            assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"
+    assert_bit_exact(torch, run_dir, ref_dir)
 
 
 def test_a_save_the_grace_time_cuts_resumes_from_the_previous_checkpoint(cluster, uninterrupted,
@@ -303,11 +309,7 @@ def test_a_save_the_grace_time_cuts_resumes_from_the_previous_checkpoint(cluster
             ) in log, log[-4000:]
     assert "rank 0: SIGTERM: checkpoint" not in log, log[-4000:]
     assert final(log).group(1) == final(ref_log).group(1)
-    for rank in range(2):
-        got = torch.load(run_dir / f"digits.{rank}.pt", weights_only=False)
-        want = torch.load(ref_dir / f"digits.{rank}.pt", weights_only=False)
-        for name, tensor in want["model"].items():
-            assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"
+    assert_bit_exact(torch, run_dir, ref_dir)
 
 
 # --- our image in Slurm's OCI containers ---------------------------------------------

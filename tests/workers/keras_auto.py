@@ -2,7 +2,8 @@
 `auto`, in the torchrun launch of each backend), priced with the Keras default's int4
 prediction exchange: on torch the PyTorch adapter underneath runs it; on TensorFlow the
 train step is traced for what the pipeline needs and traced again when that changes
-(once measured at K=1; three times where a trial ran: for it, then for K=1 or K=2).
+(once measured at K=1; twice where a trial was undone, K=1's function coming back; three
+times where K=2 was kept).
 
 Timings are injected as tests/workers/auto_worker.py does: a callback sleeps COMPUTE_S
 after every batch (compute, as the run record counts it; BOUND_S where compute alone is
