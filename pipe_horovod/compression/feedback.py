@@ -18,6 +18,13 @@ shard's range only, whole parameters with zeros elsewhere in checkpoints).
 Checkpoints hold stage 1 under the slot's number and stage 2 under
 -1 - slot, so every adapter's {int: {name: tensor}} format carries both.
 
+Going back from the codec (tune="auto" undoing a codec's trial, or a
+checkpoint with residuals loaded where no such codec runs) loses nothing:
+`fold_into` adds each slot's residuals to that slot's next uncompressed
+reduction, stage 2's times the ranks where the reduction averages (it is
+kept in averaged units, on the one rank that reduced the shard), so the
+applied updates sum to the uncompressed ones once more.
+
 Residuals are kept as flat tensors per (slot, bucket), views named by
 parameter: a new bucket plan (the first step's agreed order) or a
 checkpoint moves them by name, not by offset. They are this rank's own:
@@ -66,6 +73,26 @@ class ErrorFeedback:
             self._flat[key] = flat
             self._layout[key] = (bucket.numel, low, size)
         return flat
+
+    def fold_into(self, flat, bucket, slot, depth, second_factor):
+        """Add the residuals of every slot that `slot` reuses at `depth` (slot % depth),
+        of `bucket`'s members, to `flat` (that bucket's gradients, about to be reduced
+        without codec) and forget them. `second_factor` scales stage 2's (the ranks, for
+        an average). Returns whether residuals remain to fold (other buckets, slots)."""
+        for key in list(self._named):
+            own = key if key >= 0 else -1 - key
+            if own % depth != slot:
+                continue                     # a slot whose reduction may still be in flight
+            named, factor = self._named[key], 1 if key >= 0 else second_factor
+            for name, start, _ in bucket.offsets():
+                kept = named.pop(name, None)
+                if kept is not None:
+                    offset, values = kept[0], kept[1].reshape(-1)
+                    flat[start + offset:start + offset + values.numel()].add_(
+                        values.to(flat.dtype), alpha=factor)
+            if not named:
+                del self._named[key]
+        return bool(self._named)
 
     def replan(self):
         """Buckets change: keep the residuals by name only, to be laid out again by

@@ -22,19 +22,22 @@ warmup_steps=N computes the same weights, bit for bit: the FIFO's warm-up alread
 at step N, and the decision only raises its depth there.
 
 K=2 is not taken on the prediction: it is tried for trial_steps(N) steps (K=2 alone
-predicted TRIAL_MARGIN faster suffices; K=2 with a codec is tried without it), then
+predicted TRIAL_MARGIN faster suffices; K=2 with a codec is tried without it first), then
 kept where those steps measured KEEP_MARGIN faster than as many K=1 steps just before
-(`confirm`, decided and broadcast the same way), or, with a codec to follow, where K=2
-ran within TRIAL_TOLERANCE of its prediction (the codec then applies); else undone:
-back to K=1, the gradient in flight applied in that same step, nothing lost, no codec's
-residual left behind. The model prices the link the K=1 steps saw, not what K=2 adds
-itself (the lookahead's second update and exchange, a link that is the same cores as
-compute, as on loopback). A kept trial of K=2 alone is the chosen configuration from
-step N on, so the oracle above holds; an undone one equals a K=2 run to the trial's
-end, flushed, then K=1. Which codec, a codec at K=1 and a pinned one are chosen on the
-prediction alone (going back from a codec would leave its error feedback's residuals
-behind), and so is everything where the adapter cannot apply two gradients in one step
-(the tape hands its user one: `Tuner(may_try=False)`).
+(`confirm`, decided and broadcast the same way); else undone: back to K=1, the gradient
+in flight applied in that same step, nothing lost. With a codec to follow, K=2 alone
+that measured faster or within TRIAL_TOLERANCE of its prediction is followed by the
+codec's own trial, as long: the codec is kept where its steps measured KEEP_MARGIN
+faster than both K=2 alone and K=1, else the faster of those two stays, and the codec's
+error-feedback residuals are added to the next reductions (the step machine folds them),
+so nothing it held back is lost. The model prices the link the K=1 steps saw, not what
+K=2 adds itself (the lookahead's second update and exchange, a link that is the same
+cores as compute, as on loopback) nor what a codec's collectives cost on the path its
+tensors take. A kept trial of K=2 alone is the chosen configuration from step N on, so
+the oracle above holds; an undone one equals a K=2 run to the trial's end, flushed, then
+K=1. Which codec, a codec at K=1 and a pinned one are chosen on the prediction alone,
+and so is everything where the adapter cannot apply two gradients in one step (the tape
+hands its user one: `Tuner(may_try=False)`).
 
 The API an adapter wires (the PyTorch optimizer does; Keras and the tape take the same):
 
@@ -242,9 +245,10 @@ def trial_steps(steps):
 
 def settle_steps(steps=None):
     """The steps a tuned run may take before it runs what it chose for good: the measured
-    ones (`steps`, else tune_steps()) and a trial's. For benchmarks timing what it chose."""
+    ones (`steps`, else tune_steps()) and two trials' (K=2 alone, then its codec). For
+    benchmarks timing what it chose."""
     steps = tune_steps() if steps is None else steps
-    return steps + trial_steps(steps)
+    return steps + 2 * trial_steps(steps)
 
 
 def warmup_steps(steps, given):
@@ -278,6 +282,9 @@ class Decision:
     # for that, trial_predicted_s), and a kept trial then takes then_compression.
     then_compression: str = None
     trial_predicted_s: float = math.nan
+    # The codec's own trial, which follows a kept trial of K=2 alone: what K=2 alone
+    # measured there (NaN otherwise). The codec is kept only where its steps beat both.
+    alone_s: float = math.nan
 
     def as_dict(self):
         return {k: (None if isinstance(v, float) and math.isnan(v) else v)
@@ -291,7 +298,7 @@ class Decision:
 
 
 _TIMES = ("compute_s", "wait_s", "link_gbps", "predicted_s", "measured_s", "tried_s",
-          "trial_predicted_s")
+          "trial_predicted_s", "alone_s")
 
 
 def unchanged(workers, reason, pins=Pins(), measured=None, link_gbps=math.nan):
@@ -314,11 +321,12 @@ def decide(summary, pins=Pins(), margin=MARGIN, latency_s=0.0, may_try=False):
     `may_try` (an adapter that can go back to K=1 with a gradient in flight): a K=2
     winner is a trial (`trying`), which `confirm` keeps or undoes from what its own steps
     measured; without codec, a prediction TRIAL_MARGIN faster suffices; with a codec
-    (`margin` faster), the trial runs K=2 without it and the codec follows once kept.
-    Why: the model prices the link the measured steps saw, not what K=2 itself adds (the
-    lookahead's second update, its exchange, a link that is the same cores as compute);
-    a K=2 step without codec goes back to K=1 at no loss, where a codec's error feedback
-    would leave residuals behind. Which codec, and a pinned one, stay the prediction's."""
+    (`margin` faster), the trial runs K=2 without it, then the codec in a trial of its
+    own. Why: the model prices the link the measured steps saw, not what K=2 itself adds
+    (the lookahead's second update, its exchange, a link that is the same cores as
+    compute), nor what the codec's collectives cost on the tensors' path; trying K=2
+    alone first tells which of the two a slow trial is. Which codec, and a pinned one,
+    stay the prediction's."""
     config = summary["config"]
     workers = config["workers"]
     if workers < 2:
@@ -373,19 +381,23 @@ def confirm(summary, trial, tried_from, pins=Pins()):
     saying what each measured. Without those K=1 steps (a trial resumed from a
     checkpoint) it compares with the measured step the trial was decided from."""
     tried_steps = [s for s in summary["steps"] if s["step"] >= tried_from]
+    tried = measure({**summary, "steps": tried_steps}).step_s if tried_steps else math.nan
+    if not math.isnan(trial.alone_s):
+        return _confirm_codec(trial, tried, pins)
     before = [s for s in summary["steps"]
               if tried_from - len(tried_steps) <= s["step"] < tried_from]
-    tried = measure({**summary, "steps": tried_steps}).step_s if tried_steps else math.nan
     base = (measure({**summary, "steps": before}).step_s if len(before) == len(tried_steps)
             else trial.measured_s)
-    # K=2 before its codec: kept where it ran as the model predicted it (the codec then
-    # gains what was predicted), even where K=2 alone gains little on a saturated link
-    as_predicted = (trial.then_compression is not None
-                    and tried <= trial.trial_predicted_s * (1 + TRIAL_TOLERANCE))
-    if tried * (1 + KEEP_MARGIN) < base or as_predicted:
-        return replace(trial, trying=False, measured_s=base, tried_s=tried,
-                       compression=trial.then_compression or trial.compression,
-                       then_compression=None)
+    # K=2 before its codec: the codec is tried next where K=2 ran as the model predicted
+    # it (the codec may then gain what was predicted), even where K=2 alone gains little
+    # on a saturated link
+    if trial.then_compression is not None and (
+            tried * (1 + KEEP_MARGIN) < base
+            or tried <= trial.trial_predicted_s * (1 + TRIAL_TOLERANCE)):
+        return replace(trial, compression=trial.then_compression, then_compression=None,
+                       measured_s=base, alone_s=tried)
+    if tried * (1 + KEEP_MARGIN) < base:
+        return replace(trial, trying=False, measured_s=base, tried_s=tried)
     expected = ("" if trial.then_compression is None else
                 f", {trial.trial_predicted_s * 1e3:.1f} ms predicted before + "
                 f"{trial.then_compression}")
@@ -394,6 +406,28 @@ def confirm(summary, trial, tried_from, pins=Pins()):
     return replace(unchanged(trial.workers, words, pins), compute_s=trial.compute_s,
                    wait_s=trial.wait_s, link_gbps=trial.link_gbps, steps=trial.steps,
                    predicted_s=trial.measured_s, measured_s=base, tried_s=tried)
+
+
+def _confirm_codec(trial, coded, pins):
+    """The codec's trial (K=2 with it, after K=2 alone was kept): kept where its steps
+    measured KEEP_MARGIN faster than both K=2 alone and K=1 (`trial.alone_s`,
+    `trial.measured_s`); else the faster of those two, measured, stays. Why: the model
+    prices the wire bytes a codec saves, not what its collectives cost on this path (on
+    a GPU whose tensors Horovod stages through the host, int4_ef:32 in two stages ran
+    1.3x slower than K=1, predicted 6.8x faster). Going back from the codec loses
+    nothing: the step machine adds its error feedback's residuals to the next reductions."""
+    base, alone = trial.measured_s, trial.alone_s
+    if coded * (1 + KEEP_MARGIN) < min(base, alone):
+        return replace(trial, trying=False, tried_s=coded)
+    words = (f"tried K=2 + {trial.compression}: {coded * 1e3:.1f} ms a step against "
+             f"{alone * 1e3:.1f} ms without it and {base * 1e3:.1f} ms at K=1")
+    if alone * (1 + KEEP_MARGIN) < base:
+        return replace(trial, trying=False, compression="none", tried_s=alone,
+                       reason=words + "; K=2 without it kept")
+    return replace(unchanged(trial.workers, words, pins), compute_s=trial.compute_s,
+                   wait_s=trial.wait_s, link_gbps=trial.link_gbps, steps=trial.steps,
+                   predicted_s=trial.measured_s, measured_s=base, tried_s=coded,
+                   alone_s=alone)
 
 
 def describe(decision, trial_steps=None):
@@ -410,11 +444,14 @@ def describe(decision, trial_steps=None):
         else f" + {d.compression}")
     buckets = "as run" if d.bucket_cap_mb is None else f"{d.bucket_cap_mb:g} MiB"
     if d.reason:
-        return f"{head} -> K={d.pipeline_depth}{codec}, buckets as run: {d.reason}"
+        return f"{head} -> K={d.pipeline_depth}{codec}, buckets {buckets}: {d.reason}"
     then = "" if d.then_compression is None else f", then + {d.then_compression}"
     line = (f"{head} -> {'trying ' if d.trying else ''}K={d.pipeline_depth}{codec}, buckets "
             f"{buckets}{f' for {trial_steps} steps{then}' if d.trying else ''}: predicted "
             f"{d.gain:.2f}x over K=1")
+    if d.trying and not math.isnan(d.alone_s):
+        line += (f"; K=2 without it measured {d.measured_s / d.alone_s:.2f}x ("
+                 f"{d.alone_s * 1e3:.1f} ms a step against {d.measured_s * 1e3:.1f} ms)")
     if not math.isnan(d.tried_s):
         line += (f", kept: its trial measured {d.measured_s / d.tried_s:.2f}x ("
                  f"{d.tried_s * 1e3:.1f} ms a step against {d.measured_s * 1e3:.1f} ms)")

@@ -153,7 +153,11 @@ class StepMachine:
         if self.wire is not None and self.op not in (engine.Average, engine.Sum):
             raise ValueError(f"compression {compression.name!r} reduces with Average or Sum "
                              f"only (it sums dequantized shards), got op={self.op}")
+        before = getattr(self, "feedback", None)
         self.feedback = ErrorFeedback() if getattr(compression, "error_feedback", False) else None
+        # Going back from a codec with error feedback: its residuals are added to the
+        # next reductions without it (ErrorFeedback.fold_into), so nothing is lost.
+        self._folding = before if self.feedback is None else None
 
     def attach(self):
         """Use the engine running now (a new one after an elastic reset)."""
@@ -323,6 +327,10 @@ class StepMachine:
         scaling = {"process_set": self.process_set, "prescale_factor": 1.0 / self.predivide,
                    "postscale_factor": self.predivide}
         ctx, codec = None, Compression.none      # what the landed result still needs
+        if self._folding is not None and not self._folding.fold_into(
+                flat, bucket, self.slot, self.fifo.pipeline_depth,
+                self.size if self.op is engine.Average else 1):
+            self._folding = None
         if self.wire is not None:
             residuals = None
             if self.feedback is not None:       # the second: the shard this rank reduces
@@ -504,7 +512,8 @@ class StepMachine:
                 "scales": [e.scale for e in self.fifo],
                 "kept": [{kind: {n: t.detach().clone() for n, t in tensors.items()}
                           for kind, tensors in e.kept.items()} for e in self.fifo],
-                "error_feedback": None if self.feedback is None else self.feedback.state()}
+                "error_feedback": next((f.state() for f in (self.feedback, self._folding)
+                                        if f is not None), None)}
 
     def settle(self):
         """Complete every reduction in flight: the other ranks started them too, and
@@ -524,6 +533,10 @@ class StepMachine:
         """Replace what is in flight by a checkpoint's (call settle() first)."""
         if self.feedback is not None:
             self.feedback.load(error_feedback)
+        else:                                   # residuals without their codec: folded
+            self._folding = ErrorFeedback() if error_feedback else None
+            if self._folding is not None:
+                self._folding.load(error_feedback)
         kept = kept or [None] * len(in_flight)
         depth = self.fifo.pipeline_depth
         if self.adopts():

@@ -300,6 +300,9 @@ def _table(out):
     return [ln for ln in out.splitlines() if ln.startswith("|")]
 
 
+# The fixed candidates auto chooses between on this path, beside it and the peers.
+STEP_CONFIGS = ("horovod", "ddp", "ours-k1", "ours-k2", "ours-k2-int8eng", "ours-k2-int4eng:32",
+                "ours-auto")
 STEP_COLUMNS = ("config", "step ms", "IQR ms", "samples/s", "fwd+bwd ms", "exposed (wait) ms")
 
 
@@ -308,6 +311,14 @@ def _columns(table, names):
     cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table]
     keep = [i for i, head in enumerate(cells[0]) if head in names]
     return ["| " + " | ".join(row[i] for i in keep) + " |" for row in cells]
+
+
+def _auto_lines(raw_json):
+    """What tune="auto" logged in the benchmark (its decision and any trial's outcome)."""
+    try:
+        return json.loads(raw_json.read_text())["meta"].get("auto_lines") or []
+    except (OSError, ValueError, KeyError):
+        return []
 
 
 def _bench_tables(text):
@@ -370,7 +381,7 @@ def step_time(ctx):
     reason = ctx.machine.get("emulation", "the machine step did not run")
     base = [sys.executable, "-m", "pipe_horovod.tools.cli", "bench", "--engine", "horovod",
             "--workers", "2", "--device", ctx.device, "--model", "mlp", *size, "--configs",
-            "horovod", "ddp", "ours-k1", "ours-k2", "ours-auto", "--out", str(out_dir), "--no-progress"]
+            *STEP_CONFIGS, "--out", str(out_dir), "--no-progress"]
     # The rehearsal stays on loopback (tests/test_bench.py runs the emulated cluster).
     attempts = [("emulated 10 Gbit links", ["--emulate", "10gbit"])] \
         if reason == "available" and not ctx.no_gpu else []
@@ -390,11 +401,15 @@ def step_time(ctx):
             png = out_dir / "bench.png"
             if png.is_file():
                 shutil.copy(png, ctx.out / "step_time.png")
+            decided = _auto_lines(out_dir / "bench-raw.json")
             lines = [f"2 ranks sharing the {'GPU' if not ctx.no_gpu else 'CPU'}, on {where}; "
                      f"the CPU-ops Horovod build (Horovod's optimizer and our engine); DDP "
                      f"over a gloo group beside it; medians of one run, side by side "
-                     f"(step_time.png):", "", *table]
-            return Result("PASS", lines, {"where": where, "table": table}, text)
+                     f"(step_time.png):", "", *table, "",
+                     "ours-auto's own lines (rank 0):", "",
+                     *(f"    {line}" for line in decided or ["(none logged)"])]
+            return Result("PASS", lines, {"where": where, "table": table, "auto": decided},
+                          text)
         if code is None:
             break
     return Result(outcome(code, False), ["the benchmark did not finish (log below)"], log=text)

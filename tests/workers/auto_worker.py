@@ -31,6 +31,12 @@ Cases:
   a two-stage codec the rule allows; every rank applies it (the gloo group it needs is
   opened at the decision) and trains on to the same weights (the average is the same on
   every rank).
+- codec_undone: as codec, but compute grows (SLOWER_S) once the codec's own trial
+  begins: the codec measures slower than K=2 alone, which stays, and the codec's
+  error-feedback residuals are added to the next reductions; the weights equal, bit for
+  bit, a fixed K=2 run to the first trial's end whose state_dict a K=2 run with the codec
+  loads for the codec's trial, whose state_dict (residuals included) a K=2 run without
+  codec loads and trains on.
 - differ: rank 0 asks for tune="auto", rank 1 not: every rank raises at wrap time,
   naming tune and both values.
 """
@@ -244,6 +250,43 @@ def codec():
         assert all(torch.equal(a, b) for a, b in zip(weights[0], theirs))
 
 
+def codec_undone():
+    total = STEPS + 2 * TRIAL + 3
+    slower = lambda step: COMPUTE_S / 4 if step < STEPS + TRIAL else SLOWER_S  # noqa: E731
+    model = _model()
+    optimizer = _optimizer(model, tune="auto")
+    with _SlowLink(4 * WAIT_S):
+        _train(model, optimizer, total, compute_s=slower)
+    decision = optimizer._machine.tuner.decision
+    assert (decision.pipeline_depth, decision.compression, decision.trying) == (
+        2, "none", False), decision
+    assert decision.reason.startswith("tried K=2 + int") and decision.reason.endswith(
+        "; K=2 without it kept"), decision.reason
+    assert optimizer._machine.feedback is None and optimizer._machine._folding is None
+    _same_everywhere(decision)
+    optimizer.flush()
+    codec = decision.reason.removeprefix("tried K=2 + ").split(": ")[0]
+    # The oracle: fixed runs handing over, the pipeline kept full, through state_dict and
+    # the weights (a new model each, as a resume has: the last wrapper's hooks stay on its)
+    oracle, handed = _model(), None
+    for compression, first, steps in (("none", 0, STEPS + TRIAL), (codec, STEPS + TRIAL, TRIAL),
+                                      ("none", STEPS + 2 * TRIAL, 3)):
+        if handed is not None:
+            weights = {k: v.clone() for k, v in oracle.state_dict().items()}
+            oracle = _model()
+            oracle.load_state_dict(weights)
+        fixed = _optimizer(oracle, pipeline_depth=2, warmup_steps=STEPS,
+                           compression=Compression.by_name(compression))
+        if handed is not None:
+            fixed.load_state_dict(handed)
+        _train(oracle, fixed, steps, first=first)
+        handed = copy.deepcopy(fixed.state_dict())
+    # the residuals were added to the first reductions without the codec, once
+    assert handed["pipe_horovod"]["error_feedback"] is None
+    fixed.flush()
+    _assert_equal(model, oracle, "auto with its codec's trial undone against its oracle")
+
+
 def differ():
     model = _model()
     try:
@@ -258,6 +301,6 @@ if __name__ == "__main__":
     os.environ["PIPE_HOROVOD_TUNE_STEPS"] = str(STEPS)
     hvd.init()
     launcher.worker_cases({"k1": k1, "k2": k2, "undone": undone, "resume": resume,
-                           "adopt": adopt,
-                                                "codec": codec, "differ": differ}, sys.argv[1], hvd.rank)
+                           "adopt": adopt, "codec": codec, "codec_undone": codec_undone,
+                           "differ": differ}, sys.argv[1], hvd.rank)
     print(f"WORKER_OK rank={hvd.rank()}", flush=True)

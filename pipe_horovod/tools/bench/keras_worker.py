@@ -4,7 +4,7 @@ Configurations (each its own model and optimizer, same seed, same data):
 
   ours-kK      pipe_horovod.keras.DistributedOptimizer(SGD), pipeline_depth=K
   ours-auto    the same with tune="auto" and nothing else: its first block trains
-               --auto-warmup more untimed steps (its measured steps and a trial's), so
+               --auto-warmup more untimed steps (its measured steps and its trials'), so
                the timed steps run what it chose; each round's decision is recorded
   compute      the plain Keras SGD: forward, backward, update, no communication
   allreduce    one engine allreduce of a model-sized float32 buffer (comm alone)

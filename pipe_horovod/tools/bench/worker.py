@@ -1043,7 +1043,7 @@ def add_model_arguments(parser):
     parser.add_argument("--auto-warmup", type=int, default=auto.settle_steps(),
                         choices=range(0, 10001), metavar="N",
                         help="untimed steps ours-auto trains before its first block, beyond "
-                             "--warmup: its measured first steps, its decision and a trial's "
+                             "--warmup: its measured first steps, its decision and its trials' "
                              "steps, so the timed steps run the configuration it chose "
                              f"(default {auto.settle_steps()})")
     parser.add_argument("--seed", type=int, default=0)
