@@ -371,6 +371,22 @@ def step_overhead(ctx):
     return Result(outcome(code, code == 0), lines, res, out)
 
 
+def step_profiles(ctx):
+    size = ["--batch", "2", "--warmup", "1", "--iterations", "1"] if ctx.no_gpu else []
+    code, out, _ = ctx.run([sys.executable, TESTS / "gpu_kit" / "profiles.py", "--device",
+                            ctx.device, "--out", ctx.out, *size], ctx.env(), 150)
+    res = marker(out, "PROFILES")
+    if res is None:
+        return Result(outcome(code, False), ["the profiles step printed no result"], log=out)
+    lines = [f"each layer's forward and backward time on {res['device']} (medians), as replay "
+             f"profiles for `pipe-horovod simulate --profile` (files beside this report):", "",
+             "| model | batch | layers | step ms | forward ms | backward ms | file |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    lines += [f"| {m} | {r['batch']} | {r['layers']} | {r['step_ms']} | {r['forward_ms']} | "
+              f"{r['backward_ms']} | {r['file']} |" for m, r in res["models"].items()]
+    return Result(outcome(code, True), lines, res, out)
+
+
 def step_time(ctx):
     out_dir = ctx.scratch / "bench"
     if ctx.no_gpu:
@@ -442,6 +458,8 @@ STEPS = [
     ("overhead", "The wrapper's overhead in one process", "ours K=1, K=2 with the lookahead "
      "and the default (tune='auto') beside plain torch, and K=2's extra pass as a share of the "
      "step", False, step_overhead),
+    ("profiles", "Per-layer times", "each layer's forward and backward time of ResNet-50, "
+     "BERT-base and GPT-2 small on the device, as replay profiles", False, step_profiles),
     ("step-time", "Step time, 2 ranks", "Horovod vs DDP vs ours K=1 and the default, side by "
      "side in one run", False, step_time),
 ]
