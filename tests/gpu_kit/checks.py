@@ -351,24 +351,34 @@ def step_memory(ctx):
 
 
 def step_overhead(ctx):
-    code, out, _ = ctx.run([sys.executable, TESTS / "gpu_kit" / "overhead.py", "--device",
-                            ctx.device] + (["--steps", "3", "--rounds", "1"] if ctx.no_gpu
-                                           else []), ctx.env(), 180)
-    res = marker(out, "OVERHEAD")
-    if res is None:
-        return Result(outcome(code, False), ["the overhead check printed no result"], log=out)
-    lines = [f"one process, {res['model']} ({res['params'] / 1e6:.1f} M parameters), AdamW, "
-             f"batch {res['batch'][0]} x {res['batch'][1]} tokens, {res['rounds']} rounds of "
-             f"{res['steps']} steps on {res['device']}:", "",
-             "| configuration | median step (ms) | vs plain torch |", "|---|---:|---:|"]
-    lines += [f"| {name} | {row['median_ms']} | {row['vs_plain']:.3f}x |"
-              for name, row in res["configs"].items()]
-    for name, decision in (res.get("auto") or {}).items():
-        lines += ["", f"{name} decided: {json.dumps(decision)}"]
-    if res["prediction_share_of_step"] is not None:
-        lines += ["", f"K=2's extra pass (the lookahead's prediction) took "
-                      f"{100 * res['prediction_share_of_step']:.1f}% of its step (median)."]
-    return Result(outcome(code, code == 0), lines, res, out)
+    size = ["--steps", "3", "--rounds", "1"] if ctx.no_gpu else []
+    lines, data, logs, codes = [], {}, "", []
+    for precision, flags in (("fp32", []), ("bf16 autocast", ["--autocast", "bf16"])):
+        code, out, _ = ctx.run([sys.executable, TESTS / "gpu_kit" / "overhead.py", "--device",
+                                ctx.device, *size, *flags], ctx.env(), 180)
+        logs += out
+        codes.append(code)
+        res = marker(out, "OVERHEAD")
+        if res is None:
+            lines += ["", f"{precision}: the overhead check printed no result"]
+            continue
+        data[precision] = res
+        lines += [""] if lines else []
+        lines += [f"one process, {res['model']} ({res['params'] / 1e6:.1f} M parameters), "
+                  f"AdamW, {precision}, batch {res['batch'][0]} x {res['batch'][1]} tokens, "
+                  f"{res['rounds']} rounds of {res['steps']} steps on {res['device']}:", "",
+                  "| configuration | median step (ms) | vs plain torch |", "|---|---:|---:|"]
+        lines += [f"| {name} | {row['median_ms']} | {row['vs_plain']:.3f}x |"
+                  for name, row in res["configs"].items()]
+        for name, decision in (res.get("auto") or {}).items():
+            lines += ["", f"{name} decided: {json.dumps(decision)}"]
+        if res["prediction_share_of_step"] is not None:
+            lines += ["", f"K=2's extra pass (the lookahead's prediction) took "
+                          f"{100 * res['prediction_share_of_step']:.1f}% of its step "
+                          f"(median, {precision})."]
+    ok = len(data) == 2 and all(code == 0 for code in codes)
+    code = None if None in codes else max(codes)
+    return Result(outcome(code, ok), lines, data, logs)
 
 
 def step_profiles(ctx):
@@ -457,7 +467,7 @@ STEPS = [
      "Horovod's optimizer vs ours K=1, K=2 plain and the default", False, step_memory),
     ("overhead", "The wrapper's overhead in one process", "ours K=1, K=2 with the lookahead "
      "and the default (tune='auto') beside plain torch, and K=2's extra pass as a share of the "
-     "step", False, step_overhead),
+     "step, in fp32 and under bf16 autocast", False, step_overhead),
     ("profiles", "Per-layer times", "each layer's forward and backward time of ResNet-50, "
      "BERT-base and GPT-2 small on the device, as replay profiles", False, step_profiles),
     ("step-time", "Step time, 2 ranks", "Horovod vs DDP vs ours K=1 and the default, side by "

@@ -10,9 +10,11 @@ step's clock waits for the compute stream. Prints `OVERHEAD <json>`: each config
 median step, its ratio to plain torch, and for K=2 the median share of the step its
 prediction took (the optimizer's own `timings["compensation_s"]`).
 
-    python tests/gpu_kit/overhead.py --device cuda
+    python tests/gpu_kit/overhead.py --device cuda [--autocast bf16]
 """
 import argparse
+import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -58,6 +60,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--autocast", choices=("bf16",), default=None,
+                        help="forward and loss under bf16 autocast, as GPU users train: the "
+                             "step shrinks and the prediction's share grows")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     small = device.type != "cuda"
@@ -69,6 +74,8 @@ def main(argv=None):
     inputs, targets = batch[:, :-1], batch[:, 1:].flatten()
     sync = (lambda: torch.cuda.current_stream(device).synchronize()) if device.type == "cuda" \
         else (lambda: None)
+    autocast = (functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+                if args.autocast else contextlib.nullcontext)
     runs = {name: make(name, device, small) for name in CONFIGS}
     steps = {name: [] for name in CONFIGS}
     shares = []
@@ -80,7 +87,9 @@ def main(argv=None):
                 sync()
                 t0 = time.perf_counter()
                 opt.zero_grad()
-                F.cross_entropy(model(inputs).flatten(0, 1), targets).backward()
+                with autocast():
+                    loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets)
+                loss.backward()
                 opt.step()
                 sync()
                 dt = time.perf_counter() - t0
@@ -101,7 +110,8 @@ def main(argv=None):
                    "vs_plain": round(statistics.median(v) / plain, 3)}
             for name, v in steps.items()}
     params = sum(p.numel() for p in runs["plain torch"][0].parameters())
-    result = {"device": str(device), "model": "gpt2-small" if not small else "gpt2 (tiny)",
+    result = {"device": str(device), "autocast": args.autocast,
+              "model": "gpt2-small" if not small else "gpt2 (tiny)",
               "params": params, "batch": [args.batch, tokens], "steps": args.steps,
               "rounds": args.rounds, "configs": rows, "auto": decisions,
               "prediction_share_of_step": round(statistics.median(shares), 4) if shares else None}
