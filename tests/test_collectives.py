@@ -292,9 +292,10 @@ def test_collective_config_round_trips():
 
 def test_lp_chunks_follow_the_cost_model():
     net = cost_model.Network(alpha=1e-4, beta=8e-9)
-    # The optimum sqrt(fill * n * b / a): allreduce fill 2p-3 = 5, two streams (b = 2 beta);
-    # a broadcast's one-way chain of 4, fill 2.
-    assert layout.lp_chunks(4, 25e6, net) == cost_model.lp_allreduce_chunks(net, 4, 25e6) == 141
+    # The allreduce's optimum sqrt(n ((2p-3) beta - 2 beta) / a) = sqrt(6000) = 77.5 (two
+    # streams share the busiest link in k-2 steps); a broadcast's one-way chain of 4,
+    # sqrt(fill * n * b / a) with fill 2.
+    assert layout.lp_chunks(4, 25e6, net) == cost_model.lp_allreduce_chunks(net, 4, 25e6) == 77
     assert layout.lp_chunks(4, 25e6, net, hops=4) == cost_model.optimal_chunks(net, 4, 25e6) == 63
     assert layout.lp_chunks(1, 25e6, net) == 1
     spec = collectives.Collective("lp", chunks=3)

@@ -270,8 +270,8 @@ def test_shortcut_equals_running_every_round():
 @needs_simgrid
 def test_on_a_star_simgrid_reproduces_the_planner_where_they_assume_the_same(capsys):
     """Ring rows on a full-bisection star: the planner's assumptions hold, so SimGrid must
-    give its numbers (buckets, fusion, K); where they differ (a fat-tree's alltoall, the
-    linear pipeline's fill) the table says by how much."""
+    give its numbers (buckets, fusion, K), and the linear pipeline's within 2%; where they
+    differ (a fat-tree's alltoall) the table says by how much."""
     from pipe_horovod.tools.commands import plan as plan_command
     from pipe_horovod.tools.commands import simulate
     from pipe_horovod.tools.workloads.architectures import layer_table
@@ -287,11 +287,11 @@ def test_on_a_star_simgrid_reproduces_the_planner_where_they_assume_the_same(cap
         sim, predicted = rows[name]
         assert sim["step_s"] == pytest.approx(predicted.step_s, rel=1e-6), name
         assert sim["comm_s"] == pytest.approx(predicted.comm_s, rel=1e-6), name
-    # The planner charges both of a middle rank's streams for every step of the linear
-    # pipeline; its fill and drain have one: SimGrid is faster, never slower.
+    # The linear pipeline: the planner charges the busiest link's second stream only in
+    # the k-2 steps both pass it (cost_model.lp_allreduce_cost); SimGrid's flows agree to
+    # within 2% (0.4% here; 4-10% over before, when every step was charged both).
     sim, predicted = rows["ours-k2-lp"]
-    assert sim["comm_s"] < predicted.comm_s
-    assert sim["comm_s"] > predicted.comm_s / 2
+    assert sim["comm_s"] == pytest.approx(predicted.comm_s, rel=0.02)
 
 
 @needs_simgrid

@@ -28,8 +28,10 @@ def test_hand_computed_values():
     assert timing_model.lp_broadcast(NET, 4, N, chunks=k) == pytest.approx(12 * (1e-5 + 0.01))
     assert timing_model.lp_reduce(NET, 4, N, chunks=k) == pytest.approx(12 * (1e-5 + 0.011))
     # Allreduce: both phases at once, a chain of 2p-1 = 7 (15 steps); on a star the
-    # middle ranks' links carry two chunks per step (2 beta); at p=2 there is no middle.
-    assert timing_model.lp_allreduce(NET, 4, N, chunks=k) == pytest.approx(15 * (1e-5 + 0.021))
+    # busiest link (rank p-2's) sends a reduce and a broadcast chunk at once in k-2 of
+    # them (one more chunk's beta each); at p=2 there is no middle.
+    assert timing_model.lp_allreduce(NET, 4, N, chunks=k) == pytest.approx(
+        15 * (1e-5 + 0.011) + 8 * 0.01)
     assert timing_model.lp_allreduce(NET, 2, N, chunks=k) == pytest.approx(11 * (1e-5 + 0.011))
     assert timing_model.ring_broadcast(NET, 4, N) == pytest.approx(5e-5 + 0.15)
     assert timing_model.be_broadcast(NET, 4, N) == pytest.approx(4e-5 + 0.15)

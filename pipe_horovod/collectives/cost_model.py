@@ -52,8 +52,8 @@ def check_topology(topology):
 
 
 def lp_streams(p, topology="star"):
-    """Chunks the busiest link carries per pipeline step, each way, in the linear
-    pipeline's allreduce (see pipe_horovod.pipeline.timing_model.lp_allreduce)."""
+    """Chunks the busiest link carries at once, each way, in the linear pipeline's
+    allreduce while both its streams pass (lp_allreduce_cost)."""
     check_topology(topology)
     return 1 if p <= 2 or topology == "chain" else 2
 
@@ -78,10 +78,38 @@ def optimal_chunks(net, p, nbytes):
     return best_chunks(p - 2, net.alpha, net.beta + net.gamma / 2, nbytes)
 
 
+def lp_allreduce_cost(net, p, nbytes, chunks, topology="star"):
+    """The linear pipeline's allreduce in `chunks` chunks (pipe_horovod.pipeline.
+    timing_model.lp_allreduce says what runs): a chain of 2p-1 positions, 2p-3+k steps
+    of one chunk each. On a star (p >= 3) a worker's one link also sends a broadcast chunk
+    back while it still sends reduce chunks on: worker p-2, the busiest, sends two at once
+    in k-2 of those steps, each costing one more chunk's beta. SimGrid's flow model
+    agrees within 1% at 4-32 workers (docs/simulate.md), where charging two chunks in
+    every step was 4-10% too slow."""
+    if p <= 1:
+        return 0.0
+    chunk = nbytes / chunks
+    steps = 2 * p - 3 + chunks
+    doubled = max(0, chunks - 2) if lp_streams(p, topology) == 2 else 0
+    return steps * (net.alpha + chunk * (net.beta + net.gamma)) + doubled * chunk * net.beta
+
+
 def lp_allreduce_chunks(net, p, nbytes, topology="star"):
-    """Chunks minimising lp_allreduce: the count collectives.linear_pipeline picks (for
-    a star: the collective does not know how it is wired)."""
+    """Chunks minimising lp_allreduce_cost: the count collectives.linear_pipeline picks
+    (for a star: the collective does not know how it is wired). In k the cost is
+    k alpha + n ((2p-3)(beta + gamma) - 2 s beta) / k plus terms free of k (s = 1 where
+    two streams share a link), so k* = sqrt(n (...) / alpha), rounded to whichever
+    neighbouring integer costs less."""
     if p <= 1:
         return 1
-    return best_chunks(2 * p - 3, net.alpha, lp_streams(p, topology) * net.beta + net.gamma,
-                       nbytes)
+    streams = lp_streams(p, topology) - 1
+    per_byte = (2 * p - 3) * (net.beta + net.gamma) - 2 * streams * net.beta
+    limit = max(1, int(nbytes))           # no chunk smaller than a byte
+    if per_byte <= 0 or nbytes <= 0:
+        return 1
+    if net.alpha <= 0:
+        return limit
+    k = math.sqrt(nbytes * per_byte / net.alpha)
+    candidates = {min(limit, max(1, math.floor(k))), min(limit, max(1, math.ceil(k)))}
+    return min(sorted(candidates),
+               key=lambda c: lp_allreduce_cost(net, p, nbytes, c, topology))

@@ -25,8 +25,8 @@ import functools
 import math
 from dataclasses import dataclass, field, replace
 
-from ..collectives.cost_model import (Network, check_topology, lp_allreduce_chunks, lp_streams,
-                                      optimal_chunks)
+from ..collectives.cost_model import (Network, check_topology, lp_allreduce_chunks,
+                                      lp_allreduce_cost, optimal_chunks)
 from ..compression import DEFAULT_BLOCK_SIZE, SCALE_BYTES
 from .buckets import AUTO_FIRST_MB, auto_bucket_cap_mb, auto_splits_model, split_cap_bytes
 
@@ -104,17 +104,17 @@ def lp_allreduce(net, p, nbytes, chunks=None, topology="star"):
     and broadcast back, overlapped (chunk c returns while c+1 still goes
     out), so a one-way chain of 2p-1 positions. On a star each worker has one
     full-duplex link, so for p >= 3 a middle rank's link carries the reduce
-    and the broadcast stream at once, two chunks per step each way: the cost
-    tends to 2n*beta where ring's is 2(p-1)/p*n*beta, so lp takes at least
-    p/(p-1) ring's time (1.5x at 3 workers, 1.33x at 4). On a chain (the
-    topology linear pipelining was designed for) link (i, i+1) carries the
-    reduce stream one way and the broadcast the other, one chunk per step
-    each way at every p: the cost tends to n*beta, below ring's for p >= 3.
+    and the broadcast stream at once while both pass it, two chunks a step
+    each way (cost_model.lp_allreduce_cost): the cost tends to 2n*beta where
+    ring's is 2(p-1)/p*n*beta, so lp takes at least p/(p-1) ring's time (1.5x
+    at 3 workers, 1.33x at 4). On a chain (the topology linear pipelining was
+    designed for) link (i, i+1) carries the reduce stream one way and the
+    broadcast the other, one chunk per step each way at every p: the cost
+    tends to n*beta, below ring's for p >= 3.
     chunks=None: this cost's optimum (lp_allreduce_chunks)."""
     k = _chunks(net, p, nbytes, chunks,
                 functools.partial(lp_allreduce_chunks, topology=topology))
-    return _lp_cost(2 * p - 1, k, net.alpha, lp_streams(p, topology) * net.beta + net.gamma,
-                    nbytes)
+    return lp_allreduce_cost(net, p, nbytes, k, topology)
 
 
 @_collective
