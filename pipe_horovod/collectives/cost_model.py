@@ -98,18 +98,10 @@ def lp_allreduce_chunks(net, p, nbytes, topology="star"):
     """Chunks minimising lp_allreduce_cost: the count collectives.linear_pipeline picks
     (for a star: the collective does not know how it is wired). In k the cost is
     k alpha + n ((2p-3)(beta + gamma) - 2 s beta) / k plus terms free of k (s = 1 where
-    two streams share a link), so k* = sqrt(n (...) / alpha), rounded to whichever
-    neighbouring integer costs less."""
+    two streams share a link): best_chunks' cost with fill 1 and that per-byte term,
+    up to a constant."""
     if p <= 1:
         return 1
-    streams = lp_streams(p, topology) - 1
-    per_byte = (2 * p - 3) * (net.beta + net.gamma) - 2 * streams * net.beta
-    limit = max(1, int(nbytes))           # no chunk smaller than a byte
-    if per_byte <= 0 or nbytes <= 0:
-        return 1
-    if net.alpha <= 0:
-        return limit
-    k = math.sqrt(nbytes * per_byte / net.alpha)
-    candidates = {min(limit, max(1, math.floor(k))), min(limit, max(1, math.ceil(k)))}
-    return min(sorted(candidates),
-               key=lambda c: lp_allreduce_cost(net, p, nbytes, c, topology))
+    doubled = lp_streams(p, topology) - 1
+    per_byte = (2 * p - 3) * (net.beta + net.gamma) - 2 * doubled * net.beta
+    return best_chunks(1, net.alpha, per_byte, nbytes)
