@@ -394,7 +394,7 @@ def step_profiles(ctx):
              "|---|---:|---:|---:|---:|---:|---|"]
     lines += [f"| {m} | {r['batch']} | {r['layers']} | {r['step_ms']} | {r['forward_ms']} | "
               f"{r['backward_ms']} | {r['file']} |" for m, r in res["models"].items()]
-    return Result(outcome(code, True), lines, res, out)
+    return Result(outcome(code, code == 0), lines, res, out)
 
 
 def step_time(ctx):
